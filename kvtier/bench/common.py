@@ -1,0 +1,78 @@
+"""Small helpers shared by the benchmarks: percentiles, plain-text tables, raw-result files."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import platform
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+
+def pct(values: Sequence[float], q: float) -> float:
+    """q-th percentile (0..100) with linear interpolation; nan for no values."""
+    xs = sorted(v for v in values if v is not None and not math.isnan(v))
+    if not xs:
+        return math.nan
+    k = (len(xs) - 1) * q / 100.0
+    lo, hi = math.floor(k), math.ceil(k)
+    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+
+
+def fmt(v: Any, nd: int = 1) -> str:
+    """Numbers right-sized for a table; '-' for missing."""
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.{nd}f}"
+    return str(v)
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[Any]], title: str | None = None) -> str:
+    """A fixed-width text table (also valid Markdown)."""
+    cells = [[str(h) for h in headers]] + [[c if isinstance(c, str) else fmt(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    lines = []
+    if title:
+        lines.append(title)
+    lines.append("| " + " | ".join(c.rjust(w) for c, w in zip(cells[0], widths, strict=True)) + " |")
+    lines.append("|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    for r in cells[1:]:
+        lines.append("| " + " | ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) + " |")
+    return "\n".join(lines)
+
+
+def environment() -> dict[str, Any]:
+    """Where the numbers came from (goes into every JSON result)."""
+    import os
+
+    return {
+        "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "host": platform.node(),
+        "cpus": os.cpu_count(),
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+    }
+
+
+def write_results(out: Path, name: str, summary: dict[str, Any], raw: list[dict[str, Any]]) -> list[Path]:
+    """<out>/<name>.json (summary + raw) and <out>/<name>.csv (raw rows)."""
+    out.mkdir(parents=True, exist_ok=True)
+    jpath = out / f"{name}.json"
+    jpath.write_text(json.dumps({"env": environment(), "summary": summary, "raw": raw}, indent=2,
+                                default=str))
+    paths = [jpath]
+    if raw:
+        cpath = out / f"{name}.csv"
+        keys: list[str] = []
+        for r in raw:
+            keys += [k for k in r if k not in keys]
+        with cpath.open("w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=keys)
+            w.writeheader()
+            w.writerows(raw)
+        paths.append(cpath)
+    return paths

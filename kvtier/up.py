@@ -1,0 +1,394 @@
+"""`kvtier up`: the whole stack on one machine, as real processes on loopback.
+
+l2fs master + N workers (each worker its own "node"), M vLLM CPU replicas with LMCache + the l2fs connector
+(replica i lives on node i mod N), and the cache-aware router in front. The same `Stack` is reused by the
+benchmarks (`kvtier bench ...`) so that they measure exactly what a user starts.
+
+A state file `<dir>/up.json` lists the endpoints, node ids and log files, so that other commands
+(`kvtier bench cross-pod --from-up <dir>/up.json`) can reuse a running stack instead of starting engines again.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+DEFAULT_DIR = Path(".kvtier")
+STATE_NAME = "up.json"
+
+
+def free_port() -> int:
+    """A TCP port that was free a moment ago on 127.0.0.1."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def log(msg: str) -> None:
+    """Progress line on stderr (stdout stays for endpoints and results)."""
+    print(f"[kvtier {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+@dataclass
+class ReplicaInfo:
+    """What other commands need to know about one running replica."""
+
+    name: str
+    url: str
+    node_id: str
+    log_path: str
+    pid: int | None = None
+
+
+@dataclass
+class StackState:
+    """Contents of `<dir>/up.json`."""
+
+    dir: str
+    model: str
+    l2fs_master: str
+    nodes: list[str]
+    replicas: list[ReplicaInfo]
+    router_url: str | None
+    strategy: str | None
+    pid: int = field(default_factory=os.getpid)
+
+    def save(self, path: Path) -> None:
+        path.write_text(json.dumps(asdict(self), indent=2))
+
+    @classmethod
+    def load(cls, path: Path) -> StackState:
+        """Read a state file written by a running `kvtier up` (clear error if it is not one)."""
+        try:
+            raw = json.loads(Path(path).read_text())
+            raw["replicas"] = [ReplicaInfo(**r) for r in raw["replicas"]]
+            return cls(**raw)
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise SystemExit(f"kvtier: {path} is not a kvtier up state file: {e}") from e
+
+
+def default_model(base: Path) -> Path:
+    """The tiny local model, built on first use (no download)."""
+    out = base / "models" / "tiny-llama"
+    if not (out / "config.json").exists():
+        from connector.tiny_model import build
+
+        log(f"building the tiny local model under {out} (first run only)")
+        build(out)
+    return out
+
+
+def wait_http(url: str, timeout: float, proc: subprocess.Popen[Any] | None = None) -> None:
+    """Poll url until it answers 200; fail early if proc died."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"process for {url} exited with rc={proc.returncode}")
+        try:
+            if httpx.get(url, timeout=2.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"{url} not healthy after {timeout:.0f}s")
+
+
+def _die_with_parent() -> None:
+    """preexec_fn: the child gets SIGTERM if `kvtier up` dies without cleaning up (Linux)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def stop_process(proc: subprocess.Popen[Any], name: str, grace: float = 15.0) -> None:
+    """SIGTERM, then SIGKILL after grace seconds; the whole process group when it has its own."""
+    if proc.poll() is not None:
+        return
+    try:
+        pgid = os.getpgid(proc.pid)
+    except ProcessLookupError:
+        return
+    own_group = pgid == proc.pid
+    send: Callable[[int], None] = (lambda s: os.killpg(pgid, s)) if own_group else proc.send_signal
+    try:
+        send(signal.SIGTERM)
+        proc.wait(timeout=grace)
+    except subprocess.TimeoutExpired:
+        log(f"{name} did not stop in {grace:.0f}s; killing")
+        try:
+            send(signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait(timeout=5)
+    except ProcessLookupError:
+        pass
+
+
+class Stack:
+    """l2fs cluster + replicas + router, started in that order and stopped in reverse.
+
+    Use as a context manager; `stop()` is idempotent and safe after a partial start.
+    """
+
+    def __init__(
+        self,
+        base_dir: Path,
+        *,
+        replicas: int = 2,
+        workers: int = 2,
+        model: str | None = None,
+        strategy: str | None = "prefixaware",
+        router_port: int = 0,
+        l1_gb: float = 1.0,
+        max_model_len: int = 8192,
+        parallel_start: bool = True,
+    ) -> None:
+        if replicas < 1:
+            raise ValueError("--replicas must be >= 1")
+        if workers < 1:
+            raise ValueError("--workers must be >= 1")
+        self.base = Path(base_dir).resolve()
+        self.n_replicas = replicas
+        self.n_workers = workers
+        self.model_arg = model
+        self.strategy = strategy
+        self.router_port = router_port
+        self.l1_gb = l1_gb
+        self.max_model_len = max_model_len
+        self.parallel_start = parallel_start
+        self.cluster: Any = None
+        self.replicas: list[Any] = []
+        self.infos: list[ReplicaInfo] = []
+        self.router: subprocess.Popen[bytes] | None = None
+        self.router_url: str | None = None
+        self.model = ""
+        self._stopped = False
+
+    @property
+    def state_path(self) -> Path:
+        return self.base / STATE_NAME
+
+    # --- start ---
+    def start(self) -> StackState:
+        from connector.replica import start_replica
+
+        from l2fs.local import LocalCluster
+
+        self.base.mkdir(parents=True, exist_ok=True)
+        (self.base / "logs").mkdir(exist_ok=True)
+        self.model = self.model_arg or str(default_model(self.base))
+
+        log(f"starting l2fs: master + {self.n_workers} workers (data under {self.base / 'l2fs'})")
+        self.cluster = LocalCluster(self.base / "l2fs", workers=self.n_workers)
+        self.cluster.__enter__()
+        nodes = [w.node_id for w in self.cluster.workers]
+        log(f"l2fs master at {self.cluster.master}, nodes {', '.join(nodes)}")
+
+        plan = []
+        for i in range(self.n_replicas):
+            node = nodes[i % len(nodes)]
+            plan.append((f"replica-{i + 1}", free_port(), node, self.base / "logs" / f"replica-{i + 1}.log"))
+        results: dict[int, Any] = {}
+        errors: list[BaseException] = []
+
+        def launch(i: int) -> None:
+            name, port, node, log_path = plan[i]
+            log(f"starting {name} on {node}, port {port} (vLLM CPU engine, ~1 min; log {log_path})")
+            try:
+                results[i] = start_replica(
+                    self.model,
+                    port,
+                    l2fs_master=self.cluster.master,
+                    node_id=node,
+                    l1_gb=self.l1_gb,
+                    log_path=log_path,
+                    max_model_len=self.max_model_len,
+                )
+                log(f"{name} healthy at http://127.0.0.1:{port}")
+            except BaseException as e:  # reported after all launches returned
+                errors.append(e)
+
+        threads = [threading.Thread(target=launch, args=(i,), daemon=True) for i in range(self.n_replicas)]
+        t0 = time.monotonic()
+        for th in threads:
+            th.start()
+            if not self.parallel_start:
+                th.join()
+        while any(th.is_alive() for th in threads):
+            for th in threads:
+                th.join(timeout=10)
+            if any(th.is_alive() for th in threads):
+                log(f"waiting for engines ({time.monotonic() - t0:.0f}s, {len(results)}/{len(plan)} up)")
+        self.replicas = [results[i] for i in sorted(results)]
+        if errors:
+            raise RuntimeError(f"replica start failed: {errors[0]!r}") from errors[0]
+        for i, (name, port, node, log_path) in enumerate(plan):
+            rep = results[i]
+            pid = getattr(getattr(rep, "proc", None), "pid", None)
+            self.infos.append(ReplicaInfo(name, f"http://127.0.0.1:{port}", node, str(log_path), pid))
+
+        if self.strategy:
+            self._start_router()
+        state = StackState(
+            dir=str(self.base),
+            model=self.model,
+            l2fs_master=self.cluster.master,
+            nodes=nodes,
+            replicas=self.infos,
+            router_url=self.router_url,
+            strategy=self.strategy,
+        )
+        state.save(self.state_path)
+        return state
+
+    def _start_router(self) -> None:
+        port = self.router_port or free_port()
+        urls = ",".join(r.url for r in self.infos)
+        cmd = [sys.executable, "-m", "kvtier.cli", "router", "--replicas", urls, "--strategy",
+               str(self.strategy), "--port", str(port), "--host", "127.0.0.1"]
+        log_path = self.base / "logs" / "router.log"
+        log(f"starting router ({self.strategy}) on port {port}; log {log_path}")
+        with open(log_path, "ab") as out:
+            self.router = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
+                                           start_new_session=True, preexec_fn=_die_with_parent)
+        self.router_url = f"http://127.0.0.1:{port}"
+        wait_http(f"{self.router_url}/health", 60, self.router)
+        log(f"router healthy at {self.router_url}")
+
+    # --- stop ---
+    def stop(self) -> None:
+        if self._stopped:
+            return
+        self._stopped = True
+        if self.router is not None:
+            log("stopping router")
+            stop_process(self.router, "router")
+        for info, rep in zip(self.infos or [None] * len(self.replicas), self.replicas, strict=False):
+            log(f"stopping {info.name if info else 'replica'}")
+            try:
+                rep.stop()
+            except Exception as e:  # keep stopping the rest
+                log(f"error stopping replica: {e!r}")
+        if self.cluster is not None:
+            log("stopping l2fs")
+            self.cluster.__exit__(None, None, None)
+        try:
+            self.state_path.unlink()
+        except OSError:
+            pass
+        log("all stopped")
+
+    def __enter__(self) -> Stack:
+        try:
+            self.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def chat_once(base_url: str, model: str, text: str = "Hello! Say something.", max_tokens: int = 16,
+              timeout: float = 120.0) -> dict[str, Any]:
+    """One chat completion (used by --smoke and the tests)."""
+    r = httpx.post(f"{base_url}/v1/chat/completions", timeout=timeout, json={
+        "model": model, "messages": [{"role": "user", "content": text}],
+        "max_tokens": max_tokens, "temperature": 0})
+    r.raise_for_status()
+    return r.json()
+
+
+def _print_endpoints(state: StackState) -> None:
+    print("kvtier is up:")
+    print(f"  router ({state.strategy}): {state.router_url}")
+    for r in state.replicas:
+        print(f"  {r.name} ({r.node_id}): {r.url}   log {r.log_path}")
+    print(f"  l2fs master: {state.l2fs_master}   nodes: {', '.join(state.nodes)}")
+    print(f"  state file: {Path(state.dir) / STATE_NAME}")
+    target = state.router_url or state.replicas[0].url
+    body = json.dumps({"model": state.model, "messages": [{"role": "user", "content": "Hello!"}],
+                       "max_tokens": 16})
+    print("try:")
+    print(f"  curl -s {target}/v1/chat/completions -H 'Content-Type: application/json' -d '{body}'")
+    print("Ctrl-C stops everything.", flush=True)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvtier up", description=__doc__.split("\n")[0])
+    p.add_argument("--dir", type=Path, default=DEFAULT_DIR, help="data, models and logs (default ./.kvtier)")
+    p.add_argument("--replicas", type=int, default=2, help="vLLM CPU replicas (default 2)")
+    p.add_argument("--workers", type=int, default=2, help="l2fs workers = nodes (default 2)")
+    p.add_argument("--model", default=None, help="model path or name (default: tiny local model, built once)")
+    p.add_argument("--port", type=int, default=8080, help="router port (0 = any free port)")
+    p.add_argument("--strategy", default="prefixaware",
+                   help="router strategy: roundrobin|session|prefixaware|kvaware (default prefixaware)")
+    p.add_argument("--l1-gb", type=float, default=1.0, help="LMCache L1 (host memory) per replica, GB")
+    p.add_argument("--max-model-len", type=int, default=8192)
+    p.add_argument("--sequential", action="store_true", help="start engines one after another")
+    p.add_argument("--smoke", action="store_true", help="send one request through the router, then stop")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    stop_event = threading.Event()
+
+    def on_signal(signum: int, _frame: object) -> None:
+        log(f"got signal {signum}; shutting down")
+        stop_event.set()
+        raise KeyboardInterrupt
+
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    stack = Stack(args.dir, replicas=args.replicas, workers=args.workers, model=args.model,
+                  strategy=args.strategy, router_port=args.port, l1_gb=args.l1_gb,
+                  max_model_len=args.max_model_len, parallel_start=not args.sequential)
+    rc = 0
+    try:
+        state = stack.start()
+        _print_endpoints(state)
+        if args.smoke:
+            reply = chat_once(state.router_url or state.replicas[0].url, state.model)
+            text = reply["choices"][0]["message"]["content"]
+            print(f"smoke: OK, {reply['usage']['completion_tokens']} tokens: {text!r}", flush=True)
+        else:
+            signal.signal(signal.SIGINT, lambda *_: stop_event.set())
+            signal.signal(signal.SIGTERM, lambda *_: stop_event.set())
+            while not stop_event.wait(1.0):
+                if stack.router is not None and stack.router.poll() is not None:
+                    log(f"router exited (rc={stack.router.returncode}); shutting down")
+                    rc = 1
+                    break
+    except KeyboardInterrupt:
+        pass
+    except Exception as e:
+        log(f"error: {e}")
+        rc = 1
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        stack.stop()
+        for s, h in old.items():
+            signal.signal(s, h)
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())
