@@ -1,0 +1,646 @@
+"""`l2fs mount`: a FUSE view of an l2fs cluster, so stock LMCache (`remote_url: fs://localhost:0/<mount>/`)
+and any POSIX tool can use L2 with no plugin.
+
+Design (why it looks like this):
+- pyfuse3 (libfuse3 low level) on trio. Metadata and data RPCs are blocking `l2fs.Client` calls; they run in
+  worker threads (`trio.to_thread`) bounded by a limiter, so one slow RPC never blocks other requests, and
+  every call is bounded by the client's deadline, so a dead master gives EIO/ENOENT, never a hang.
+- Whole-file semantics, like the l2fs object model: a file opened for reading is fetched once at `open`
+  (one `Client.get`, short-circuited to the local worker's disk when `--node-id` matches) and served from
+  that snapshot, so a reader never sees a torn file. A file opened for writing is buffered in memory and
+  published atomically with `Client.put` on `flush` (close) or `fsync`; until then only this mount sees it.
+- Cross-node visibility: entry/attr timeouts <= 1 s, no negative entries (ENOENT is never cached), and
+  `direct_io` by default so no stale page cache survives a rename done on another node.
+- Inodes are per path within this mount (allocated on lookup/readdirplus, dropped on forget).
+"""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import logging
+import os
+import signal
+import stat as st
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+import pyfuse3
+import trio
+
+from l2fs.client import (
+    AlreadyExists,
+    Client,
+    FileInfo,
+    InvalidPath,
+    L2fsError,
+    NotFound,
+    PermissionDenied,
+    Unavailable,
+)
+
+log = logging.getLogger("l2fs.fuse")
+
+NAME_MAX = 255
+T = TypeVar("T")
+RENAME_NOREPLACE = getattr(pyfuse3, "RENAME_NOREPLACE", 1)
+RENAME_EXCHANGE = getattr(pyfuse3, "RENAME_EXCHANGE", 2)
+
+
+def errno_of(exc: BaseException) -> int:
+    """Map an l2fs client exception to the errno the kernel should see."""
+    if isinstance(exc, pyfuse3.FUSEError):
+        return exc.errno
+    if isinstance(exc, NotFound):
+        return errno.ENOENT
+    if isinstance(exc, AlreadyExists):
+        return errno.EEXIST
+    if isinstance(exc, InvalidPath):
+        return errno.ENAMETOOLONG if "longer" in str(exc) else errno.EINVAL
+    if isinstance(exc, PermissionDenied):
+        return errno.EACCES
+    if isinstance(exc, Unavailable):
+        return errno.EIO
+    if isinstance(exc, OSError) and exc.errno:
+        return exc.errno
+    if isinstance(exc, L2fsError):
+        msg = str(exc).lower()
+        if "not empty" in msg:
+            return errno.ENOTEMPTY
+        if "not a directory" in msg:
+            return errno.ENOTDIR
+        if "is a directory" in msg:
+            return errno.EISDIR
+        return errno.EIO
+    return errno.EIO
+
+
+def _join(parent: str, name: str) -> str:
+    return "/" + name if parent == "/" else f"{parent}/{name}"
+
+
+class _Node:
+    """One inode this mount has handed to the kernel."""
+
+    __slots__ = ("ino", "path", "is_dir", "size", "mtime", "lookups", "opens", "buf", "dirty", "detached")
+
+    def __init__(self, ino: int, path: str, is_dir: bool, size: int = 0, mtime: float = 0.0) -> None:
+        self.ino = ino
+        self.path = path
+        self.is_dir = is_dir
+        self.size = size
+        self.mtime = mtime
+        self.lookups = 0
+        self.opens = 0
+        self.buf: bytearray | None = None  # write buffer while open for writing on this mount
+        self.dirty = False  # buf differs from what l2fs holds
+        self.detached = False  # unlinked / renamed over: never publish again
+
+
+class _Handle:
+    __slots__ = ("node", "writable", "append", "data")
+
+    def __init__(self, node: _Node, writable: bool, append: bool, data: memoryview | None) -> None:
+        self.node = node
+        self.writable = writable
+        self.append = append
+        self.data = data  # read snapshot
+
+
+class L2Operations(pyfuse3.Operations):
+    """pyfuse3 operations backed by an `l2fs.Client`."""
+
+    supports_dot_lookup = False
+    enable_writeback_cache = False
+
+    def __init__(self, client: Client, *, root: str = "/", read_only: bool = False, timeout: float = 1.0,
+                 direct_io: bool = True, threads: int = 16) -> None:
+        super().__init__()
+        self.client = client
+        self.root = root.rstrip("/") or "/"
+        self.read_only = read_only
+        self.timeout = min(float(timeout), 1.0)
+        self.direct_io = direct_io
+        self.limiter = trio.CapacityLimiter(threads)
+        self.uid, self.gid = os.getuid(), os.getgid()
+        self.nodes: dict[int, _Node] = {}
+        self.by_path: dict[str, _Node] = {}
+        self.handles: dict[int, _Handle] = {}
+        self.dirs: dict[int, list[tuple[str, FileInfo | _Node]]] = {}
+        self.next_ino = pyfuse3.ROOT_INODE + 1
+        self.next_fh = 1
+        self._statfs: tuple[float, pyfuse3.StatvfsData] | None = None
+        rootnode = _Node(pyfuse3.ROOT_INODE, "/", True, mtime=time.time())
+        rootnode.lookups = 1
+        self.nodes[rootnode.ino] = rootnode
+        self.by_path["/"] = rootnode
+
+    # ---------------------------------------------------------------- helpers
+    def l2(self, path: str) -> str:
+        """Mount-relative path -> l2fs path (under --root)."""
+        if self.root == "/":
+            return path
+        return self.root if path == "/" else self.root + path
+
+    def mnt(self, l2path: str) -> str:
+        """l2fs path -> mount-relative path."""
+        if self.root == "/":
+            return l2path
+        return l2path[len(self.root):] or "/"
+
+    async def call(self, fn: Callable[..., T], *args: Any, **kw: Any) -> T:
+        """Run a blocking client call in a worker thread; client errors become FUSEError."""
+        try:
+            return await trio.to_thread.run_sync(lambda: fn(*args, **kw), limiter=self.limiter)
+        except pyfuse3.FUSEError:
+            raise
+        except Exception as e:  # noqa: BLE001 - every failure must reach the kernel as an errno
+            code = errno_of(e)
+            log.debug("%s%r failed: %r -> errno %d", getattr(fn, "__name__", fn), args[:1], e, code)
+            raise pyfuse3.FUSEError(code) from None
+
+    def node(self, ino: int) -> _Node:
+        n = self.nodes.get(ino)
+        if n is None:
+            raise pyfuse3.FUSEError(errno.ESTALE)
+        return n
+
+    def child_path(self, parent_ino: int, name: bytes) -> str:
+        if len(name) > NAME_MAX:
+            raise pyfuse3.FUSEError(errno.ENAMETOOLONG)
+        if b"/" in name or b"\0" in name or name in (b"", b".", b".."):
+            raise pyfuse3.FUSEError(errno.EINVAL)
+        try:
+            sname = name.decode()
+        except UnicodeDecodeError:
+            raise pyfuse3.FUSEError(errno.EINVAL) from None
+        return _join(self.node(parent_ino).path, sname)
+
+    def check_writable(self) -> None:
+        if self.read_only:
+            raise pyfuse3.FUSEError(errno.EROFS)
+
+    def node_for(self, path: str, info: FileInfo) -> _Node:
+        """The node for path, created or refreshed from l2fs metadata (lookup count unchanged)."""
+        n = self.by_path.get(path)
+        if n is not None and n.is_dir != info.is_dir:
+            self.detach(n)
+            n = None
+        if n is None:
+            n = _Node(self.next_ino, path, info.is_dir)
+            self.next_ino += 1
+            self.nodes[n.ino] = n
+            self.by_path[path] = n
+        if n.buf is None:
+            n.size, n.mtime = info.size, info.mtime
+        return n
+
+    def new_local(self, path: str) -> _Node:
+        n = self.by_path.get(path)
+        if n is None or n.is_dir:
+            if n is not None:
+                self.detach(n)
+            n = _Node(self.next_ino, path, False, mtime=time.time())
+            self.next_ino += 1
+            self.nodes[n.ino] = n
+            self.by_path[path] = n
+        return n
+
+    def detach(self, n: _Node) -> None:
+        """Forget n's path (unlinked or replaced); the inode lives until the kernel forgets it."""
+        if self.by_path.get(n.path) is n:
+            del self.by_path[n.path]
+        n.detached = True
+        n.dirty = False
+        self.maybe_drop(n)
+
+    def maybe_drop(self, n: _Node) -> None:
+        if n.lookups <= 0 and n.opens <= 0 and n.ino != pyfuse3.ROOT_INODE:
+            self.nodes.pop(n.ino, None)
+            if self.by_path.get(n.path) is n:
+                del self.by_path[n.path]
+
+    def attrs(self, n: _Node) -> pyfuse3.EntryAttributes:
+        a = pyfuse3.EntryAttributes()
+        a.st_ino = n.ino
+        a.generation = 0
+        a.entry_timeout = self.timeout
+        a.attr_timeout = self.timeout
+        wbit = 0 if self.read_only else 0o200
+        if n.is_dir:
+            a.st_mode = st.S_IFDIR | 0o555 | wbit
+            a.st_nlink = 2
+            a.st_size = 0
+        else:
+            a.st_mode = st.S_IFREG | 0o444 | wbit
+            a.st_nlink = 1
+            a.st_size = len(n.buf) if n.buf is not None else n.size
+        a.st_uid, a.st_gid = self.uid, self.gid
+        a.st_blksize = 1 << 20
+        a.st_blocks = (a.st_size + 511) // 512
+        ns = int(n.mtime * 1e9)
+        a.st_atime_ns = a.st_ctime_ns = a.st_mtime_ns = ns
+        return a
+
+    async def refresh(self, n: _Node) -> None:
+        """Re-read n's metadata from l2fs (unless this mount holds its newer content)."""
+        if n.buf is not None or n.ino == pyfuse3.ROOT_INODE or n.detached:
+            return
+        info = await self.call(self.client.stat, self.l2(n.path))
+        if info is None:
+            raise pyfuse3.FUSEError(errno.ENOENT)
+        n.is_dir, n.size, n.mtime = info.is_dir, info.size, info.mtime
+
+    async def publish(self, n: _Node) -> None:
+        """Atomically publish n's write buffer at its current path (POSIX overwrite: last close wins)."""
+        if n.buf is None or not n.dirty or n.detached:
+            return
+        data = bytes(n.buf)  # a snapshot: writes arriving during the RPC must not tear it
+        n.dirty = False
+        try:
+            await self.call(self.client.put, self.l2(n.path), data, if_absent=False)
+        except pyfuse3.FUSEError:
+            n.dirty = True
+            raise
+        n.size, n.mtime = len(data), time.time()
+
+    # ---------------------------------------------------------------- metadata
+    async def lookup(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext
+                     ) -> pyfuse3.EntryAttributes:
+        path = self.child_path(parent_inode, name)
+        n = self.by_path.get(path)
+        if n is None or n.buf is None:
+            info = await self.call(self.client.stat, self.l2(path))
+            if info is None:
+                raise pyfuse3.FUSEError(errno.ENOENT)  # not cached by the kernel: no negative entries
+            n = self.node_for(path, info)
+        n.lookups += 1
+        return self.attrs(n)
+
+    async def forget(self, inode_list: Sequence[tuple[int, int]]) -> None:
+        for ino, count in inode_list:
+            n = self.nodes.get(ino)
+            if n is not None:
+                n.lookups -= count
+                self.maybe_drop(n)
+
+    async def getattr(self, inode: int, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+        n = self.node(inode)
+        await self.refresh(n)
+        return self.attrs(n)
+
+    async def setattr(self, inode: int, attr: pyfuse3.EntryAttributes, fields: pyfuse3.SetattrFields,
+                      fh: int | None, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+        n = self.node(inode)
+        if fields.update_size:
+            self.check_writable()
+            if n.is_dir:
+                raise pyfuse3.FUSEError(errno.EISDIR)
+            size = attr.st_size
+            if n.buf is None:
+                data = b"" if size == 0 else await self.call(self.client.get, self.l2(n.path))
+                if data is None:
+                    raise pyfuse3.FUSEError(errno.ENOENT)
+                buf = bytearray(data)
+                self._resize(buf, size)
+                await self.call(self.client.put, self.l2(n.path), bytes(buf), if_absent=False)
+                n.size, n.mtime = size, time.time()
+            else:
+                self._resize(n.buf, size)
+                n.dirty = True
+        # mode/owner/times are not stored by l2fs; accept them so tools like cp -p and touch work.
+        return self.attrs(n)
+
+    @staticmethod
+    def _resize(buf: bytearray, size: int) -> None:
+        if size < len(buf):
+            del buf[size:]
+        else:
+            buf.extend(bytes(size - len(buf)))
+
+    async def mkdir(self, parent_inode: int, name: bytes, mode: int, ctx: pyfuse3.RequestContext
+                    ) -> pyfuse3.EntryAttributes:
+        self.check_writable()
+        path = self.child_path(parent_inode, name)
+        await self.call(self.client.mkdir, self.l2(path), parents=False, exist_ok=False)
+        n = self.node_for(path, FileInfo(path=path, size=0, is_dir=True, mtime=time.time()))
+        n.lookups += 1
+        return self.attrs(n)
+
+    async def rmdir(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
+        self.check_writable()
+        path = self.child_path(parent_inode, name)
+        await self.call(self.client.rmdir, self.l2(path))
+        n = self.by_path.get(path)
+        if n is not None:
+            self.detach(n)
+
+    async def unlink(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
+        self.check_writable()
+        path = self.child_path(parent_inode, name)
+        n = self.by_path.get(path)
+        removed = await self.call(self.client.rm, self.l2(path))
+        if not removed and (n is None or n.buf is None):
+            raise pyfuse3.FUSEError(errno.ENOENT)
+        if n is not None:
+            self.detach(n)
+
+    async def rename(self, parent_inode_old: int, name_old: bytes, parent_inode_new: int, name_new: bytes,
+                     flags: int, ctx: pyfuse3.RequestContext) -> None:
+        self.check_writable()
+        if flags & RENAME_EXCHANGE:
+            raise pyfuse3.FUSEError(errno.EINVAL)
+        src = self.child_path(parent_inode_old, name_old)
+        dst = self.child_path(parent_inode_new, name_new)
+        if src == dst:
+            return
+        sn = self.by_path.get(src)
+        if sn is not None and sn.buf is not None and sn.dirty:
+            await self.publish(sn)  # rename of a file still being written: publish what it has first
+        await self.call(self.client.rename, self.l2(src), self.l2(dst), overwrite=not flags & RENAME_NOREPLACE)
+        dn = self.by_path.get(dst)
+        if dn is not None and dn is not sn:
+            self.detach(dn)
+        if sn is not None:
+            self._move(sn, src, dst)
+
+    def _move(self, sn: _Node, src: str, dst: str) -> None:
+        moved = [sn] + ([n for p, n in self.by_path.items() if p.startswith(src + "/")] if sn.is_dir else [])
+        for n in moved:
+            if self.by_path.get(n.path) is n:
+                del self.by_path[n.path]
+        for n in moved:
+            n.path = dst + n.path[len(src):]
+            old = self.by_path.get(n.path)
+            if old is not None and old is not n:
+                self.detach(old)
+            self.by_path[n.path] = n
+
+    async def statfs(self, ctx: pyfuse3.RequestContext) -> pyfuse3.StatvfsData:
+        now = time.monotonic()
+        if self._statfs is not None and now - self._statfs[0] < 2.0:
+            return self._statfs[1]
+        s = pyfuse3.StatvfsData()
+        s.f_bsize = s.f_frsize = 4096
+        s.f_namemax = NAME_MAX
+        try:
+            rep = await self.call(self.client.report)
+            s.f_blocks = rep.capacity // 4096
+            s.f_bfree = s.f_bavail = max(0, rep.capacity - rep.used) // 4096
+            s.f_files = max(rep.files * 2, 1 << 20)
+            s.f_ffree = s.f_favail = s.f_files - rep.files
+        except pyfuse3.FUSEError:
+            s.f_blocks = s.f_bfree = s.f_bavail = 0
+            s.f_files = s.f_ffree = s.f_favail = 0
+        self._statfs = (now, s)
+        return s
+
+    # ---------------------------------------------------------------- directories
+    async def opendir(self, inode: int, ctx: pyfuse3.RequestContext) -> int:
+        n = self.node(inode)
+        if not n.is_dir:
+            raise pyfuse3.FUSEError(errno.ENOTDIR)
+        infos = await self.call(self.client.ls, self.l2(n.path))
+        entries: list[tuple[str, FileInfo | _Node]] = []
+        seen: set[str] = set()
+        for info in infos:
+            name = info.path.rstrip("/").rsplit("/", 1)[-1]
+            if name and name not in seen:
+                seen.add(name)
+                entries.append((name, info))
+        # files being written through this mount are visible here before they are published
+        prefix = n.path.rstrip("/") + "/"
+        for p, cn in list(self.by_path.items()):
+            if cn.buf is not None and p.startswith(prefix) and "/" not in p[len(prefix):]:
+                name = p[len(prefix):]
+                if name not in seen:
+                    seen.add(name)
+                    entries.append((name, cn))
+        entries.sort(key=lambda e: e[0])
+        fh = self.next_fh
+        self.next_fh += 1
+        self.dirs[fh] = entries
+        return fh
+
+    async def readdir(self, fh: int, start_id: int, token: pyfuse3.ReaddirToken) -> None:
+        entries = self.dirs.get(fh)
+        if entries is None:
+            raise pyfuse3.FUSEError(errno.EBADF)
+        for i in range(start_id, len(entries)):
+            name, item = entries[i]
+            n = item if isinstance(item, _Node) else self.node_for(self.mnt(item.path), item)
+            if not pyfuse3.readdir_reply(token, name.encode(), self.attrs(n), i + 1):
+                self.maybe_drop(n)
+                break
+            n.lookups += 1
+
+    async def releasedir(self, fh: int) -> None:
+        self.dirs.pop(fh, None)
+
+    # ---------------------------------------------------------------- files
+    def _new_handle(self, h: _Handle) -> pyfuse3.FileInfo:
+        fh = self.next_fh
+        self.next_fh += 1
+        self.handles[fh] = h
+        h.node.opens += 1
+        return pyfuse3.FileInfo(fh=fh, direct_io=self.direct_io, keep_cache=False)
+
+    async def open(self, inode: int, flags: int, ctx: pyfuse3.RequestContext) -> pyfuse3.FileInfo:
+        n = self.node(inode)
+        if n.is_dir:
+            raise pyfuse3.FUSEError(errno.EISDIR)
+        acc = flags & os.O_ACCMODE
+        writable = acc != os.O_RDONLY
+        if writable or flags & os.O_TRUNC:
+            self.check_writable()
+        if not writable:
+            if n.buf is not None:  # being written through this mount: read what it has now
+                return self._new_handle(_Handle(n, False, False, memoryview(bytes(n.buf))))
+            data = await self.call(self.client.get, self.l2(n.path))
+            if data is None:  # miss: gone, evicted, or its worker is down
+                raise pyfuse3.FUSEError(errno.ENOENT)
+            n.size = len(data)
+            return self._new_handle(_Handle(n, False, False, memoryview(data)))
+        if flags & os.O_TRUNC:
+            n.buf = bytearray()
+            n.dirty = True
+        elif n.buf is None:
+            data = await self.call(self.client.get, self.l2(n.path))
+            if data is None:
+                raise pyfuse3.FUSEError(errno.ENOENT)
+            if n.buf is None:
+                n.buf = bytearray(data)
+                n.dirty = False
+        return self._new_handle(_Handle(n, True, bool(flags & os.O_APPEND), None))
+
+    async def create(self, parent_inode: int, name: bytes, mode: int, flags: int,
+                     ctx: pyfuse3.RequestContext) -> tuple[pyfuse3.FileInfo, pyfuse3.EntryAttributes]:
+        self.check_writable()
+        path = self.child_path(parent_inode, name)
+        n = self.new_local(path)
+        n.detached = False
+        n.buf = bytearray()
+        n.dirty = True  # even an empty file is published on close
+        n.mtime = time.time()
+        n.lookups += 1
+        fi = self._new_handle(_Handle(n, True, bool(flags & os.O_APPEND), None))
+        return fi, self.attrs(n)
+
+    async def read(self, fh: int, off: int, size: int) -> bytes | memoryview:
+        h = self.handles.get(fh)
+        if h is None:
+            raise pyfuse3.FUSEError(errno.EBADF)
+        if h.data is not None:
+            return h.data[off:off + size]
+        buf = h.node.buf
+        if buf is None:
+            return b""
+        return bytes(buf[off:off + size])
+
+    async def write(self, fh: int, off: int, buf: bytes) -> int:
+        h = self.handles.get(fh)
+        if h is None or not h.writable:
+            raise pyfuse3.FUSEError(errno.EBADF)
+        n = h.node
+        if n.buf is None:
+            n.buf = bytearray()
+        b = n.buf
+        if h.append:
+            off = len(b)
+        end = off + len(buf)
+        if off == len(b):
+            b += buf
+        else:
+            if off > len(b):
+                b.extend(bytes(off - len(b)))
+            b[off:end] = buf
+        n.dirty = True
+        return len(buf)
+
+    async def flush(self, fh: int) -> None:
+        h = self.handles.get(fh)
+        if h is not None and h.writable:
+            await self.publish(h.node)
+
+    async def fsync(self, fh: int, datasync: bool) -> None:
+        await self.flush(fh)
+
+    async def release(self, fh: int) -> None:
+        h = self.handles.pop(fh, None)
+        if h is None:
+            return
+        n = h.node
+        n.opens -= 1
+        if h.writable:
+            try:
+                await self.publish(n)
+            except pyfuse3.FUSEError as e:
+                log.warning("publish of %s at release failed: errno %d", n.path, e.errno)
+            if not any(o.node is n and o.writable for o in self.handles.values()):
+                n.buf = None  # later reads go to l2fs (this mount published the content)
+                n.dirty = False
+        self.maybe_drop(n)
+
+    async def access(self, inode: int, mode: int, ctx: pyfuse3.RequestContext) -> bool:
+        if mode & os.W_OK and self.read_only:
+            raise pyfuse3.FUSEError(errno.EROFS)
+        return True
+
+
+# -------------------------------------------------------------------- CLI
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="l2fs mount", description="Mount an l2fs cluster with FUSE (foreground; "
+                                "SIGTERM/SIGINT unmount cleanly).")
+    p.add_argument("mountpoint")
+    p.add_argument("--master", default=os.environ.get("L2FS_MASTER"), help="HOST:PORT[,HOST:PORT] ($L2FS_MASTER)")
+    p.add_argument("--node-id", default=os.environ.get("L2FS_NODE_ID"),
+                   help="this node's id: local-first writes and short-circuit reads ($L2FS_NODE_ID)")
+    p.add_argument("--token", default=os.environ.get("L2FS_TOKEN"))
+    p.add_argument("--tls-ca", default=os.environ.get("L2FS_TLS_CA"))
+    p.add_argument("--root", default="/", help="l2fs directory shown at the mountpoint (default /)")
+    p.add_argument("--read-only", action="store_true", help="mount read-only (writes fail with EROFS)")
+    p.add_argument("--timeout", type=float, default=2.0, help="per-RPC deadline in seconds (default 2)")
+    p.add_argument("--cache-timeout", type=float, default=1.0,
+                   help="kernel entry/attr cache seconds, at most 1 (default 1)")
+    p.add_argument("--page-cache", action="store_true",
+                   help="use the kernel page cache instead of direct_io (faster re-reads, staler views)")
+    p.add_argument("--threads", type=int, default=16, help="concurrent RPCs (default 16)")
+    p.add_argument("--allow-other", action="store_true", help="let other users use the mount")
+    p.add_argument("-o", dest="options", action="append", default=[], help="extra FUSE mount option")
+    p.add_argument("--debug", action="store_true")
+    a = p.parse_args(argv)
+    if not a.master:
+        p.error("--master HOST:PORT (or $L2FS_MASTER) is required")
+    if a.cache_timeout < 0 or a.cache_timeout > 1:
+        p.error("--cache-timeout must be within 0..1 s (cross-node visibility)")
+    if a.threads < 1:
+        p.error("--threads must be >= 1")
+    if not os.path.isdir(a.mountpoint):
+        p.error(f"mountpoint {a.mountpoint!r} is not a directory")
+    if not a.root.startswith("/"):
+        p.error("--root must be an absolute l2fs path")
+    return a
+
+
+async def _serve() -> None:
+    """Run the FUSE loop until unmounted or signalled."""
+    async with trio.open_nursery() as nursery:
+        async def on_signal() -> None:
+            with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as sigs:
+                async for s in sigs:
+                    log.info("signal %d: unmounting", s)
+                    pyfuse3.terminate()
+                    return
+        nursery.start_soon(on_signal)
+        await pyfuse3.main(min_tasks=2, max_tasks=64)
+        nursery.cancel_scope.cancel()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`l2fs mount MOUNTPOINT --master HOST:PORT [...]`; returns the exit status."""
+    a = parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if a.debug else logging.INFO,
+                        format="%(asctime)s l2fs-mount %(levelname)s %(message)s")
+    client = Client(a.master, node_id=a.node_id, token=a.token, tls_ca=a.tls_ca, timeout=a.timeout)
+    root = a.root.rstrip("/") or "/"
+    if root != "/" and not a.read_only:
+        try:
+            client.mkdir(root, parents=True, exist_ok=True)
+        except L2fsError as e:
+            log.warning("could not create --root %s now (%s); it must exist for the mount to work", root, e)
+    ops = L2Operations(client, root=root, read_only=a.read_only, timeout=a.cache_timeout,
+                       direct_io=not a.page_cache, threads=a.threads)
+    opts = set(pyfuse3.default_options)
+    opts |= {"fsname=l2fs", "subtype=l2fs", "noatime"}
+    if a.read_only:
+        opts.add("ro")
+    if a.allow_other:
+        opts.add("allow_other")
+    opts.update(a.options)
+    mp = os.path.abspath(a.mountpoint)
+    try:
+        pyfuse3.init(ops, mp, opts)
+    except RuntimeError as e:
+        print(f"l2fs mount: cannot mount {mp}: {e} (is it already mounted? try fusermount3 -u {mp})",
+              file=sys.stderr)
+        client.close()
+        return 1
+    log.info("mounted l2fs %s%s at %s (node %s%s)", a.master, root, mp, a.node_id or "-",
+             ", read-only" if a.read_only else "")
+    rc = 0
+    try:
+        trio.run(_serve)
+    except BaseException as e:  # noqa: BLE001 - unmount whatever happened
+        log.error("FUSE loop failed: %r", e)
+        rc = 1
+    finally:
+        pyfuse3.close(unmount=True)
+        client.close()
+        log.info("unmounted %s", mp)
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())
