@@ -179,6 +179,8 @@ class Stack:
         self.router_url: str | None = None
         self.model = ""
         self._stopped = False
+        self._launched: dict[int, Any] = {}  # replicas started so far (filled by launch threads)
+        self._threads: list[threading.Thread] = []
 
     @property
     def state_path(self) -> Path:
@@ -204,7 +206,7 @@ class Stack:
         for i in range(self.n_replicas):
             node = nodes[i % len(nodes)]
             plan.append((f"replica-{i + 1}", free_port(), node, self.base / "logs" / f"replica-{i + 1}.log"))
-        results: dict[int, Any] = {}
+        results = self._launched
         errors: list[BaseException] = []
 
         def launch(i: int) -> None:
@@ -225,6 +227,7 @@ class Stack:
                 errors.append(e)
 
         threads = [threading.Thread(target=launch, args=(i,), daemon=True) for i in range(self.n_replicas)]
+        self._threads = threads
         t0 = time.monotonic()
         for th in threads:
             th.start()
@@ -279,8 +282,14 @@ class Stack:
         if self.router is not None:
             log("stopping router")
             stop_process(self.router, "router")
-        for info, rep in zip(self.infos or [None] * len(self.replicas), self.replicas, strict=False):
-            log(f"stopping {info.name if info else 'replica'}")
+        if any(th.is_alive() for th in self._threads):
+            # Interrupted while engines start: let the launches finish, so that none is left behind.
+            log("waiting for engines that are still starting, to stop them")
+            for th in self._threads:
+                th.join()
+        for i in sorted(self._launched):
+            rep = self._launched[i]
+            log(f"stopping replica-{i + 1}")
             try:
                 rep.stop()
             except Exception as e:  # keep stopping the rest
