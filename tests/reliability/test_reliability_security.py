@@ -1,0 +1,228 @@
+"""Access control and bad input on the l2fs gRPC surface (issue 8, point 7).
+
+Token: with --token, every master and worker RPC without the right bearer token is rejected
+(UNAUTHENTICATED), including a rogue worker trying to register and a stranger reading or deleting blocks.
+TLS: a TLS cluster refuses plaintext. Paths: nothing escapes the namespace or the data dirs, with or
+without our client's own checks (raw gRPC requests bypass them). Sizes: absurd sizes are refused
+before anything is allocated.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+from conftest import DEADLINE
+from reliability_faults import files_under, payload, proc_pid, rss_bytes
+
+from l2fs.client import InvalidPath, L2fsError, PermissionDenied
+from l2fs.proto import l2fs_pb2 as pb
+from l2fs.proto import l2fs_pb2_grpc as pbg
+
+TOKEN = "s3cret-token-for-tests"
+BAD_PATHS = [
+    "", "relative/path", "/a/../../etc/passwd", "/..", "/a/./b", "/a//b", "/a\x00b", "/a\nb",
+    "/" + "x" * 300, "/" + "/".join(["d"] * 3000),
+]
+
+
+def _code(fn: Any) -> grpc.StatusCode:
+    """Run a raw stub call; return its status code (OK when it succeeded)."""
+    try:
+        fn()
+    except grpc.RpcError as e:
+        return e.code()
+    return grpc.StatusCode.OK
+
+
+def _worker_address(client: Any) -> str:
+    return client.report().workers[0].address
+
+
+def _first_location(master: str, path: str, md: Any = None) -> pb.Location:
+    stub = pbg.MasterStub(grpc.insecure_channel(master))
+    st = stub.Stat(pb.PathRequest(path=path), timeout=DEADLINE, metadata=md)
+    assert st.exists and st.locations
+    return st.locations[0]
+
+
+def _stranger_calls(m: Any, w: Any, block_id: str, md: Any) -> dict[str, Any]:
+    """Raw master/worker calls a stranger could make, each carrying metadata md."""
+    return {
+        "Report": lambda: m.Report(pb.Empty(), timeout=DEADLINE, metadata=md),
+        "Stat": lambda: m.Stat(pb.PathRequest(path="/sec/a"), timeout=DEADLINE, metadata=md),
+        # A rogue worker registering a block that points at a host file must be turned away.
+        "RegisterWorker": lambda: m.RegisterWorker(pb.RegisterRequest(
+            worker_id="rogue", node_id="node-1", address="127.0.0.1:1", capacity=1 << 30,
+            blocks=[pb.BlockReport(block_id="b", path="/sec/evil", size=10, local_path="/etc/passwd")]),
+            timeout=DEADLINE, metadata=md),
+        "Delete": lambda: m.Delete(pb.PathRequest(path="/sec/a"), timeout=DEADLINE, metadata=md),
+        "ReadBlock": lambda: list(w.ReadBlock(pb.ReadRequest(block_id=block_id), timeout=DEADLINE, metadata=md)),
+        "WriteBlock": lambda: w.WriteBlock(iter([pb.WriteChunk(block_id="a" * 32, path="/sec/w", size=4,
+                                                               data=b"abcd")]), timeout=DEADLINE, metadata=md),
+        "DeleteBlocks": lambda: w.DeleteBlocks(pb.BlockIds(block_ids=[block_id]), timeout=DEADLINE, metadata=md),
+    }
+
+
+# ------------------------------------------------------------------------------------------ token
+
+
+def test_token_required_on_master_and_worker(make_cluster: Any) -> None:
+    cluster = make_cluster(workers=1, token=TOKEN)
+    good = cluster.client(token=TOKEN, timeout=DEADLINE)
+    data = payload(1, 64 * 1024, "/sec/a")
+    assert good.put("/sec/a", data) is True
+    assert good.get("/sec/a") == data
+    md = (("authorization", f"Bearer {TOKEN}"),)
+    loc = _first_location(cluster.master, "/sec/a", md)
+    waddr = _worker_address(good)
+
+    for token in (None, "", "wrong", TOKEN + "x"):
+        bad = cluster.client(token=token, timeout=DEADLINE, short_circuit=False)
+        with pytest.raises(PermissionDenied):
+            bad.exists("/sec/a")
+        with pytest.raises(PermissionDenied):
+            bad.put("/sec/b", data)
+        assert bad.get("/sec/a") is None  # reads stay fail-as-miss
+        bad.close()
+
+    m = pbg.MasterStub(grpc.insecure_channel(cluster.master))
+    w = pbg.WorkerStub(grpc.insecure_channel(waddr))
+    for bad_md in (None, (("authorization", "Bearer nope"),), (("authorization", TOKEN),)):
+        calls = _stranger_calls(m, w, loc.block_id, bad_md)
+        for name, call in calls.items():
+            assert _code(call) == grpc.StatusCode.UNAUTHENTICATED, f"{name} accepted metadata {bad_md}"
+    # Nothing the strangers tried took effect.
+    assert good.get("/sec/a") == data
+    assert not good.exists("/sec/evil") and not good.exists("/sec/b") and not good.exists("/sec/w")
+    assert all(x.worker_id != "rogue" for x in good.report().workers)
+
+
+# ------------------------------------------------------------------------------------------ TLS
+
+
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """A throwaway CA and a server certificate for 127.0.0.1/localhost (trustme)."""
+    import trustme
+
+    d = tmp_path_factory.mktemp("tls")
+    ca = trustme.CA()
+    cert = ca.issue_cert("127.0.0.1", "localhost")
+    ca.cert_pem.write_to_path(str(d / "ca.pem"))
+    cert.private_key_pem.write_to_path(str(d / "key.pem"))
+    cert.cert_chain_pems[0].write_to_path(str(d / "cert.pem"))
+    return {"ca": str(d / "ca.pem"), "cert": str(d / "cert.pem"), "key": str(d / "key.pem")}
+
+
+def test_tls_cluster_refuses_plaintext(make_cluster: Any, certs: dict[str, str]) -> None:
+    cluster = make_cluster(workers=1, tls_cert=certs["cert"], tls_key=certs["key"], tls_ca=certs["ca"],
+                           token=TOKEN)
+    good = cluster.client(token=TOKEN, tls_ca=certs["ca"], timeout=DEADLINE, short_circuit=False)
+    data = payload(3, 64 * 1024, "/tls/a")
+    assert good.put("/tls/a", data) is True
+    assert good.get("/tls/a") == data  # streamed from the worker over TLS (no short-circuit)
+
+    plain = cluster.client(token=TOKEN, tls_ca=None, timeout=DEADLINE, short_circuit=False)
+    with pytest.raises(L2fsError):
+        plain.exists("/tls/a")
+    assert plain.get("/tls/a") is None
+    m = pbg.MasterStub(grpc.insecure_channel(cluster.master))
+    assert _code(lambda: m.Report(pb.Empty(), timeout=DEADLINE)) == grpc.StatusCode.UNAVAILABLE
+    w = pbg.WorkerStub(grpc.insecure_channel(_worker_address(good)))
+    assert _code(lambda: w.Touch(pb.BlockIds(), timeout=DEADLINE)) == grpc.StatusCode.UNAVAILABLE
+    # A CA that did not sign the server's certificate is refused too.
+    import trustme
+
+    other = Path(certs["ca"]).with_name("other-ca.pem")
+    trustme.CA().cert_pem.write_to_path(str(other))
+    stranger = cluster.client(token=TOKEN, tls_ca=str(other), timeout=DEADLINE)
+    with pytest.raises(L2fsError):
+        stranger.exists("/tls/a")
+
+
+# ------------------------------------------------------------------------------------------ paths
+
+
+@pytest.fixture(scope="module")
+def plain_cluster(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    from l2fs.local import LocalCluster
+
+    with LocalCluster(tmp_path_factory.mktemp("plain"), workers=1) as cluster:
+        yield cluster
+
+
+@pytest.mark.parametrize("bad", BAD_PATHS, ids=range(len(BAD_PATHS)))
+def test_client_rejects_bad_paths(plain_cluster: Any, bad: str) -> None:
+    c = plain_cluster.client(timeout=DEADLINE)
+    for fn in (lambda: c.put(bad, b"x" * 64), lambda: c.exists(bad), lambda: c.stat(bad),
+               lambda: c.rm(bad), lambda: c.rename("/ok", bad), lambda: c.mkdir(bad), lambda: c.ls(bad),
+               lambda: c.prefix_lookup(["/ok", bad])):
+        with pytest.raises(InvalidPath):
+            fn()
+
+
+def test_server_rejects_bad_paths_and_ids_without_the_client(plain_cluster: Any, tmp_path: Path) -> None:
+    """Raw requests (a buggy or hostile client) get INVALID_ARGUMENT, and nothing lands outside the data dir."""
+    c = plain_cluster.client(timeout=DEADLINE)
+    m = pbg.MasterStub(grpc.insecure_channel(plain_cluster.master))
+    w = pbg.WorkerStub(grpc.insecure_channel(_worker_address(c)))
+    for bad in BAD_PATHS:
+        assert _code(lambda b=bad: m.Stat(pb.PathRequest(path=b), timeout=DEADLINE)) == \
+            grpc.StatusCode.INVALID_ARGUMENT, repr(bad)
+        assert _code(lambda b=bad: m.Allocate(pb.AllocateRequest(path=b, size=10), timeout=DEADLINE)) == \
+            grpc.StatusCode.INVALID_ARGUMENT, repr(bad)
+        assert _code(lambda b=bad: m.PrefixLookup(pb.PathsRequest(paths=["/x", b]), timeout=DEADLINE)) == \
+            grpc.StatusCode.INVALID_ARGUMENT, repr(bad)
+    escape = tmp_path / "escaped"
+    data_dir = Path(plain_cluster.workers[0].data_dir).resolve()
+    outside = data_dir.parent / "escaped-block"
+    bad_ids = ["../escaped-block", "../../escaped-block", str(outside), "a/../../escaped-block", "a\x00b",
+               "", "x" * 5000, str(escape)]
+    for bid in bad_ids:
+        for name, call in {
+            "WriteBlock": lambda b=bid: w.WriteBlock(iter([pb.WriteChunk(block_id=b, path="/p", size=4,
+                                                                         data=b"evil")]), timeout=DEADLINE),
+            "ReadBlock": lambda b=bid: list(w.ReadBlock(pb.ReadRequest(block_id=b), timeout=DEADLINE)),
+            "ReserveLocal": lambda b=bid: w.ReserveLocal(pb.ReserveRequest(block_id=b, size=4), timeout=DEADLINE),
+            "AdoptLocal": lambda b=bid: w.AdoptLocal(pb.AdoptRequest(block_id=b, path="/p", size=4),
+                                                      timeout=DEADLINE),
+        }.items():
+            code = _code(call)
+            assert code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND), (name, bid, code)
+    assert not outside.exists() and not escape.exists()
+    # Reading a host file through a block id is impossible.
+    code = _code(lambda: list(w.ReadBlock(pb.ReadRequest(block_id="../../../../../../etc/passwd"),
+                                          timeout=DEADLINE)))
+    assert code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND)
+    for p in files_under(data_dir.parent):
+        assert data_dir in p.resolve().parents or p.resolve() == data_dir or "escaped" not in p.name, p
+
+
+def test_absurd_sizes_refused_before_allocation(plain_cluster: Any) -> None:
+    c = plain_cluster.client(timeout=DEADLINE)
+    m = pbg.MasterStub(grpc.insecure_channel(plain_cluster.master))
+    w = pbg.WorkerStub(grpc.insecure_channel(_worker_address(c)))
+    pid = proc_pid(plain_cluster.workers[0])
+    rss0 = rss_bytes(pid)
+    huge = (1 << 64) - 1
+    assert _code(lambda: m.Allocate(pb.AllocateRequest(path="/huge", size=huge), timeout=DEADLINE)) == \
+        grpc.StatusCode.INVALID_ARGUMENT
+    for size in (huge, 1 << 40):
+        assert _code(lambda s=size: w.ReserveLocal(pb.ReserveRequest(block_id="a" * 32, size=s),
+                                                   timeout=DEADLINE)) != grpc.StatusCode.OK
+        # A stream that claims a huge size and then sends a little: refused, nothing kept.
+        assert _code(lambda s=size: w.WriteBlock(iter([pb.WriteChunk(block_id="b" * 32, path="/huge", size=s,
+                                                                     data=b"x" * 1024)]),
+                                                 timeout=DEADLINE)) != grpc.StatusCode.OK
+    # A stream that sends more than it declared is refused (no unbounded write).
+    over = iter([pb.WriteChunk(block_id="c" * 32, path="/over", size=10, data=b"x" * 4096)])
+    assert _code(lambda: w.WriteBlock(over, timeout=DEADLINE)) != grpc.StatusCode.OK
+    # A stream that stops short of its declared size is never adopted as a whole block.
+    short = iter([pb.WriteChunk(block_id="d" * 32, path="/short", size=1 << 20, data=b"x" * 1024)])
+    code = _code(lambda: w.WriteBlock(short, timeout=DEADLINE))
+    assert code != grpc.StatusCode.OK
+    assert c.put("/after-huge", b"y" * 1000) is True and c.get("/after-huge") == b"y" * 1000
+    assert rss_bytes(pid) - rss0 < 64 << 20
