@@ -1,9 +1,5 @@
 """l2fs client: the one way every other part of kvtier (connector, mount, fsspec, router, benches) reaches L2.
 
-CONTRACT STUB written before the implementation so that other components can be coded against it.
-The l2fs implementer replaces the bodies; the names, arguments and return conventions below are the
-contract (extend, don't break).
-
 Conventions:
 - Paths are absolute POSIX-style strings inside the l2fs namespace ("/kv/model/abc.data"). Invalid paths
   ("..", NUL, empty components, > limits) raise `InvalidPath` (a ValueError).
@@ -15,17 +11,39 @@ Conventions:
   A file becomes visible only when complete (atomic publish).
 """
 
+
 from __future__ import annotations
 
-from collections.abc import Sequence
+import asyncio
+import functools
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any
+
+import crc32c
+import grpc
+
+from l2fs.common import FRAME, PathError, auth_metadata, make_channel, norm_path
+from l2fs.proto import l2fs_pb2 as pb
+from l2fs.proto import l2fs_pb2_grpc as pbg
+
+log = logging.getLogger("l2fs.client")
 
 
 class L2fsError(Exception):
     """Base class of l2fs client errors."""
 
 
-class InvalidPath(L2fsError, ValueError):
+class InvalidArgument(L2fsError, ValueError):
+    """The server refused the request's arguments (e.g. a file over the max file size)."""
+
+
+class InvalidPath(InvalidArgument):
     """The path is not a valid l2fs path."""
 
 
@@ -74,6 +92,37 @@ class ClusterReport:
     used: int
 
 
+_TRANSIENT = {grpc.StatusCode.UNAVAILABLE}
+
+
+def _error(e: grpc.RpcError) -> L2fsError:
+    """Map a gRPC status to the client's exception types (message kept)."""
+    code, msg = e.code(), e.details() or str(e.code())
+    if code == grpc.StatusCode.INVALID_ARGUMENT:
+        return InvalidPath(msg) if "path" in msg else InvalidArgument(msg)
+    if code == grpc.StatusCode.NOT_FOUND:
+        return NotFound(msg)
+    if code == grpc.StatusCode.ALREADY_EXISTS:
+        return AlreadyExists(msg)
+    if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
+        return PermissionDenied(msg)
+    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+        return Unavailable(msg)
+    return L2fsError(f"{code.name}: {msg}")
+
+
+def _info(st: pb.FileStat) -> FileInfo:
+    return FileInfo(path=st.path, size=st.size, is_dir=st.is_dir, mtime=st.mtime, crc32c=st.crc32c,
+                    nodes=[loc.node_id for loc in st.locations])
+
+
+def _check(path: str) -> str:
+    try:
+        return norm_path(path)
+    except PathError as e:
+        raise InvalidPath(str(e)) from None
+
+
 class Client:
     """Synchronous client. Thread-safe; share one per process.
 
@@ -95,69 +144,296 @@ class Client:
         timeout: float = 2.0,
         short_circuit: bool = True,
     ) -> None:
-        raise NotImplementedError
+        master = master or os.environ.get("L2FS_MASTER")
+        if not master:
+            raise ValueError("no l2fs master: pass master='host:port' or set L2FS_MASTER")
+        self.masters = [m.strip() for m in master.split(",") if m.strip()]
+        self.node_id = node_id if node_id is not None else os.environ.get("L2FS_NODE_ID", "")
+        self.token = token if token is not None else os.environ.get("L2FS_TOKEN") or None
+        self.tls_ca = tls_ca if tls_ca is not None else os.environ.get("L2FS_TLS_CA") or None
+        self.timeout = timeout
+        self.short_circuit = short_circuit
+        self._md = auth_metadata(self.token)
+        self._lock = threading.Lock()
+        self._channels: list[grpc.Channel] = []
+        self._master_stubs = []
+        for m in self.masters:
+            ch = make_channel(m, self.tls_ca)
+            self._channels.append(ch)
+            self._master_stubs.append(pbg.MasterStub(ch))
+        self._current = 0
+        self._workers: dict[str, pbg.WorkerStub] = {}
+        self._pool: ThreadPoolExecutor | None = None
+        self._closed = False
 
-    # --- data ---
+    # ---------- plumbing ----------
+
+    def _worker(self, address: str) -> pbg.WorkerStub:
+        with self._lock:
+            stub = self._workers.get(address)
+            if stub is None:
+                ch = make_channel(address, self.tls_ca)
+                self._channels.append(ch)
+                stub = self._workers[address] = pbg.WorkerStub(ch)
+            return stub
+
+    def _executor(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(8, thread_name_prefix="l2fs-client")
+            return self._pool
+
+    def _master(self, method: str, request: Any, deadline: float | None = None) -> Any:
+        """Call the master with retries on transient errors until the deadline; map errors."""
+        if self._closed:
+            raise L2fsError("client is closed")
+        deadline = deadline or time.monotonic() + self.timeout
+        delay = 0.02
+        last: grpc.RpcError | None = None
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            i = self._current
+            try:
+                return getattr(self._master_stubs[i], method)(request, timeout=remaining, metadata=self._md)
+            except grpc.RpcError as e:
+                last = e
+                if e.code() not in _TRANSIENT:
+                    raise _error(e) from None
+                if len(self._master_stubs) > 1:
+                    self._current = (i + 1) % len(self._master_stubs)
+                time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
+                delay = min(delay * 2, 0.25)
+        if last is None:
+            raise Unavailable(f"l2fs master {','.join(self.masters)}: deadline exceeded")
+        raise Unavailable(f"l2fs master {','.join(self.masters)}: {last.details() or last.code()}") from None
+
+    def _is_local(self, loc: pb.Location) -> bool:
+        return self.short_circuit and bool(self.node_id) and loc.node_id == self.node_id and bool(loc.local_path)
+
+    # ---------- data ----------
+
     def put(self, path: str, data: bytes | bytearray | memoryview, *, if_absent: bool = True,
             order_hint: int | None = None) -> bool:
         """Store and atomically publish. Returns True if this call published it, False if it already
         existed (if_absent) . order_hint = position of this object in a prefix chain (0 = first chunk);
         eviction prefers dropping the deepest chunks first."""
-        raise NotImplementedError
+        path = _check(path)
+        mv = memoryview(data).cast("B")
+        size = mv.nbytes
+        deadline = time.monotonic() + max(self.timeout, size / 200e6)  # >= 200 MB/s before giving up
+        hint = order_hint if order_hint is not None else 0
+        alloc = self._master("Allocate", pb.AllocateRequest(path=path, size=size, node_id=self.node_id,
+                                                            if_absent=if_absent), deadline)
+        if alloc.exists:
+            return False
+        loc, bid = alloc.worker, alloc.block_id
+        stub = self._worker(loc.address)
+        try:
+            res = None
+            if self.short_circuit and self.node_id and loc.node_id == self.node_id:
+                res = self._put_local(stub, bid, path, mv, hint, deadline)
+            if res is None:
+                res = stub.WriteBlock(self._frames(bid, path, mv, hint), metadata=self._md,
+                                      timeout=max(0.001, deadline - time.monotonic()))
+        except grpc.RpcError as e:
+            raise _error(e) from None
+        commit = self._master("Commit", pb.CommitRequest(
+            path=path, block_id=bid, worker_id=loc.worker_id, size=size, crc32c=res.crc32c,
+            if_absent=if_absent, order_hint=hint, local_path=res.local_path), deadline)
+        return commit.published
+
+    @staticmethod
+    def _frames(bid: str, path: str, mv: memoryview, hint: int) -> Any:
+        yield pb.WriteChunk(block_id=bid, path=path, size=mv.nbytes, order_hint=hint, data=bytes(mv[:FRAME]))
+        for off in range(FRAME, mv.nbytes, FRAME):
+            yield pb.WriteChunk(data=bytes(mv[off:off + FRAME]))
+
+    def _put_local(self, stub: pbg.WorkerStub, bid: str, path: str, mv: memoryview, hint: int,
+                   deadline: float) -> pb.WriteResult | None:
+        """Short-circuit write: the worker reserves space, we write its temp file, it adopts it.
+        None when the worker's disk is not reachable from here (then gRPC is used)."""
+        r = stub.ReserveLocal(pb.ReserveRequest(block_id=bid, size=mv.nbytes), metadata=self._md,
+                              timeout=max(0.001, deadline - time.monotonic()))
+        try:
+            fd = os.open(r.tmp_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        except OSError:
+            return None
+        try:
+            view, n = mv, 0
+            while n < mv.nbytes:
+                n += os.write(fd, view[n:])
+        finally:
+            os.close(fd)
+        crc = crc32c.crc32c(mv)
+        return stub.AdoptLocal(pb.AdoptRequest(block_id=bid, path=path, size=mv.nbytes, crc32c=crc,
+                                               order_hint=hint),
+                               metadata=self._md, timeout=max(0.001, deadline - time.monotonic()))
+
+    def _locate(self, path: str, deadline: float) -> pb.FileStat | None:
+        try:
+            st = self._master("Stat", pb.PathRequest(path=path), deadline)
+        except L2fsError as e:
+            if isinstance(e, InvalidPath):
+                raise
+            return None
+        if not st.exists or st.is_dir or not st.locations:
+            return None
+        return st
+
+    def _read(self, path: str, into: memoryview | None) -> bytes | int | None:
+        """Shared get/get_into: short-circuit or gRPC stream; any fault is a miss (None)."""
+        path = _check(path)
+        deadline = time.monotonic() + self.timeout
+        st = self._locate(path, deadline)
+        if st is None:
+            return None
+        loc = st.locations[0]
+        if into is not None and into.nbytes < st.size:
+            raise ValueError(f"buffer of {into.nbytes} bytes is smaller than {path} ({st.size} bytes)")
+        stub = self._worker(loc.address)
+        if self._is_local(loc):
+            got = self._read_local(loc, st, into)
+            if got is not None:
+                try:
+                    stub.Touch.future(pb.BlockIds(block_ids=[loc.block_id]), metadata=self._md, timeout=2)
+                except Exception:  # noqa: BLE001 - LRU hint only
+                    pass
+                return got
+            if got is None and os.path.exists(loc.local_path):
+                return None  # local file present but bad: reported; do not stream a corrupt block
+        try:
+            stream = stub.ReadBlock(pb.ReadRequest(block_id=loc.block_id), metadata=self._md,
+                                    timeout=max(0.001, deadline - time.monotonic()))
+            first = next(stream)
+            size, crc = first.size, first.crc32c
+            if size != st.size:
+                stream.cancel()
+                return None
+            if into is not None:
+                off = 0
+                c = 0
+                for m in _chain(first, stream):
+                    n = len(m.data)
+                    if off + n > size:
+                        return None
+                    into[off:off + n] = m.data
+                    c = crc32c.crc32c(m.data, value=c)
+                    off += n
+                return off if off == size and c == crc else None
+            parts = [m.data for m in _chain(first, stream)]
+            data = parts[0] if len(parts) == 1 else b"".join(parts)
+            if len(data) != size or crc32c.crc32c(data) != crc:
+                return None
+            return data
+        except (grpc.RpcError, StopIteration) as e:
+            if isinstance(e, grpc.RpcError) and e.code() not in (grpc.StatusCode.NOT_FOUND,):
+                log.debug("read %s from %s failed: %s", path, loc.address, e.code())
+            return None
+
+    def _read_local(self, loc: pb.Location, st: pb.FileStat, into: memoryview | None) -> bytes | int | None:
+        try:
+            with open(loc.local_path, "rb", buffering=0) as f:
+                if into is not None:
+                    n = f.readinto(into[:st.size])
+                    ok = n == st.size and crc32c.crc32c(into[:st.size]) == st.crc32c
+                    result: bytes | int = n
+                else:
+                    data = f.read(st.size + 1)
+                    ok = len(data) == st.size and crc32c.crc32c(data) == st.crc32c
+                    result = data
+        except OSError:
+            return None
+        if ok:
+            return result
+        try:  # let the worker re-verify and drop it
+            self._worker(loc.address).ReportCorrupt.future(pb.BlockIds(block_ids=[loc.block_id]),
+                                                           metadata=self._md, timeout=2)
+        except Exception:  # noqa: BLE001
+            pass
+        return None
 
     def get(self, path: str) -> bytes | None:
         """Whole file or None (miss)."""
-        raise NotImplementedError
+        r = self._read(path, None)
+        return r if isinstance(r, bytes) else None
 
     def get_into(self, path: str, buf: memoryview | bytearray) -> int | None:
         """Read the file into buf (must be large enough); returns bytes read or None (miss)."""
-        raise NotImplementedError
+        r = self._read(path, memoryview(buf).cast("B"))
+        return r if isinstance(r, int) else None
 
     def put_many(self, items: Sequence[tuple[str, bytes | memoryview]], *, if_absent: bool = True,
                  order_hints: Sequence[int] | None = None) -> list[bool]:
-        raise NotImplementedError
+        """Parallel puts; raises the first error after all finished."""
+        if order_hints is not None and len(order_hints) != len(items):
+            raise ValueError("order_hints must match items in length")
+        hints = list(order_hints) if order_hints is not None else [None] * len(items)
+        futs = [self._executor().submit(self.put, p, d, if_absent=if_absent, order_hint=h)
+                for (p, d), h in zip(items, hints, strict=True)]
+        return [f.result() for f in futs]
 
     def get_many(self, paths: Sequence[str]) -> list[bytes | None]:
         """Parallel fetches; one None per miss."""
-        raise NotImplementedError
+        for p in paths:
+            _check(p)
+        return list(self._executor().map(self.get, paths))
 
-    # --- metadata ---
+    # ---------- metadata ----------
+
     def exists(self, path: str) -> bool:
-        raise NotImplementedError
+        return self.stat(path) is not None
 
     def stat(self, path: str) -> FileInfo | None:
-        raise NotImplementedError
+        st = self._master("Stat", pb.PathRequest(path=_check(path)))
+        return _info(st) if st.exists else None
 
     def stat_many(self, paths: Sequence[str]) -> list[FileInfo | None]:
         """One RPC."""
-        raise NotImplementedError
+        resp = self._master("StatMany", pb.PathsRequest(paths=[_check(p) for p in paths]))
+        return [_info(s) if s.exists else None for s in resp.stats]
 
     def prefix_lookup(self, paths: Sequence[str]) -> int:
         """How many leading paths exist (one RPC). Does not pin or renew anything."""
-        raise NotImplementedError
+        if not paths:
+            return 0
+        return self._master("PrefixLookup", pb.PathsRequest(paths=[_check(p) for p in paths])).count
 
     def ls(self, path: str = "/") -> list[FileInfo]:
-        raise NotImplementedError
+        return [_info(s) for s in self._master("List", pb.PathRequest(path=_check(path))).entries]
 
     def mkdir(self, path: str, *, parents: bool = True, exist_ok: bool = True) -> None:
-        raise NotImplementedError
+        self._master("Mkdir", pb.MkdirRequest(path=_check(path), parents=parents, exist_ok=exist_ok))
 
     def rmdir(self, path: str) -> None:
-        raise NotImplementedError
+        self._master("Rmdir", pb.PathRequest(path=_check(path)))
 
     def rm(self, path: str) -> bool:
         """True if something was removed."""
-        raise NotImplementedError
+        return self._master("Delete", pb.PathRequest(path=_check(path))).removed
 
     def rename(self, src: str, dst: str, *, overwrite: bool = True) -> None:
         """Atomic; overwrite=True replaces dst (POSIX rename semantics)."""
-        raise NotImplementedError
+        self._master("Rename", pb.RenameRequest(src=_check(src), dst=_check(dst), overwrite=overwrite))
 
     def report(self) -> ClusterReport:
-        raise NotImplementedError
+        r = self._master("Report", pb.Empty())
+        ws = [WorkerInfo(w.worker_id, w.node_id, w.address, w.alive, w.capacity, w.used, w.blocks)
+              for w in r.workers]
+        alive = [w for w in ws if w.alive]
+        return ClusterReport(workers=ws, files=r.files, capacity=sum(w.capacity for w in alive),
+                             used=sum(w.used for w in alive))
 
     def close(self) -> None:
-        raise NotImplementedError
+        self._closed = True
+        with self._lock:
+            pool, self._pool = self._pool, None
+            channels, self._channels = self._channels, []
+        if pool is not None:
+            pool.shutdown(wait=False, cancel_futures=True)
+        for ch in channels:
+            ch.close()
 
     def __enter__(self) -> Client:
         return self
@@ -166,5 +442,64 @@ class Client:
         self.close()
 
 
+def _chain(first: Any, rest: Any) -> Any:
+    yield first
+    yield from rest
+
+
+def _async(name: str) -> Callable:
+    sync = getattr(Client, name)
+
+    @functools.wraps(sync)
+    async def method(self: AsyncClient, *args: Any, **kwargs: Any) -> Any:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._pool, functools.partial(getattr(self._client, name),
+                                                                        *args, **kwargs))
+
+    return method
+
+
 class AsyncClient:
-    """asyncio twin of Client with the same methods as coroutines (same arguments and conventions)."""
+    """asyncio twin of Client with the same methods as coroutines (same arguments and conventions).
+
+    The sync client is thread-safe, so each call runs it on a private thread pool: the event loop never
+    blocks on gRPC or disk I/O.
+    """
+
+    def __init__(self, master: str | None = None, *, node_id: str | None = None, token: str | None = None,
+                 tls_ca: str | None = None, timeout: float = 2.0, short_circuit: bool = True,
+                 max_workers: int = 16) -> None:
+        self._client = Client(master, node_id=node_id, token=token, tls_ca=tls_ca, timeout=timeout,
+                              short_circuit=short_circuit)
+        self._pool = ThreadPoolExecutor(max_workers, thread_name_prefix="l2fs-async")
+
+    @property
+    def sync(self) -> Client:
+        """The underlying synchronous client."""
+        return self._client
+
+    put = _async("put")
+    get = _async("get")
+    get_into = _async("get_into")
+    put_many = _async("put_many")
+    get_many = _async("get_many")
+    exists = _async("exists")
+    stat = _async("stat")
+    stat_many = _async("stat_many")
+    prefix_lookup = _async("prefix_lookup")
+    ls = _async("ls")
+    mkdir = _async("mkdir")
+    rmdir = _async("rmdir")
+    rm = _async("rm")
+    rename = _async("rename")
+    report = _async("report")
+
+    async def close(self) -> None:
+        self._client.close()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()

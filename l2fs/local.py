@@ -1,6 +1,6 @@
 """Local l2fs cluster on loopback: a master and N workers as real processes (each worker its own node).
 
-CONTRACT STUB (see client.py). Used by `l2fs local`, tests and `kvtier up`:
+Used by `l2fs local`, tests and `kvtier up`:
 
     with LocalCluster(base_dir, workers=2) as cluster:
         cluster.master                  # "127.0.0.1:PORT"
@@ -9,4 +9,240 @@ CONTRACT STUB (see client.py). Used by `l2fs local`, tests and `kvtier up`:
         cluster.kill_worker(i, signal.SIGKILL); cluster.start_worker(i)
         cluster.kill_master(); cluster.start_master()
         cluster.client(node_id="node-1")  # an l2fs.Client
+
+The master keeps its port across kill_master()/start_master() so workers find it again; a restarted
+worker keeps its data dir (and so its blocks and worker id) but may get a new port.
 """
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+from l2fs.client import Client, L2fsError
+
+
+@dataclass
+class LocalWorker:
+    index: int
+    node_id: str
+    data_dir: Path
+    capacity: str | None = None
+    proc: subprocess.Popen | None = None
+    port: int = 0
+    metrics_port: int | None = None
+    worker_id: str = ""
+    extra_args: list[str] = field(default_factory=list)
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+
+class LocalCluster:
+    """Master + `workers` workers as subprocesses under base_dir (logs in base_dir/logs).
+
+    capacity: per-worker capacity like "1G" (default: the disk's free space).
+    heartbeat_timeout: master's dead-worker timeout in seconds.
+    token / tls_*: passed to every process (and to clients made with .client()).
+    metrics: give every process a /metrics port (worker.metrics_port, .master_metrics_port).
+    """
+
+    def __init__(self, base_dir: str | os.PathLike[str], workers: int = 2, *, capacity: str | None = None,
+                 heartbeat_timeout: float = 10.0, heartbeat_interval: float = 1.0, token: str | None = None,
+                 tls_cert: str | None = None, tls_key: str | None = None, tls_ca: str | None = None,
+                 metrics: bool = True, master_args: list[str] | None = None,
+                 worker_args: list[str] | None = None, start_timeout: float = 30.0) -> None:
+        self.base = Path(base_dir).resolve()
+        self.base.mkdir(parents=True, exist_ok=True)
+        (self.base / "logs").mkdir(exist_ok=True)
+        self.heartbeat_timeout = heartbeat_timeout
+        self.heartbeat_interval = heartbeat_interval
+        self.token, self.tls_cert, self.tls_key, self.tls_ca = token, tls_cert, tls_key, tls_ca
+        self.metrics = metrics
+        self.master_args = list(master_args or [])
+        self.start_timeout = start_timeout
+        self.master_port = 0
+        self.master_metrics_port: int | None = None
+        self.master_proc: subprocess.Popen | None = None
+        self.workers = [LocalWorker(i, f"node-{i + 1}", self.base / f"worker-{i + 1}", capacity,
+                                    extra_args=list(worker_args or [])) for i in range(workers)]
+        self._logs: list[IO[Any]] = []
+
+    @property
+    def master(self) -> str:
+        return f"127.0.0.1:{self.master_port}"
+
+    # ---------- lifecycle ----------
+
+    def __enter__(self) -> LocalCluster:
+        try:
+            self.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def start(self) -> None:
+        """Start the master and all workers; return when every worker is registered and alive."""
+        self.start_master()
+        for i in range(len(self.workers)):
+            self.start_worker(i, wait=False)
+        self.wait_workers(len(self.workers))
+
+    def stop(self) -> None:
+        for i in range(len(self.workers)):
+            self.kill_worker(i, signal.SIGTERM)
+        self.kill_master(signal.SIGTERM)
+        for f in self._logs:
+            f.close()
+        self._logs.clear()
+
+    def _security_args(self) -> list[str]:
+        args = []
+        if self.token:
+            args += ["--token", self.token]
+        if self.tls_cert and self.tls_key:
+            args += ["--tls-cert", self.tls_cert, "--tls-key", self.tls_key]
+        if self.tls_ca:
+            args += ["--tls-ca", self.tls_ca]
+        return args
+
+    def _spawn(self, name: str, args: list[str], port_file: Path) -> tuple[subprocess.Popen, dict]:
+        port_file.unlink(missing_ok=True)
+        log = open(self.base / "logs" / f"{name}.log", "ab")  # noqa: SIM115 - closed in stop()
+        self._logs.append(log)
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env.pop("L2FS_TOKEN", None)  # only what this cluster was told
+        proc = subprocess.Popen([sys.executable, "-m", "l2fs.cli", *args, "--port-file", str(port_file)],
+                                stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        deadline = time.monotonic() + self.start_timeout
+        while time.monotonic() < deadline:
+            if port_file.exists():
+                return proc, json.loads(port_file.read_text())
+            if proc.poll() is not None:
+                raise RuntimeError(f"l2fs {name} exited with {proc.returncode}; see {log.name}")
+            time.sleep(0.05)
+        proc.kill()
+        raise TimeoutError(f"l2fs {name} did not start in {self.start_timeout}s; see {log.name}")
+
+    def start_master(self) -> None:
+        """(Re)start the master on its previous port (a free one the first time)."""
+        args = ["master", "--host", "127.0.0.1", "--port", str(self.master_port),
+                "--heartbeat-timeout", str(self.heartbeat_timeout), *self._security_args(), *self.master_args]
+        if self.metrics:
+            args += ["--metrics-port", "0"]
+        self.master_proc, info = self._spawn("master", args, self.base / "master.port")
+        self.master_port = info["port"]
+        self.master_metrics_port = info.get("metrics_port")
+
+    def kill_master(self, sig: int = signal.SIGKILL) -> None:
+        _kill(self.master_proc, sig)
+        self.master_proc = None
+
+    def start_worker(self, i: int, *, wait: bool = True) -> None:
+        """(Re)start worker i on its data dir; with wait, return once the master lists it alive."""
+        w = self.workers[i]
+        spec = f"{w.data_dir}:{w.capacity}" if w.capacity else str(w.data_dir)
+        args = ["worker", "--master", self.master, "--host", "127.0.0.1", "--port", "0", "--data-dir", spec,
+                "--node-id", w.node_id, "--heartbeat-interval", str(self.heartbeat_interval),
+                *self._security_args(), *w.extra_args]
+        if self.metrics:
+            args += ["--metrics-port", "0"]
+        w.proc, info = self._spawn(f"worker-{i + 1}", args, self.base / f"worker-{i + 1}.port")
+        w.port, w.metrics_port, w.worker_id = info["port"], info.get("metrics_port"), info.get("worker_id", "")
+        if wait:
+            self.wait_workers(ids=[w.worker_id])
+
+    def kill_worker(self, i: int, sig: int = signal.SIGKILL) -> None:
+        w = self.workers[i]
+        _kill(w.proc, sig)
+        w.proc = None
+
+    def wait_workers(self, n: int | None = None, *, ids: list[str] | None = None,
+                     timeout: float | None = None) -> None:
+        """Block until n workers (or the given worker ids, at their current address) are alive."""
+        deadline = time.monotonic() + (timeout or self.start_timeout)
+        with self.client() as c:
+            while True:
+                try:
+                    rep = c.report()
+                    alive = {w.worker_id: w.address for w in rep.workers if w.alive}
+                    if ids is not None:
+                        want = {w.worker_id: w.address for w in self.workers if w.worker_id in ids}
+                        if all(alive.get(k) == v for k, v in want.items()):
+                            return
+                    elif len(alive) >= (n or 0):
+                        return
+                except L2fsError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"l2fs workers not registered in time; logs in {self.base / 'logs'}")
+                time.sleep(0.05)
+
+    def client(self, node_id: str | None = None, **kwargs: Any) -> Client:
+        """A Client for this cluster (token/TLS filled in); node_id enables local-first/short-circuit."""
+        kwargs.setdefault("token", self.token)
+        kwargs.setdefault("tls_ca", self.tls_ca)
+        return Client(self.master, node_id=node_id or "", **kwargs)
+
+
+def _kill(proc: subprocess.Popen | None, sig: int) -> None:
+    if proc is None or proc.poll() is not None:
+        return
+    proc.send_signal(sig)
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`l2fs local --workers 2 --dir ./.l2fs`: run a local cluster in the foreground until Ctrl-C."""
+    import argparse
+
+    p = argparse.ArgumentParser(prog="l2fs local", description="Run a master and N workers on loopback.")
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--dir", default="./.l2fs", help="base dir for data, logs and port files")
+    p.add_argument("--capacity", default=None, help="per-worker capacity, e.g. 2G (default: free disk)")
+    p.add_argument("--heartbeat-timeout", type=float, default=10.0)
+    p.add_argument("--token", default=None)
+    args = p.parse_args(argv)
+    cluster = LocalCluster(args.dir, args.workers, capacity=args.capacity,
+                           heartbeat_timeout=args.heartbeat_timeout, token=args.token)
+    stop = False
+
+    def on_signal(*_: object) -> None:
+        nonlocal stop
+        stop = True
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    with cluster:
+        print(f"l2fs local cluster: master {cluster.master} (metrics http://127.0.0.1:"
+              f"{cluster.master_metrics_port}/metrics)", flush=True)
+        for w in cluster.workers:
+            print(f"  worker {w.worker_id} node={w.node_id} at {w.address} data={w.data_dir}", flush=True)
+        print(f"export L2FS_MASTER={cluster.master}   # then: l2fs put/get/ls ... ; Ctrl-C stops", flush=True)
+        while not stop:
+            time.sleep(0.2)
+            dead = [w for w in cluster.workers if not w.alive]
+            if dead or (cluster.master_proc is not None and cluster.master_proc.poll() is not None):
+                print("l2fs local: a process exited unexpectedly; stopping", file=sys.stderr)
+                return 1
+    return 0

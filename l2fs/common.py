@@ -1,0 +1,175 @@
+"""Pieces shared by the l2fs master, worker and client: path rules, sizes, auth, TLS, metrics HTTP."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import threading
+from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+MAX_PATH_LEN = 4096
+MAX_NAME_LEN = 255
+DEFAULT_MAX_FILE_SIZE = 1 << 30
+FRAME = 4 << 20  # gRPC data frame size
+MAX_MSG = 64 << 20  # gRPC max message size (frames are well under it)
+GRPC_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MSG),
+    ("grpc.max_receive_message_length", MAX_MSG),
+    ("grpc.so_reuseport", 0),
+]
+CLIENT_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MSG),
+    ("grpc.max_receive_message_length", MAX_MSG),
+    ("grpc.enable_retries", 1),
+]
+
+
+class PathError(ValueError):
+    """A path that l2fs refuses (mapped to INVALID_ARGUMENT / InvalidPath)."""
+
+
+def norm_path(path: str) -> str:
+    """Validate an l2fs path and return it normalised (no trailing slash; "/" for the root).
+
+    Rejected: non-str, empty, relative, NUL/control bytes, "." or ".." components, empty components
+    ("a//b"), over-long names or paths. Rejecting instead of resolving means no path can escape.
+    """
+    if not isinstance(path, str) or not path:
+        raise PathError("path must be a non-empty string")
+    if len(path.encode("utf-8", "surrogatepass")) > MAX_PATH_LEN:
+        raise PathError(f"path longer than {MAX_PATH_LEN} bytes")
+    if not path.startswith("/"):
+        raise PathError(f"path must be absolute (start with '/'): {path!r}")
+    if any(ord(c) < 32 or ord(c) == 127 for c in path):
+        raise PathError(f"path contains NUL or control characters: {path!r}")
+    if path == "/":
+        return "/"
+    body = path[1:-1] if path.endswith("/") else path[1:]
+    parts = body.split("/")
+    for p in parts:
+        if p == "":
+            raise PathError(f"path has an empty component: {path!r}")
+        if p in (".", ".."):
+            raise PathError(f"path has a '.' or '..' component: {path!r}")
+        if len(p.encode()) > MAX_NAME_LEN:
+            raise PathError(f"path component longer than {MAX_NAME_LEN} bytes")
+    return "/" + "/".join(parts)
+
+
+def parent_of(path: str) -> str:
+    """Parent directory of a normalised path ("/" for top-level entries)."""
+    i = path.rfind("/")
+    return "/" if i <= 0 else path[:i]
+
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgtKMGT]?)(i?[bB]?)\s*$")
+
+
+def parse_size(text: str | int) -> int:
+    """'10G', '512M', '1.5g', '4096' -> bytes (binary units)."""
+    if isinstance(text, int):
+        return text
+    m = _SIZE.match(text)
+    if not m:
+        raise ValueError(f"bad size {text!r} (use e.g. 512M, 10G)")
+    mult = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}[m.group(2).upper()]
+    return int(float(m.group(1)) * mult)
+
+
+def write_port_file(path: str | None, **info: Any) -> None:
+    """Atomically write bound ports as JSON so launchers using --port 0 can find them."""
+    if not path:
+        return
+    tmp = f"{path}.tmp{os.getpid()}"
+    Path(tmp).write_text(json.dumps(info))
+    os.replace(tmp, path)
+
+
+# ---------- auth ----------
+
+class TokenInterceptor(grpc.ServerInterceptor):
+    """Rejects calls without `authorization: Bearer <token>` metadata (UNAUTHENTICATED)."""
+
+    def __init__(self, token: str) -> None:
+        self._expected = f"Bearer {token}"
+
+        def deny(_request: Any, context: grpc.ServicerContext) -> None:
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or bad l2fs bearer token")
+
+        self._deny_unary = grpc.unary_unary_rpc_method_handler(deny)
+        self._deny_stream_in = grpc.stream_unary_rpc_method_handler(deny)
+        self._deny_stream_out = grpc.unary_stream_rpc_method_handler(deny)
+
+    def intercept_service(self, continuation: Callable, handler_call_details: Any) -> Any:
+        md = dict(handler_call_details.invocation_metadata or ())
+        if md.get("authorization") == self._expected:
+            return continuation(handler_call_details)
+        method = handler_call_details.method or ""
+        if method.endswith("/WriteBlock"):
+            return self._deny_stream_in
+        if method.endswith("/ReadBlock"):
+            return self._deny_stream_out
+        return self._deny_unary
+
+
+def auth_metadata(token: str | None) -> tuple[tuple[str, str], ...] | None:
+    """gRPC call metadata carrying the bearer token (None when no token is configured)."""
+    return (("authorization", f"Bearer {token}"),) if token else None
+
+
+def server_credentials(cert: str | None, key: str | None) -> grpc.ServerCredentials | None:
+    """TLS server credentials when both --tls-cert and --tls-key are given."""
+    if not cert and not key:
+        return None
+    if not (cert and key):
+        raise ValueError("--tls-cert and --tls-key go together")
+    return grpc.ssl_server_credentials([(Path(key).read_bytes(), Path(cert).read_bytes())])
+
+
+def make_channel(address: str, tls_ca: str | None) -> grpc.Channel:
+    """A client channel (TLS when a CA bundle is given) with large message limits."""
+    if tls_ca:
+        creds = grpc.ssl_channel_credentials(root_certificates=Path(tls_ca).read_bytes())
+        return grpc.secure_channel(address, creds, options=CLIENT_OPTIONS)
+    return grpc.insecure_channel(address, options=CLIENT_OPTIONS)
+
+
+# ---------- metrics / health HTTP ----------
+
+def start_metrics_server(host: str, port: int, health: Callable[[], dict]) -> ThreadingHTTPServer:
+    """Serve Prometheus /metrics and JSON /healthz on a separate HTTP port (0 = pick a free one)."""
+    from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 (http.server API)
+            path = self.path.split("?", 1)[0]
+            if path == "/metrics":
+                body, ctype, code = generate_latest(), CONTENT_TYPE_LATEST, 200
+            elif path in ("/healthz", "/readyz"):
+                try:
+                    info = health()
+                    code = 200 if info.get("ok", True) else 503
+                except Exception as e:  # health must answer, never crash the server
+                    info, code = {"ok": False, "error": str(e)}, 503
+                body, ctype = json.dumps(info).encode(), "application/json"
+            else:
+                body, ctype, code = b"not found; try /metrics or /healthz\n", "text/plain", 404
+            self.send_response(code)
+            self.send_header("Content-Type", ctype)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    srv = ThreadingHTTPServer((host, port), Handler)
+    srv.daemon_threads = True
+    threading.Thread(target=srv.serve_forever, name="l2fs-metrics", daemon=True).start()
+    return srv

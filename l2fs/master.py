@@ -1,0 +1,604 @@
+"""l2fs master: in-memory namespace (dirs, files -> block -> worker), worker registry, placement.
+
+No Raft and no journal: the namespace is soft state. Workers persist a manifest of their sealed blocks
+and re-report it on (re)registration, so a restarted master rebuilds the namespace from block reports.
+KV data is recomputable, so anything lost in that window only costs cache misses.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import logging
+import signal
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterable
+from concurrent import futures
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+from prometheus_client import Counter, Gauge, Histogram
+
+from l2fs.common import (
+    DEFAULT_MAX_FILE_SIZE,
+    GRPC_OPTIONS,
+    PathError,
+    TokenInterceptor,
+    auth_metadata,
+    make_channel,
+    norm_path,
+    parent_of,
+    parse_size,
+    server_credentials,
+    start_metrics_server,
+    write_port_file,
+)
+from l2fs.proto import l2fs_pb2 as pb
+from l2fs.proto import l2fs_pb2_grpc as pbg
+
+log = logging.getLogger("l2fs.master")
+
+RPC_LATENCY = Histogram("l2fs_master_rpc_seconds", "Master RPC latency", ["method"],
+                        buckets=(.0001, .00025, .0005, .001, .0025, .005, .01, .025, .05, .1, .5, 1, 5))
+RPC_ERRORS = Counter("l2fs_master_rpc_errors_total", "Master RPCs that returned an error", ["method", "code"])
+LOOKUP_HITS = Counter("l2fs_master_lookup_hits_total", "Stat/prefix-lookup paths found")
+LOOKUP_MISSES = Counter("l2fs_master_lookup_misses_total", "Stat/prefix-lookup paths not found")
+FILES = Gauge("l2fs_master_files", "Files in the namespace")
+WORKERS_ALIVE = Gauge("l2fs_master_workers_alive", "Live workers")
+CAPACITY = Gauge("l2fs_master_capacity_bytes", "Capacity of live workers")
+USED = Gauge("l2fs_master_used_bytes", "Used bytes on live workers")
+COMMITS = Counter("l2fs_master_commits_total", "File commits", ["result"])
+DROPPED = Counter("l2fs_master_dropped_files_total", "Files dropped from the namespace", ["reason"])
+
+
+class RpcError(Exception):
+    """Raised inside handlers; turned into a gRPC status with a message."""
+
+    def __init__(self, code: grpc.StatusCode, msg: str) -> None:
+        super().__init__(msg)
+        self.code = code
+
+
+@dataclass(slots=True)
+class FileEntry:
+    block_id: str
+    worker_id: str
+    size: int
+    crc32c: int
+    mtime: float
+    order_hint: int
+    local_path: str
+
+
+@dataclass(slots=True)
+class WorkerEntry:
+    worker_id: str
+    node_id: str
+    address: str
+    capacity: int
+    used: int
+    blocks: int
+    last_seen: float
+    alive: bool = True
+    files: set[str] = field(default_factory=set)
+
+
+def _rpc(method: Callable) -> Callable:
+    """Time a handler and map RpcError/PathError to a gRPC status with a clear message."""
+    name = method.__name__
+
+    @functools.wraps(method)
+    def wrapper(self: Any, request: Any, context: grpc.ServicerContext) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return method(self, request, context)
+        except PathError as e:
+            RPC_ERRORS.labels(name, "INVALID_ARGUMENT").inc()
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except RpcError as e:
+            RPC_ERRORS.labels(name, e.code.name).inc()
+            context.abort(e.code, str(e))
+        finally:
+            RPC_LATENCY.labels(name).observe(time.perf_counter() - t0)
+
+    return wrapper
+
+
+class MasterService(pbg.MasterServicer):
+    """Namespace + registry. One lock guards all state; handlers are short and never do I/O under it."""
+
+    def __init__(self, *, heartbeat_timeout: float = 10.0, max_file_size: int = DEFAULT_MAX_FILE_SIZE,
+                 token: str | None = None, tls_ca: str | None = None) -> None:
+        self.heartbeat_timeout = heartbeat_timeout
+        self.max_file_size = max_file_size
+        self.lock = threading.RLock()
+        self.files: dict[str, FileEntry] = {}
+        self.blocks: dict[str, str] = {}  # block_id -> path
+        self.children: dict[str, set[str]] = {"/": set()}  # dir -> child names (files and dirs)
+        self.workers: dict[str, WorkerEntry] = {}
+        self._token = token
+        self._tls_ca = tls_ca
+        self._stubs: dict[str, pbg.WorkerStub] = {}
+        self._bg = futures.ThreadPoolExecutor(4, thread_name_prefix="l2fs-master-bg")
+        self._stop = threading.Event()
+        threading.Thread(target=self._sweeper, name="l2fs-sweeper", daemon=True).start()
+
+    # ---------- helpers (call with lock held unless noted) ----------
+
+    def _is_dir(self, path: str) -> bool:
+        return path in self.children
+
+    def _ensure_dirs(self, path: str) -> None:
+        """Create path and its missing parents as directories."""
+        missing = []
+        p = path
+        while p not in self.children:
+            if p in self.files:
+                raise RpcError(grpc.StatusCode.FAILED_PRECONDITION, f"{p} is a file, not a directory")
+            missing.append(p)
+            p = parent_of(p)
+        for d in reversed(missing):
+            self.children[d] = set()
+            self.children[parent_of(d)].add(d.rsplit("/", 1)[1])
+
+    def _add_file(self, path: str, entry: FileEntry) -> None:
+        if path in self.children:
+            raise RpcError(grpc.StatusCode.FAILED_PRECONDITION, f"{path} is a directory")
+        self._ensure_dirs(parent_of(path))
+        self.files[path] = entry
+        self.blocks[entry.block_id] = path
+        self.children[parent_of(path)].add(path.rsplit("/", 1)[1])
+        w = self.workers.get(entry.worker_id)
+        if w is not None:
+            w.files.add(path)
+        FILES.set(len(self.files))
+
+    def _drop_file(self, path: str) -> FileEntry | None:
+        e = self.files.pop(path, None)
+        if e is None:
+            return None
+        self.blocks.pop(e.block_id, None)
+        kids = self.children.get(parent_of(path))
+        if kids is not None:
+            kids.discard(path.rsplit("/", 1)[1])
+        w = self.workers.get(e.worker_id)
+        if w is not None:
+            w.files.discard(path)
+        FILES.set(len(self.files))
+        return e
+
+    def _location(self, e: FileEntry) -> pb.Location:
+        w = self.workers[e.worker_id]
+        return pb.Location(worker_id=w.worker_id, node_id=w.node_id, address=w.address,
+                           block_id=e.block_id, local_path=e.local_path)
+
+    def _stat(self, path: str) -> pb.FileStat:
+        e = self.files.get(path)
+        if e is not None:
+            return pb.FileStat(path=path, exists=True, size=e.size, mtime=e.mtime, crc32c=e.crc32c,
+                               order_hint=e.order_hint, locations=[self._location(e)])
+        if path in self.children:
+            return pb.FileStat(path=path, exists=True, is_dir=True)
+        return pb.FileStat(path=path, exists=False)
+
+    def _drop_worker_files(self, w: WorkerEntry, reason: str) -> None:
+        for path in list(w.files):
+            self._drop_file(path)
+            DROPPED.labels(reason).inc()
+        w.files.clear()
+
+    def _update_gauges(self) -> None:
+        alive = [w for w in self.workers.values() if w.alive]
+        WORKERS_ALIVE.set(len(alive))
+        CAPACITY.set(sum(w.capacity for w in alive))
+        USED.set(sum(w.used for w in alive))
+
+    def _worker_stub(self, address: str) -> pbg.WorkerStub:
+        stub = self._stubs.get(address)
+        if stub is None:
+            stub = pbg.WorkerStub(make_channel(address, self._tls_ca))
+            self._stubs[address] = stub
+        return stub
+
+    def _tell_worker(self, worker_id: str, call: str, request: Any, *, wait: bool) -> None:
+        """Master -> worker RPC (delete blocks, set paths), best effort: a dead worker re-reports later."""
+        with self.lock:
+            w = self.workers.get(worker_id)
+            address = w.address if w is not None else None
+        if address is None:
+            return
+
+        def send() -> None:
+            try:
+                getattr(self._worker_stub(address), call)(request, timeout=2.0,
+                                                          metadata=auth_metadata(self._token))
+            except grpc.RpcError as e:
+                log.warning("worker %s %s failed: %s", worker_id, call, e.code())
+
+        if wait:
+            send()
+        else:
+            self._bg.submit(send)
+
+    def _sweeper(self) -> None:
+        """Marks workers dead after heartbeat_timeout and drops their file locations at once."""
+        period = max(0.05, min(1.0, self.heartbeat_timeout / 5))
+        while not self._stop.wait(period):
+            now = time.monotonic()
+            with self.lock:
+                for w in self.workers.values():
+                    if w.alive and now - w.last_seen > self.heartbeat_timeout:
+                        w.alive = False
+                        self._drop_worker_files(w, "worker_dead")
+                        log.warning("worker %s (%s) dead: no heartbeat for %.1fs", w.worker_id, w.address,
+                                    now - w.last_seen)
+                self._update_gauges()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._bg.shutdown(wait=False, cancel_futures=True)
+
+    # ---------- worker-facing ----------
+
+    @_rpc
+    def RegisterWorker(self, request: pb.RegisterRequest, context: Any) -> pb.RegisterResponse:  # noqa: N802
+        if not request.worker_id or not request.address:
+            raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, "worker_id and address are required")
+        reject: list[str] = []
+        remote_deletes: list[tuple[str, str]] = []
+        with self.lock:
+            old = self.workers.get(request.worker_id)
+            if old is not None:  # a re-registration replaces the old one cleanly
+                self._drop_worker_files(old, "reregistered")
+            w = WorkerEntry(request.worker_id, request.node_id or request.worker_id, request.address,
+                            request.capacity, request.used, len(request.blocks), time.monotonic())
+            self.workers[request.worker_id] = w
+            for b in request.blocks:
+                try:
+                    path = norm_path(b.path)
+                except PathError:
+                    reject.append(b.block_id)
+                    continue
+                cur = self.files.get(path)
+                if cur is not None and cur.block_id != b.block_id:
+                    if cur.mtime >= b.mtime:  # keep the newer copy of a path
+                        reject.append(b.block_id)
+                        continue
+                    self._drop_file(path)
+                    remote_deletes.append((cur.worker_id, cur.block_id))
+                try:
+                    self._add_file(path, FileEntry(b.block_id, w.worker_id, b.size, b.crc32c, b.mtime,
+                                                   b.order_hint, b.local_path))
+                except RpcError:  # path clashes with a directory: that block cannot be published
+                    reject.append(b.block_id)
+            self._update_gauges()
+        for wid, bid in remote_deletes:
+            if wid != request.worker_id:
+                self._tell_worker(wid, "DeleteBlocks", pb.BlockIds(block_ids=[bid]), wait=False)
+        log.info("registered worker %s node=%s at %s: %d blocks (%d rejected)", request.worker_id,
+                 request.node_id, request.address, len(request.blocks), len(reject))
+        return pb.RegisterResponse(delete_blocks=reject)
+
+    @_rpc
+    def Heartbeat(self, request: pb.HeartbeatRequest, context: Any) -> pb.HeartbeatResponse:  # noqa: N802
+        with self.lock:
+            w = self.workers.get(request.worker_id)
+            if w is None or not w.alive:
+                return pb.HeartbeatResponse(reregister=True)
+            w.last_seen = time.monotonic()
+            w.capacity, w.used, w.blocks = request.capacity, request.used, request.blocks
+        return pb.HeartbeatResponse(reregister=False)
+
+    @_rpc
+    def RemoveBlocks(self, request: pb.BlocksRemoved, context: Any) -> pb.Empty:  # noqa: N802
+        with self.lock:
+            for bid in request.block_ids:
+                path = self.blocks.get(bid)
+                if path is not None and self.files[path].worker_id == request.worker_id:
+                    self._drop_file(path)
+                    DROPPED.labels(request.reason or "removed").inc()
+        return pb.Empty()
+
+    # ---------- client-facing ----------
+
+    @_rpc
+    def Allocate(self, request: pb.AllocateRequest, context: Any) -> pb.AllocateResponse:  # noqa: N802
+        path = norm_path(request.path)
+        if path == "/":
+            raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, "cannot write to '/'")
+        if request.size > self.max_file_size:
+            raise RpcError(grpc.StatusCode.INVALID_ARGUMENT,
+                           f"file of {request.size} bytes exceeds the max file size {self.max_file_size}")
+        with self.lock:
+            if request.if_absent and path in self.files:
+                return pb.AllocateResponse(exists=True)
+            if path in self.children:
+                raise RpcError(grpc.StatusCode.FAILED_PRECONDITION, f"{path} is a directory")
+            w = self._place(request.size, request.node_id)
+            w.used += request.size  # estimate until the next heartbeat, spreads concurrent writers
+            return pb.AllocateResponse(block_id=uuid.uuid4().hex, worker=pb.Location(
+                worker_id=w.worker_id, node_id=w.node_id, address=w.address))
+
+    def _place(self, size: int, node_id: str) -> WorkerEntry:
+        """Local-first if the local worker has free room, else the most free; eviction makes room last."""
+        alive = [w for w in self.workers.values() if w.alive and w.capacity >= size]
+        if not alive:
+            raise RpcError(grpc.StatusCode.UNAVAILABLE, f"no live worker can hold {size} bytes")
+        local = [w for w in alive if node_id and w.node_id == node_id]
+        for w in local:
+            if w.capacity * 0.9 - w.used >= size:
+                return w
+        roomy = [w for w in alive if w.capacity * 0.9 - w.used >= size]
+        if roomy:
+            return max(roomy, key=lambda w: w.capacity - w.used)
+        if local:
+            return local[0]
+        return max(alive, key=lambda w: w.capacity - w.used)
+
+    @_rpc
+    def Commit(self, request: pb.CommitRequest, context: Any) -> pb.CommitResponse:  # noqa: N802
+        path = norm_path(request.path)
+        if path == "/":
+            raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, "cannot write to '/'")
+        if not request.block_id:
+            raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, "block_id is required")
+        orphan: tuple[str, str] | None = None
+        with self.lock:
+            w = self.workers.get(request.worker_id)
+            if w is None or not w.alive:
+                raise RpcError(grpc.StatusCode.UNAVAILABLE, f"worker {request.worker_id!r} is not alive")
+            cur = self.files.get(path)
+            if cur is not None and cur.block_id == request.block_id:
+                return pb.CommitResponse(published=True)  # a retried commit of our own block
+            if cur is not None and request.if_absent:
+                orphan = (request.worker_id, request.block_id)  # lost the race: drop our copy
+                published = False
+            else:
+                if cur is not None:
+                    self._drop_file(path)
+                    orphan = (cur.worker_id, cur.block_id)
+                self._add_file(path, FileEntry(request.block_id, w.worker_id, request.size, request.crc32c,
+                                               time.time(), request.order_hint, request.local_path))
+                published = True
+        COMMITS.labels("published" if published else "exists").inc()
+        if orphan is not None:
+            self._tell_worker(orphan[0], "DeleteBlocks", pb.BlockIds(block_ids=[orphan[1]]), wait=False)
+        return pb.CommitResponse(published=published)
+
+    @_rpc
+    def Stat(self, request: pb.PathRequest, context: Any) -> pb.FileStat:  # noqa: N802
+        path = norm_path(request.path)
+        with self.lock:
+            st = self._stat(path)
+        (LOOKUP_HITS if st.exists else LOOKUP_MISSES).inc()
+        return st
+
+    @_rpc
+    def StatMany(self, request: pb.PathsRequest, context: Any) -> pb.StatManyResponse:  # noqa: N802
+        paths = [norm_path(p) for p in request.paths]
+        with self.lock:
+            stats = [self._stat(p) for p in paths]
+        hits = sum(s.exists for s in stats)
+        LOOKUP_HITS.inc(hits)
+        LOOKUP_MISSES.inc(len(stats) - hits)
+        return pb.StatManyResponse(stats=stats)
+
+    @_rpc
+    def PrefixLookup(self, request: pb.PathsRequest, context: Any) -> pb.PrefixLookupResponse:  # noqa: N802
+        paths = [norm_path(p) for p in request.paths]
+        n = 0
+        with self.lock:
+            for p in paths:
+                if p not in self.files:
+                    break
+                n += 1
+        LOOKUP_HITS.inc(n)
+        if n < len(paths):
+            LOOKUP_MISSES.inc()
+        return pb.PrefixLookupResponse(count=n)
+
+    @_rpc
+    def List(self, request: pb.PathRequest, context: Any) -> pb.ListResponse:  # noqa: N802
+        path = norm_path(request.path)
+        with self.lock:
+            if path in self.files:
+                return pb.ListResponse(entries=[self._stat(path)])
+            kids = self.children.get(path)
+            if kids is None:
+                raise RpcError(grpc.StatusCode.NOT_FOUND, f"{path}: no such file or directory")
+            base = "" if path == "/" else path
+            entries = [self._stat(f"{base}/{name}") for name in sorted(kids)]
+        return pb.ListResponse(entries=entries)
+
+    @_rpc
+    def Mkdir(self, request: pb.MkdirRequest, context: Any) -> pb.Empty:  # noqa: N802
+        path = norm_path(request.path)
+        with self.lock:
+            if path in self.files:
+                raise RpcError(grpc.StatusCode.ALREADY_EXISTS, f"{path} exists and is a file")
+            if path in self.children:
+                if not request.exist_ok:
+                    raise RpcError(grpc.StatusCode.ALREADY_EXISTS, f"{path} already exists")
+                return pb.Empty()
+            if not request.parents and parent_of(path) not in self.children:
+                raise RpcError(grpc.StatusCode.NOT_FOUND, f"parent of {path} does not exist")
+            self._ensure_dirs(path)
+        return pb.Empty()
+
+    @_rpc
+    def Rmdir(self, request: pb.PathRequest, context: Any) -> pb.Empty:  # noqa: N802
+        path = norm_path(request.path)
+        with self.lock:
+            self._rmdir(path)
+        return pb.Empty()
+
+    def _rmdir(self, path: str) -> None:
+        if path == "/":
+            raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, "cannot remove '/'")
+        kids = self.children.get(path)
+        if kids is None:
+            if path in self.files:
+                raise RpcError(grpc.StatusCode.FAILED_PRECONDITION, f"{path} is a file, not a directory")
+            raise RpcError(grpc.StatusCode.NOT_FOUND, f"{path}: no such directory")
+        if kids:
+            raise RpcError(grpc.StatusCode.FAILED_PRECONDITION, f"{path}: directory not empty")
+        del self.children[path]
+        self.children[parent_of(path)].discard(path.rsplit("/", 1)[1])
+
+    @_rpc
+    def Delete(self, request: pb.PathRequest, context: Any) -> pb.DeleteResponse:  # noqa: N802
+        path = norm_path(request.path)
+        with self.lock:
+            if path in self.children:
+                self._rmdir(path)
+                return pb.DeleteResponse(removed=True)
+            e = self._drop_file(path)
+        if e is None:
+            return pb.DeleteResponse(removed=False)
+        self._tell_worker(e.worker_id, "DeleteBlocks", pb.BlockIds(block_ids=[e.block_id]), wait=True)
+        return pb.DeleteResponse(removed=True)
+
+    @_rpc
+    def Rename(self, request: pb.RenameRequest, context: Any) -> pb.Empty:  # noqa: N802
+        src, dst = norm_path(request.src), norm_path(request.dst)
+        if src == "/" or dst == "/":
+            raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, "cannot rename '/'")
+        if src == dst:
+            with self.lock:
+                if src not in self.files and src not in self.children:
+                    raise RpcError(grpc.StatusCode.NOT_FOUND, f"{src}: no such file or directory")
+            return pb.Empty()
+        if dst.startswith(src + "/"):
+            raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, f"cannot move {src} inside itself")
+        moved: list[tuple[str, str, str]] = []  # (worker_id, block_id, new path)
+        replaced: FileEntry | None = None
+        with self.lock:
+            if src in self.files:
+                if dst in self.children:
+                    raise RpcError(grpc.StatusCode.FAILED_PRECONDITION, f"{dst} is a directory")
+                if dst in self.files and not request.overwrite:
+                    raise RpcError(grpc.StatusCode.ALREADY_EXISTS, f"{dst} already exists")
+                self._ensure_dirs(parent_of(dst))
+                replaced = self._drop_file(dst)
+                e = self._drop_file(src)
+                assert e is not None
+                self._add_file(dst, e)
+                moved.append((e.worker_id, e.block_id, dst))
+            elif src in self.children:
+                if dst in self.files:
+                    raise RpcError(grpc.StatusCode.FAILED_PRECONDITION, f"{dst} is a file")
+                if dst in self.children:
+                    if self.children[dst]:
+                        raise RpcError(grpc.StatusCode.FAILED_PRECONDITION, f"{dst}: directory not empty")
+                    if not request.overwrite:
+                        raise RpcError(grpc.StatusCode.ALREADY_EXISTS, f"{dst} already exists")
+                    self._rmdir(dst)
+                self._ensure_dirs(parent_of(dst))
+                prefix = src + "/"
+                subdirs = sorted(d for d in self.children if d == src or d.startswith(prefix))
+                subfiles = [p for p in self.files if p.startswith(prefix)]
+                entries = [(p, self._drop_file(p)) for p in subfiles]
+                for d in reversed(subdirs):
+                    kids = self.children.pop(d)
+                    kids.clear()
+                    self.children.get(parent_of(d), set()).discard(d.rsplit("/", 1)[1])
+                for d in subdirs:
+                    self._ensure_dirs(dst + d[len(src):])
+                for p, e in entries:
+                    assert e is not None
+                    np_ = dst + p[len(src):]
+                    self._add_file(np_, e)
+                    moved.append((e.worker_id, e.block_id, np_))
+            else:
+                raise RpcError(grpc.StatusCode.NOT_FOUND, f"{src}: no such file or directory")
+        by_worker: dict[str, tuple[list[str], list[str]]] = {}
+        for wid, bid, p in moved:
+            ids, paths = by_worker.setdefault(wid, ([], []))
+            ids.append(bid)
+            paths.append(p)
+        for wid, (ids, paths) in by_worker.items():
+            self._tell_worker(wid, "SetPaths", pb.SetPathsRequest(block_ids=ids, paths=paths), wait=True)
+        if replaced is not None:
+            self._tell_worker(replaced.worker_id, "DeleteBlocks",
+                              pb.BlockIds(block_ids=[replaced.block_id]), wait=True)
+        return pb.Empty()
+
+    @_rpc
+    def Report(self, request: pb.Empty, context: Any) -> pb.ReportResponse:  # noqa: N802
+        with self.lock:
+            ws = [pb.WorkerStatus(worker_id=w.worker_id, node_id=w.node_id, address=w.address, alive=w.alive,
+                                  capacity=w.capacity, used=w.used, blocks=w.blocks)
+                  for w in sorted(self.workers.values(), key=lambda w: w.worker_id)]
+            return pb.ReportResponse(workers=ws, files=len(self.files))
+
+    def health(self) -> dict:
+        with self.lock:
+            alive = sum(w.alive for w in self.workers.values())
+            return {"ok": True, "role": "master", "workers_alive": alive, "files": len(self.files)}
+
+
+def serve(host: str, port: int, service: MasterService, *, token: str | None = None,
+          tls_cert: str | None = None, tls_key: str | None = None, threads: int = 32) -> tuple[grpc.Server, int]:
+    """Start the master gRPC server; returns it and the bound port."""
+    interceptors: Iterable[grpc.ServerInterceptor] = [TokenInterceptor(token)] if token else []
+    server = grpc.server(futures.ThreadPoolExecutor(threads, thread_name_prefix="l2fs-master"),
+                         interceptors=interceptors, options=GRPC_OPTIONS)
+    pbg.add_MasterServicer_to_server(service, server)
+    creds = server_credentials(tls_cert, tls_key)
+    addr = f"{host}:{port}"
+    bound = server.add_secure_port(addr, creds) if creds else server.add_insecure_port(addr)
+    if bound == 0:
+        raise OSError(f"could not bind {addr}")
+    server.start()
+    return server, bound
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="l2fs master", description="Run the l2fs metadata master.")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8995, help="gRPC port (0 = pick a free one)")
+    p.add_argument("--port-file", help="write {'port':..., 'metrics_port':...} JSON here once bound")
+    p.add_argument("--metrics-port", type=int, default=None,
+                   help="HTTP /metrics and /healthz port (0 = pick a free one; default: off)")
+    p.add_argument("--heartbeat-timeout", type=float, default=10.0,
+                   help="seconds without a heartbeat before a worker is dead (default 10)")
+    p.add_argument("--max-file-size", default=str(DEFAULT_MAX_FILE_SIZE), help="e.g. 1G (default)")
+    p.add_argument("--token", default=None, help="require this bearer token (also $L2FS_TOKEN)")
+    p.add_argument("--tls-cert")
+    p.add_argument("--tls-key")
+    p.add_argument("--tls-ca", help="CA to verify workers when the master calls them over TLS")
+    p.add_argument("--log-level", default="INFO")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    import os
+
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    token = args.token or os.environ.get("L2FS_TOKEN") or None
+    service = MasterService(heartbeat_timeout=args.heartbeat_timeout,
+                            max_file_size=parse_size(args.max_file_size), token=token, tls_ca=args.tls_ca)
+    server, port = serve(args.host, args.port, service, token=token, tls_cert=args.tls_cert,
+                         tls_key=args.tls_key)
+    metrics_port = None
+    if args.metrics_port is not None:
+        metrics_port = start_metrics_server(args.host, args.metrics_port, service.health).server_address[1]
+    write_port_file(args.port_file, port=port, metrics_port=metrics_port)
+    print(f"l2fs master listening on {args.host}:{port}"
+          + (f" (metrics on http://{args.host}:{metrics_port}/metrics)" if metrics_port else ""), flush=True)
+    done = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: done.set())
+    done.wait()
+    service.close()
+    server.stop(grace=1).wait()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

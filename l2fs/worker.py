@@ -1,0 +1,638 @@
+"""l2fs worker: stores blocks as files on local data dirs, serves them over gRPC, evicts when full.
+
+Each data dir holds `blocks/<id[:2]>/<id>` files, a `tmp/` folder for in-flight writes and a SQLite
+manifest (block id, file path, size, crc32c, sealed, last access, order hint). The manifest is what
+lets a restarted master rebuild its namespace: on (re)registration the worker re-reports every sealed
+block. CRC32C is computed on write and verified on every read; a mismatch deletes the block and the
+read is a miss.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import logging
+import os
+import re
+import signal
+import socket
+import sqlite3
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from concurrent import futures
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import crc32c
+import grpc
+from prometheus_client import Counter, Gauge, Histogram
+
+from l2fs.common import (
+    DEFAULT_MAX_FILE_SIZE,
+    FRAME,
+    GRPC_OPTIONS,
+    PathError,
+    TokenInterceptor,
+    auth_metadata,
+    make_channel,
+    norm_path,
+    parse_size,
+    server_credentials,
+    start_metrics_server,
+    write_port_file,
+)
+from l2fs.proto import l2fs_pb2 as pb
+from l2fs.proto import l2fs_pb2_grpc as pbg
+
+log = logging.getLogger("l2fs.worker")
+
+RPC_LATENCY = Histogram("l2fs_worker_rpc_seconds", "Worker RPC latency", ["method"],
+                        buckets=(.0001, .0005, .001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 5))
+READ_HITS = Counter("l2fs_worker_read_hits_total", "Block reads served (gRPC) or touched (short-circuit)")
+READ_MISSES = Counter("l2fs_worker_read_misses_total", "Block reads of unknown or corrupt blocks")
+BYTES_READ = Counter("l2fs_worker_bytes_read_total", "Bytes served over gRPC")
+BYTES_WRITTEN = Counter("l2fs_worker_bytes_written_total", "Bytes sealed (gRPC and short-circuit)")
+EVICTIONS = Counter("l2fs_worker_evictions_total", "Blocks evicted to stay under the watermark")
+EVICTED_BYTES = Counter("l2fs_worker_evicted_bytes_total", "Bytes evicted")
+CORRUPT = Counter("l2fs_worker_corrupt_blocks_total", "Blocks dropped after a checksum mismatch")
+CAPACITY = Gauge("l2fs_worker_capacity_bytes", "Capacity over all data dirs")
+USED = Gauge("l2fs_worker_used_bytes", "Used bytes over all data dirs (sealed + reserved)")
+BLOCKS = Gauge("l2fs_worker_blocks", "Sealed blocks held")
+
+BLOCK_ID = re.compile(r"^[0-9a-f]{32}$")
+
+
+class RpcError(Exception):
+    def __init__(self, code: grpc.StatusCode, msg: str) -> None:
+        super().__init__(msg)
+        self.code = code
+
+
+def _check_block_id(bid: str) -> str:
+    if not BLOCK_ID.match(bid or ""):
+        raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, f"malformed block id {bid[:80]!r}")
+    return bid
+
+
+@dataclass(slots=True)
+class Block:
+    block_id: str
+    dir_idx: int
+    path: str
+    size: int
+    crc32c: int
+    mtime: float
+    last_access: float
+    order_hint: int
+
+
+class DataDir:
+    """One storage directory with a capacity and its own manifest."""
+
+    def __init__(self, root: Path, capacity: int) -> None:
+        self.root = root
+        self.capacity = capacity
+        self.used = 0  # sealed + reserved bytes
+        (root / "blocks").mkdir(parents=True, exist_ok=True)
+        (root / "tmp").mkdir(parents=True, exist_ok=True)
+        self.db = sqlite3.connect(root / "manifest.sqlite3", check_same_thread=False, isolation_level=None)
+        self.db.execute("PRAGMA journal_mode=WAL")
+        self.db.execute("PRAGMA synchronous=NORMAL")
+        self.db.execute("""CREATE TABLE IF NOT EXISTS blocks (
+            block_id TEXT PRIMARY KEY, path TEXT NOT NULL, size INTEGER NOT NULL, crc32c INTEGER NOT NULL,
+            sealed INTEGER NOT NULL, mtime REAL NOT NULL, last_access REAL NOT NULL,
+            order_hint INTEGER NOT NULL)""")
+
+    def block_file(self, bid: str) -> Path:
+        return self.root / "blocks" / bid[:2] / bid
+
+    def tmp_file(self, bid: str) -> Path:
+        return self.root / "tmp" / f"{bid}.part"
+
+
+class Store:
+    """Blocks over all data dirs; one lock; eviction (LRU by read, deepest order hint first)."""
+
+    def __init__(self, dirs: list[tuple[Path, int]], *, high: float = 0.9, low: float = 0.8,
+                 max_file_size: int = DEFAULT_MAX_FILE_SIZE, evict_granularity: float = 1.0) -> None:
+        self.lock = threading.RLock()
+        self.dirs = [DataDir(p, c) for p, c in dirs]
+        self.high, self.low = high, low
+        self.max_file_size = max_file_size
+        self.evict_granularity = evict_granularity
+        self.blocks: dict[str, Block] = {}
+        self.reservations: dict[str, tuple[int, int, float]] = {}  # bid -> (dir, size, since)
+        self.removed: list[tuple[str, str]] = []  # (block_id, reason) not yet reported to the master
+        self._dirty_access: set[str] = set()
+        self._load()
+
+    def _load(self) -> None:
+        """Rebuild from the manifests; drop rows whose file is gone and files with no row."""
+        for i, d in enumerate(self.dirs):
+            for f in (d.root / "tmp").iterdir():
+                f.unlink(missing_ok=True)
+            rows = d.db.execute("SELECT block_id, path, size, crc32c, sealed, mtime, last_access, order_hint"
+                                " FROM blocks").fetchall()
+            known = set()
+            for bid, path, size, crc, sealed, mtime, la, oh in rows:
+                f = d.block_file(bid)
+                if not sealed or not f.exists() or f.stat().st_size != size:
+                    d.db.execute("DELETE FROM blocks WHERE block_id=?", (bid,))
+                    f.unlink(missing_ok=True)
+                    continue
+                self.blocks[bid] = Block(bid, i, path, size, crc, mtime, la, oh)
+                d.used += size
+                known.add(bid)
+            for sub in (d.root / "blocks").iterdir():
+                for f in sub.iterdir():
+                    if f.name not in known:
+                        f.unlink(missing_ok=True)
+        self._gauges()
+
+    def _gauges(self) -> None:
+        CAPACITY.set(sum(d.capacity for d in self.dirs))
+        USED.set(sum(d.used for d in self.dirs))
+        BLOCKS.set(len(self.blocks))
+
+    @property
+    def capacity(self) -> int:
+        return sum(d.capacity for d in self.dirs)
+
+    @property
+    def used(self) -> int:
+        return sum(d.used for d in self.dirs)
+
+    def local_path(self, b: Block) -> str:
+        return str(self.dirs[b.dir_idx].block_file(b.block_id))
+
+    # ---------- space ----------
+
+    def reserve(self, bid: str, size: int) -> int:
+        """Pick a dir and make room (evicting first, never ENOSPC); returns the dir index."""
+        if size > self.max_file_size:
+            raise RpcError(grpc.StatusCode.INVALID_ARGUMENT,
+                           f"block of {size} bytes exceeds the max file size {self.max_file_size}")
+        with self.lock:
+            if bid in self.blocks or bid in self.reservations:
+                raise RpcError(grpc.StatusCode.ALREADY_EXISTS, f"block {bid} already exists")
+            fits = [i for i, d in enumerate(self.dirs) if d.capacity * self.low >= size]
+            if not fits:
+                raise RpcError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                               f"block of {size} bytes is larger than {self.low:.0%} of every data dir")
+            i = max(fits, key=lambda j: self.dirs[j].capacity - self.dirs[j].used)
+            d = self.dirs[i]
+            if d.used + size > d.capacity * self.high:
+                self._evict(i, d.capacity * self.low - size)
+            d.used += size
+            self.reservations[bid] = (i, size, time.monotonic())
+            self._gauges()
+            return i
+
+    def release(self, bid: str) -> None:
+        """Give back a reservation of a write that did not complete."""
+        with self.lock:
+            r = self.reservations.pop(bid, None)
+            if r is not None:
+                self.dirs[r[0]].used -= r[1]
+                self.dirs[r[0]].tmp_file(bid).unlink(missing_ok=True)
+                self._gauges()
+
+    def _evict(self, i: int, target: float) -> None:
+        """Evict from dir i until used <= target: coldest read first, deepest chain position first."""
+        d = self.dirs[i]
+        g = self.evict_granularity
+        victims = sorted((b for b in self.blocks.values() if b.dir_idx == i),
+                         key=lambda b: (int(b.last_access / g), -b.order_hint, b.last_access))
+        for b in victims:
+            if d.used <= target:
+                break
+            self._delete(b.block_id, "evicted")
+            EVICTIONS.inc()
+            EVICTED_BYTES.inc(b.size)
+
+    def maybe_evict(self) -> None:
+        """Background check: bring any dir above the high watermark down to the low one."""
+        with self.lock:
+            for i, d in enumerate(self.dirs):
+                if d.used > d.capacity * self.high:
+                    self._evict(i, d.capacity * self.low)
+            now = time.monotonic()
+            for bid, (_, _, since) in list(self.reservations.items()):
+                if now - since > 300:  # an abandoned short-circuit write
+                    self.release(bid)
+
+    # ---------- blocks ----------
+
+    def seal(self, bid: str, path: str, size: int, crc: int, order_hint: int, src: Path) -> Block:
+        """Move a fully written temp file into place and record it in the manifest."""
+        with self.lock:
+            r = self.reservations.pop(bid, None)
+            if r is None:
+                raise RpcError(grpc.StatusCode.FAILED_PRECONDITION, f"block {bid} has no reservation")
+            i, reserved, _ = r
+            d = self.dirs[i]
+            dst = d.block_file(bid)
+            dst.parent.mkdir(exist_ok=True)
+            os.replace(src, dst)
+            d.used += size - reserved
+            now = time.time()
+            b = Block(bid, i, path, size, crc, now, now, order_hint)
+            self.blocks[bid] = b
+            d.db.execute("INSERT OR REPLACE INTO blocks VALUES (?,?,?,?,1,?,?,?)",
+                         (bid, path, size, crc, now, now, order_hint))
+            self._gauges()
+        BYTES_WRITTEN.inc(size)
+        return b
+
+    def _delete(self, bid: str, reason: str) -> bool:
+        with self.lock:
+            b = self.blocks.pop(bid, None)
+            if b is None:
+                return False
+            d = self.dirs[b.dir_idx]
+            d.block_file(bid).unlink(missing_ok=True)
+            d.used -= b.size
+            d.db.execute("DELETE FROM blocks WHERE block_id=?", (bid,))
+            self._dirty_access.discard(bid)
+            if reason != "deleted":
+                self.removed.append((bid, reason))
+            self._gauges()
+            return True
+
+    def delete(self, bid: str, reason: str = "deleted") -> bool:
+        return self._delete(bid, reason)
+
+    def touch(self, bid: str) -> None:
+        with self.lock:
+            b = self.blocks.get(bid)
+            if b is not None:
+                b.last_access = time.time()
+                self._dirty_access.add(bid)
+
+    def set_path(self, bid: str, path: str) -> None:
+        with self.lock:
+            b = self.blocks.get(bid)
+            if b is not None:
+                b.path = path
+                self.dirs[b.dir_idx].db.execute("UPDATE blocks SET path=? WHERE block_id=?", (path, bid))
+
+    def flush_access(self) -> None:
+        """Persist read times in batches (a read must not cost a SQLite write)."""
+        with self.lock:
+            for bid in self._dirty_access:
+                b = self.blocks.get(bid)
+                if b is not None:
+                    self.dirs[b.dir_idx].db.execute("UPDATE blocks SET last_access=? WHERE block_id=?",
+                                                    (b.last_access, bid))
+            self._dirty_access.clear()
+
+    def read_verified(self, bid: str) -> tuple[Block, bytearray] | None:
+        """Whole block, checksum verified; None (and the block dropped) when missing or corrupt."""
+        with self.lock:
+            b = self.blocks.get(bid)
+            path = self.dirs[b.dir_idx].block_file(bid) if b is not None else None
+        if b is None or path is None:
+            return None
+        buf = bytearray(b.size)
+        try:
+            with open(path, "rb", buffering=0) as f:
+                n = f.readinto(buf)
+                extra = f.read(1)
+        except OSError:
+            n, extra = -1, b""
+        if n != b.size or extra or crc32c.crc32c(buf) != b.crc32c:
+            log.warning("block %s (%s) failed verification: dropping it", bid, b.path)
+            CORRUPT.inc()
+            self._delete(bid, "corrupt")
+            return None
+        self.touch(bid)
+        return b, buf
+
+    def verify(self, bid: str) -> bool:
+        """Re-check a block's checksum (drops it when bad)."""
+        return self.read_verified(bid) is not None
+
+    def reports(self) -> list[pb.BlockReport]:
+        with self.lock:
+            return [pb.BlockReport(block_id=b.block_id, path=b.path, size=b.size, crc32c=b.crc32c,
+                                   mtime=b.mtime, order_hint=b.order_hint, local_path=self.local_path(b))
+                    for b in self.blocks.values()]
+
+
+def _rpc(method: Callable) -> Callable:
+    name = method.__name__
+
+    @functools.wraps(method)
+    def wrapper(self: Any, request: Any, context: grpc.ServicerContext) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return method(self, request, context)
+        except PathError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except RpcError as e:
+            context.abort(e.code, str(e))
+        finally:
+            RPC_LATENCY.labels(name).observe(time.perf_counter() - t0)
+
+    return wrapper
+
+
+class WorkerService(pbg.WorkerServicer):
+    def __init__(self, store: Store, on_removed: Callable[[], None]) -> None:
+        self.store = store
+        self._on_removed = on_removed
+
+    @_rpc
+    def WriteBlock(self, request_iterator: Iterator[pb.WriteChunk], context: Any) -> pb.WriteResult:  # noqa: N802
+        it = iter(request_iterator)
+        first = next(it, None)
+        if first is None:
+            raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, "empty write stream")
+        bid = _check_block_id(first.block_id)
+        path = norm_path(first.path)
+        size = first.size
+        i = self.store.reserve(bid, size)
+        tmp = self.store.dirs[i].tmp_file(bid)
+        ok = False
+        try:
+            crc, n = 0, 0
+            with open(tmp, "wb", buffering=0) as f:
+                msg: pb.WriteChunk | None = first
+                while msg is not None:
+                    data = msg.data
+                    if data:
+                        n += len(data)
+                        if n > size:
+                            raise RpcError(grpc.StatusCode.INVALID_ARGUMENT,
+                                           f"stream carries more than the declared {size} bytes")
+                        f.write(data)
+                        crc = crc32c.crc32c(data, value=crc)
+                    msg = next(it, None)
+            if n != size:
+                raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, f"stream ended after {n} of {size} bytes")
+            b = self.store.seal(bid, path, size, crc, first.order_hint, tmp)
+            ok = True
+        finally:
+            if not ok:
+                self.store.release(bid)
+            self._on_removed()
+        return pb.WriteResult(block_id=bid, size=size, crc32c=crc, local_path=self.store.local_path(b))
+
+    def ReadBlock(self, request: pb.ReadRequest, context: Any) -> Iterator[pb.ReadChunk]:  # noqa: N802
+        t0 = time.perf_counter()
+        try:
+            bid = _check_block_id(request.block_id)
+        except RpcError as e:
+            context.abort(e.code, str(e))
+        got = self.store.read_verified(bid)
+        if got is None:
+            READ_MISSES.inc()
+            self._on_removed()
+            context.abort(grpc.StatusCode.NOT_FOUND, f"block {bid} not found (missing or failed checksum)")
+        b, buf = got
+        READ_HITS.inc()
+        BYTES_READ.inc(b.size)
+        mv = memoryview(buf)
+        yield pb.ReadChunk(size=b.size, crc32c=b.crc32c, data=bytes(mv[:FRAME]))
+        for off in range(FRAME, b.size, FRAME):
+            yield pb.ReadChunk(data=bytes(mv[off:off + FRAME]))
+        RPC_LATENCY.labels("ReadBlock").observe(time.perf_counter() - t0)
+
+    @_rpc
+    def ReserveLocal(self, request: pb.ReserveRequest, context: Any) -> pb.ReserveResponse:  # noqa: N802
+        bid = _check_block_id(request.block_id)
+        i = self.store.reserve(bid, request.size)
+        self._on_removed()
+        return pb.ReserveResponse(tmp_path=str(self.store.dirs[i].tmp_file(bid)))
+
+    @_rpc
+    def AdoptLocal(self, request: pb.AdoptRequest, context: Any) -> pb.WriteResult:  # noqa: N802
+        bid = _check_block_id(request.block_id)
+        path = norm_path(request.path)
+        with self.store.lock:
+            r = self.store.reservations.get(bid)
+        if r is None:
+            raise RpcError(grpc.StatusCode.FAILED_PRECONDITION, f"block {bid} was not reserved")
+        tmp = self.store.dirs[r[0]].tmp_file(bid)
+        try:
+            actual = tmp.stat().st_size
+        except OSError:
+            actual = -1
+        if actual != request.size:
+            self.store.release(bid)
+            raise RpcError(grpc.StatusCode.INVALID_ARGUMENT,
+                           f"local block file has {actual} bytes, expected {request.size}")
+        b = self.store.seal(bid, path, request.size, request.crc32c, request.order_hint, tmp)
+        return pb.WriteResult(block_id=bid, size=b.size, crc32c=b.crc32c, local_path=self.store.local_path(b))
+
+    @_rpc
+    def Touch(self, request: pb.BlockIds, context: Any) -> pb.Empty:  # noqa: N802
+        for bid in request.block_ids:
+            self.store.touch(bid)
+            READ_HITS.inc()
+        return pb.Empty()
+
+    @_rpc
+    def ReportCorrupt(self, request: pb.BlockIds, context: Any) -> pb.Empty:  # noqa: N802
+        for bid in request.block_ids:
+            _check_block_id(bid)
+            self.store.verify(bid)  # re-checked here: a client alone cannot get data deleted
+        self._on_removed()
+        return pb.Empty()
+
+    @_rpc
+    def DeleteBlocks(self, request: pb.BlockIds, context: Any) -> pb.Empty:  # noqa: N802
+        for bid in request.block_ids:
+            self.store.delete(_check_block_id(bid))
+        return pb.Empty()
+
+    @_rpc
+    def SetPaths(self, request: pb.SetPathsRequest, context: Any) -> pb.Empty:  # noqa: N802
+        if len(request.block_ids) != len(request.paths):
+            raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, "block_ids and paths differ in length")
+        for bid, path in zip(request.block_ids, request.paths, strict=True):
+            self.store.set_path(_check_block_id(bid), norm_path(path))
+        return pb.Empty()
+
+
+class Worker:
+    """Server + the heartbeat/registration loop that keeps the master's view current."""
+
+    def __init__(self, store: Store, *, master: str, node_id: str, worker_id: str, host: str, port: int,
+                 advertise: str | None, heartbeat_interval: float, token: str | None, tls_cert: str | None,
+                 tls_key: str | None, tls_ca: str | None, threads: int = 32) -> None:
+        self.store = store
+        self.node_id, self.worker_id = node_id, worker_id
+        self.heartbeat_interval = heartbeat_interval
+        self._token = token
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        interceptors = [TokenInterceptor(token)] if token else []
+        self.server = grpc.server(futures.ThreadPoolExecutor(threads, thread_name_prefix="l2fs-worker"),
+                                  interceptors=interceptors, options=GRPC_OPTIONS)
+        pbg.add_WorkerServicer_to_server(WorkerService(store, self._wake.set), self.server)
+        creds = server_credentials(tls_cert, tls_key)
+        addr = f"{host}:{port}"
+        self.port = self.server.add_secure_port(addr, creds) if creds else self.server.add_insecure_port(addr)
+        if self.port == 0:
+            raise OSError(f"could not bind {addr}")
+        self.address = advertise or f"{host}:{self.port}"
+        self.master = pbg.MasterStub(make_channel(master, tls_ca))
+        self.registered = False
+
+    def start(self) -> None:
+        self.server.start()
+        threading.Thread(target=self._loop, name="l2fs-heartbeat", daemon=True).start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        self.server.stop(grace=1).wait()
+
+    def _register(self) -> None:
+        reports = self.store.reports()
+        resp = self.master.RegisterWorker(pb.RegisterRequest(
+            worker_id=self.worker_id, node_id=self.node_id, address=self.address,
+            capacity=self.store.capacity, used=self.store.used, blocks=reports),
+            timeout=30, metadata=auth_metadata(self._token))
+        for bid in resp.delete_blocks:
+            self.store.delete(bid)
+        with self.store.lock:
+            self.store.removed.clear()  # the full report supersedes pending removals
+        self.registered = True
+        log.info("registered with master as %s (%d blocks reported)", self.worker_id, len(reports))
+
+    def _report_removed(self) -> None:
+        with self.store.lock:
+            pending, self.store.removed = self.store.removed, []
+        by_reason: dict[str, list[str]] = {}
+        for bid, reason in pending:
+            by_reason.setdefault(reason, []).append(bid)
+        for reason, ids in by_reason.items():
+            try:
+                self.master.RemoveBlocks(pb.BlocksRemoved(worker_id=self.worker_id, block_ids=ids,
+                                                          reason=reason),
+                                         timeout=5, metadata=auth_metadata(self._token))
+            except grpc.RpcError:
+                with self.store.lock:
+                    self.store.removed.extend((b, reason) for b in ids)
+                raise
+
+    def _loop(self) -> None:
+        """Heartbeat every interval; re-register when the master asks (it restarted or dropped us)."""
+        next_hb = 0.0
+        while not self._stop.is_set():
+            try:
+                if not self.registered:
+                    self._register()
+                if self.store.removed:
+                    self._report_removed()
+                now = time.monotonic()
+                if now >= next_hb:
+                    next_hb = now + self.heartbeat_interval
+                    self.store.maybe_evict()
+                    self.store.flush_access()
+                    resp = self.master.Heartbeat(pb.HeartbeatRequest(
+                        worker_id=self.worker_id, capacity=self.store.capacity, used=self.store.used,
+                        blocks=len(self.store.blocks)), timeout=5, metadata=auth_metadata(self._token))
+                    if resp.reregister:
+                        self.registered = False
+                        continue
+            except grpc.RpcError as e:
+                log.warning("master unreachable (%s); retrying", e.code())
+                self.registered = self.registered and e.code() != grpc.StatusCode.UNAVAILABLE
+                self._stop.wait(min(1.0, self.heartbeat_interval))
+                continue
+            self._wake.wait(max(0.0, next_hb - time.monotonic()))
+            self._wake.clear()
+
+
+def parse_data_dir(spec: str) -> tuple[Path, int]:
+    """'PATH[:CAPACITY]' -> (path, bytes); capacity defaults to the filesystem's free space."""
+    path, _, cap = spec.rpartition(":") if re.search(r":\d+(\.\d+)?[kmgtKMGT]?i?[bB]?$", spec) else (spec, "", "")
+    p = Path(path).resolve()
+    p.mkdir(parents=True, exist_ok=True)
+    if cap:
+        return p, parse_size(cap)
+    st = os.statvfs(p)
+    return p, st.f_bavail * st.f_frsize
+
+
+def _worker_id(first_dir: Path, node_id: str) -> str:
+    """Stable across restarts: stored in the first data dir the first time."""
+    f = first_dir / "worker_id"
+    if f.exists():
+        return f.read_text().strip()
+    wid = f"{node_id}-{uuid.uuid4().hex[:8]}"
+    f.write_text(wid)
+    return wid
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="l2fs worker", description="Run an l2fs block-storing worker.")
+    p.add_argument("--master", default=os.environ.get("L2FS_MASTER"), help="master host:port ($L2FS_MASTER)")
+    p.add_argument("--data-dir", action="append", required=True, metavar="PATH[:CAPACITY]",
+                   help="storage dir, repeatable; capacity like 10G or 512M (default: free space)")
+    p.add_argument("--node-id", default=os.environ.get("L2FS_NODE_ID") or socket.gethostname())
+    p.add_argument("--worker-id", default=None, help="default: stored in the first data dir")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8997, help="gRPC port (0 = pick a free one)")
+    p.add_argument("--advertise", default=None, help="host:port the master gives clients (default host:port)")
+    p.add_argument("--port-file")
+    p.add_argument("--metrics-port", type=int, default=None)
+    p.add_argument("--heartbeat-interval", type=float, default=1.0)
+    p.add_argument("--high-watermark", type=float, default=0.9)
+    p.add_argument("--low-watermark", type=float, default=0.8)
+    p.add_argument("--max-file-size", default=str(DEFAULT_MAX_FILE_SIZE))
+    p.add_argument("--token", default=None, help="require this bearer token (also $L2FS_TOKEN)")
+    p.add_argument("--tls-cert")
+    p.add_argument("--tls-key")
+    p.add_argument("--tls-ca", help="CA to verify the master's TLS certificate")
+    p.add_argument("--log-level", default="INFO")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if not args.master:
+        print("l2fs worker: --master or $L2FS_MASTER is required", file=sys.stderr)
+        return 2
+    if not 0 < args.low_watermark <= args.high_watermark <= 1:
+        print("l2fs worker: need 0 < low watermark <= high watermark <= 1", file=sys.stderr)
+        return 2
+    dirs = [parse_data_dir(s) for s in args.data_dir]
+    token = args.token or os.environ.get("L2FS_TOKEN") or None
+    store = Store(dirs, high=args.high_watermark, low=args.low_watermark,
+                  max_file_size=parse_size(args.max_file_size))
+    worker = Worker(store, master=args.master, node_id=args.node_id,
+                    worker_id=args.worker_id or _worker_id(dirs[0][0], args.node_id), host=args.host,
+                    port=args.port, advertise=args.advertise, heartbeat_interval=args.heartbeat_interval,
+                    token=token, tls_cert=args.tls_cert, tls_key=args.tls_key, tls_ca=args.tls_ca)
+    worker.start()
+    metrics_port = None
+    if args.metrics_port is not None:
+        def health() -> dict:
+            return {"ok": True, "role": "worker", "worker_id": worker.worker_id, "node_id": worker.node_id,
+                    "registered": worker.registered, "capacity": store.capacity, "used": store.used,
+                    "blocks": len(store.blocks)}
+        metrics_port = start_metrics_server(args.host, args.metrics_port, health).server_address[1]
+    write_port_file(args.port_file, port=worker.port, metrics_port=metrics_port, worker_id=worker.worker_id)
+    print(f"l2fs worker {worker.worker_id} (node {args.node_id}) listening on {worker.address}, "
+          f"{len(store.blocks)} blocks, {store.used}/{store.capacity} bytes used"
+          + (f" (metrics on http://{args.host}:{metrics_port}/metrics)" if metrics_port else ""), flush=True)
+    done = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: done.set())
+    done.wait()
+    worker.stop()
+    store.flush_access()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
