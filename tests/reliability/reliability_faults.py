@@ -7,6 +7,7 @@ TCP proxy that drops or black-holes connections. Nothing here replaces one of ou
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import random
 import signal
@@ -158,7 +159,7 @@ def percentile(values: Sequence[float], q: float) -> float:
     if not values:
         return 0.0
     ordered = sorted(values)
-    k = max(0, min(len(ordered) - 1, int(round(q / 100.0 * len(ordered) + 0.5)) - 1))
+    k = max(0, min(len(ordered) - 1, math.ceil(q / 100.0 * len(ordered)) - 1))
     return ordered[k]
 
 
