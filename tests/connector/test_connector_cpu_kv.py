@@ -1,0 +1,108 @@
+"""The CPU paged-KV connector against vLLM's own CPU cache kernel (no engine needed).
+
+vLLM's `cpu_attn_reshape_and_cache` writes known K/V at known slots; our connector must read exactly those
+back (L0 -> L1) and write them into an empty cache so that it equals the kernel-written one (L1 -> L0).
+This pins the layout independently of our own code.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+vllm_ops = pytest.importorskip("vllm._custom_ops")
+
+from connector import cpu_kv  # noqa: E402
+
+L, H, D, BS, NB = 3, 2, 64, 128, 8
+
+
+def _caches() -> list[torch.Tensor]:
+    return [torch.zeros(NB, H, BS, 2 * D) for _ in range(L)]
+
+
+def _kernel_write(caches: list[torch.Tensor], k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+    for layer, c in enumerate(caches):
+        view = c.view(NB, H, 2 * BS, D)
+        kc, vc = view.chunk(2, dim=2)
+        vllm_ops.cpu_attn_reshape_and_cache(k[layer], v[layer], kc, vc, slots, "vec")
+
+
+class _Md:
+    kv_shape = (L, 2, 256, H, D)
+    use_mla = False
+    kv_dtype = torch.float32
+
+
+def _alloc(n: int):
+    from lmcache.v1.memory_allocators.ad_hoc_memory_allocator import AdHocMemoryAllocator
+    from lmcache.v1.memory_management import MemoryFormat
+
+    return AdHocMemoryAllocator("cpu").allocate(torch.Size([2, L, n, H * D]), torch.float32,
+                                                MemoryFormat.KV_2LTD)
+
+
+def test_roundtrip_matches_vllm_kernel_layout() -> None:
+    torch.manual_seed(0)
+    T = 300
+    slots = torch.randperm(NB * BS)[:T].to(torch.long)
+    k = torch.randn(L, T, H, D)
+    v = torch.randn(L, T, H, D)
+    src = _caches()
+    _kernel_write(src, k, v, slots)
+
+    conn = cpu_kv.connector_class().from_metadata(_Md())
+    assert conn.get_shape(T) == torch.Size([2, L, T, H * D])
+    obj = _alloc(T)
+    conn.from_gpu(obj, 0, T, kvcaches=src, slot_mapping=slots)
+    assert torch.equal(obj.tensor[0], k.reshape(L, T, H * D))
+    assert torch.equal(obj.tensor[1], v.reshape(L, T, H * D))
+
+    dst = _caches()
+    conn.to_gpu(obj, 0, T, kvcaches=dst, slot_mapping=slots)
+    for a, b in zip(src, dst, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_load_skips_vllm_cached_prefix_and_padding() -> None:
+    torch.manual_seed(1)
+    T = 256
+    slots = torch.arange(T, dtype=torch.long) + 3 * BS
+    slots[-5:] = -1  # padding
+    conn = cpu_kv.connector_class().from_metadata(_Md())
+    obj = _alloc(T)
+    obj.tensor.copy_(torch.randn_like(obj.tensor))
+    dst = _caches()
+    conn.to_gpu(obj, 0, T, kvcaches=dst, slot_mapping=slots, vllm_cached_tokens=100)
+    # reference: vLLM's kernel writes only tokens [100, T-5) (the prefix is vLLM's own, the tail is padding)
+    ref = _caches()
+    sel = slice(100, T - 5)
+    k = obj.tensor[0, :, sel].reshape(L, -1, H, D).contiguous()
+    v = obj.tensor[1, :, sel].reshape(L, -1, H, D).contiguous()
+    _kernel_write(ref, k, v, slots[sel])
+    for a, b in zip(ref, dst, strict=True):
+        assert torch.equal(a, b)
+    assert int(torch.count_nonzero(dst[0])) == 2 * (T - 105) * H * D
+
+
+def test_rejects_unknown_layout() -> None:
+    conn = cpu_kv.connector_class().from_metadata(_Md())
+    obj = _alloc(4)
+    with pytest.raises(RuntimeError, match="unexpected vLLM CPU KV cache layout"):
+        conn.from_gpu(obj, 0, 4, kvcaches=[torch.zeros(2, NB, BS, H, D)] * L, slot_mapping=torch.arange(4))
+
+
+def test_hook_patches_create_gpu_connector_lazily() -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from connector import cpu_kv; cpu_kv.install();"
+        "assert 'lmcache.v1.gpu_connector' not in sys.modules;"
+        "import lmcache.v1.gpu_connector as g; assert g.CreateGPUConnector._kvtier_cpu; print('ok')"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]
+    off = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={**__import__("os").environ, "KVTIER_CPU_CONNECTOR": "0"})
+    assert off.returncode != 0  # disabled: stock LMCache, nothing patched
