@@ -1,0 +1,139 @@
+"""Client API against a real two-worker cluster: data round trips, metadata ops, batch calls, asyncio."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import pytest
+
+from l2fs.client import AlreadyExists, AsyncClient, InvalidPath, L2fsError, NotFound
+from l2fs.local import LocalCluster
+
+MB = 1 << 20
+
+
+@pytest.mark.parametrize("node,short_circuit", [("node-1", True), ("node-1", False), ("elsewhere", True)],
+                         ids=["short-circuit", "same-node-grpc", "remote"])
+def test_put_get_roundtrip(cluster: LocalCluster, node: str, short_circuit: bool) -> None:
+    c = cluster.client(node_id=node, short_circuit=short_circuit)
+    data = os.urandom(9 * MB + 123)  # several 4 MiB frames plus a tail
+    path = f"/rt/{node}-{short_circuit}.data"
+    assert c.put(path, data) is True
+    assert c.get(path) == data
+    buf = bytearray(len(data) + 10)
+    assert c.get_into(path, buf) == len(data)
+    assert bytes(buf[:len(data)]) == data
+    info = c.stat(path)
+    assert info is not None and info.size == len(data) and not info.is_dir and info.crc32c != 0
+    empty = f"/rt/{node}-{short_circuit}.empty"
+    assert c.put(empty, b"") is True
+    assert c.get(empty) == b""
+    c.close()
+
+
+def test_local_first_placement(cluster: LocalCluster) -> None:
+    for w in cluster.workers:
+        c = cluster.client(node_id=w.node_id)
+        path = f"/place/{w.node_id}"
+        assert c.put(path, b"x" * 1000)
+        info = c.stat(path)
+        assert info is not None and info.nodes == [w.node_id]
+
+
+def test_put_if_absent_and_overwrite(cluster: LocalCluster) -> None:
+    c = cluster.client(node_id="node-2")
+    assert c.put("/pia/a", b"first") is True
+    assert c.put("/pia/a", b"second") is False  # no-op, first version kept
+    assert c.get("/pia/a") == b"first"
+    assert c.put("/pia/a", b"third", if_absent=False) is True
+    assert c.get("/pia/a") == b"third"
+
+
+def test_misses_are_none(cluster: LocalCluster) -> None:
+    c = cluster.client(node_id="node-1")
+    assert c.get("/nope/x") is None
+    assert c.get_into("/nope/x", bytearray(10)) is None
+    assert c.stat("/nope/x") is None and not c.exists("/nope/x")
+    c.mkdir("/adir")
+    assert c.get("/adir") is None  # a directory is not a readable file
+
+
+def test_metadata_ops(cluster: LocalCluster) -> None:
+    c = cluster.client(node_id="node-1")
+    c.mkdir("/m/sub/deep", parents=True)
+    with pytest.raises(AlreadyExists):
+        c.mkdir("/m/sub", exist_ok=False)
+    with pytest.raises(NotFound):
+        c.mkdir("/missing/parent/x", parents=False)
+    c.put("/m/sub/f1", b"1")
+    c.put("/m/f2", b"22")
+    names = {(i.path, i.is_dir, i.size) for i in c.ls("/m")}
+    assert names == {("/m/sub", True, 0), ("/m/f2", False, 2)}
+    assert [i.path for i in c.ls("/m/f2")] == ["/m/f2"]
+    with pytest.raises(NotFound):
+        c.ls("/m/none")
+    with pytest.raises(L2fsError):
+        c.rmdir("/m/sub")  # not empty
+    # rename: atomic over an existing file
+    c.put("/m/dst", b"old")
+    c.rename("/m/f2", "/m/dst")
+    assert c.get("/m/dst") == b"22" and c.get("/m/f2") is None
+    c.put("/m/f3", b"333")
+    with pytest.raises(AlreadyExists):
+        c.rename("/m/f3", "/m/dst", overwrite=False)
+    with pytest.raises(NotFound):
+        c.rename("/m/zzz", "/m/yyy")
+    # directory rename moves the subtree
+    c.rename("/m/sub", "/m/moved")
+    assert c.get("/m/moved/f1") == b"1" and c.stat("/m/sub") is None
+    assert c.stat("/m/moved/deep").is_dir
+    # rm / rmdir
+    assert c.rm("/m/moved/f1") is True and c.rm("/m/moved/f1") is False
+    c.rmdir("/m/moved/deep")
+    assert c.rm("/m/moved") is True  # empty dir
+    with pytest.raises(L2fsError):
+        c.put("/m/dst/child", b"x")  # parent is a file
+
+
+def test_batch_calls(cluster: LocalCluster) -> None:
+    c = cluster.client(node_id="node-2")
+    paths = [f"/batch/chunk{i}" for i in range(8)]
+    items = [(p, os.urandom(1000 + i)) for i, p in enumerate(paths)]
+    assert c.put_many(items[:5], order_hints=list(range(5))) == [True] * 5
+    assert c.prefix_lookup(paths) == 5
+    assert c.prefix_lookup(paths[1:3]) == 2
+    assert c.prefix_lookup(["/batch/none", *paths]) == 0
+    assert c.prefix_lookup([]) == 0
+    stats = c.stat_many(paths)
+    assert [s is not None for s in stats] == [True] * 5 + [False] * 3
+    assert [s.size for s in stats[:5]] == [1000 + i for i in range(5)]
+    got = c.get_many(paths)
+    assert got[:5] == [d for _, d in items[:5]] and got[5:] == [None] * 3
+
+
+def test_invalid_paths_client_side(cluster: LocalCluster) -> None:
+    c = cluster.client()
+    for bad in ["relative", "/a/../b", "/a//b", "/a/\x00b", "", "/" + "x" * 300, "/./a"]:
+        with pytest.raises(InvalidPath):
+            c.put(bad, b"x")
+        with pytest.raises(InvalidPath):
+            c.stat(bad)
+
+
+def test_report(cluster: LocalCluster) -> None:
+    rep = cluster.client().report()
+    assert len(rep.workers) == 2 and all(w.alive for w in rep.workers)
+    assert rep.capacity == 2 * (1 << 30)
+    assert {w.node_id for w in rep.workers} == {"node-1", "node-2"}
+
+
+async def test_async_client(cluster: LocalCluster) -> None:
+    async with AsyncClient(cluster.master, node_id="node-1") as ac:
+        data = os.urandom(100_000)
+        results = await asyncio.gather(*(ac.put(f"/async/{i}", data) for i in range(4)))
+        assert results == [True] * 4
+        assert await ac.get("/async/3") == data
+        assert await ac.prefix_lookup([f"/async/{i}" for i in range(6)]) == 4
+        assert await ac.get("/async/none") is None
+        assert (await ac.stat("/async/0")).size == len(data)
