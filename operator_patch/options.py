@@ -1,0 +1,52 @@
+"""Command-line flags shared by `kvtier webhook` and `kvtier operator-patch`.
+
+Both must agree on what "patched" means, so they build the same PatchConfig from the same flags.
+Every flag also reads a KVTIER_* environment variable, which is how deploy/ feeds them from one
+ConfigMap.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import fields
+
+from .patch import ROUTER_STRATEGIES, PatchConfig
+
+_DEFAULTS = PatchConfig()
+# flag -> (PatchConfig field, help)
+_FLAGS: dict[str, tuple[str, str]] = {
+    "--mode": ("mode", "mount: LMCache fs:// on the FUSE mount; plugin: LMCache remote-storage plugin"),
+    "--mount-path": ("mount_path", "path of the l2fs mount inside vLLM pods"),
+    "--cache-subdir": ("cache_subdir", "LMCache directory inside the mount"),
+    "--host-path": ("host_path", "node path where the l2fs-mount DaemonSet mounts l2fs"),
+    "--pvc": ("pvc_name", "mount this PVC instead of the hostPath"),
+    "--volume-name": ("volume_name", "name of the injected volume"),
+    "--serde": ("serde", "LMCACHE_REMOTE_SERDE value"),
+    "--hash-seed": ("hash_seed", "PYTHONHASHSEED value (same in every pod)"),
+    "--router-strategy": ("router_strategy", "routing strategy: " + "|".join(ROUTER_STRATEGIES)),
+    "--plugin-name": ("plugin_name", "plugin mode: LMCache remote storage plugin name"),
+    "--plugin-module": ("plugin_module", "plugin mode: module path of the plugin"),
+    "--plugin-class": ("plugin_class", "plugin mode: class name of the plugin"),
+    "--master": ("master", "plugin mode: l2fs master HOST:PORT"),
+    "--node-env": ("node_env", "plugin mode: env var carrying the node name"),
+}
+
+
+def _env_name(flag: str) -> str:
+    return "KVTIER_" + flag.lstrip("-").replace("-", "_").upper()
+
+
+def add_config_args(parser: argparse.ArgumentParser) -> None:
+    """Add the PatchConfig flags (defaults: $KVTIER_<FLAG>, else PatchConfig's)."""
+    known = {f.name for f in fields(PatchConfig)}
+    group = parser.add_argument_group("patch settings (env KVTIER_<FLAG> sets the default)")
+    for flag, (field, help_) in _FLAGS.items():
+        assert field in known, field
+        default = os.environ.get(_env_name(flag), getattr(_DEFAULTS, field))
+        group.add_argument(flag, dest=field, default=default, help=f"{help_} (default {default!r})")
+
+
+def config_from_args(ns: argparse.Namespace) -> PatchConfig:
+    """PatchConfig from parsed flags; raises ValueError with a readable message on bad values."""
+    return PatchConfig(**{field: getattr(ns, field) for field, _ in _FLAGS.values()})

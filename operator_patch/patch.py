@@ -1,0 +1,418 @@
+"""Pure patch logic: turn an operator-rendered Deployment into one that uses l2fs as LMCache's L2.
+
+Everything here works on plain dicts (the JSON the API server / AdmissionReview carries) and has no
+I/O, so the webhook, the CLI and the tests share one implementation. The rendered shape varies by
+operator version (LMCACHE_REMOTE_URL present, absent, duplicated, user entries stripped), so nothing
+here relies on list indices; all edits are in place by name, which keeps a second pass a no-op.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+from dataclasses import asdict, dataclass
+from typing import Any, Literal
+
+OPT_IN_KEY = "kvtier.io/l2fs"  # label or annotation on the Deployment; value "enabled" or "true"
+CONTAINER_KEY = "kvtier.io/container"  # optional annotation: which container runs vLLM
+SNAPSHOT_KEY = "kvtier.io/original"  # CLI: pre-patch copy of what we change, for `revert`
+PATCHED_KEY = "kvtier.io/patched"  # fingerprint of the PatchConfig that was applied
+ENDPOINT_LABEL = "kvtier.io/endpoint"  # pod label the kvtier router selects on
+STRATEGY_KEY = "kvtier.io/router-strategy"  # pod annotation read by the kvtier router
+IEC_GROUP = "inference.sagemaker.aws.amazon.com"
+IEC_KIND = "InferenceEndpointConfig"
+IEC_PLURAL = "inferenceendpointconfigs"
+ROUTER_FLAG = "--routing-logic"  # vLLM production-stack router flag the HyperPod router uses
+ROUTER_STRATEGIES = ("prefixaware", "kvaware", "session", "roundrobin")
+URL_VAR = "LMCACHE_REMOTE_URL"
+
+
+class PatchError(ValueError):
+    """The object cannot be patched as asked (e.g. no vLLM container); nothing was changed."""
+
+
+@dataclass(frozen=True)
+class PatchConfig:
+    """What "use l2fs as L2" means for one cluster. Defaults match deploy/base."""
+
+    mode: Literal["mount", "plugin"] = "mount"
+    mount_path: str = "/mnt/l2fs"  # where pods see the FUSE mount
+    cache_subdir: str = "kvcache"  # LMCache's directory inside the mount
+    host_path: str = "/mnt/l2fs"  # the node path the l2fs-mount DaemonSet mounts on
+    pvc_name: str = ""  # use a PVC instead of the hostPath (e.g. a CSI RWX volume)
+    volume_name: str = "kvtier-l2fs"
+    serde: str = "naive"  # cachegen serde breaks under fs (zip bug); naive is safe
+    hash_seed: str = "0"  # LMCache's builtin chunk hash needs the same seed in every pod
+    router_strategy: str = "prefixaware"
+    plugin_name: str = "l2fs"
+    plugin_module: str = "connector.lmcache_plugin"
+    plugin_class: str = "L2fsConnectorAdapter"
+    master: str = "l2fs-master.kvtier.svc.cluster.local:8995"
+    node_env: str = "L2FS_NODE_ID"  # plugin mode: node id for local-first placement
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("mount", "plugin"):
+            raise ValueError(f"mode must be 'mount' or 'plugin', not {self.mode!r}")
+        for name in ("mount_path", "host_path"):
+            value = getattr(self, name)
+            if not value.startswith("/") or "," in value or " " in value:
+                raise ValueError(f"{name} must be an absolute path without ',' or spaces, not {value!r}")
+        if "/" in self.cache_subdir.strip("/") or not self.cache_subdir.strip("/"):
+            raise ValueError(f"cache_subdir must be one path component, not {self.cache_subdir!r}")
+        if self.router_strategy not in ROUTER_STRATEGIES:
+            raise ValueError(f"router_strategy must be one of {ROUTER_STRATEGIES}, not {self.router_strategy!r}")
+        if not self.hash_seed.isdigit():
+            raise ValueError(f"hash_seed must be a non-negative integer, not {self.hash_seed!r}")
+        if ":" not in self.master:
+            raise ValueError(f"master must be HOST:PORT, not {self.master!r}")
+
+    @property
+    def remote_url(self) -> str:
+        """LMCache fs:// URL; host and port are placeholders its URL parser insists on."""
+        return f"fs://localhost:0{self.mount_path.rstrip('/')}/{self.cache_subdir.strip('/')}/"
+
+    def fingerprint(self) -> str:
+        """Short stable hash, stored on patched objects so `verify` can tell config drift."""
+        return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:12]
+
+
+# ---------------------------------------------------------------- selection
+
+
+def _meta(obj: dict[str, Any]) -> dict[str, Any]:
+    return obj.get("metadata") or {}
+
+
+def owner_endpoint(obj: dict[str, Any]) -> str | None:
+    """Name of the InferenceEndpointConfig that owns `obj`, if any."""
+    for ref in _meta(obj).get("ownerReferences") or []:
+        if ref.get("kind") == IEC_KIND and str(ref.get("apiVersion", "")).startswith(IEC_GROUP + "/"):
+            return ref.get("name")
+    return None
+
+
+def opted_in(obj: dict[str, Any]) -> bool:
+    """True when the Deployment carries the opt-in label or annotation."""
+    meta = _meta(obj)
+    for source in (meta.get("labels") or {}, meta.get("annotations") or {}):
+        if str(source.get(OPT_IN_KEY, "")).lower() in ("enabled", "true"):
+            return True
+    return False
+
+
+def _containers(dep: dict[str, Any]) -> list[dict[str, Any]]:
+    try:
+        containers = dep["spec"]["template"]["spec"]["containers"]
+    except (KeyError, TypeError):
+        raise PatchError("object has no spec.template.spec.containers; is it a Deployment?") from None
+    if not isinstance(containers, list) or not containers:
+        raise PatchError("spec.template.spec.containers is empty")
+    return containers
+
+
+def _has_flag(container: dict[str, Any], flag: str) -> bool:
+    words = [str(w) for w in (container.get("command") or []) + (container.get("args") or [])]
+    return any(w == flag or w.startswith(flag + "=") or f" {flag} " in f" {w} " for w in words)
+
+
+def is_router(dep: dict[str, Any]) -> bool:
+    """A production-stack style router Deployment (has a --routing-logic flag)."""
+    try:
+        return any(_has_flag(c, ROUTER_FLAG) for c in _containers(dep))
+    except PatchError:
+        return False
+
+
+def select_container(dep: dict[str, Any]) -> int:
+    """Index of the vLLM container: the annotated one, else the one named after the Deployment,
+    else the one running LMCache (LMCACHE_* env or a --kv-transfer-config arg)."""
+    containers = _containers(dep)
+    names = [c.get("name") for c in containers]
+    wanted = (_meta(dep).get("annotations") or {}).get(CONTAINER_KEY)
+    if wanted:
+        if wanted not in names:
+            raise PatchError(f"annotation {CONTAINER_KEY}={wanted!r} names no container (have {names})")
+        return names.index(wanted)
+    name = _meta(dep).get("name")
+    if name in names:
+        return names.index(name)
+    for i, c in enumerate(containers):
+        if any(str(e.get("name", "")).startswith("LMCACHE_") for e in c.get("env") or []):
+            return i
+        if _has_flag(c, "--kv-transfer-config"):
+            return i
+    raise PatchError(
+        f"no vLLM container in Deployment {name!r}: none is named after it, none has LMCACHE_* env or "
+        f"--kv-transfer-config (containers: {names}); set annotation {CONTAINER_KEY}"
+    )
+
+
+# ---------------------------------------------------------------- edits
+
+
+def _set_env(env: list[dict[str, Any]], name: str, value: str | None = None,
+             value_from: dict[str, Any] | None = None) -> None:
+    """Exactly one entry `name`, kept at the position of its first occurrence (or appended)."""
+    entry: dict[str, Any] = {"name": name}
+    if value_from is not None:
+        entry["valueFrom"] = value_from
+    else:
+        entry["value"] = value
+    idx = [i for i, e in enumerate(env) if e.get("name") == name]
+    for i in reversed(idx[1:]):
+        del env[i]
+    if idx:
+        env[idx[0]] = entry
+    else:
+        env.append(entry)
+
+
+def _drop_env(env: list[dict[str, Any]], name: str) -> None:
+    env[:] = [e for e in env if e.get("name") != name]
+
+
+def _env_value(env: list[dict[str, Any]], name: str) -> str | None:
+    for e in env:
+        if e.get("name") == name:
+            return e.get("value")
+    return None
+
+
+def _upsert(items: list[dict[str, Any]], new: dict[str, Any], same: Any) -> None:
+    """Replace the first item `same(item)` says matches, drop other matches, else append."""
+    idx = [i for i, it in enumerate(items) if same(it)]
+    for i in reversed(idx[1:]):
+        del items[i]
+    if idx:
+        items[idx[0]] = new
+    else:
+        items.append(new)
+
+
+def _set_flag(words: list[str], flag: str, value: str) -> bool:
+    """Set `--flag value` / `--flag=value` in an argv list in place; False when the flag is absent."""
+    for i, w in enumerate(words):
+        if w == flag and i + 1 < len(words):
+            words[i + 1] = value
+            return True
+        if w.startswith(flag + "="):
+            words[i] = f"{flag}={value}"
+            return True
+    return False
+
+
+def _extra_config(env: list[dict[str, Any]], cfg: PatchConfig) -> str:
+    """LMCACHE_EXTRA_CONFIG with the plugin keys merged over whatever the operator put there."""
+    raw = _env_value(env, "LMCACHE_EXTRA_CONFIG")
+    try:
+        extra = json.loads(raw) if raw else {}
+    except json.JSONDecodeError:
+        extra = {}
+    if not isinstance(extra, dict):
+        extra = {}
+    prefix = f"remote_storage_plugin.{cfg.plugin_name}."
+    extra.update({
+        prefix + "module_path": cfg.plugin_module,
+        prefix + "class_name": cfg.plugin_class,
+        prefix + "master": cfg.master,
+        prefix + "node_id_env": cfg.node_env,
+    })
+    return json.dumps(extra, sort_keys=True, separators=(",", ":"))
+
+
+def _patch_worker(dep: dict[str, Any], cfg: PatchConfig) -> None:
+    c = _containers(dep)[select_container(dep)]
+    env: list[dict[str, Any]] = c.setdefault("env", [])
+    if cfg.mode == "mount":
+        _set_env(env, URL_VAR, cfg.remote_url)
+    else:
+        _drop_env(env, URL_VAR)
+        _set_env(env, cfg.node_env, value_from={"fieldRef": {"fieldPath": "spec.nodeName"}})
+        _set_env(env, "LMCACHE_REMOTE_STORAGE_PLUGINS", json.dumps([cfg.plugin_name]))
+        _set_env(env, "LMCACHE_EXTRA_CONFIG", _extra_config(env, cfg))
+    _set_env(env, "LMCACHE_REMOTE_SERDE", cfg.serde)
+    _set_env(env, "PYTHONHASHSEED", cfg.hash_seed)
+
+    pod = dep["spec"]["template"]
+    if cfg.mode == "mount":
+        mount: dict[str, Any] = {"name": cfg.volume_name, "mountPath": cfg.mount_path}
+        if cfg.pvc_name:
+            volume: dict[str, Any] = {"name": cfg.volume_name,
+                                      "persistentVolumeClaim": {"claimName": cfg.pvc_name}}
+        else:
+            # HostToContainer: a FUSE remount by the l2fs-mount DaemonSet becomes visible in the pod.
+            mount["mountPropagation"] = "HostToContainer"
+            volume = {"name": cfg.volume_name, "hostPath": {"path": cfg.host_path, "type": "DirectoryOrCreate"}}
+        _upsert(c.setdefault("volumeMounts", []), mount,
+                lambda m: m.get("name") == cfg.volume_name or m.get("mountPath") == cfg.mount_path)
+        _upsert(pod["spec"].setdefault("volumes", []), volume, lambda v: v.get("name") == cfg.volume_name)
+
+    labels = pod.setdefault("metadata", {}).setdefault("labels", {})
+    endpoint = owner_endpoint(dep) or _meta(dep).get("name")
+    if endpoint:
+        labels[ENDPOINT_LABEL] = endpoint
+    pod["metadata"].setdefault("annotations", {})[STRATEGY_KEY] = cfg.router_strategy
+
+
+def _patch_router(dep: dict[str, Any], cfg: PatchConfig) -> None:
+    for c in _containers(dep):
+        for key in ("args", "command"):
+            words = c.get(key)
+            if isinstance(words, list) and _set_flag(words, ROUTER_FLAG, cfg.router_strategy):
+                break
+
+
+def wants_patch(obj: dict[str, Any], all_owned: bool = False) -> bool:
+    """Webhook gate: a Deployment owned by an InferenceEndpointConfig (or a router) that opted in.
+    `all_owned` patches every IEC-owned Deployment (the namespaceSelector does the opting in)."""
+    if obj.get("kind") not in (None, "Deployment"):
+        return False
+    if opted_in(obj):
+        return owner_endpoint(obj) is not None or is_router(obj)
+    return all_owned and owner_endpoint(obj) is not None
+
+
+def mutate(dep: dict[str, Any], cfg: PatchConfig) -> dict[str, Any]:
+    """Patched deep copy of `dep`; raises PatchError (and changes nothing) when it cannot be patched."""
+    out = copy.deepcopy(dep)
+    if is_router(out):
+        _patch_router(out, cfg)
+    else:
+        _patch_worker(out, cfg)
+    out.setdefault("metadata", {}).setdefault("annotations", {})[PATCHED_KEY] = cfg.fingerprint()
+    return out
+
+
+# ---------------------------------------------------------------- JSON patch
+
+
+def _ptr(parts: list[str]) -> str:
+    return "".join("/" + p.replace("~", "~0").replace("/", "~1") for p in parts)
+
+
+def diff(old: Any, new: Any, path: list[str] | None = None) -> list[dict[str, Any]]:
+    """RFC 6902 ops turning `old` into `new`. Dicts are diffed key by key; a changed list is
+    replaced whole, which stays correct whatever the list indices are. Equal inputs give []."""
+    path = path or []
+    if isinstance(old, dict) and isinstance(new, dict):
+        ops: list[dict[str, Any]] = []
+        for k in old:
+            if k not in new:
+                ops.append({"op": "remove", "path": _ptr(path + [k])})
+        for k, v in new.items():
+            if k not in old:
+                ops.append({"op": "add", "path": _ptr(path + [k]), "value": v})
+            else:
+                ops += diff(old[k], v, path + [k])
+        return ops
+    if old == new and type(old) is type(new):
+        return []
+    return [{"op": "replace", "path": _ptr(path), "value": new}]
+
+
+def plan(dep: dict[str, Any], cfg: PatchConfig) -> list[dict[str, Any]]:
+    """JSON patch that applies `cfg` to `dep` ([] when already applied)."""
+    return diff(dep, mutate(dep, cfg))
+
+
+# ---------------------------------------------------------------- verify / revert
+
+
+def check(dep: dict[str, Any], cfg: PatchConfig) -> list[str]:
+    """Problems that keep `dep` from sharing KV through l2fs ([] when correctly patched)."""
+    problems: list[str] = []
+    if is_router(dep):
+        for c in _containers(dep):
+            words = (c.get("args") or []) + (c.get("command") or [])
+            if _has_flag(c, ROUTER_FLAG) and cfg.router_strategy not in " ".join(map(str, words)):
+                problems.append(f"router container {c.get('name')!r}: {ROUTER_FLAG} is not {cfg.router_strategy}")
+        return problems
+    try:
+        c = _containers(dep)[select_container(dep)]
+    except PatchError as e:
+        return [str(e)]
+    env = c.get("env") or []
+    urls = [e for e in env if e.get("name") == URL_VAR]
+
+    def want(name: str, value: str) -> None:
+        found = [e for e in env if e.get("name") == name]
+        if len(found) != 1 or found[0].get("value") != value:
+            problems.append(f"env {name}: want exactly one entry = {value!r}, have {found}")
+
+    if cfg.mode == "mount":
+        if len(urls) != 1 or urls[0].get("value") != cfg.remote_url:
+            problems.append(f"env {URL_VAR}: want exactly one entry = {cfg.remote_url!r}, have {urls}")
+        mounts = [m for m in c.get("volumeMounts") or [] if m.get("name") == cfg.volume_name]
+        if len(mounts) != 1 or mounts[0].get("mountPath") != cfg.mount_path:
+            problems.append(f"container {c.get('name')!r}: want one volumeMount {cfg.volume_name} at {cfg.mount_path}")
+        vols = [v for v in dep["spec"]["template"]["spec"].get("volumes") or [] if v.get("name") == cfg.volume_name]
+        if len(vols) != 1:
+            problems.append(f"pod spec: want one volume named {cfg.volume_name}, have {len(vols)}")
+    else:
+        if urls:
+            problems.append(f"env {URL_VAR}: plugin mode wants none, have {urls}")
+        want("LMCACHE_REMOTE_STORAGE_PLUGINS", json.dumps([cfg.plugin_name]))
+    want("LMCACHE_REMOTE_SERDE", cfg.serde)
+    want("PYTHONHASHSEED", cfg.hash_seed)
+    return problems
+
+
+def snapshot(dep: dict[str, Any]) -> str:
+    """JSON of everything `mutate` may touch, taken before the first patch (for `revert`)."""
+    c = {} if is_router(dep) else _containers(dep)[select_container(dep)]
+    pod = dep["spec"]["template"]
+    return json.dumps({
+        "container": c.get("name"),
+        "env": c.get("env"),
+        "volumeMounts": c.get("volumeMounts"),
+        "volumes": pod["spec"].get("volumes"),
+        "podLabels": (pod.get("metadata") or {}).get("labels"),
+        "podAnnotations": (pod.get("metadata") or {}).get("annotations"),
+        "containers": [{"name": x.get("name"), "args": x.get("args"), "command": x.get("command")}
+                       for x in _containers(dep)],
+    }, sort_keys=True)
+
+
+def restore(dep: dict[str, Any]) -> dict[str, Any]:
+    """Deep copy of `dep` with the snapshot put back and our markers removed."""
+    raw = (_meta(dep).get("annotations") or {}).get(SNAPSHOT_KEY)
+    if not raw:
+        raise PatchError(f"Deployment {_meta(dep).get('name')!r} has no {SNAPSHOT_KEY} annotation: "
+                         "it was not patched by `kvtier operator-patch apply`, nothing to revert")
+    try:
+        snap = json.loads(raw)
+    except json.JSONDecodeError as e:
+        raise PatchError(f"annotation {SNAPSHOT_KEY} is not valid JSON: {e}") from None
+    out = copy.deepcopy(dep)
+    containers = _containers(out)
+    pod = out["spec"]["template"]
+
+    def put(d: dict[str, Any], key: str, value: Any) -> None:
+        if value is None:
+            d.pop(key, None)
+        else:
+            d[key] = value
+
+    by_name = {c.get("name"): c for c in containers}
+    if snap.get("container") is not None:
+        if snap["container"] not in by_name:
+            raise PatchError(f"container {snap['container']!r} from the snapshot is gone")
+        c = by_name[snap["container"]]
+        put(c, "env", snap.get("env"))
+        put(c, "volumeMounts", snap.get("volumeMounts"))
+    put(pod["spec"], "volumes", snap.get("volumes"))
+    for item in snap.get("containers") or []:
+        if item.get("name") in by_name:
+            put(by_name[item["name"]], "args", item.get("args"))
+            put(by_name[item["name"]], "command", item.get("command"))
+    pod.setdefault("metadata", {})
+    put(pod["metadata"], "labels", snap.get("podLabels"))
+    put(pod["metadata"], "annotations", snap.get("podAnnotations"))
+    meta = out["metadata"]
+    for field in ("annotations", "labels"):
+        for key in (SNAPSHOT_KEY, PATCHED_KEY, OPT_IN_KEY):
+            (meta.get(field) or {}).pop(key, None)
+        if field in meta and not meta[field]:
+            del meta[field]
+    return out

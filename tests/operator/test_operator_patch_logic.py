@@ -1,0 +1,213 @@
+"""operator_patch.patch on rendered Deployment shapes of several operator versions.
+
+Patches are applied with the independent `jsonpatch` library (RFC 6902), and results are validated
+against the Kubernetes 1.32 OpenAPI schema, so a malformed op or object fails here.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import jsonpatch
+import kubernetes_validate
+import pytest
+from conftest import load_yaml
+
+from operator_patch.patch import (
+    ENDPOINT_LABEL,
+    PATCHED_KEY,
+    SNAPSHOT_KEY,
+    STRATEGY_KEY,
+    PatchConfig,
+    PatchError,
+    check,
+    diff,
+    mutate,
+    plan,
+    restore,
+    snapshot,
+    wants_patch,
+)
+
+SHAPES = ["rendered-v3.2-stripped.yaml", "rendered-blog-duplicate.yaml", "rendered-l1-only-absent.yaml",
+          "rendered-no-env.yaml"]
+K8S_VERSION = "1.32"
+
+
+def vllm(dep: dict) -> dict:
+    by_name = {c["name"]: c for c in dep["spec"]["template"]["spec"]["containers"]}
+    return by_name.get(dep["metadata"]["name"]) or by_name["inference"]
+
+
+def env_entries(dep: dict, name: str) -> list[dict]:
+    return [e for e in vllm(dep).get("env") or [] if e["name"] == name]
+
+
+def validate(obj: dict) -> None:
+    kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_mount_mode_gives_exactly_one_l2_setting(shape: str) -> None:
+    dep = load_yaml(shape)
+    cfg = PatchConfig()
+    assert wants_patch(dep)
+    assert check(dep, cfg), "the unpatched rendering must not pass verification"
+    ops = plan(dep, cfg)
+    assert ops
+    out = jsonpatch.apply_patch(dep, ops)
+    validate(out)
+    assert check(out, cfg) == []
+    assert env_entries(out, "LMCACHE_REMOTE_URL") == [{"name": "LMCACHE_REMOTE_URL",
+                                                        "value": "fs://localhost:0/mnt/l2fs/kvcache/"}]
+    assert env_entries(out, "PYTHONHASHSEED") == [{"name": "PYTHONHASHSEED", "value": "0"}]
+    assert env_entries(out, "LMCACHE_REMOTE_SERDE") == [{"name": "LMCACHE_REMOTE_SERDE", "value": "naive"}]
+    mounts = [m for m in vllm(out)["volumeMounts"] if m["mountPath"] == "/mnt/l2fs"]
+    assert mounts == [{"name": "kvtier-l2fs", "mountPath": "/mnt/l2fs", "mountPropagation": "HostToContainer"}]
+    vols = [v for v in out["spec"]["template"]["spec"]["volumes"] if v["name"] == "kvtier-l2fs"]
+    assert vols == [{"name": "kvtier-l2fs", "hostPath": {"path": "/mnt/l2fs", "type": "DirectoryOrCreate"}}]
+    pod_meta = out["spec"]["template"]["metadata"]
+    assert pod_meta["labels"][ENDPOINT_LABEL] == dep["metadata"]["ownerReferences"][0]["name"]
+    assert pod_meta["annotations"][STRATEGY_KEY] == "prefixaware"
+    assert out["metadata"]["annotations"][PATCHED_KEY] == cfg.fingerprint()
+    # everything else is untouched: other containers, their order, the selector, replicas
+    before = [c for c in dep["spec"]["template"]["spec"]["containers"] if c is not vllm(dep)]
+    after = [c for c in out["spec"]["template"]["spec"]["containers"] if c["name"] != vllm(out)["name"]]
+    assert before == after
+    assert [c["name"] for c in out["spec"]["template"]["spec"]["containers"]] == \
+        [c["name"] for c in dep["spec"]["template"]["spec"]["containers"]]
+    assert out["spec"]["selector"] == dep["spec"]["selector"]
+    assert out["spec"].get("replicas") == dep["spec"].get("replicas")
+    # idempotent: a second pass (the webhook sees its own output on the next UPDATE) changes nothing
+    assert plan(out, cfg) == []
+
+
+def test_env_order_and_dependencies_survive() -> None:
+    """NODE_IP must stay before anything that could reference it; unrelated env keeps its order."""
+    dep = load_yaml("rendered-v3.2-stripped.yaml")
+    out = jsonpatch.apply_patch(dep, plan(dep, PatchConfig()))
+    names = [e["name"] for e in vllm(out)["env"]]
+    assert names[:5] == ["PYTHONHASHSEED", "NODE_IP", "LMCACHE_REMOTE_URL", "LMCACHE_EXTRA_CONFIG",
+                         "LMCACHE_CONTROLLER_PULL_URL"]
+    assert names.index("LMCACHE_REMOTE_SERDE") == len(names) - 1
+    untouched = {e["name"]: e for e in vllm(dep)["env"]}
+    for e in vllm(out)["env"]:
+        if e["name"] in ("NODE_IP", "LMCACHE_EXTRA_CONFIG", "LMCACHE_CONTROLLER_PULL_URL", "LMCACHE_LOCAL_CPU"):
+            assert e == untouched[e["name"]]
+
+
+def test_duplicates_collapse_to_first_position() -> None:
+    dep = load_yaml("rendered-blog-duplicate.yaml")
+    assert len(env_entries(dep, "LMCACHE_REMOTE_URL")) == 2
+    out = jsonpatch.apply_patch(dep, plan(dep, PatchConfig()))
+    names = [e["name"] for e in vllm(out)["env"]]
+    assert names == ["LMCACHE_REMOTE_URL", "LMCACHE_REMOTE_SERDE", "PYTHONHASHSEED", "NODE_IP"]
+    # the old mount at the same path (a Curvine PVC) is replaced, not duplicated (the API would reject it)
+    assert [m["mountPath"] for m in vllm(out)["volumeMounts"]].count("/mnt/l2fs") == 1
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_plugin_mode(shape: str) -> None:
+    dep = load_yaml(shape)
+    cfg = PatchConfig(mode="plugin", master="l2fs-master.kvtier:8995")
+    out = jsonpatch.apply_patch(dep, plan(dep, cfg))
+    validate(out)
+    assert check(out, cfg) == []
+    assert env_entries(out, "LMCACHE_REMOTE_URL") == []
+    assert env_entries(out, "LMCACHE_REMOTE_STORAGE_PLUGINS")[0]["value"] == '["l2fs"]'
+    extra = json.loads(env_entries(out, "LMCACHE_EXTRA_CONFIG")[0]["value"])
+    assert extra["remote_storage_plugin.l2fs.module_path"] == "connector.lmcache_plugin"
+    assert extra["remote_storage_plugin.l2fs.master"] == "l2fs-master.kvtier:8995"
+    if shape == "rendered-v3.2-stripped.yaml":  # the operator's own keys are kept
+        assert extra["sagemaker_hyperpod_shared_memory_name"] == "ai_toolkit_cache"
+    assert env_entries(out, "L2FS_NODE_ID") == [
+        {"name": "L2FS_NODE_ID", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}}]
+    assert plan(out, cfg) == []
+    # switching back to mount mode is a clean patch too
+    back = jsonpatch.apply_patch(out, plan(out, PatchConfig()))
+    assert check(back, PatchConfig()) == []
+
+
+def test_pvc_volume_source() -> None:
+    dep = load_yaml("rendered-v3.2-stripped.yaml")
+    cfg = PatchConfig(pvc_name="l2fs-rwx", mount_path="/mnt/kv", cache_subdir="cache")
+    out = jsonpatch.apply_patch(dep, plan(dep, cfg))
+    validate(out)
+    assert env_entries(out, "LMCACHE_REMOTE_URL")[0]["value"] == "fs://localhost:0/mnt/kv/cache/"
+    vols = [v for v in out["spec"]["template"]["spec"]["volumes"] if v["name"] == "kvtier-l2fs"]
+    assert vols == [{"name": "kvtier-l2fs", "persistentVolumeClaim": {"claimName": "l2fs-rwx"}}]
+
+
+def test_router_strategy_is_set() -> None:
+    dep = load_yaml("router.yaml")
+    assert wants_patch(dep)
+    out = jsonpatch.apply_patch(dep, plan(dep, PatchConfig(router_strategy="kvaware")))
+    validate(out)
+    args = out["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[args.index("--routing-logic") + 1] == "kvaware"
+    assert out["spec"]["template"]["spec"]["containers"][1] == dep["spec"]["template"]["spec"]["containers"][1]
+    assert check(out, PatchConfig(router_strategy="kvaware")) == []
+    assert check(out, PatchConfig(router_strategy="session"))
+
+
+def test_not_opted_in_or_not_owned_is_left_alone() -> None:
+    dep = load_yaml("rendered-v3.2-stripped.yaml")
+    plain = copy.deepcopy(dep)
+    del plain["metadata"]["annotations"]
+    assert not wants_patch(plain)
+    assert wants_patch(plain, all_owned=True)
+    unowned = copy.deepcopy(dep)
+    del unowned["metadata"]["ownerReferences"]
+    assert not wants_patch(unowned)
+    assert not wants_patch(unowned, all_owned=True)
+    other_owner = copy.deepcopy(dep)
+    other_owner["metadata"]["ownerReferences"][0]["apiVersion"] = "example.com/v1"
+    assert not wants_patch(other_owner)
+    assert not wants_patch({**dep, "kind": "StatefulSet"})
+
+
+def test_missing_container_is_a_clear_error_and_no_change() -> None:
+    dep = load_yaml("no-vllm-container.yaml")
+    before = copy.deepcopy(dep)
+    with pytest.raises(PatchError, match="no vLLM container.*reverse-proxy"):
+        plan(dep, PatchConfig())
+    assert dep == before
+    dep["metadata"]["annotations"]["kvtier.io/container"] = "otel-collector"
+    assert check(jsonpatch.apply_patch(dep, plan(dep, PatchConfig())), PatchConfig()) == []
+    dep["metadata"]["annotations"]["kvtier.io/container"] = "nope"
+    with pytest.raises(PatchError, match="names no container"):
+        plan(dep, PatchConfig())
+    with pytest.raises(PatchError, match="containers"):
+        plan({"kind": "Deployment", "metadata": {"name": "x"}, "spec": {}}, PatchConfig())
+
+
+def test_bad_config_is_rejected() -> None:
+    for kwargs in ({"mode": "nfs"}, {"mount_path": "relative"}, {"mount_path": "/a,/b"},
+                   {"router_strategy": "random"}, {"hash_seed": "x"}, {"master": "nohostport"},
+                   {"cache_subdir": "a/b"}):
+        with pytest.raises(ValueError):
+            PatchConfig(**kwargs)
+
+
+@pytest.mark.parametrize("shape", SHAPES + ["router.yaml"])
+def test_snapshot_restores_the_rendering(shape: str) -> None:
+    dep = load_yaml(shape)
+    patched = mutate(dep, PatchConfig(mode="plugin" if "absent" in shape else "mount"))
+    patched["metadata"].setdefault("annotations", {})[SNAPSHOT_KEY] = snapshot(dep)
+    back = restore(patched)
+    for field in ("annotations", "labels"):  # revert also drops the opt-in marker
+        (dep["metadata"].get(field) or {}).pop("kvtier.io/l2fs", None)
+        if dep["metadata"].get(field) == {}:
+            del dep["metadata"][field]
+    assert diff(dep, back) == []
+    with pytest.raises(PatchError, match="nothing to revert"):
+        restore(dep)
+
+
+def test_diff_escapes_pointer_characters() -> None:
+    ops = diff({"a": {"x/y": 1, "t~": 2}}, {"a": {"x/y": 2}})
+    assert {"op": "remove", "path": "/a/t~02"} not in ops
+    assert jsonpatch.apply_patch({"a": {"x/y": 1, "t~": 2}}, ops) == {"a": {"x/y": 2}}
+    assert diff({"a": [1, 2]}, {"a": [1, 2]}) == []
+    assert diff({"a": 1}, {"a": 1.0}) == [{"op": "replace", "path": "/a", "value": 1.0}]
