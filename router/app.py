@@ -1,0 +1,475 @@
+"""The router's HTTP side: an OpenAI-compatible proxy in front of the replica set.
+
+Streaming bodies are passed through chunk by chunk (no buffering); non-streaming answers arrive from
+vLLM in one piece anyway, so we read them whole, which lets us reject garbage and read the engine's
+cached-token count. A client that goes away cancels the upstream request in both cases: while we wait
+for upstream headers we race the send against the client's disconnect, afterwards closing our stream
+closes the upstream connection, which makes vLLM abort the request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from router.kvevents import KVEventSubscriber
+from router.metrics import Metrics
+from router.policy import STRATEGIES, Decision, Policy, UnknownStrategy
+from router.replicas import Replica, ReplicaSet
+from router.tokens import TokenizeError, Tokenizer
+
+log = logging.getLogger("kvtier.router")
+
+HOP = {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer", "trailers",
+       "transfer-encoding", "upgrade", "host", "content-length", "authorization", "date", "server"}
+STRATEGY_HEADER = "x-kvtier-strategy"
+
+
+@dataclass
+class RouterConfig:
+    replicas: list[str] = field(default_factory=list)
+    strategy: str = "prefixaware"
+    tokenizer: str = "bytes"
+    block_size: int = 16
+    api_key: str | None = None
+    upstream_api_key: str | None = None
+    max_body_bytes: int = 8 << 20
+    health_interval: float = 2.0
+    health_timeout: float = 1.0
+    connect_timeout: float = 2.0
+    upstream_timeout: float = 600.0  # max wait for the first byte / between bytes
+    retries: int = 2
+    load_epsilon: float = 0.25
+    decode_beta: float = 0.1
+    session_header: str = "x-session-id"
+    kv_endpoints: list[str | None] = field(default_factory=list)  # aligned with replicas
+    kv_replay_endpoints: list[str | None] = field(default_factory=list)
+    l2_lookup: Callable[[list[int], str], Awaitable[int]] | None = None  # (tokens, model) -> L2 hit tokens
+    discovery: Any = None  # object with async start(replicas) / stop()
+
+
+def _err(status: int, message: str, kind: str = "invalid_request_error", **headers: str) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status,
+                        headers=headers or None)
+
+
+class _Admission:
+    """The router's load accounting for one request on one replica; every release happens exactly once."""
+
+    def __init__(self, r: Replica, d: Decision, n_tokens: int, m: Metrics) -> None:
+        self.r, self.uncached, self.n, self.m = r, d.uncached, n_tokens, m
+        self.state = 0
+        r.inflight += 1
+        r.prefill_tokens += self.uncached
+        self._gauges()
+
+    def _gauges(self) -> None:
+        self.m.inflight.labels(self.r.url).set(self.r.inflight)
+        self.m.inflight_prefill.labels(self.r.url).set(self.r.prefill_tokens)
+
+    def first_byte(self) -> None:
+        if self.state == 0:
+            self.state = 1
+            self.r.prefill_tokens -= self.uncached
+            self.r.decode_tokens += self.n
+            self._gauges()
+
+    def finish(self) -> None:
+        if self.state == 2:
+            return
+        if self.state == 0:
+            self.r.prefill_tokens -= self.uncached
+        else:
+            self.r.decode_tokens -= self.n
+        self.state = 2
+        self.r.inflight -= 1
+        self.r.served += 1
+        self._gauges()
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while True:
+        msg = await request.receive()
+        if msg["type"] == "http.disconnect":
+            return
+
+
+class Router:
+    def __init__(self, cfg: RouterConfig) -> None:
+        Policy.check_strategy(cfg.strategy)
+        if cfg.kv_endpoints and len(cfg.kv_endpoints) != len(cfg.replicas):
+            raise ValueError("--kv-events needs one endpoint per replica (same order as --replicas)")
+        self.cfg = cfg
+        self.m = Metrics()
+        self.policy = Policy(block_size=cfg.block_size, load_epsilon=cfg.load_epsilon, decode_beta=cfg.decode_beta)
+        self.tok = Tokenizer(cfg.tokenizer)
+        self.replicas = ReplicaSet(health_interval=cfg.health_interval, health_timeout=cfg.health_timeout,
+                                   api_key=cfg.upstream_api_key)
+        self.subs: dict[str, KVEventSubscriber] = {}
+        self.client: httpx.AsyncClient | None = None
+        self.replicas.on_added.append(self._added)
+        self.replicas.on_removed.append(self._removed)
+        self.replicas.on_down.append(self._down)
+
+    # -- membership -------------------------------------------------------------------------------
+    def _kv_change(self, replica: str, what: str, n: int) -> None:
+        self.m.kv_events.labels(replica, what).inc(n)
+
+    def _added(self, r: Replica) -> None:
+        self.m.healthy.labels(r.url).set(1)
+        if r.kv_endpoint:
+            sub = KVEventSubscriber(r.url, r.kv_endpoint, self.policy.kv, replay_endpoint=r.kv_replay_endpoint,
+                                    on_change=self._kv_change)
+            self.subs[r.url] = sub
+            with contextlib.suppress(RuntimeError):  # no loop yet: started in lifespan
+                sub.start()
+
+    def _removed(self, r: Replica) -> None:
+        self.policy.forget(r.url)
+        self.m.healthy.labels(r.url).set(0)
+        sub = self.subs.pop(r.url, None)
+        if sub is not None:
+            asyncio.get_running_loop().create_task(sub.stop())
+
+    def _down(self, r: Replica) -> None:
+        # A replica that failed may come back empty (restart): drop our beliefs about its cache.
+        self.policy.forget(r.url)
+        self.m.healthy.labels(r.url).set(0)
+
+    async def start(self) -> None:
+        limits = httpx.Limits(max_connections=1000, max_keepalive_connections=200)
+        self.client = httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(
+            self.cfg.upstream_timeout, connect=self.cfg.connect_timeout, pool=self.cfg.connect_timeout))
+        for i, url in enumerate(self.cfg.replicas):
+            kv = self.cfg.kv_endpoints[i] if self.cfg.kv_endpoints else None
+            rp = self.cfg.kv_replay_endpoints[i] if i < len(self.cfg.kv_replay_endpoints) else None
+            self.replicas.add(url, kv_endpoint=kv or None, kv_replay_endpoint=rp or None)
+        for sub in self.subs.values():
+            if sub._task is None:
+                sub.start()
+        self.replicas.start()
+        if self.cfg.discovery is not None:
+            await self.cfg.discovery.start(self.replicas)
+
+    async def stop(self) -> None:
+        if self.cfg.discovery is not None:
+            await self.cfg.discovery.stop()
+        for sub in list(self.subs.values()):
+            await sub.stop()
+        await self.replicas.stop()
+        if self.client:
+            await self.client.aclose()
+        self.tok.close()
+
+    # -- proxy ------------------------------------------------------------------------------------
+    def _upstream_headers(self, request: Request, rid: str) -> dict[str, str]:
+        h = {k: v for k, v in request.headers.items() if k.lower() not in HOP and not k.lower().startswith("x-kvtier")}
+        h["x-request-id"] = rid
+        if self.cfg.upstream_api_key:
+            h["authorization"] = f"Bearer {self.cfg.upstream_api_key}"
+        return h
+
+    @staticmethod
+    def _down_headers(resp: httpx.Response, rid: str, r: Replica, d: Decision, decoded: bool) -> dict[str, str]:
+        h = {k: v for k, v in resp.headers.items() if k.lower() not in HOP}
+        if decoded:
+            h.pop("content-encoding", None)
+        h["x-request-id"] = rid
+        h["x-kvtier-replica"] = r.url
+        h["x-kvtier-route"] = d.reason
+        return h
+
+    async def _read_body(self, request: Request) -> bytes | JSONResponse:
+        limit = self.cfg.max_body_bytes
+        cl = request.headers.get("content-length")
+        if cl is not None:
+            try:
+                if int(cl) > limit:
+                    self.m.rejected.labels("too_large").inc()
+                    return _err(413, f"request body exceeds {limit} bytes")
+            except ValueError:
+                return _err(400, "invalid Content-Length")
+        buf = bytearray()
+        async for chunk in request.stream():
+            buf += chunk
+            if len(buf) > limit:
+                self.m.rejected.labels("too_large").inc()
+                return _err(413, f"request body exceeds {limit} bytes")
+        return bytes(buf)
+
+    def _auth(self, request: Request) -> JSONResponse | None:
+        if not self.cfg.api_key:
+            return None
+        got = request.headers.get("authorization", "")
+        if not hmac.compare_digest(got.encode(), f"Bearer {self.cfg.api_key}".encode()):
+            self.m.rejected.labels("unauthorized").inc()
+            return _err(401, "missing or invalid API key", "authentication_error")
+        return None
+
+    async def proxy(self, request: Request, path: str, kind: str) -> Response:
+        t_in = time.perf_counter()
+        rid = request.headers.get("x-request-id") or uuid.uuid4().hex
+        if (denied := self._auth(request)) is not None:
+            return denied
+        body = await self._read_body(request)
+        if isinstance(body, JSONResponse):
+            return body
+        try:
+            payload = json.loads(body)
+        except (ValueError, UnicodeDecodeError) as e:
+            self.m.rejected.labels("bad_json").inc()
+            return _err(400, f"request body is not valid JSON: {e}")
+        if not isinstance(payload, dict):
+            self.m.rejected.labels("bad_json").inc()
+            return _err(400, "request body must be a JSON object")
+        model = payload.get("model")
+        if not isinstance(model, str) or not model:
+            self.m.rejected.labels("no_model").inc()
+            return _err(400, "missing required field 'model'")
+        strategy = request.headers.get(STRATEGY_HEADER) or self.cfg.strategy
+        try:
+            Policy.check_strategy(strategy)
+        except UnknownStrategy as e:
+            self.m.rejected.labels("bad_strategy").inc()
+            return _err(400, str(e))
+        stream = bool(payload.get("stream"))
+        session = request.headers.get(self.cfg.session_header)
+        if session is None and isinstance(payload.get("user"), str):
+            session = payload["user"]
+        tokens: list[int] = []
+        t_tok = 0.0
+        if strategy != "roundrobin":
+            t0 = time.perf_counter()
+            try:
+                tokens = await self.tok.aencode(kind, payload)
+            except TokenizeError as e:
+                self.m.rejected.labels("bad_prompt").inc()
+                return _err(400, str(e))
+            t_tok = time.perf_counter() - t0
+            self.m.tokenize.observe(t_tok)
+        l2 = 0
+        if strategy == "kvaware" and self.cfg.l2_lookup is not None and tokens:
+            with contextlib.suppress(Exception):  # L2 trouble is a miss, never an error
+                l2 = await asyncio.wait_for(self.cfg.l2_lookup(tokens, model), 0.05)
+        salt = payload.get("cache_salt") if isinstance(payload.get("cache_salt"), str) else None
+        headers = self._upstream_headers(request, rid)
+        tried: set[str] = set()
+        last_err: JSONResponse | None = None
+        assert self.client is not None
+        for attempt in range(self.cfg.retries + 1):
+            cands = [r for r in self.replicas.available() if r.url not in tried]
+            if not cands:
+                break
+            d = self.policy.choose(strategy, cands, tokens, session=session, model=model, cache_salt=salt,
+                                   l2_tokens=l2)
+            self.policy.record(strategy, d)
+            r = d.replica
+            tried.add(r.url)
+            self.m.decisions.labels(strategy, d.reason).inc()
+            adm = _Admission(r, d, len(tokens), self.m)
+            if attempt == 0:
+                self.m.overhead.observe(time.perf_counter() - t_in - t_tok)
+            req = self.client.build_request("POST", r.url + path, content=body, headers=headers)
+            t_send = time.perf_counter()
+            send = asyncio.ensure_future(self.client.send(req, stream=stream))
+            disc = asyncio.ensure_future(_wait_disconnect(request))
+            try:
+                await asyncio.wait({send, disc}, return_when=asyncio.FIRST_COMPLETED)
+            except asyncio.CancelledError:
+                send.cancel()
+                disc.cancel()
+                adm.finish()
+                raise
+            if not send.done():
+                # the client left while the replica was still working: closing our side aborts it there
+                send.cancel()
+                with contextlib.suppress(BaseException):
+                    await send
+                adm.finish()
+                self.m.cancelled.labels("before_response").inc()
+                self.m.requests.labels(r.url, strategy, "499").inc()
+                return Response(status_code=499)
+            disc.cancel()
+            try:
+                resp = send.result()
+            except (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout, httpx.RemoteProtocolError,
+                    httpx.ReadError, httpx.WriteError) as e:
+                adm.finish()
+                self.replicas.mark_down(r, f"{type(e).__name__}: {e}")
+                self.m.retries.labels("connect").inc()
+                last_err = _err(502, f"replica {r.url} failed: {type(e).__name__}", "upstream_error")
+                continue
+            except httpx.TimeoutException:
+                adm.finish()
+                self.replicas.mark_down(r, "timeout")
+                self.m.requests.labels(r.url, strategy, "504").inc()
+                return _err(504, f"replica {r.url} did not answer within {self.cfg.upstream_timeout}s",
+                            "upstream_timeout", **{"x-request-id": rid})
+            self.m.ttfb.observe(time.perf_counter() - t_send)
+            code = resp.status_code
+            if code == 429 or code >= 500:
+                err_body = await resp.aread() if stream else resp.content
+                await resp.aclose()
+                adm.finish()
+                if code >= 500:
+                    self.replicas.mark_down(r, f"HTTP {code}")
+                self.m.retries.labels(str(code)).inc()
+                last_err = JSONResponse(_safe_json(err_body, code), status_code=code)
+                continue
+            if not stream:
+                return self._finish_plain(resp, adm, rid, r, d, strategy)
+            ctype = resp.headers.get("content-type", "")
+            if code == 200 and "text/event-stream" not in ctype:
+                await resp.aclose()
+                adm.finish()
+                self.replicas.mark_down(r, f"stream answered with {ctype!r}")
+                last_err = _err(502, f"replica {r.url} answered a stream with {ctype or 'no content type'}",
+                                "upstream_error")
+                continue
+            self.m.requests.labels(r.url, strategy, str(code)).inc()
+            return StreamingResponse(self._pump(resp, adm), status_code=code,
+                                     headers=self._down_headers(resp, rid, r, d, decoded=False))
+        if last_err is not None:
+            last_err.headers["x-request-id"] = rid
+            self.m.requests.labels("none", strategy, str(last_err.status_code)).inc()
+            return last_err
+        self.m.rejected.labels("no_replica").inc()
+        return _err(503, "no healthy replica available", "service_unavailable", **{"x-request-id": rid})
+
+    def _finish_plain(self, resp: httpx.Response, adm: _Admission, rid: str, r: Replica, d: Decision,
+                      strategy: str) -> Response:
+        adm.first_byte()
+        adm.finish()
+        content = resp.content
+        code = resp.status_code
+        if code == 200:
+            try:
+                obj = json.loads(content)
+                if not isinstance(obj, dict):
+                    raise ValueError("not an object")
+            except ValueError:
+                self.replicas.mark_down(r, "invalid JSON")
+                self.m.requests.labels(r.url, strategy, "502").inc()
+                return _err(502, f"replica {r.url} returned an invalid response", "upstream_error",
+                            **{"x-request-id": rid})
+            self._count_usage(obj, d)
+        self.m.requests.labels(r.url, strategy, str(code)).inc()
+        return Response(content, status_code=code, headers=self._down_headers(resp, rid, r, d, decoded=True))
+
+    def _count_usage(self, obj: dict[str, Any], d: Decision) -> None:
+        usage = obj.get("usage")
+        if not isinstance(usage, dict):
+            return
+        details = usage.get("prompt_tokens_details") or {}
+        cached = details.get("cached_tokens") if isinstance(details, dict) else None
+        if isinstance(cached, int):
+            self.m.actual_cached.inc(cached)
+            self.m.predicted_cached.inc(d.hit_tokens)
+            if isinstance(usage.get("prompt_tokens"), int):
+                self.m.prompt_tokens.inc(usage["prompt_tokens"])
+
+    async def _pump(self, resp: httpx.Response, adm: _Admission) -> AsyncIterator[bytes]:
+        """Zero-buffer SSE passthrough; returning (client gone or done) closes the upstream connection."""
+        try:
+            async for chunk in resp.aiter_raw():
+                adm.first_byte()
+                yield chunk
+        except httpx.HTTPError as e:  # upstream died mid-stream: nothing to retry, end the stream
+            log.warning("upstream %s broke mid-stream: %s", adm.r.url, e)
+        except (asyncio.CancelledError, GeneratorExit):
+            self.m.cancelled.labels("streaming").inc()
+            raise
+        finally:
+            await resp.aclose()
+            adm.finish()
+
+    async def models(self, request: Request) -> Response:
+        if (denied := self._auth(request)) is not None:
+            return denied
+        assert self.client is not None
+        for r in self.replicas.available():
+            try:
+                resp = await self.client.get(r.url + "/v1/models", headers=self._upstream_headers(request, "models"),
+                                             timeout=self.cfg.health_timeout * 5)
+                if resp.status_code == 200:
+                    return Response(resp.content, media_type="application/json")
+            except httpx.HTTPError:
+                self.replicas.mark_down(r, "models failed")
+        return _err(503, "no healthy replica available", "service_unavailable")
+
+    def health(self) -> JSONResponse:
+        reps = [{"url": r.url, "up": r.available, "inflight": r.inflight, "prefill_tokens": r.prefill_tokens,
+                 "served": r.served} for r in self.replicas.replicas.values()]
+        up = any(r["up"] for r in reps)
+        return JSONResponse({"status": "ok" if up else "no_replicas", "replicas": reps,
+                             "strategies": list(STRATEGIES), "default_strategy": self.cfg.strategy},
+                            status_code=200 if up else 503)
+
+    def metrics(self) -> Response:
+        self.m.kv_blocks.set(len(self.policy.kv))
+        self.m.tree_blocks.set(len(self.policy.tree))
+        for url, sub in self.subs.items():
+            if sub.stats.lag_s:
+                self.m.kv_lag.labels(url).set(sub.stats.lag_s[-1])
+        return Response(generate_latest(self.m.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+def _safe_json(body: bytes, code: int) -> dict[str, Any]:
+    try:
+        obj = json.loads(body)
+        if isinstance(obj, dict):
+            return obj
+    except ValueError:
+        pass
+    return {"error": {"message": f"replica answered HTTP {code}", "type": "upstream_error", "code": code}}
+
+
+def create_app(cfg: RouterConfig) -> FastAPI:
+    router = Router(cfg)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await router.start()
+        try:
+            yield
+        finally:
+            await router.stop()
+
+    app = FastAPI(title="kvtier router", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.router = router
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await router.proxy(request, "/v1/completions", "completion")
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        return await router.proxy(request, "/v1/chat/completions", "chat")
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        return await router.models(request)
+
+    @app.get("/health")
+    async def health() -> Response:
+        return router.health()
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return router.metrics()
+
+    return app

@@ -1,0 +1,117 @@
+"""`kvtier router ...`: start the cache-aware OpenAI-compatible router."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import socket
+import sys
+
+from router.policy import STRATEGIES
+
+
+def _split(v: str | None) -> list[str]:
+    return [x.strip() for x in v.split(",")] if v else []
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvtier router", description=__doc__)
+    p.add_argument("--replicas", default=os.environ.get("KVTIER_REPLICAS", ""),
+                   help="comma-separated replica base URLs (http://host:8000,...)")
+    p.add_argument("--strategy", default="prefixaware", help=f"default strategy: {', '.join(STRATEGIES)} "
+                   "(per request: header X-Kvtier-Strategy)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8080, help="0 picks a free port (printed on stdout)")
+    p.add_argument("--tokenizer", default="bytes",
+                   help="model path / hub id for AutoTokenizer + chat template ('bytes' = UTF-8 bytes, tests only)")
+    p.add_argument("--block-size", type=int, default=16, help="engine KV block size in tokens")
+    p.add_argument("--kv-events", default="", help="comma-separated ZMQ PUB endpoints, one per replica "
+                   "(tcp://host:5557); empty entries allowed")
+    p.add_argument("--kv-replay", default="", help="comma-separated ZMQ replay (ROUTER) endpoints, one per replica")
+    p.add_argument("--api-key", default=os.environ.get("KVTIER_ROUTER_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' from clients (env KVTIER_ROUTER_API_KEY)")
+    p.add_argument("--upstream-api-key", default=os.environ.get("KVTIER_UPSTREAM_API_KEY"),
+                   help="bearer token sent to replicas (vLLM --api-key)")
+    p.add_argument("--max-body-bytes", type=int, default=8 << 20)
+    p.add_argument("--health-interval", type=float, default=2.0)
+    p.add_argument("--health-timeout", type=float, default=1.0)
+    p.add_argument("--connect-timeout", type=float, default=2.0)
+    p.add_argument("--upstream-timeout", type=float, default=600.0,
+                   help="seconds to wait for a replica's first byte (and between bytes)")
+    p.add_argument("--retries", type=int, default=2, help="other replicas to try before the first byte")
+    p.add_argument("--load-epsilon", type=float, default=0.25, help="no replica above (1+e) x mean in-flight")
+    p.add_argument("--decode-beta", type=float, default=0.1, help="cost weight of active decode context tokens")
+    p.add_argument("--session-header", default="x-session-id")
+    p.add_argument("--k8s-selector", default=None, help="discover replicas: pods matching this label selector")
+    p.add_argument("--k8s-namespace", default="default")
+    p.add_argument("--k8s-port", type=int, default=8000)
+    p.add_argument("--k8s-kv-events-port", type=int, default=None)
+    p.add_argument("--k8s-kv-replay-port", type=int, default=None)
+    p.add_argument("--l2fs-master", default=None, help="host:port of the l2fs master (kvaware L2 presence)")
+    p.add_argument("--l2fs-prefix", default="/kv", help="l2fs directory the connector writes chunks under")
+    p.add_argument("--l2fs-chunk-size", type=int, default=256, help="LMCache chunk size in tokens")
+    p.add_argument("--log-level", default="info")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    if args.strategy not in STRATEGIES:
+        print(f"kvtier router: unknown strategy {args.strategy!r}; choose one of {', '.join(STRATEGIES)}",
+              file=sys.stderr)
+        return 2
+    replicas = _split(args.replicas)
+    if not replicas and not args.k8s_selector:
+        print("kvtier router: give --replicas or --k8s-selector", file=sys.stderr)
+        return 2
+    for u in replicas:
+        if not u.startswith(("http://", "https://")):
+            print(f"kvtier router: replica {u!r} is not an http(s) URL", file=sys.stderr)
+            return 2
+    kv = _split(args.kv_events)
+    if kv and len(kv) != len(replicas):
+        print("kvtier router: --kv-events needs one entry per replica", file=sys.stderr)
+        return 2
+
+    import uvicorn
+
+    from router.app import RouterConfig, create_app
+
+    discovery = None
+    if args.k8s_selector:
+        from router.discovery import K8sDiscovery
+
+        discovery = K8sDiscovery(args.k8s_namespace, args.k8s_selector, port=args.k8s_port,
+                                 kv_events_port=args.k8s_kv_events_port, kv_replay_port=args.k8s_kv_replay_port)
+    l2_lookup = None
+    if args.l2fs_master:
+        from router.l2 import L2Lookup
+
+        l2_lookup = L2Lookup(args.l2fs_master, prefix=args.l2fs_prefix, chunk_size=args.l2fs_chunk_size)
+    cfg = RouterConfig(
+        replicas=replicas, strategy=args.strategy, tokenizer=args.tokenizer, block_size=args.block_size,
+        api_key=args.api_key, upstream_api_key=args.upstream_api_key, max_body_bytes=args.max_body_bytes,
+        health_interval=args.health_interval, health_timeout=args.health_timeout,
+        connect_timeout=args.connect_timeout, upstream_timeout=args.upstream_timeout, retries=args.retries,
+        load_epsilon=args.load_epsilon, decode_beta=args.decode_beta, session_header=args.session_header.lower(),
+        kv_endpoints=[x or None for x in kv], kv_replay_endpoints=[x or None for x in _split(args.kv_replay)],
+        l2_lookup=l2_lookup, discovery=discovery)
+    app = create_app(cfg)
+    sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((args.host, args.port))
+    sock.listen(2048)  # connections queue until uvicorn accepts, so the printed URL works at once
+    port = sock.getsockname()[1]
+    print(f"kvtier router listening on http://{args.host}:{port} strategy={args.strategy}", flush=True)
+    config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=2)
+    server = uvicorn.Server(config)
+    asyncio.run(server.serve(sockets=[sock]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

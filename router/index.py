@@ -1,0 +1,217 @@
+"""Prefix indexes: our own chained block keys, an approximate router-side tree and the event-driven KV index.
+
+Both indexes speak one key space: key[i] = hash((key[i-1], tokens of block i)), a hash-chained trie over
+full token blocks (a radix tree whose edges are blocks: vLLM only ever hits on whole blocks). We never try
+to reproduce the engine's own block hashes (seeded sha256/pickle; the router cannot match them reliably):
+KV events carry the block's token ids, so we recompute our key and keep an engine-hash -> key map.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+ROOT = 0
+MEDIUM_WEIGHT = {"GPU": 1.0, None: 1.0, "CPU": 0.8, "cpu": 0.8, "DISK": 0.5}
+
+
+def root_key(salt: object = None) -> int:
+    """Chain root; a LoRA adapter or cache_salt gets its own namespace so they never collide."""
+    return ROOT if salt is None else hash(("kvtier-root", salt))
+
+
+def block_keys(tokens: Sequence[int], block_size: int, root: int = ROOT, extra0: object = None) -> list[int]:
+    """Chained keys of every full block of `tokens` (ints hash deterministically in CPython)."""
+    keys: list[int] = []
+    parent = root
+    n = len(tokens) // block_size
+    for i in range(n):
+        blk = tuple(tokens[i * block_size:(i + 1) * block_size])
+        parent = hash((parent, blk, extra0)) if (i == 0 and extra0 is not None) else hash((parent, blk))
+        keys.append(parent)
+    return keys
+
+
+def contiguous_match(keys: Sequence[int], holders_of) -> dict[str, int]:
+    """Leading blocks held by each replica; `holders_of(key)` returns the replicas holding that key."""
+    result: dict[str, int] = {}
+    alive: set[str] | None = None
+    for i, k in enumerate(keys):
+        h = holders_of(k)
+        now = set(h) if alive is None else alive.intersection(h)
+        if alive is not None:
+            for r in alive - now:
+                result[r] = i
+        alive = now
+        if not alive:
+            break
+    if alive:
+        for r in alive:
+            result[r] = len(keys)
+    return result
+
+
+class PrefixTree:
+    """Router-side record of which replica was sent which prefix (no engine feedback).
+
+    LRU over blocks with a hard size cap; each (block, replica) entry may carry an expiry so that kvaware
+    can use it as a short-lived speculative index that covers the gap until the real KV events arrive.
+    Purging a replica is O(1): entries carry the replica's generation, a purge bumps it.
+    """
+
+    def __init__(self, max_blocks: int = 1_000_000) -> None:
+        self.max_blocks = max_blocks
+        self._nodes: OrderedDict[int, dict[str, tuple[int, float]]] = OrderedDict()
+        self._gen: dict[str, int] = {}
+
+    def __len__(self) -> int:
+        return len(self._nodes)
+
+    def insert(self, keys: Iterable[int], replica: str, ttl: float | None = None) -> None:
+        exp = time.monotonic() + ttl if ttl else float("inf")
+        gen = self._gen.setdefault(replica, 0)
+        nodes = self._nodes
+        for k in keys:
+            node = nodes.get(k)
+            if node is None:
+                node = nodes[k] = {}
+            else:
+                nodes.move_to_end(k)
+            node[replica] = (gen, exp)
+        while len(nodes) > self.max_blocks:
+            nodes.popitem(last=False)
+
+    def holders(self, key: int) -> list[str]:
+        node = self._nodes.get(key)
+        if not node:
+            return []
+        now = time.monotonic()
+        gen = self._gen
+        return [r for r, (g, exp) in node.items() if gen.get(r) == g and exp > now]
+
+    def match(self, keys: Sequence[int]) -> dict[str, int]:
+        """Matched leading blocks per replica (also refreshes the LRU position of what matched)."""
+        m = contiguous_match(keys, self.holders)
+        best = max(m.values(), default=0)
+        for k in keys[:best]:
+            if k in self._nodes:
+                self._nodes.move_to_end(k)
+        return m
+
+    def purge(self, replica: str) -> None:
+        self._gen[replica] = self._gen.get(replica, 0) + 1
+
+
+@dataclass
+class _ReplicaBlocks:
+    engine_to_key: dict[tuple[object, object], int] = field(default_factory=dict)  # (engine hash, medium) -> key
+    block_size: int | None = None
+
+
+class KVIndex:
+    """Ground truth from engine KV events: which replica holds which block, on which medium."""
+
+    def __init__(self) -> None:
+        self._holders: dict[int, dict[str, float]] = {}
+        self._replicas: dict[str, _ReplicaBlocks] = {}
+        self._refcount: dict[tuple[int, str], int] = {}
+        self.orphans = 0  # BlockStored whose parent we never saw (chain unknown: skipped)
+        self.loras: set[str] = set()
+
+    def __len__(self) -> int:
+        return len(self._holders)
+
+    def block_size(self, replica: str) -> int | None:
+        rb = self._replicas.get(replica)
+        return rb.block_size if rb else None
+
+    def block_sizes(self) -> set[int]:
+        return {rb.block_size for rb in self._replicas.values() if rb.block_size}
+
+    def stored(self, replica: str, block_hashes: Sequence[object], parent: object, token_ids: Sequence[int],
+               block_size: int, medium: str | None = None, lora_name: str | None = None,
+               extra_keys: Sequence[object] | None = None) -> None:
+        rb = self._replicas.setdefault(replica, _ReplicaBlocks())
+        rb.block_size = block_size
+        if lora_name:
+            self.loras.add(lora_name)
+        if parent is None:
+            pkey = root_key(lora_name)
+        else:
+            pkey = None
+            for med in (medium, "GPU", None, "CPU"):
+                pkey = rb.engine_to_key.get((parent, med))
+                if pkey is not None:
+                    break
+            if pkey is None:
+                self.orphans += len(block_hashes)
+                return
+        w = MEDIUM_WEIGHT.get(medium, 0.5)
+        for i, h in enumerate(block_hashes):
+            blk = tuple(token_ids[i * block_size:(i + 1) * block_size])
+            if len(blk) < block_size:
+                break
+            extra = extra_keys[i] if extra_keys and i < len(extra_keys) else None
+            if extra is not None and pkey == root_key(lora_name):
+                # only the first block's extra key (cache_salt) is reproducible from a request
+                salt = extra[-1] if isinstance(extra, (list, tuple)) and extra else extra
+                pkey = hash((pkey, blk, ("salt", str(salt))))
+            else:
+                pkey = hash((pkey, blk))
+            ek = (h, medium)
+            old = rb.engine_to_key.get(ek)
+            if old == pkey:
+                continue
+            if old is not None:
+                self._drop(replica, old)
+            rb.engine_to_key[ek] = pkey
+            self._refcount[(pkey, replica)] = self._refcount.get((pkey, replica), 0) + 1
+            holders = self._holders.setdefault(pkey, {})
+            holders[replica] = max(holders.get(replica, 0.0), w)
+
+    def _drop(self, replica: str, key: int) -> None:
+        rc = self._refcount.get((key, replica), 0) - 1
+        if rc > 0:
+            self._refcount[(key, replica)] = rc
+            return
+        self._refcount.pop((key, replica), None)
+        holders = self._holders.get(key)
+        if holders is not None:
+            holders.pop(replica, None)
+            if not holders:
+                del self._holders[key]
+
+    def removed(self, replica: str, block_hashes: Sequence[object], medium: str | None = None) -> None:
+        rb = self._replicas.get(replica)
+        if rb is None:
+            return
+        for h in block_hashes:
+            key = rb.engine_to_key.pop((h, medium), None)
+            if key is not None:
+                self._drop(replica, key)
+
+    def clear(self, replica: str) -> None:
+        """AllBlocksCleared, a sequence gap we cannot replay, a restart or a failed health check."""
+        rb = self._replicas.pop(replica, None)
+        if rb is None:
+            return
+        for key in rb.engine_to_key.values():
+            self._refcount.pop((key, replica), None)
+            holders = self._holders.get(key)
+            if holders is not None:
+                holders.pop(replica, None)
+                if not holders:
+                    del self._holders[key]
+
+    def holders(self, key: int) -> dict[str, float]:
+        return self._holders.get(key, {})
+
+    def match(self, keys: Sequence[int]) -> dict[str, tuple[int, float]]:
+        """Per replica: (leading blocks held, medium-weighted block count)."""
+        counts = contiguous_match(keys, self.holders)
+        out: dict[str, tuple[int, float]] = {}
+        for r, n in counts.items():
+            out[r] = (n, sum(self._holders[k][r] for k in keys[:n]))
+        return out

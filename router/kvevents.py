@@ -1,0 +1,224 @@
+"""vLLM KV-event ingestion: one ZMQ SUB per replica, both wire encodings, seq-gap replay or purge.
+
+Wire (vllm/distributed/kv_events.py, ZmqEventPublisher): PUB multipart (topic, seq 8-byte BE, msgpack
+payload). The batch is `[ts, events, dp_rank]` (array) or `{"ts":..,"events":..}` (map); each event is
+`["BlockStored", field...]` (older array_like releases) or `{"type": "BlockStored", ...}` (newer). Replay:
+DEALER sends (b"", start_seq BE) to the ROUTER replay socket and receives (b"", topic, seq, payload)
+frames, ending with seq == -1.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+import zmq
+import zmq.asyncio
+
+from router.index import KVIndex
+
+log = logging.getLogger("kvtier.router.kvevents")
+
+# Positional field order of the array_like events (vLLM BlockStored / BlockRemoved class bodies).
+STORED_FIELDS = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium",
+                 "lora_name", "extra_keys", "group_idx", "kv_cache_spec_kind", "kv_cache_spec_sliding_window",
+                 "locality", "ownership", "session_id")
+REMOVED_FIELDS = ("block_hashes", "medium", "group_idx", "locality", "ownership")
+FIELDS = {"BlockStored": STORED_FIELDS, "BlockRemoved": REMOVED_FIELDS, "AllBlocksCleared": ()}
+END_SEQ = -1
+
+
+class DecodeError(ValueError):
+    """A payload that is not a vLLM KV event batch."""
+
+
+def decode_event(ev: Any) -> dict[str, Any]:
+    """One event (array- or map-encoded) -> {"type": ..., field: value}."""
+    if isinstance(ev, dict):
+        kind = ev.get("type")
+        if kind not in FIELDS:
+            raise DecodeError(f"unknown event type {kind!r}")
+        return ev
+    if isinstance(ev, (list, tuple)) and ev and ev[0] in FIELDS:
+        names = FIELDS[ev[0]]
+        out: dict[str, Any] = {"type": ev[0]}
+        out.update(zip(names, ev[1:], strict=False))
+        return out
+    raise DecodeError(f"not a KV event: {ev!r:.80}")
+
+
+def decode_batch(payload: bytes) -> tuple[float, list[dict[str, Any]], int | None]:
+    """A msgpack KVEventBatch -> (ts, events, data_parallel_rank)."""
+    try:
+        obj = msgpack.unpackb(payload, raw=False, strict_map_key=False)
+    except Exception as e:
+        raise DecodeError(f"bad msgpack: {e}") from e
+    if isinstance(obj, dict):
+        ts, events, dp = obj.get("ts"), obj.get("events"), obj.get("data_parallel_rank")
+    elif isinstance(obj, (list, tuple)) and len(obj) >= 2:
+        ts, events = obj[0], obj[1]
+        dp = obj[2] if len(obj) > 2 else None
+    else:
+        raise DecodeError("batch is neither an array nor a map")
+    if not isinstance(events, list):
+        raise DecodeError("batch.events is not a list")
+    return float(ts or 0.0), [decode_event(e) for e in events], dp
+
+
+def apply_events(index: KVIndex, replica: str, events: list[dict[str, Any]]) -> dict[str, int]:
+    """Fold decoded events into the index; returns counts per event type."""
+    counts: dict[str, int] = {}
+    for ev in events:
+        kind = ev["type"]
+        counts[kind] = counts.get(kind, 0) + 1
+        if kind == "BlockStored":
+            spec = ev.get("kv_cache_spec_kind")
+            if spec not in (None, "full_attention") or ev.get("kv_cache_spec_sliding_window"):
+                continue  # sliding-window / mamba groups do not make a reusable prefix
+            index.stored(replica, ev["block_hashes"], ev.get("parent_block_hash"), ev["token_ids"],
+                         int(ev["block_size"]), ev.get("medium"), ev.get("lora_name"), ev.get("extra_keys"))
+        elif kind == "BlockRemoved":
+            index.removed(replica, ev["block_hashes"], ev.get("medium"))
+        else:
+            index.clear(replica)
+    return counts
+
+
+@dataclass
+class SubscriberStats:
+    batches: int = 0
+    events: dict[str, int] = field(default_factory=dict)
+    gaps: int = 0
+    replays: int = 0
+    purges: int = 0
+    decode_errors: int = 0
+    last_seq: int | None = None
+    lag_s: list[float] = field(default_factory=list)  # recent event-to-index lags (ts -> applied)
+
+
+class KVEventSubscriber:
+    """Keeps `index` in sync with one replica's KV events (one asyncio task)."""
+
+    def __init__(self, replica: str, endpoint: str, index: KVIndex, *, replay_endpoint: str | None = None,
+                 topic: str = "", on_change: Callable[[str, str, int], None] | None = None,
+                 replay_timeout: float = 2.0) -> None:
+        self.replica = replica
+        self.endpoint = endpoint
+        self.replay_endpoint = replay_endpoint
+        self.topic = topic
+        self.index = index
+        self.stats = SubscriberStats()
+        self._on_change = on_change or (lambda replica, what, n: None)
+        self._replay_timeout = replay_timeout
+        self._ctx = zmq.asyncio.Context.instance()
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run(), name=f"kvevents:{self.replica}")
+
+    async def stop(self) -> None:
+        if self._task:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._task
+
+    def purge(self, why: str) -> None:
+        self.index.clear(self.replica)
+        self.stats.purges += 1
+        self._on_change(self.replica, f"purge:{why}", 1)
+
+    def _apply(self, seq: int, payload: bytes) -> None:
+        try:
+            ts, events, _dp = decode_batch(payload)
+        except DecodeError as e:
+            self.stats.decode_errors += 1
+            self._on_change(self.replica, "decode_error", 1)
+            log.warning("replica %s: undecodable KV event batch seq=%s: %s; purging", self.replica, seq, e)
+            self.purge("decode_error")  # we no longer know what the replica holds
+            self.stats.last_seq = seq
+            return
+        for kind, n in apply_events(self.index, self.replica, events).items():
+            self.stats.events[kind] = self.stats.events.get(kind, 0) + n
+            self._on_change(self.replica, kind, n)
+        self.stats.batches += 1
+        self.stats.last_seq = seq
+        if ts:
+            lag = time.time() - ts
+            self.stats.lag_s.append(lag)
+            del self.stats.lag_s[:-1000]
+
+    async def _replay(self, start: int, upto: int) -> bool:
+        """Fetch batches [start, upto) from the replay socket; False if they are no longer buffered."""
+        if not self.replay_endpoint:
+            return False
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(self.replay_endpoint)
+        got: list[tuple[int, bytes]] = []
+        try:
+            await sock.send_multipart((b"", start.to_bytes(8, "big")))
+            while True:
+                if not await sock.poll(self._replay_timeout * 1000):
+                    return False
+                frames = await sock.recv_multipart()
+                if len(frames) < 4:
+                    return False
+                seq = int.from_bytes(frames[2], "big", signed=True)
+                if seq == END_SEQ:
+                    break
+                if seq < upto:
+                    got.append((seq, frames[3]))
+        finally:
+            sock.close(linger=0)
+        if not got or got[0][0] != start:
+            return False  # the publisher's buffer rolled over: the missing batches are gone
+        for seq, payload in got:
+            if self.stats.last_seq is None or seq == self.stats.last_seq + 1:
+                self._apply(seq, payload)
+        return self.stats.last_seq == upto - 1
+
+    async def _run(self) -> None:
+        sub = self._ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.RCVHWM, 100_000)
+        sub.setsockopt_string(zmq.SUBSCRIBE, self.topic)
+        sub.connect(self.endpoint)
+        try:
+            while True:
+                frames = await sub.recv_multipart()
+                if len(frames) != 3:
+                    self.stats.decode_errors += 1
+                    continue
+                seq = int.from_bytes(frames[1], "big", signed=True)
+                last = self.stats.last_seq
+                if last is None and seq > 0 and self.replay_endpoint:
+                    # joined late (router started after the replica): catch up on what is still buffered
+                    if await self._replay(0, seq):
+                        self.stats.replays += 1
+                        self._on_change(self.replica, "replay", 1)
+                elif last is not None and seq <= last:
+                    # publisher restarted (seq went back): the replica's cache is new too
+                    self.purge("restart")
+                elif last is not None and seq > last + 1:
+                    self.stats.gaps += 1
+                    self._on_change(self.replica, "gap", 1)
+                    ok = await self._replay(last + 1, seq)
+                    if ok:
+                        self.stats.replays += 1
+                        self._on_change(self.replica, "replay", 1)
+                    else:
+                        self.purge("gap")
+                self._apply(seq, frames[2])
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("replica %s: KV event subscriber died", self.replica)
+            self.purge("subscriber_error")
+        finally:
+            sub.close(linger=0)

@@ -1,0 +1,44 @@
+"""Prometheus metrics of one router instance (own registry, so several routers can live in one process)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+_FAST = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("kvtier_router_requests", "Proxied requests by final status",
+                                ["replica", "strategy", "code"], registry=r)
+        self.decisions = Counter("kvtier_router_decisions", "Routing decisions by reason",
+                                 ["strategy", "reason"], registry=r)
+        self.retries = Counter("kvtier_router_retries", "Retries on another replica before the first byte",
+                               ["reason"], registry=r)
+        self.cancelled = Counter("kvtier_router_client_disconnects", "Client disconnects propagated upstream",
+                                 ["phase"], registry=r)
+        self.rejected = Counter("kvtier_router_rejected", "Requests rejected by the router", ["reason"], registry=r)
+        self.overhead = Histogram("kvtier_router_overhead_seconds",
+                                  "Router time before the upstream send, tokenization excluded", buckets=_FAST,
+                                  registry=r)
+        self.tokenize = Histogram("kvtier_router_tokenize_seconds", "Prompt tokenization time", buckets=_FAST,
+                                  registry=r)
+        self.ttfb = Histogram("kvtier_router_upstream_first_byte_seconds", "Upstream time to first byte",
+                              registry=r)
+        self.predicted_cached = Counter("kvtier_router_predicted_cached_tokens",
+                                        "Prompt tokens predicted to hit L0/L1 on the chosen replica", registry=r)
+        self.actual_cached = Counter("kvtier_router_actual_cached_tokens",
+                                     "usage.prompt_tokens_details.cached_tokens reported back", registry=r)
+        self.prompt_tokens = Counter("kvtier_router_prompt_tokens", "Prompt tokens routed", registry=r)
+        self.inflight = Gauge("kvtier_router_inflight", "In-flight requests per replica", ["replica"], registry=r)
+        self.inflight_prefill = Gauge("kvtier_router_inflight_prefill_tokens", "Admitted uncached prefill tokens",
+                                      ["replica"], registry=r)
+        self.healthy = Gauge("kvtier_router_replica_up", "1 if the replica takes traffic", ["replica"], registry=r)
+        self.kv_events = Counter("kvtier_router_kv_events", "KV events applied (and gaps/replays/purges)",
+                                 ["replica", "type"], registry=r)
+        self.kv_blocks = Gauge("kvtier_router_kv_index_blocks", "Blocks in the KV-event index", registry=r)
+        self.tree_blocks = Gauge("kvtier_router_prefix_tree_blocks", "Blocks in the approximate prefix tree",
+                                 registry=r)
+        self.kv_lag = Gauge("kvtier_router_kv_event_lag_seconds", "Latest event-to-index lag", ["replica"],
+                            registry=r)

@@ -1,0 +1,134 @@
+"""Router test helpers: real test-replica and router processes on loopback (imported by the tests)."""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+PY = sys.executable
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    """A TCP port that was free a moment ago on 127.0.0.1."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Proc:
+    p: subprocess.Popen
+    url: str
+    log: Path
+    kv: str | None = None
+    replay: str | None = None
+    extra: dict = field(default_factory=dict)
+
+    def stop(self) -> None:
+        if self.p.poll() is None:
+            self.p.terminate()
+            try:
+                self.p.wait(5)
+            except subprocess.TimeoutExpired:
+                self.p.kill()
+                self.p.wait(5)
+
+    def get(self, path: str, **kw) -> httpx.Response:
+        return httpx.get(self.url + path, timeout=10, **kw)
+
+    def post(self, path: str, **kw) -> httpx.Response:
+        return httpx.post(self.url + path, timeout=30, **kw)
+
+
+def _spawn(args: list[str], log: Path, pattern: str, timeout: float = 60.0) -> tuple[subprocess.Popen, str]:
+    env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
+    f = open(log, "w")  # noqa: SIM115 - closed by the OS when the child exits
+    p = subprocess.Popen(args, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        text = log.read_text(errors="replace")
+        m = re.search(pattern, text)
+        if m:
+            return p, m.group(1)
+        if p.poll() is not None:
+            raise RuntimeError(f"{args[:4]} exited rc={p.returncode}:\n{text[-3000:]}")
+        time.sleep(0.1)
+    p.kill()
+    raise RuntimeError(f"{args[:4]} did not start:\n{log.read_text(errors='replace')[-3000:]}")
+
+
+class Cluster:
+    """Starts replicas and routers; stops everything at teardown."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.tmp = tmp
+        self.procs: list[Proc] = []
+        self.n = 0
+
+    def replica(self, *args: str, kv: bool = True, replay: bool = True) -> Proc:
+        self.n += 1
+        cmd = [PY, "-m", "router.testreplica", "--port", "0", *args]
+        kv_ep = replay_ep = None
+        if kv:
+            kv_ep = f"tcp://127.0.0.1:{free_port()}"
+            cmd += ["--kv-events", kv_ep]
+            if replay:
+                replay_ep = f"tcp://127.0.0.1:{free_port()}"
+                cmd += ["--kv-replay", replay_ep]
+        log = self.tmp / f"replica{self.n}.log"
+        p, url = _spawn(cmd, log, r"listening on (http://\S+)")
+        proc = Proc(p, url, log, kv_ep, replay_ep)
+        self.procs.append(proc)
+        return proc
+
+    def router(self, replicas: list[Proc], *args: str, kv: bool = False) -> Proc:
+        self.n += 1
+        cmd = [PY, "-m", "router.cli", "--port", "0", "--replicas", ",".join(r.url for r in replicas),
+               "--health-interval", "0.5", *args]
+        if kv:
+            cmd += ["--kv-events", ",".join(r.kv or "" for r in replicas),
+                    "--kv-replay", ",".join(r.replay or "" for r in replicas)]
+        log = self.tmp / f"router{self.n}.log"
+        p, url = _spawn(cmd, log, r"listening on (http://\S+)")
+        proc = Proc(p, url, log)
+        self.procs.append(proc)
+        return proc
+
+    def close(self) -> None:
+        for p in reversed(self.procs):
+            p.stop()
+
+
+def complete(router: Proc, prompt: str, *, headers: dict | None = None, **body) -> httpx.Response:
+    payload = {"model": "test-model", "prompt": prompt, "max_tokens": 2, **body}
+    return router.post("/v1/completions", json=payload, headers=headers or {})
+
+
+def metric(router: Proc, name: str, **labels: str) -> float:
+    """Sum of a Prometheus sample (matching the given labels) from the router's /metrics."""
+    total = 0.0
+    for line in router.get("/metrics").text.splitlines():
+        if not line.startswith(name + "{") and not line.startswith(name + " "):
+            continue
+        if all(f'{k}="{v}"' in line for k, v in labels.items()):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def wait_for(cond, timeout: float = 10.0, interval: float = 0.05):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        v = cond()
+        if v:
+            return v
+        time.sleep(interval)
+    raise AssertionError("condition not met in time")
