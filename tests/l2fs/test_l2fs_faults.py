@@ -1,0 +1,120 @@
+"""Faults become misses: dead worker, restarted master/worker, corrupted block, concurrent writers."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+from conftest import block_files, wait_until
+
+from l2fs.local import LocalCluster
+
+HB_TIMEOUT = 2.0
+
+
+@pytest.fixture(scope="module")
+def fcluster(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
+    with LocalCluster(tmp_path_factory.mktemp("faults"), workers=2, capacity="1G",
+                      heartbeat_timeout=HB_TIMEOUT, heartbeat_interval=0.3) as c:
+        yield c
+
+
+def _alive(cluster: LocalCluster) -> dict[str, bool]:
+    return {w.node_id: w.alive for w in cluster.client().report().workers}
+
+
+def test_dead_worker_dropped_and_reads_miss_fast(fcluster: LocalCluster) -> None:
+    c = fcluster.client(node_id="node-1", timeout=2.0)
+    data = os.urandom(3 << 20)
+    assert c.put("/dead/a", data)
+    w2 = fcluster.client(node_id="node-2")
+    assert w2.put("/dead/b", data)
+    assert c.stat("/dead/b").nodes == ["node-2"]
+    fcluster.kill_worker(1, signal.SIGKILL)
+    t0 = time.monotonic()
+    assert c.get("/dead/b") is None  # worker gone: a miss, not a hang
+    assert time.monotonic() - t0 < 2.5
+    wait_until(lambda: c.stat("/dead/b") is None, timeout=HB_TIMEOUT + 2)
+    assert time.monotonic() - t0 < HB_TIMEOUT + 2
+    assert _alive(fcluster)["node-2"] is False
+    assert c.get("/dead/a") == data  # the other worker is unaffected
+    # the restarted worker keeps its data and re-reports it
+    fcluster.start_worker(1)
+    assert c.get("/dead/b") == data
+    assert _alive(fcluster)["node-2"] is True
+
+
+def test_worker_restart_keeps_data(fcluster: LocalCluster) -> None:
+    c = fcluster.client(node_id="node-1")
+    blobs = {f"/wr/{i}": os.urandom(100_000 + i) for i in range(5)}
+    for p, d in blobs.items():
+        assert c.put(p, d)
+    fcluster.kill_worker(0, signal.SIGKILL)
+    fcluster.start_worker(0)
+    for p, d in blobs.items():
+        assert c.get(p) == d
+        assert c.stat(p).nodes == ["node-1"]
+
+
+def test_master_restart_rebuilds_namespace(fcluster: LocalCluster) -> None:
+    c = fcluster.client(node_id="node-2")
+    c.put("/mr/keep", b"keep")
+    c.put("/mr/old", b"renamed")
+    c.put("/mr/dst", b"overwritten")
+    c.put("/mr/gone", b"deleted")
+    c.rename("/mr/old", "/mr/dst")
+    assert c.rm("/mr/gone")
+    before = {i.path: i.size for i in c.ls("/mr")}
+    fcluster.kill_master(signal.SIGKILL)
+    fcluster.start_master()
+    wait_until(lambda: sum(w.alive for w in c.report().workers) == 2, timeout=10)
+    assert {i.path: i.size for i in c.ls("/mr")} == before
+    assert c.get("/mr/dst") == b"renamed"
+    assert c.get("/mr/keep") == b"keep"
+    assert c.get("/mr/gone") is None and c.get("/mr/old") is None
+
+
+@pytest.mark.parametrize("short_circuit", [True, False], ids=["short-circuit", "grpc"])
+def test_corrupt_block_is_a_miss_and_dropped(fcluster: LocalCluster, short_circuit: bool) -> None:
+    c = fcluster.client(node_id="node-1", short_circuit=short_circuit)
+    path = f"/corrupt/{short_circuit}"
+    before = set(block_files(fcluster, 0))
+    data = os.urandom(1 << 20)
+    assert c.put(path, data)
+    (blk,) = set(block_files(fcluster, 0)) - before
+    raw = bytearray(blk.read_bytes())
+    raw[len(raw) // 2] ^= 0x01
+    blk.write_bytes(raw)
+    assert c.get(path) is None
+    wait_until(lambda: not blk.exists() and c.stat(path) is None, timeout=5)
+    assert c.put(path, data) is True  # the slot is free again
+
+
+def test_concurrent_put_if_absent_publishes_one_version(fcluster: LocalCluster) -> None:
+    n = 8
+    payloads = [bytes([i]) * (2 << 20) for i in range(n)]
+    clients = [fcluster.client(node_id=f"node-{1 + i % 2}") for i in range(n)]
+    results: list[bool | None] = [None] * n
+    barrier = threading.Barrier(n)
+
+    def writer(i: int) -> None:
+        barrier.wait()
+        results[i] = clients[i].put("/race/one", payloads[i])
+
+    threads = [threading.Thread(target=writer, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results.count(True) == 1 and results.count(False) == n - 1
+    winner = payloads[results.index(True)]
+    assert clients[0].get("/race/one") == winner
+    assert clients[1].get("/race/one") == winner
+    # losers' orphan blocks get deleted: exactly one 2 MiB block of this content remains
+    def copies() -> int:
+        return sum(f.stat().st_size == 2 << 20 and f.read_bytes()[:1] in {p[:1] for p in payloads}
+                   for i in range(2) for f in block_files(fcluster, i))
+    wait_until(lambda: copies() == 1, timeout=5)
