@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import json
+import socket
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,6 +27,13 @@ import yaml
 from kmock._internal import k8s, rendering
 
 DATA = Path(__file__).parent / "data"
+
+
+def free_port() -> int:
+    """A TCP port that was free a moment ago (tests/conftest.py's is shadowed by this module's name)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def load_yaml(name: str) -> dict[str, Any]:

@@ -1,0 +1,145 @@
+"""`kvtier webhook`: mutating admission webhook that re-applies the l2fs patch on every render.
+
+The HyperPod inference operator re-renders its worker Deployment on any CRD edit or upgrade, which
+drops a one-time `kubectl patch`. Kubernetes calls this webhook on each CREATE/UPDATE of a
+Deployment; for opted-in, InferenceEndpointConfig-owned ones it answers with a JSON patch
+(operator_patch.patch), for everything else with an empty "allowed". It never denies: a Deployment
+it cannot patch is admitted unchanged with a warning, so a webhook problem costs cache hits, not
+deployments. Served over TLS only (the API server requires it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import json
+import logging
+import sys
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
+
+from .options import add_config_args, config_from_args
+from .patch import PatchConfig, PatchError, plan, wants_patch
+
+log = logging.getLogger("kvtier.webhook")
+REVIEW_API = "admission.k8s.io/v1"
+
+
+class BadReview(ValueError):
+    """The request body is not an AdmissionReview v1 request."""
+
+
+def parse_review(body: bytes) -> dict[str, Any]:
+    """The `request` part of an AdmissionReview v1, or BadReview with a message saying what is wrong."""
+    try:
+        review = json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise BadReview(f"body is not JSON: {e}") from None
+    if not isinstance(review, dict):
+        raise BadReview("body must be a JSON object (an AdmissionReview)")
+    if review.get("kind") != "AdmissionReview" or review.get("apiVersion") != REVIEW_API:
+        raise BadReview(f"want kind AdmissionReview, apiVersion {REVIEW_API}; got kind={review.get('kind')!r} "
+                        f"apiVersion={review.get('apiVersion')!r}")
+    req = review.get("request")
+    if not isinstance(req, dict):
+        raise BadReview("AdmissionReview has no 'request' object")
+    if not isinstance(req.get("uid"), str) or not req["uid"]:
+        raise BadReview("request.uid must be a non-empty string")
+    obj = req.get("object")
+    if obj is not None and not isinstance(obj, dict):
+        raise BadReview("request.object must be an object or null")
+    return req
+
+
+def review_response(req: dict[str, Any], cfg: PatchConfig, all_owned: bool = False) -> dict[str, Any]:
+    """The AdmissionReview v1 answer for one request: always allowed, with a JSON patch when wanted."""
+    resp: dict[str, Any] = {"uid": req["uid"], "allowed": True}
+    kind = req.get("kind") or {}
+    obj = req.get("object")
+    if (req.get("operation") in ("CREATE", "UPDATE") and isinstance(obj, dict)
+            and kind.get("group") == "apps" and kind.get("kind") == "Deployment"
+            and wants_patch(obj, all_owned)):
+        name = f"{req.get('namespace') or (obj.get('metadata') or {}).get('namespace')}/" \
+               f"{(obj.get('metadata') or {}).get('name') or req.get('name')}"
+        try:
+            ops = plan(obj, cfg)
+        except PatchError as e:
+            resp["warnings"] = [f"kvtier webhook: {name} admitted unpatched: {e}"]
+            log.warning("not patching %s: %s", name, e)
+            resp["_outcome"] = "error"
+            return resp
+        if ops:
+            resp["patchType"] = "JSONPatch"
+            resp["patch"] = base64.b64encode(json.dumps(ops).encode()).decode()
+            log.info("patching %s (%d ops)", name, len(ops))
+            resp["_outcome"] = "patched"
+        else:
+            resp["_outcome"] = "unchanged"
+    return resp
+
+
+def create_app(cfg: PatchConfig, all_owned: bool = False) -> FastAPI:
+    """FastAPI app with POST /mutate, GET /healthz and GET /metrics."""
+    app = FastAPI(title="kvtier operator-patch webhook", docs_url=None, redoc_url=None, openapi_url=None)
+    registry = CollectorRegistry()
+    reviews = Counter("kvtier_webhook_reviews", "AdmissionReviews answered, by outcome",
+                      ["outcome"], registry=registry)
+
+    @app.post("/mutate")
+    async def mutate(request: Request) -> Response:
+        try:
+            req = parse_review(await request.body())
+        except BadReview as e:
+            reviews.labels("bad_request").inc()
+            return JSONResponse({"error": f"malformed AdmissionReview: {e}"}, status_code=400)
+        resp = review_response(req, cfg, all_owned)
+        reviews.labels(resp.pop("_outcome", "ignored")).inc()
+        return JSONResponse({"apiVersion": REVIEW_API, "kind": "AdmissionReview", "response": resp})
+
+    @app.get("/healthz")
+    async def healthz() -> Response:
+        return PlainTextResponse("ok")
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Serve the webhook over HTTPS until killed."""
+    p = argparse.ArgumentParser(prog="kvtier webhook", description=__doc__.split("\n\n")[0])
+    p.add_argument("--host", default="0.0.0.0")
+    p.add_argument("--port", type=int, default=8443)
+    p.add_argument("--tls-cert", required=True, help="PEM certificate (chain) served to the API server")
+    p.add_argument("--tls-key", required=True, help="PEM private key")
+    p.add_argument("--all-owned", action="store_true",
+                   help="patch every InferenceEndpointConfig-owned Deployment, not only opted-in ones")
+    p.add_argument("--log-level", default="info")
+    add_config_args(p)
+    ns = p.parse_args(argv)
+    try:
+        cfg = config_from_args(ns)
+    except ValueError as e:
+        p.error(str(e))
+    for path in (ns.tls_cert, ns.tls_key):
+        try:
+            open(path, "rb").close()
+        except OSError as e:
+            print(f"kvtier webhook: cannot read {path}: {e.strerror}", file=sys.stderr)
+            return 2
+    logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    import uvicorn
+
+    log.info("serving https://%s:%d/mutate mode=%s fingerprint=%s", ns.host, ns.port, cfg.mode, cfg.fingerprint())
+    uvicorn.run(create_app(cfg, ns.all_owned), host=ns.host, port=ns.port, ssl_certfile=ns.tls_cert,
+                ssl_keyfile=ns.tls_key, log_level=ns.log_level.lower(), timeout_graceful_shutdown=5)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

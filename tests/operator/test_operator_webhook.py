@@ -1,0 +1,201 @@
+"""`kvtier webhook` as a real process over HTTPS (trustme CA), fed real AdmissionReview v1 JSON."""
+
+from __future__ import annotations
+
+import base64
+import copy
+import json
+import ssl
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import jsonpatch
+import pytest
+import trustme
+from conftest import free_port, load_yaml
+
+from operator_patch.patch import PatchConfig, check
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+class Webhook:
+    def __init__(self, url: str, ca: str, proc: subprocess.Popen) -> None:
+        self.url, self.ca, self.proc = url, ca, proc
+        self.client = httpx.Client(verify=ssl.create_default_context(cafile=ca), timeout=10)
+
+    def stop(self) -> None:
+        self.client.close()
+        self.proc.terminate()
+        self.proc.wait(20)
+
+    def review(self, obj: dict | None, operation: str = "UPDATE", kind: str = "Deployment",
+               old: dict | None = None) -> dict:
+        body = {
+            "apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview",
+            "request": {
+                "uid": str(uuid.uuid4()),
+                "kind": {"group": "apps", "version": "v1", "kind": kind},
+                "resource": {"group": "apps", "version": "v1", "resource": kind.lower() + "s"},
+                "requestKind": {"group": "apps", "version": "v1", "kind": kind},
+                "name": (obj or old or {}).get("metadata", {}).get("name"),
+                "namespace": (obj or old or {}).get("metadata", {}).get("namespace"),
+                "operation": operation,
+                "userInfo": {"username": "system:serviceaccount:hyperpod-inference-system:controller"},
+                "object": obj, "oldObject": old, "dryRun": False,
+                "options": {"apiVersion": "meta.k8s.io/v1", "kind": "UpdateOptions"},
+            },
+        }
+        r = self.client.post(self.url + "/mutate", json=body)
+        assert r.status_code == 200, r.text
+        out = r.json()
+        assert out["apiVersion"] == "admission.k8s.io/v1" and out["kind"] == "AdmissionReview"
+        assert out["response"]["uid"] == body["request"]["uid"]
+        assert out["response"]["allowed"] is True
+        return out["response"]
+
+
+def start(tmp: Path, *args: str) -> Webhook:
+    ca = trustme.CA()
+    cert = ca.issue_cert("127.0.0.1", "localhost", "kvtier-webhook.kvtier.svc")
+    cert.private_key_pem.write_to_path(str(tmp / "tls.key"))
+    cert.cert_chain_pems[0].write_to_path(str(tmp / "tls.crt"))
+    ca.cert_pem.write_to_path(str(tmp / "ca.crt"))
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvtier.cli", "webhook", "--host", "127.0.0.1", "--port", str(port),
+         "--tls-cert", str(tmp / "tls.crt"), "--tls-key", str(tmp / "tls.key"), "--log-level", "warning", *args],
+        cwd=ROOT)
+    url = f"https://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            ctx = ssl.create_default_context(cafile=str(tmp / "ca.crt"))
+            if httpx.get(url + "/healthz", verify=ctx, timeout=2).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise RuntimeError(f"webhook did not start (rc={proc.poll()})")
+        time.sleep(0.2)
+    return Webhook(url, str(tmp / "ca.crt"), proc)
+
+
+@pytest.fixture(scope="module")
+def webhook(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Webhook]:
+    hook = start(tmp_path_factory.mktemp("tls"))
+    yield hook
+    hook.stop()
+
+
+def apply(resp: dict, obj: dict) -> dict:
+    assert resp["patchType"] == "JSONPatch"
+    return jsonpatch.apply_patch(obj, json.loads(base64.b64decode(resp["patch"])))
+
+
+@pytest.mark.parametrize("shape", ["rendered-v3.2-stripped.yaml", "rendered-blog-duplicate.yaml",
+                                   "rendered-l1-only-absent.yaml", "rendered-no-env.yaml"])
+def test_render_is_patched_and_second_pass_is_noop(webhook: Webhook, shape: str) -> None:
+    dep = load_yaml(shape)
+    for operation in ("CREATE", "UPDATE"):
+        resp = webhook.review(dep, operation)
+        out = apply(resp, dep)
+        assert check(out, PatchConfig()) == []
+        again = webhook.review(out, "UPDATE", old=out)
+        assert "patch" not in again and "patchType" not in again
+
+
+def test_operator_rerender_is_patched_again(webhook: Webhook) -> None:
+    """An operator UPDATE that carries its own rendering (our changes gone) gets them back."""
+    rendered = load_yaml("rendered-v3.2-stripped.yaml")
+    patched = apply(webhook.review(rendered, "CREATE"), rendered)
+    rerender = copy.deepcopy(rendered)
+    rerender["spec"]["template"]["spec"]["containers"][0]["image"] += "-v2"
+    out = apply(webhook.review(rerender, "UPDATE", old=patched), rerender)
+    assert check(out, PatchConfig()) == []
+    assert out["spec"]["template"]["spec"]["containers"][0]["image"].endswith("-v2")
+
+
+def test_everything_else_is_allowed_unchanged(webhook: Webhook) -> None:
+    dep = load_yaml("rendered-v3.2-stripped.yaml")
+    not_opted = copy.deepcopy(dep)
+    del not_opted["metadata"]["annotations"]
+    unowned = copy.deepcopy(dep)
+    del unowned["metadata"]["ownerReferences"]
+    for resp in (webhook.review(not_opted), webhook.review(unowned), webhook.review(dep, "DELETE", old=dep),
+                 webhook.review(None, "DELETE", old=dep), webhook.review(dep, kind="StatefulSet"),
+                 webhook.review(dep, "CONNECT")):
+        assert "patch" not in resp and "warnings" not in resp
+
+
+def test_unpatchable_deployment_is_admitted_with_warning(webhook: Webhook) -> None:
+    resp = webhook.review(load_yaml("no-vllm-container.yaml"), "CREATE")
+    assert "patch" not in resp
+    assert "no vLLM container" in resp["warnings"][0] and "team-a/broken" in resp["warnings"][0]
+
+
+def test_router_strategy(webhook: Webhook) -> None:
+    dep = load_yaml("router.yaml")
+    out = apply(webhook.review(dep, "UPDATE"), dep)
+    args = out["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[args.index("--routing-logic") + 1] == "prefixaware"
+
+
+@pytest.mark.parametrize("body, message", [
+    (b"{not json", "not JSON"),
+    (b"[]", "JSON object"),
+    (json.dumps({"apiVersion": "admission.k8s.io/v1beta1", "kind": "AdmissionReview", "request": {"uid": "x"}}),
+     "apiVersion admission.k8s.io/v1"),
+    (json.dumps({"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview"}), "no 'request'"),
+    (json.dumps({"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview", "request": {"uid": ""}}),
+     "uid"),
+    (json.dumps({"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview",
+                 "request": {"uid": "u", "object": [1]}}), "request.object"),
+])
+def test_malformed_review_is_400(webhook: Webhook, body: bytes | str, message: str) -> None:
+    r = webhook.client.post(webhook.url + "/mutate", content=body, headers={"Content-Type": "application/json"})
+    assert r.status_code == 400
+    assert "malformed AdmissionReview" in r.json()["error"] and message in r.json()["error"]
+
+
+def test_metrics_count_outcomes(webhook: Webhook) -> None:
+    webhook.review(load_yaml("no-vllm-container.yaml"))
+    text = webhook.client.get(webhook.url + "/metrics").text
+    assert 'kvtier_webhook_reviews_total{outcome="error"}' in text
+    assert 'kvtier_webhook_reviews_total{outcome="patched"}' in text
+
+
+def test_plain_http_is_refused(webhook: Webhook) -> None:
+    with pytest.raises(httpx.HTTPError):
+        httpx.get(webhook.url.replace("https", "http") + "/healthz", timeout=3)
+    with pytest.raises(httpx.ConnectError):  # and an unknown CA is not trusted
+        httpx.get(webhook.url + "/healthz", timeout=3)
+
+
+def test_all_owned_and_plugin_mode(tmp_path: Path) -> None:
+    hook = start(tmp_path, "--all-owned", "--mode", "plugin", "--master", "l2fs-master.x:8995")
+    try:
+        dep = load_yaml("rendered-v3.2-stripped.yaml")
+        del dep["metadata"]["annotations"]
+        out = apply(hook.review(dep, "CREATE"), dep)
+        assert check(out, PatchConfig(mode="plugin", master="l2fs-master.x:8995")) == []
+    finally:
+        hook.stop()
+
+
+def test_bad_flags_fail_fast(tmp_path: Path) -> None:
+    r = subprocess.run([sys.executable, "-m", "kvtier.cli", "webhook", "--tls-cert", "/nonexistent",
+                        "--tls-key", "/nonexistent"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "cannot read /nonexistent" in r.stderr
+    r = subprocess.run([sys.executable, "-m", "kvtier.cli", "webhook", "--tls-cert", "a", "--tls-key", "b",
+                        "--mode", "nfs"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "mode must be" in r.stderr
+    r = subprocess.run([sys.executable, "-m", "kvtier.cli", "webhook"], cwd=ROOT, capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 2 and "--tls-cert" in r.stderr
