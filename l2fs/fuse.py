@@ -7,8 +7,10 @@ Design (why it looks like this):
   every call is bounded by the client's deadline, so a dead master gives EIO/ENOENT, never a hang.
 - Whole-file semantics, like the l2fs object model: a file opened for reading is fetched once at `open`
   (one `Client.get`, short-circuited to the local worker's disk when `--node-id` matches) and served from
-  that snapshot, so a reader never sees a torn file. A file opened for writing is buffered in memory and
-  published atomically with `Client.put` on `flush` (close) or `fsync`; until then only this mount sees it.
+  that snapshot, so a reader never sees a torn file. Each open-for-write handle has its own buffer,
+  published atomically with `Client.put` on `flush` (close) or `fsync` (close-to-open consistency, like
+  NFS): concurrent writers of one name never mix, the last close wins, and readers (on any node) see only
+  published versions. A file created here and not yet closed is visible (size, listing) on this mount only.
 - Cross-node visibility: entry/attr timeouts <= 1 s, no negative entries (ENOENT is never cached), and
   `direct_io` by default so no stale page cache survives a rename done on another node.
 - Inodes are per path within this mount (allocated on lookup/readdirplus, dropped on forget).
@@ -34,6 +36,7 @@ from l2fs.client import (
     AlreadyExists,
     Client,
     FileInfo,
+    InvalidArgument,
     InvalidPath,
     L2fsError,
     NotFound,
@@ -53,27 +56,27 @@ def errno_of(exc: BaseException) -> int:
     """Map an l2fs client exception to the errno the kernel should see."""
     if isinstance(exc, pyfuse3.FUSEError):
         return exc.errno
+    msg = str(exc).lower()
     if isinstance(exc, NotFound):
         return errno.ENOENT
     if isinstance(exc, AlreadyExists):
         return errno.EEXIST
     if isinstance(exc, InvalidPath):
-        return errno.ENAMETOOLONG if "longer" in str(exc) else errno.EINVAL
+        return errno.ENAMETOOLONG if "longer than" in msg else errno.EINVAL
+    if isinstance(exc, InvalidArgument):
+        return errno.EFBIG if "max file size" in msg else errno.EINVAL
     if isinstance(exc, PermissionDenied):
         return errno.EACCES
     if isinstance(exc, Unavailable):
-        return errno.EIO
+        return errno.ENOSPC if "can hold" in msg else errno.EIO
     if isinstance(exc, OSError) and exc.errno:
         return exc.errno
-    if isinstance(exc, L2fsError):
-        msg = str(exc).lower()
-        if "not empty" in msg:
-            return errno.ENOTEMPTY
-        if "not a directory" in msg:
-            return errno.ENOTDIR
-        if "is a directory" in msg:
-            return errno.EISDIR
-        return errno.EIO
+    if isinstance(exc, L2fsError):  # FAILED_PRECONDITION and friends carry the reason in the message
+        for needle, code in (("not empty", errno.ENOTEMPTY), ("not a directory", errno.ENOTDIR),
+                             ("is a directory", errno.EISDIR), ("is a file", errno.ENOTDIR),
+                             ("inside itself", errno.EINVAL)):
+            if needle in msg:
+                return code
     return errno.EIO
 
 
@@ -84,7 +87,8 @@ def _join(parent: str, name: str) -> str:
 class _Node:
     """One inode this mount has handed to the kernel."""
 
-    __slots__ = ("ino", "path", "is_dir", "size", "mtime", "lookups", "opens", "buf", "dirty", "detached")
+    __slots__ = ("ino", "path", "is_dir", "size", "mtime", "lookups", "opens", "writers", "unpublished",
+                 "detached")
 
     def __init__(self, ino: int, path: str, is_dir: bool, size: int = 0, mtime: float = 0.0) -> None:
         self.ino = ino
@@ -94,19 +98,31 @@ class _Node:
         self.mtime = mtime
         self.lookups = 0
         self.opens = 0
-        self.buf: bytearray | None = None  # write buffer while open for writing on this mount
-        self.dirty = False  # buf differs from what l2fs holds
+        self.writers: list[_Handle] = []  # open-for-write handles, most recently written last
+        self.unpublished = False  # created on this mount and not yet published
         self.detached = False  # unlinked / renamed over: never publish again
+
+    @property
+    def local(self) -> bool:
+        """This mount holds a newer view of the file's metadata than l2fs (open writers)."""
+        return bool(self.writers)
+
+    @property
+    def view_size(self) -> int:
+        return len(self.writers[-1].buf) if self.writers else self.size
 
 
 class _Handle:
-    __slots__ = ("node", "writable", "append", "data")
+    __slots__ = ("node", "writable", "append", "data", "buf", "dirty")
 
-    def __init__(self, node: _Node, writable: bool, append: bool, data: memoryview | None) -> None:
+    def __init__(self, node: _Node, *, data: memoryview | None = None, buf: bytearray | None = None,
+                 append: bool = False, dirty: bool = False) -> None:
         self.node = node
-        self.writable = writable
+        self.writable = buf is not None
         self.append = append
-        self.data = data  # read snapshot
+        self.data = data  # read snapshot (read-only handles)
+        self.buf = buf if buf is not None else bytearray()  # this handle's private write buffer
+        self.dirty = dirty  # buf differs from what l2fs holds
 
 
 class L2Operations(pyfuse3.Operations):
@@ -193,7 +209,7 @@ class L2Operations(pyfuse3.Operations):
             self.next_ino += 1
             self.nodes[n.ino] = n
             self.by_path[path] = n
-        if n.buf is None:
+        if not n.local:
             n.size, n.mtime = info.size, info.mtime
         return n
 
@@ -213,7 +229,6 @@ class L2Operations(pyfuse3.Operations):
         if self.by_path.get(n.path) is n:
             del self.by_path[n.path]
         n.detached = True
-        n.dirty = False
         self.maybe_drop(n)
 
     def maybe_drop(self, n: _Node) -> None:
@@ -236,7 +251,7 @@ class L2Operations(pyfuse3.Operations):
         else:
             a.st_mode = st.S_IFREG | 0o444 | wbit
             a.st_nlink = 1
-            a.st_size = len(n.buf) if n.buf is not None else n.size
+            a.st_size = n.view_size
         a.st_uid, a.st_gid = self.uid, self.gid
         a.st_blksize = 1 << 20
         a.st_blocks = (a.st_size + 511) // 512
@@ -246,24 +261,26 @@ class L2Operations(pyfuse3.Operations):
 
     async def refresh(self, n: _Node) -> None:
         """Re-read n's metadata from l2fs (unless this mount holds its newer content)."""
-        if n.buf is not None or n.ino == pyfuse3.ROOT_INODE or n.detached:
+        if n.local or n.ino == pyfuse3.ROOT_INODE or n.detached:
             return
         info = await self.call(self.client.stat, self.l2(n.path))
         if info is None:
             raise pyfuse3.FUSEError(errno.ENOENT)
         n.is_dir, n.size, n.mtime = info.is_dir, info.size, info.mtime
 
-    async def publish(self, n: _Node) -> None:
-        """Atomically publish n's write buffer at its current path (POSIX overwrite: last close wins)."""
-        if n.buf is None or not n.dirty or n.detached:
+    async def publish(self, h: _Handle) -> None:
+        """Atomically publish h's buffer at its node's current path (POSIX overwrite: last close wins)."""
+        n = h.node
+        if not h.dirty or n.detached:
             return
-        data = bytes(n.buf)  # a snapshot: writes arriving during the RPC must not tear it
-        n.dirty = False
+        data = bytes(h.buf)  # a snapshot: writes arriving during the RPC must not tear it
+        h.dirty = False
         try:
             await self.call(self.client.put, self.l2(n.path), data, if_absent=False)
         except pyfuse3.FUSEError:
-            n.dirty = True
+            h.dirty = True
             raise
+        n.unpublished = False
         n.size, n.mtime = len(data), time.time()
 
     # ---------------------------------------------------------------- metadata
@@ -271,7 +288,7 @@ class L2Operations(pyfuse3.Operations):
                      ) -> pyfuse3.EntryAttributes:
         path = self.child_path(parent_inode, name)
         n = self.by_path.get(path)
-        if n is None or n.buf is None:
+        if n is None or not n.unpublished:
             info = await self.call(self.client.stat, self.l2(path))
             if info is None:
                 raise pyfuse3.FUSEError(errno.ENOENT)  # not cached by the kernel: no negative entries
@@ -299,7 +316,13 @@ class L2Operations(pyfuse3.Operations):
             if n.is_dir:
                 raise pyfuse3.FUSEError(errno.EISDIR)
             size = attr.st_size
-            if n.buf is None:
+            h = self.handles.get(fh) if fh is not None else None
+            if h is None and n.writers:
+                h = n.writers[-1]
+            if h is not None and h.writable:  # ftruncate: changes that handle's buffer
+                self._resize(h.buf, size)
+                h.dirty = True
+            else:  # truncate(path): read-modify-publish
                 data = b"" if size == 0 else await self.call(self.client.get, self.l2(n.path))
                 if data is None:
                     raise pyfuse3.FUSEError(errno.ENOENT)
@@ -307,9 +330,6 @@ class L2Operations(pyfuse3.Operations):
                 self._resize(buf, size)
                 await self.call(self.client.put, self.l2(n.path), bytes(buf), if_absent=False)
                 n.size, n.mtime = size, time.time()
-            else:
-                self._resize(n.buf, size)
-                n.dirty = True
         # mode/owner/times are not stored by l2fs; accept them so tools like cp -p and touch work.
         return self.attrs(n)
 
@@ -342,7 +362,7 @@ class L2Operations(pyfuse3.Operations):
         path = self.child_path(parent_inode, name)
         n = self.by_path.get(path)
         removed = await self.call(self.client.rm, self.l2(path))
-        if not removed and (n is None or n.buf is None):
+        if not removed and (n is None or not n.unpublished):
             raise pyfuse3.FUSEError(errno.ENOENT)
         if n is not None:
             self.detach(n)
@@ -357,8 +377,8 @@ class L2Operations(pyfuse3.Operations):
         if src == dst:
             return
         sn = self.by_path.get(src)
-        if sn is not None and sn.buf is not None and sn.dirty:
-            await self.publish(sn)  # rename of a file still being written: publish what it has first
+        if sn is not None and sn.writers and sn.writers[-1].dirty:
+            await self.publish(sn.writers[-1])  # renaming a file still being written: publish it first
         await self.call(self.client.rename, self.l2(src), self.l2(dst), overwrite=not flags & RENAME_NOREPLACE)
         dn = self.by_path.get(dst)
         if dn is not None and dn is not sn:
@@ -413,7 +433,7 @@ class L2Operations(pyfuse3.Operations):
         # files being written through this mount are visible here before they are published
         prefix = n.path.rstrip("/") + "/"
         for p, cn in list(self.by_path.items()):
-            if cn.buf is not None and p.startswith(prefix) and "/" not in p[len(prefix):]:
+            if cn.unpublished and p.startswith(prefix) and "/" not in p[len(prefix):]:
                 name = p[len(prefix):]
                 if name not in seen:
                     seen.add(name)
@@ -445,35 +465,33 @@ class L2Operations(pyfuse3.Operations):
         self.next_fh += 1
         self.handles[fh] = h
         h.node.opens += 1
+        if h.writable:
+            h.node.writers.append(h)
         return pyfuse3.FileInfo(fh=fh, direct_io=self.direct_io, keep_cache=False)
+
+    def _unpublished_data(self, n: _Node) -> bytes | None:
+        """Content of a file created on this mount and not yet closed (only this mount can see it)."""
+        return bytes(n.writers[-1].buf) if n.unpublished and n.writers else None
 
     async def open(self, inode: int, flags: int, ctx: pyfuse3.RequestContext) -> pyfuse3.FileInfo:
         n = self.node(inode)
         if n.is_dir:
             raise pyfuse3.FUSEError(errno.EISDIR)
-        acc = flags & os.O_ACCMODE
-        writable = acc != os.O_RDONLY
+        writable = flags & os.O_ACCMODE != os.O_RDONLY
         if writable or flags & os.O_TRUNC:
             self.check_writable()
-        if not writable:
-            if n.buf is not None:  # being written through this mount: read what it has now
-                return self._new_handle(_Handle(n, False, False, memoryview(bytes(n.buf))))
-            data = await self.call(self.client.get, self.l2(n.path))
-            if data is None:  # miss: gone, evicted, or its worker is down
-                raise pyfuse3.FUSEError(errno.ENOENT)
-            n.size = len(data)
-            return self._new_handle(_Handle(n, False, False, memoryview(data)))
         if flags & os.O_TRUNC:
-            n.buf = bytearray()
-            n.dirty = True
-        elif n.buf is None:
-            data = await self.call(self.client.get, self.l2(n.path))
-            if data is None:
-                raise pyfuse3.FUSEError(errno.ENOENT)
-            if n.buf is None:
-                n.buf = bytearray(data)
-                n.dirty = False
-        return self._new_handle(_Handle(n, True, bool(flags & os.O_APPEND), None))
+            return self._new_handle(_Handle(n, buf=bytearray(), append=bool(flags & os.O_APPEND), dirty=True))
+        data = await self.call(self.client.get, self.l2(n.path)) if not n.unpublished else None
+        if data is None:
+            data = self._unpublished_data(n)
+        if data is None:  # miss: gone, evicted, or its worker is down
+            raise pyfuse3.FUSEError(errno.ENOENT)
+        if not writable:
+            if not n.local:
+                n.size = len(data)
+            return self._new_handle(_Handle(n, data=memoryview(data)))
+        return self._new_handle(_Handle(n, buf=bytearray(data), append=bool(flags & os.O_APPEND)))
 
     async def create(self, parent_inode: int, name: bytes, mode: int, flags: int,
                      ctx: pyfuse3.RequestContext) -> tuple[pyfuse3.FileInfo, pyfuse3.EntryAttributes]:
@@ -481,11 +499,11 @@ class L2Operations(pyfuse3.Operations):
         path = self.child_path(parent_inode, name)
         n = self.new_local(path)
         n.detached = False
-        n.buf = bytearray()
-        n.dirty = True  # even an empty file is published on close
+        n.unpublished = True
         n.mtime = time.time()
         n.lookups += 1
-        fi = self._new_handle(_Handle(n, True, bool(flags & os.O_APPEND), None))
+        # dirty from the start: even an empty file is published on close
+        fi = self._new_handle(_Handle(n, buf=bytearray(), append=bool(flags & os.O_APPEND), dirty=True))
         return fi, self.attrs(n)
 
     async def read(self, fh: int, off: int, size: int) -> bytes | memoryview:
@@ -494,35 +512,32 @@ class L2Operations(pyfuse3.Operations):
             raise pyfuse3.FUSEError(errno.EBADF)
         if h.data is not None:
             return h.data[off:off + size]
-        buf = h.node.buf
-        if buf is None:
-            return b""
-        return bytes(buf[off:off + size])
+        return bytes(h.buf[off:off + size])
 
     async def write(self, fh: int, off: int, buf: bytes) -> int:
         h = self.handles.get(fh)
         if h is None or not h.writable:
             raise pyfuse3.FUSEError(errno.EBADF)
-        n = h.node
-        if n.buf is None:
-            n.buf = bytearray()
-        b = n.buf
+        b = h.buf
         if h.append:
             off = len(b)
-        end = off + len(buf)
         if off == len(b):
             b += buf
         else:
             if off > len(b):
                 b.extend(bytes(off - len(b)))
-            b[off:end] = buf
-        n.dirty = True
+            b[off:off + len(buf)] = buf
+        h.dirty = True
+        w = h.node.writers
+        if w[-1] is not h:  # most recently written handle defines the size this mount reports
+            w.remove(h)
+            w.append(h)
         return len(buf)
 
     async def flush(self, fh: int) -> None:
         h = self.handles.get(fh)
         if h is not None and h.writable:
-            await self.publish(h.node)
+            await self.publish(h)
 
     async def fsync(self, fh: int, datasync: bool) -> None:
         await self.flush(fh)
@@ -535,12 +550,13 @@ class L2Operations(pyfuse3.Operations):
         n.opens -= 1
         if h.writable:
             try:
-                await self.publish(n)
+                await self.publish(h)
             except pyfuse3.FUSEError as e:
                 log.warning("publish of %s at release failed: errno %d", n.path, e.errno)
-            if not any(o.node is n and o.writable for o in self.handles.values()):
-                n.buf = None  # later reads go to l2fs (this mount published the content)
-                n.dirty = False
+            n.writers.remove(h)
+            if n.unpublished and not n.writers:  # never published (e.g. publish failed): it is gone
+                n.unpublished = False
+                self.detach(n)
         self.maybe_drop(n)
 
     async def access(self, inode: int, mode: int, ctx: pyfuse3.RequestContext) -> bool:
