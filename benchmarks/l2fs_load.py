@@ -115,15 +115,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         from l2fs.local import LocalCluster
 
         tmp = tempfile.TemporaryDirectory(prefix="l2fs-load-")
-        opts: dict[str, Any] = {"capacity": args.capacity} if args.capacity else {}
+        opts: dict[str, Any] = {"capacity": str(args.capacity)} if args.capacity else {}
         cluster = LocalCluster(Path(tmp.name), workers=args.workers, **opts)
         cluster.__enter__()
         master = cluster.master
         nodes = [w.node_id for w in cluster.workers]
         pids = {f"worker {w.node_id}": proc_pid(w) for w in cluster.workers}
-        mp_ = getattr(cluster, "master_pid", None) or getattr(cluster, "master_proc", None)
-        if mp_ is not None:
-            pids["master"] = proc_pid(mp_)
+        pids["master"] = proc_pid(cluster.master_proc)
     try:
         # Warm-up: one full pass of puts so gets and lookups find data, then sample memory.
         from l2fs.client import Client

@@ -76,14 +76,12 @@ def _methods(service: str) -> list[tuple[str, Any, bool, bool]]:
 def fuzz_cluster(tmp_path_factory: pytest.TempPathFactory) -> Any:
     from l2fs.local import LocalCluster
 
-    with LocalCluster(tmp_path_factory.mktemp("fuzz"), workers=1, capacity=CAPACITY) as cluster:
+    with LocalCluster(tmp_path_factory.mktemp("fuzz"), workers=1, capacity=str(CAPACITY)) as cluster:
         c = cluster.client(timeout=DEADLINE)
         data = payload(1, 128 * 1024, "/fz/keep")
         assert c.put("/fz/keep", data) is True
         cluster.fz_keep = data  # the object every fuzz round must leave intact and readable
-        cluster.fz_pids = [proc_pid(cluster.master_proc if hasattr(cluster, "master_proc") else cluster),
-                           proc_pid(cluster.workers[0])] if hasattr(cluster, "master_proc") else \
-            [proc_pid(cluster.workers[0])]
+        cluster.fz_pids = [proc_pid(cluster.master_proc), proc_pid(cluster.workers[0])]
         cluster.fz_rss0 = [rss_bytes(p) for p in cluster.fz_pids]
         cluster.fz_worker = c.report().workers[0].address
         yield cluster
