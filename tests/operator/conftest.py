@@ -135,7 +135,8 @@ class ClusterEmulator(k8s.KubernetesEmulator):
                 new_st = {"observedGeneration": gen, "replicas": want, "updatedReplicas": want,
                           "readyReplicas": ready, "availableReplicas": ready}
                 if st != new_st:
-                    obj.patch({"status": new_st})
+                    self._rv += 1  # status writes bump resourceVersion, as on a real API server
+                    obj.patch({"status": new_st, "metadata": {"resourceVersion": str(self._rv)}})
 
 
 class Cluster:

@@ -1,0 +1,284 @@
+"""`kvtier operator-patch` against the Kubernetes API emulator (tests/operator/conftest.py).
+
+The official `kubernetes` client talks HTTP to an emulated API server on 127.0.0.1; a toy deployment
+controller there moves each Deployment's status to its spec, so every wait in the procedure is real.
+"""
+
+from __future__ import annotations
+
+import copy
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import Cluster, load_yaml
+
+from operator_patch.cli import PAUSED_KEY, REPLICAS_KEY, main
+from operator_patch.patch import SNAPSHOT_KEY, PatchConfig, check
+
+pytestmark = pytest.mark.k8s
+ROOT = Path(__file__).resolve().parents[2]
+CTRL_NS, CTRL = "hyperpod-inference-system", "hyperpod-inference-operator-controller-manager"
+IEC = "inference.sagemaker.aws.amazon.com/v1/inferenceendpointconfigs"
+CRD = {
+    "apiVersion": "apiextensions.k8s.io/v1", "kind": "CustomResourceDefinition",
+    "metadata": {"name": "inferenceendpointconfigs.inference.sagemaker.aws.amazon.com"},
+    "spec": {"group": "inference.sagemaker.aws.amazon.com", "scope": "Namespaced",
+             "names": {"plural": "inferenceendpointconfigs", "singular": "inferenceendpointconfig",
+                       "kind": "InferenceEndpointConfig"},
+             "versions": [{"name": "v1", "served": True, "storage": True,
+                           "schema": {"openAPIV3Schema": {"type": "object",
+                                                          "x-kubernetes-preserve-unknown-fields": True}}}]},
+}
+
+
+def controller() -> dict[str, Any]:
+    return {"apiVersion": "apps/v1", "kind": "Deployment",
+            "metadata": {"name": CTRL, "namespace": CTRL_NS, "labels": {"control-plane": "controller-manager"}},
+            "spec": {"replicas": 1, "selector": {"matchLabels": {"control-plane": "controller-manager"}},
+                     "template": {"metadata": {"labels": {"control-plane": "controller-manager"}},
+                                  "spec": {"containers": [{"name": "manager",
+                                                           "image": "hyperpod-inference-operator:v3.2"}]}}}}
+
+
+def setup(cluster: Cluster, shape: str = "rendered-v3.2-stripped.yaml", crd: bool = True,
+          ctrl: bool = True) -> dict[str, Any]:
+    """CRD + IEC + operator controller + the operator's rendered Deployment, rolled out."""
+    dep = load_yaml(shape)
+    ns, name = dep["metadata"]["namespace"], dep["metadata"]["name"]
+    if crd:
+        cluster.ext.create_custom_resource_definition(CRD)
+    group, plural = "inference.sagemaker.aws.amazon.com", "inferenceendpointconfigs"
+    cluster.custom.create_namespaced_custom_object(
+        group, "v1", ns, plural,
+        {"apiVersion": f"{group}/v1", "kind": "InferenceEndpointConfig", "metadata": {"name": name, "namespace": ns},
+         "spec": {"modelName": name, "worker": {"image": "vllm"}}})
+    iec = cluster.custom.get_namespaced_custom_object(group, "v1", ns, plural, name)
+    dep["metadata"]["ownerReferences"][0]["uid"] = iec["metadata"]["uid"]
+    dep["metadata"].pop("annotations", None)  # the CLI opts it in itself
+    dep["metadata"]["labels"].pop("kvtier.io/l2fs", None) if "labels" in dep["metadata"] else None
+    if ctrl:
+        cluster.apps.create_namespaced_deployment(CTRL_NS, controller())
+    cluster.apps.create_namespaced_deployment(ns, dep)
+    wait_ready(cluster, ns, name)
+    return cluster.deployment(ns, name)
+
+
+def wait_ready(cluster: Cluster, ns: str, name: str) -> None:
+    deadline = time.monotonic() + 10
+    while (cluster.deployment(ns, name).get("status") or {}).get("readyReplicas") != \
+            cluster.deployment(ns, name)["spec"].get("replicas", 1):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+
+
+def run(cluster: Cluster, action: str, ns: str = "team-a", endpoint: str = "qwen2-7b", *extra: str) -> int:
+    return main([action, "--namespace", ns, "--endpoint", endpoint, "--kubeconfig", str(cluster.kubeconfig),
+                 "--poll", "0.05", "--timeout", "5", *extra])
+
+
+def replicas_seen(cluster: Cluster, ns: str, name: str) -> list[int]:
+    """spec.replicas over the object's history, consecutive repeats collapsed."""
+    out: list[int] = []
+    for v in cluster.history("apps/v1/deployments", ns, name):
+        r = v["spec"].get("replicas", 1)
+        if not out or out[-1] != r:
+            out.append(r)
+    return out
+
+
+def test_apply_pauses_drains_patches_restores(cluster: Cluster, capsys: pytest.CaptureFixture[str]) -> None:
+    before = setup(cluster)
+    assert run(cluster, "verify") == 1
+    assert "FAIL env LMCACHE_REMOTE_URL" in capsys.readouterr().out
+
+    assert run(cluster, "apply") == 0
+    out = capsys.readouterr().out
+    assert "pausing operator" in out and "applied: team-a/qwen2-7b uses l2fs" in out
+    assert "warning: MutatingWebhookConfiguration kvtier-operator-patch not found" in out
+    dep = cluster.deployment("team-a", "qwen2-7b")
+    assert check(dep, PatchConfig()) == []
+    assert dep["spec"]["replicas"] == 2 and dep["status"]["readyReplicas"] == 2
+    ann = dep["metadata"]["annotations"]
+    assert ann["kvtier.io/l2fs"] == "enabled" and SNAPSHOT_KEY in ann and REPLICAS_KEY not in ann
+    # the operator was paused for the whole patch and is back at its old size, marker removed
+    assert replicas_seen(cluster, CTRL_NS, CTRL) == [1, 0, 1]
+    assert PAUSED_KEY not in (cluster.deployment(CTRL_NS, CTRL)["metadata"].get("annotations") or {})
+    # the model was drained before the template changed (no maxSurge deadlock), then scaled back
+    assert replicas_seen(cluster, "team-a", "qwen2-7b") == [2, 0, 2]
+    hist = cluster.history("apps/v1/deployments", "team-a", "qwen2-7b")
+    first_patched = next(i for i, v in enumerate(hist) if check(v, PatchConfig()) == [])
+    assert all(v["spec"]["replicas"] == 2 for v in hist[:first_patched] if check(v, PatchConfig()) == [])
+    assert hist[first_patched]["spec"]["replicas"] in (0, 2)
+    assert any(v["spec"]["replicas"] == 0 for v in hist[:first_patched])
+    # everything the patch did not mean to touch is as the operator rendered it
+    assert dep["spec"]["template"]["spec"]["containers"][1:] == before["spec"]["template"]["spec"]["containers"][1:]
+
+    assert run(cluster, "verify") == 0
+    n_ctrl = len(cluster.history("apps/v1/deployments", CTRL_NS, CTRL))
+    n_dep = len(cluster.history("apps/v1/deployments", "team-a", "qwen2-7b"))
+    assert run(cluster, "apply") == 0  # re-run: nothing to do, nothing written
+    assert "already patched" in capsys.readouterr().out
+    time.sleep(0.2)
+    assert len(cluster.history("apps/v1/deployments", CTRL_NS, CTRL)) == n_ctrl
+    assert len(cluster.history("apps/v1/deployments", "team-a", "qwen2-7b")) == n_dep
+
+
+def test_revert_restores_the_rendering(cluster: Cluster) -> None:
+    before = setup(cluster)
+    assert run(cluster, "revert") == 2  # never patched: nothing to revert, nothing written
+    assert replicas_seen(cluster, CTRL_NS, CTRL) == [1]
+    assert run(cluster, "apply") == 0
+    assert run(cluster, "revert") == 0
+    after = cluster.deployment("team-a", "qwen2-7b")
+    assert after["spec"]["template"] == before["spec"]["template"]
+    assert not (after["metadata"].get("annotations") or {})
+    assert after["spec"]["replicas"] == 2
+    assert replicas_seen(cluster, CTRL_NS, CTRL) == [1, 0, 1, 0, 1]
+    assert run(cluster, "verify") == 1
+
+
+@pytest.mark.parametrize("shape", ["rendered-blog-duplicate.yaml", "rendered-l1-only-absent.yaml",
+                                   "rendered-no-env.yaml"])
+def test_other_shapes_and_plugin_mode(cluster: Cluster, shape: str) -> None:
+    dep = setup(cluster, shape)
+    ns, name = dep["metadata"]["namespace"], dep["metadata"]["name"]
+    flags = ("--mode", "plugin", "--master", "l2fs-master.kvtier:8995")
+    assert run(cluster, "apply", ns, name, *flags) == 0
+    assert check(cluster.deployment(ns, name), PatchConfig(mode="plugin", master="l2fs-master.kvtier:8995")) == []
+    assert run(cluster, "verify", ns, name, *flags) == 0
+    assert run(cluster, "verify", ns, name) == 1  # mount-mode expectations are not met
+    assert run(cluster, "apply", ns, name) == 0  # switching modes is another apply
+    assert check(cluster.deployment(ns, name), PatchConfig()) == []
+
+
+def test_missing_crd(cluster: Cluster, capsys: pytest.CaptureFixture[str]) -> None:
+    setup(cluster, crd=False)
+    assert run(cluster, "apply") == 2
+    assert "CRD inferenceendpointconfigs.inference.sagemaker.aws.amazon.com is not installed" in capsys.readouterr().err
+    assert replicas_seen(cluster, CTRL_NS, CTRL) == [1]
+    assert len({str(v["spec"]) for v in cluster.history("apps/v1/deployments", "team-a", "qwen2-7b")}) == 1
+
+
+def test_missing_endpoint_and_deployment(cluster: Cluster, capsys: pytest.CaptureFixture[str]) -> None:
+    setup(cluster)
+    assert run(cluster, "apply", "team-a", "nope") == 2
+    assert "InferenceEndpointConfig team-a/nope not found" in capsys.readouterr().err
+    cluster.custom.create_namespaced_custom_object(
+        "inference.sagemaker.aws.amazon.com", "v1", "team-a", "inferenceendpointconfigs",
+        {"apiVersion": "inference.sagemaker.aws.amazon.com/v1", "kind": "InferenceEndpointConfig",
+         "metadata": {"name": "pending", "namespace": "team-a"}, "spec": {}})
+    assert run(cluster, "apply", "team-a", "pending") == 2
+    assert "has no rendered Deployment yet" in capsys.readouterr().err
+    assert replicas_seen(cluster, CTRL_NS, CTRL) == [1]
+
+
+def test_missing_container_changes_nothing(cluster: Cluster, capsys: pytest.CaptureFixture[str]) -> None:
+    setup(cluster, "no-vllm-container.yaml")
+    assert run(cluster, "apply", "team-a", "broken") == 2
+    err = capsys.readouterr().err
+    assert "no vLLM container" in err and "nothing was changed" in err
+    assert replicas_seen(cluster, CTRL_NS, CTRL) == [1]
+    assert len({str(v["spec"]) for v in cluster.history("apps/v1/deployments", "team-a", "broken")}) == 1
+
+
+def test_missing_controller(cluster: Cluster, capsys: pytest.CaptureFixture[str]) -> None:
+    setup(cluster, ctrl=False)
+    assert run(cluster, "apply") == 2
+    assert "operator controller not found in namespace hyperpod-inference-system" in capsys.readouterr().err
+    assert run(cluster, "apply", "team-a", "qwen2-7b", "--no-pause") == 0
+    assert run(cluster, "verify", "team-a", "qwen2-7b", "--no-pause") == 0
+
+
+def test_controller_discovered_by_name_pattern(cluster: Cluster) -> None:
+    setup(cluster, ctrl=False)
+    ctrl = controller()
+    ctrl["metadata"]["name"] = "hyperpod-inference-addon-controller-manager"
+    cluster.apps.create_namespaced_deployment(CTRL_NS, ctrl)
+    assert run(cluster, "apply") == 0
+    assert replicas_seen(cluster, CTRL_NS, "hyperpod-inference-addon-controller-manager") == [1, 0, 1]
+
+
+def test_timeout_keeps_operator_paused_and_rerun_finishes(cluster: Cluster,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    setup(cluster)
+    cluster.emu.stuck.add("qwen2-7b")  # new pods never become ready
+    assert run(cluster, "apply") == 3
+    assert "timed out after 5s waiting for team-a/qwen2-7b to roll out" in capsys.readouterr().err
+    ctrl = cluster.deployment(CTRL_NS, CTRL)
+    assert ctrl["spec"]["replicas"] == 0 and ctrl["metadata"]["annotations"][PAUSED_KEY] == "1"
+    assert run(cluster, "verify") == 1
+    assert "still paused" in capsys.readouterr().out
+    cluster.emu.stuck.clear()
+    assert run(cluster, "apply") == 0
+    assert "already paused by an earlier run" in capsys.readouterr().out
+    assert cluster.deployment(CTRL_NS, CTRL)["spec"]["replicas"] == 1
+    assert run(cluster, "verify") == 0
+
+
+def test_interrupted_drain_is_finished(cluster: Cluster) -> None:
+    """A run killed after the drain (model at 0, original size in an annotation) is completed."""
+    setup(cluster)
+    cluster.apps.patch_namespaced_deployment(
+        "qwen2-7b", "team-a", {"metadata": {"annotations": {REPLICAS_KEY: "2"}}, "spec": {"replicas": 0}},
+        _content_type="application/merge-patch+json")
+    cluster.apps.patch_namespaced_deployment(
+        CTRL, CTRL_NS, {"metadata": {"annotations": {PAUSED_KEY: "3"}}, "spec": {"replicas": 0}},
+        _content_type="application/merge-patch+json")
+    assert run(cluster, "apply") == 0
+    assert cluster.deployment("team-a", "qwen2-7b")["spec"]["replicas"] == 2
+    assert cluster.deployment(CTRL_NS, CTRL)["spec"]["replicas"] == 3
+
+
+def test_concurrent_write_is_retried(cluster: Cluster, capsys: pytest.CaptureFixture[str]) -> None:
+    """Someone edits the Deployment between our read and our patch: the resourceVersion test op
+    makes the API server answer 409 and the CLI starts that step over instead of clobbering it."""
+    from operator_patch import cli
+
+    setup(cluster)
+    real = cli.Procedure.json_patch
+    calls = {"n": 0}
+
+    def racing(self: cli.Procedure, dep: dict, new: dict) -> None:
+        calls["n"] += 1
+        if calls["n"] == 1:
+            cluster.apps.patch_namespaced_deployment(
+                "qwen2-7b", "team-a", {"metadata": {"labels": {"edited": "yes"}}},
+                _content_type="application/merge-patch+json")
+        real(self, dep, new)
+
+    cli.Procedure.json_patch = racing  # type: ignore[method-assign]
+    try:
+        assert run(cluster, "apply") == 0
+    finally:
+        cli.Procedure.json_patch = real  # type: ignore[method-assign]
+    assert "changed while patching; retrying" in capsys.readouterr().out
+    dep = cluster.deployment("team-a", "qwen2-7b")
+    assert dep["metadata"]["labels"]["edited"] == "yes" and check(dep, PatchConfig()) == []
+
+
+def test_bad_flags_and_credentials(cluster: Cluster, tmp_path: Path) -> None:
+    r = subprocess.run([sys.executable, "-m", "kvtier.cli", "operator-patch", "apply", "--namespace", "x",
+                        "--endpoint", "y", "--router-strategy", "random"], cwd=ROOT, capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 2 and "router_strategy must be one of" in r.stderr
+    r = subprocess.run([sys.executable, "-m", "kvtier.cli", "operator-patch", "verify", "--namespace", "x",
+                        "--endpoint", "y", "--kubeconfig", str(tmp_path / "missing")], cwd=ROOT,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "cannot load Kubernetes credentials" in r.stderr
+
+
+def test_entry_point_against_emulator(cluster: Cluster) -> None:
+    """The installed console script, as a separate process, does the whole procedure."""
+    setup(cluster)
+    exe = Path(sys.executable).with_name("kvtier")
+    args = ["--namespace", "team-a", "--endpoint", "qwen2-7b", "--kubeconfig", str(cluster.kubeconfig),
+            "--timeout", "20"]
+    r = subprocess.run([str(exe), "operator-patch", "apply", *args], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    r = subprocess.run([str(exe), "operator-patch", "verify", *args], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "OK team-a/qwen2-7b" in r.stdout
+    assert copy.deepcopy(cluster.deployment(CTRL_NS, CTRL))["spec"]["replicas"] == 1
