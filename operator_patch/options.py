@@ -29,6 +29,7 @@ _FLAGS: dict[str, tuple[str, str]] = {
     "--plugin-module": ("plugin_module", "plugin mode: module path of the plugin"),
     "--plugin-class": ("plugin_class", "plugin mode: class name of the plugin"),
     "--master": ("master", "plugin mode: l2fs master HOST:PORT"),
+    "--data-path": ("data_path", "plugin mode: l2fs worker data dir on the node ('' = no short-circuit)"),
     "--node-env": ("node_env", "plugin mode: env var carrying the node name"),
 }
 

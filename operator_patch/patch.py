@@ -46,16 +46,19 @@ class PatchConfig:
     hash_seed: str = "0"  # LMCache's builtin chunk hash needs the same seed in every pod
     router_strategy: str = "prefixaware"
     plugin_name: str = "l2fs"
-    plugin_module: str = "connector.lmcache_plugin"
+    plugin_module: str = "connector.lmcache_l2fs"
     plugin_class: str = "L2fsConnectorAdapter"
     master: str = "l2fs-master.kvtier.svc.cluster.local:8995"
-    node_env: str = "L2FS_NODE_ID"  # plugin mode: node id for local-first placement
+    data_path: str = "/opt/dlami/nvme/l2fs"  # plugin mode: worker data dir, mounted for short-circuit I/O
+    node_env: str = "L2FS_NODE_ID"  # plugin mode: env the plugin reads its node id from (local-first)
 
     def __post_init__(self) -> None:
         if self.mode not in ("mount", "plugin"):
             raise ValueError(f"mode must be 'mount' or 'plugin', not {self.mode!r}")
-        for name in ("mount_path", "host_path"):
+        for name in ("mount_path", "host_path", "data_path"):
             value = getattr(self, name)
+            if name == "data_path" and value == "":
+                continue  # short-circuit I/O off
             if not value.startswith("/") or "," in value or " " in value:
                 raise ValueError(f"{name} must be an absolute path without ',' or spaces, not {value!r}")
         if "/" in self.cache_subdir.strip("/") or not self.cache_subdir.strip("/"):
@@ -216,7 +219,6 @@ def _extra_config(env: list[dict[str, Any]], cfg: PatchConfig) -> str:
         prefix + "module_path": cfg.plugin_module,
         prefix + "class_name": cfg.plugin_class,
         prefix + "master": cfg.master,
-        prefix + "node_id_env": cfg.node_env,
     })
     return json.dumps(extra, sort_keys=True, separators=(",", ":"))
 
@@ -244,8 +246,14 @@ def _patch_worker(dep: dict[str, Any], cfg: PatchConfig) -> None:
             # HostToContainer: a FUSE remount by the l2fs-mount DaemonSet becomes visible in the pod.
             mount["mountPropagation"] = "HostToContainer"
             volume = {"name": cfg.volume_name, "hostPath": {"path": cfg.host_path, "type": "DirectoryOrCreate"}}
+    elif cfg.data_path:
+        # The l2fs client reads/writes blocks of the co-located worker straight from its data dir, at the
+        # path the worker reports, so the pod sees that hostPath at the identical path.
+        mount = {"name": cfg.volume_name, "mountPath": cfg.data_path}
+        volume = {"name": cfg.volume_name, "hostPath": {"path": cfg.data_path, "type": "DirectoryOrCreate"}}
+    if cfg.mode == "mount" or cfg.data_path:
         _upsert(c.setdefault("volumeMounts", []), mount,
-                lambda m: m.get("name") == cfg.volume_name or m.get("mountPath") == cfg.mount_path)
+                lambda m: m.get("name") == cfg.volume_name or m.get("mountPath") == mount["mountPath"])
         _upsert(pod["spec"].setdefault("volumes", []), volume, lambda v: v.get("name") == cfg.volume_name)
 
     labels = pod.setdefault("metadata", {}).setdefault("labels", {})

@@ -117,12 +117,15 @@ def test_plugin_mode(shape: str) -> None:
     assert env_entries(out, "LMCACHE_REMOTE_URL") == []
     assert env_entries(out, "LMCACHE_REMOTE_STORAGE_PLUGINS")[0]["value"] == '["l2fs"]'
     extra = json.loads(env_entries(out, "LMCACHE_EXTRA_CONFIG")[0]["value"])
-    assert extra["remote_storage_plugin.l2fs.module_path"] == "connector.lmcache_plugin"
+    assert extra["remote_storage_plugin.l2fs.module_path"] == "connector.lmcache_l2fs"
     assert extra["remote_storage_plugin.l2fs.master"] == "l2fs-master.kvtier:8995"
     if shape == "rendered-v3.2-stripped.yaml":  # the operator's own keys are kept
         assert extra["sagemaker_hyperpod_shared_memory_name"] == "ai_toolkit_cache"
     assert env_entries(out, "L2FS_NODE_ID") == [
         {"name": "L2FS_NODE_ID", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}}]
+    vols = [v for v in out["spec"]["template"]["spec"]["volumes"] if v["name"] == "kvtier-l2fs"]
+    assert vols == [{"name": "kvtier-l2fs", "hostPath": {"path": "/opt/dlami/nvme/l2fs", "type": "DirectoryOrCreate"}}]
+    assert {"name": "kvtier-l2fs", "mountPath": "/opt/dlami/nvme/l2fs"} in vllm(out)["volumeMounts"]
     assert plan(out, cfg) == []
     # switching back to mount mode is a clean patch too
     back = jsonpatch.apply_patch(out, plan(out, PatchConfig()))
