@@ -208,13 +208,13 @@ class L2File(AbstractBufferedFile):
     """Whole-object file: read = one get on first access; write = buffered, one atomic put on close."""
 
     def __init__(self, fs: L2FileSystem, path: str, mode: str = "rb", **kwargs: Any) -> None:
+        if mode == "xb" and fs.exists(path):  # early; the put-if-absent at close is the real guard
+            raise FileExistsError(path)
         kwargs.setdefault("cache_type", "all")
         if kwargs.get("block_size") is None:
             kwargs["block_size"] = 64 << 20
         super().__init__(fs, path, mode=mode, **kwargs)
         self._parts: list[bytes] = []
-        if mode == "xb" and fs.exists(path):
-            raise FileExistsError(path)
 
     def _fetch_range(self, start: int, end: int) -> bytes:
         data = self.fs.client.get(self.path)

@@ -18,10 +18,13 @@ FUSE_OK = os.path.exists("/dev/fuse") and os.geteuid() == 0 and bool(
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Every test here mounts FUSE: mark them, and skip with a reason where FUSE is unavailable."""
+    """Tests that mount FUSE get the `fuse` marker, and a skip with a reason where FUSE is unavailable."""
     here = Path(__file__).parent
     for item in items:
-        if Path(str(item.fspath)).parent == here:
+        if Path(str(item.fspath)).parent != here:
+            continue
+        uses = {"two_mounts", "mount_factory"} & set(getattr(item, "fixturenames", ()))
+        if uses or item.module.__name__ in ("test_mount_fuse", "test_mount_lmcache"):
             item.add_marker(pytest.mark.fuse)
             if not FUSE_OK:
                 item.add_marker(pytest.mark.skip(reason="needs /dev/fuse, root and fusermount3"))
