@@ -161,6 +161,9 @@ class Router:
         for sub in self.subs.values():
             if sub._task is None:
                 sub.start()
+        if self.subs:  # serve only once the event streams are connected and caught up (bounded wait)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.gather(*(s.ready.wait() for s in self.subs.values())), 3.0)
         self.replicas.start()
         if self.cfg.discovery is not None:
             await self.cfg.discovery.start(self.replicas)

@@ -118,6 +118,7 @@ class KVEventSubscriber:
         self._replay_timeout = replay_timeout
         self._ctx = zmq.asyncio.Context.instance()
         self._task: asyncio.Task[None] | None = None
+        self.ready = asyncio.Event()  # set once connected and caught up
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._run(), name=f"kvevents:{self.replica}")
@@ -153,10 +154,10 @@ class KVEventSubscriber:
             self.stats.lag_s.append(lag)
             del self.stats.lag_s[:-1000]
 
-    async def _replay(self, start: int, upto: int) -> bool:
-        """Fetch batches [start, upto) from the replay socket; False if they are no longer buffered."""
+    async def _fetch(self, start: int) -> list[tuple[int, bytes]] | None:
+        """Buffered batches from `start` on, via the replay socket; None if it does not answer."""
         if not self.replay_endpoint:
-            return False
+            return None
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(self.replay_endpoint)
@@ -165,23 +166,38 @@ class KVEventSubscriber:
             await sock.send_multipart((b"", start.to_bytes(8, "big")))
             while True:
                 if not await sock.poll(self._replay_timeout * 1000):
-                    return False
+                    return None
                 frames = await sock.recv_multipart()
                 if len(frames) < 4:
-                    return False
+                    return None
                 seq = int.from_bytes(frames[2], "big", signed=True)
                 if seq == END_SEQ:
-                    break
-                if seq < upto:
-                    got.append((seq, frames[3]))
+                    return got
+                got.append((seq, frames[3]))
         finally:
             sock.close(linger=0)
+
+    async def _replay(self, start: int, upto: int) -> bool:
+        """Fill the gap [start, upto); False if those batches are no longer buffered (caller purges)."""
+        got = await self._fetch(start)
         if not got or got[0][0] != start:
             return False  # the publisher's buffer rolled over: the missing batches are gone
         for seq, payload in got:
-            if self.stats.last_seq is None or seq == self.stats.last_seq + 1:
+            if seq >= upto:
+                break
+            if seq == self.stats.last_seq + 1:  # type: ignore[operator]
                 self._apply(seq, payload)
         return self.stats.last_seq == upto - 1
+
+    async def _catch_up(self) -> None:
+        """On (re)connect: apply whatever the publisher still buffers, so a late-starting router is warm."""
+        got = await self._fetch(0)
+        if got:
+            for seq, payload in got:
+                if self.stats.last_seq is None or seq == self.stats.last_seq + 1:
+                    self._apply(seq, payload)
+            self.stats.replays += 1
+            self._on_change(self.replica, "replay", 1)
 
     async def _run(self) -> None:
         sub = self._ctx.socket(zmq.SUB)
@@ -190,6 +206,10 @@ class KVEventSubscriber:
         sub.setsockopt_string(zmq.SUBSCRIBE, self.topic)
         sub.connect(self.endpoint)
         try:
+            await asyncio.sleep(0.2)  # let the subscription reach the publisher (PUB drops until then)
+            with contextlib.suppress(Exception):
+                await self._catch_up()
+            self.ready.set()
             while True:
                 frames = await sub.recv_multipart()
                 if len(frames) != 3:
@@ -197,19 +217,16 @@ class KVEventSubscriber:
                     continue
                 seq = int.from_bytes(frames[1], "big", signed=True)
                 last = self.stats.last_seq
-                if last is None and seq > 0 and self.replay_endpoint:
-                    # joined late (router started after the replica): catch up on what is still buffered
-                    if await self._replay(0, seq):
-                        self.stats.replays += 1
-                        self._on_change(self.replica, "replay", 1)
-                elif last is not None and seq <= last:
-                    # publisher restarted (seq went back): the replica's cache is new too
+                if last is not None and seq == 0:
+                    # publisher restarted (its seq starts at 0 again): the replica's cache is new too
                     self.purge("restart")
+                    self.stats.last_seq = None
+                elif last is not None and seq <= last:
+                    continue  # already applied through a replay
                 elif last is not None and seq > last + 1:
                     self.stats.gaps += 1
                     self._on_change(self.replica, "gap", 1)
-                    ok = await self._replay(last + 1, seq)
-                    if ok:
+                    if await self._replay(last + 1, seq):
                         self.stats.replays += 1
                         self._on_change(self.replica, "replay", 1)
                     else:
@@ -221,4 +238,5 @@ class KVEventSubscriber:
             log.exception("replica %s: KV event subscriber died", self.replica)
             self.purge("subscriber_error")
         finally:
+            self.ready.set()
             sub.close(linger=0)

@@ -101,6 +101,7 @@ class Cluster:
         p, url = _spawn(cmd, log, r"listening on (http://\S+)")
         proc = Proc(p, url, log)
         self.procs.append(proc)
+        proc.get("/health")  # answered only after startup (event subscribers connected and caught up)
         return proc
 
     def close(self) -> None:
