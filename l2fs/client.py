@@ -29,6 +29,7 @@ import crc32c
 import grpc
 
 from l2fs.common import FRAME, PathError, auth_metadata, make_channel, norm_path
+from l2fs.dataplane import DataClient, DataPlaneError, enabled_by_default
 from l2fs.proto import l2fs_pb2 as pb
 from l2fs.proto import l2fs_pb2_grpc as pbg
 
@@ -132,6 +133,8 @@ class Client:
     tls_ca: CA bundle path to enable TLS; default $L2FS_TLS_CA.
     timeout: per-call deadline in seconds (reads fail as a miss after it).
     short_circuit: read/write local blocks directly on disk when the worker is on this node.
+    data_plane: move bulk bytes over the workers' raw-TCP data plane when they offer one (else gRPC
+        streaming); default on unless $L2FS_DATA_PLANE=grpc.
     """
 
     def __init__(
@@ -143,6 +146,7 @@ class Client:
         tls_ca: str | None = None,
         timeout: float = 2.0,
         short_circuit: bool = True,
+        data_plane: bool | None = None,
     ) -> None:
         master = master or os.environ.get("L2FS_MASTER")
         if not master:
@@ -165,6 +169,8 @@ class Client:
         self._workers: dict[str, pbg.WorkerStub] = {}
         self._pool: ThreadPoolExecutor | None = None
         self._closed = False
+        self.data_plane = enabled_by_default() if data_plane is None else data_plane
+        self._data = DataClient(self.token)
 
     # ---------- plumbing ----------
 
@@ -234,11 +240,18 @@ class Client:
             res = None
             if self.short_circuit and self.node_id and loc.node_id == self.node_id:
                 res = self._put_local(stub, bid, path, mv, hint, deadline)
+            if res is None and self.data_plane and loc.data_address:
+                crc, local_path = self._data.write(loc.data_address, bid, path, mv, hint, deadline)
+                res = pb.WriteResult(block_id=bid, size=size, crc32c=crc, local_path=local_path)
             if res is None:
                 res = stub.WriteBlock(self._frames(bid, path, mv, hint), metadata=self._md,
                                       timeout=max(0.001, deadline - time.monotonic()))
         except grpc.RpcError as e:
             raise _error(e) from None
+        except DataPlaneError as e:
+            raise InvalidArgument(str(e)) if "max file size" in str(e) else L2fsError(str(e)) from None
+        except OSError as e:
+            raise Unavailable(f"worker {loc.address}: {e}") from None
         commit = self._master("Commit", pb.CommitRequest(
             path=path, block_id=bid, worker_id=loc.worker_id, size=size, crc32c=res.crc32c,
             if_absent=if_absent, order_hint=hint, local_path=res.local_path), deadline)
@@ -303,6 +316,8 @@ class Client:
                 return got
             if got is None and os.path.exists(loc.local_path):
                 return None  # local file present but bad: reported; do not stream a corrupt block
+        if self.data_plane and loc.data_address:
+            return self._read_tcp(loc, st, into, deadline)
         try:
             stream = stub.ReadBlock(pb.ReadRequest(block_id=loc.block_id), metadata=self._md,
                                     timeout=max(0.001, deadline - time.monotonic()))
@@ -332,6 +347,28 @@ class Client:
                 log.debug("read %s from %s failed: %s", path, loc.address, e.code())
             return None
 
+    def _read_tcp(self, loc: pb.Location, st: pb.FileStat, into: memoryview | None, deadline: float
+                  ) -> bytes | int | None:
+        try:
+            got, crc = self._data.read(loc.data_address, loc.block_id, deadline, into)
+        except (OSError, DataPlaneError, ValueError) as e:
+            log.debug("data-plane read of %s from %s failed: %s", st.path, loc.data_address, e)
+            return None
+        n = got if isinstance(got, int) else len(got)
+        view = into[:n] if into is not None else got
+        if n != st.size or crc != st.crc32c or crc32c.crc32c(view) != crc:
+            self._report_corrupt(loc)
+            return None
+        return got
+
+    def _report_corrupt(self, loc: pb.Location) -> None:
+        """Ask the worker to re-verify (and drop) a block that failed our checksum."""
+        try:
+            self._worker(loc.address).ReportCorrupt.future(pb.BlockIds(block_ids=[loc.block_id]),
+                                                           metadata=self._md, timeout=2)
+        except Exception:  # noqa: BLE001 - best effort
+            pass
+
     def _read_local(self, loc: pb.Location, st: pb.FileStat, into: memoryview | None) -> bytes | int | None:
         try:
             with open(loc.local_path, "rb", buffering=0) as f:
@@ -347,11 +384,7 @@ class Client:
             return None
         if ok:
             return result
-        try:  # let the worker re-verify and drop it
-            self._worker(loc.address).ReportCorrupt.future(pb.BlockIds(block_ids=[loc.block_id]),
-                                                           metadata=self._md, timeout=2)
-        except Exception:  # noqa: BLE001
-            pass
+        self._report_corrupt(loc)  # let the worker re-verify and drop it
         return None
 
     def get(self, path: str) -> bytes | None:
@@ -432,6 +465,7 @@ class Client:
             channels, self._channels = self._channels, []
         if pool is not None:
             pool.shutdown(wait=False, cancel_futures=True)
+        self._data.close()
         for ch in channels:
             ch.close()
 
@@ -468,9 +502,9 @@ class AsyncClient:
 
     def __init__(self, master: str | None = None, *, node_id: str | None = None, token: str | None = None,
                  tls_ca: str | None = None, timeout: float = 2.0, short_circuit: bool = True,
-                 max_workers: int = 16) -> None:
+                 data_plane: bool | None = None, max_workers: int = 16) -> None:
         self._client = Client(master, node_id=node_id, token=token, tls_ca=tls_ca, timeout=timeout,
-                              short_circuit=short_circuit)
+                              short_circuit=short_circuit, data_plane=data_plane)
         self._pool = ThreadPoolExecutor(max_workers, thread_name_prefix="l2fs-async")
 
     @property

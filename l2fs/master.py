@@ -85,6 +85,7 @@ class WorkerEntry:
     last_seen: float
     alive: bool = True
     files: set[str] = field(default_factory=set)
+    data_address: str = ""
 
 
 def _rpc(method: Callable) -> Callable:
@@ -174,7 +175,7 @@ class MasterService(pbg.MasterServicer):
     def _location(self, e: FileEntry) -> pb.Location:
         w = self.workers[e.worker_id]
         return pb.Location(worker_id=w.worker_id, node_id=w.node_id, address=w.address,
-                           block_id=e.block_id, local_path=e.local_path)
+                           block_id=e.block_id, local_path=e.local_path, data_address=w.data_address)
 
     def _stat(self, path: str) -> pb.FileStat:
         e = self.files.get(path)
@@ -255,7 +256,8 @@ class MasterService(pbg.MasterServicer):
             if old is not None:  # a re-registration replaces the old one cleanly
                 self._drop_worker_files(old, "reregistered")
             w = WorkerEntry(request.worker_id, request.node_id or request.worker_id, request.address,
-                            request.capacity, request.used, len(request.blocks), time.monotonic())
+                            request.capacity, request.used, len(request.blocks), time.monotonic(),
+                            data_address=request.data_address)
             self.workers[request.worker_id] = w
             for b in request.blocks:
                 try:
@@ -321,7 +323,7 @@ class MasterService(pbg.MasterServicer):
             w = self._place(request.size, request.node_id)
             w.used += request.size  # estimate until the next heartbeat, spreads concurrent writers
             return pb.AllocateResponse(block_id=uuid.uuid4().hex, worker=pb.Location(
-                worker_id=w.worker_id, node_id=w.node_id, address=w.address))
+                worker_id=w.worker_id, node_id=w.node_id, address=w.address, data_address=w.data_address))
 
     def _place(self, size: int, node_id: str) -> WorkerEntry:
         """Local-first if the local worker has free room, else the most free; eviction makes room last."""

@@ -45,6 +45,7 @@ from l2fs.common import (
     start_metrics_server,
     write_port_file,
 )
+from l2fs.dataplane import DataServer
 from l2fs.proto import l2fs_pb2 as pb
 from l2fs.proto import l2fs_pb2_grpc as pbg
 
@@ -464,7 +465,7 @@ class Worker:
 
     def __init__(self, store: Store, *, master: str, node_id: str, worker_id: str, host: str, port: int,
                  advertise: str | None, heartbeat_interval: float, token: str | None, tls_cert: str | None,
-                 tls_key: str | None, tls_ca: str | None, threads: int = 32) -> None:
+                 tls_key: str | None, tls_ca: str | None, threads: int = 32, data_port: int | None = 0) -> None:
         self.store = store
         self.node_id, self.worker_id = node_id, worker_id
         self.heartbeat_interval = heartbeat_interval
@@ -481,23 +482,32 @@ class Worker:
         if self.port == 0:
             raise OSError(f"could not bind {addr}")
         self.address = advertise or f"{host}:{self.port}"
+        self.data: DataServer | None = None
+        if data_port is not None and not creds:  # raw TCP is plaintext: TLS clusters use gRPC only
+            self.data = DataServer(store, host, data_port, token, self._wake.set)
+        adv_host = self.address.rpartition(":")[0]
+        self.data_address = f"{adv_host}:{self.data.port}" if self.data else ""
         self.master = pbg.MasterStub(make_channel(master, tls_ca))
         self.registered = False
 
     def start(self) -> None:
         self.server.start()
+        if self.data is not None:
+            self.data.start()
         threading.Thread(target=self._loop, name="l2fs-heartbeat", daemon=True).start()
 
     def stop(self) -> None:
         self._stop.set()
         self._wake.set()
+        if self.data is not None:
+            self.data.stop()
         self.server.stop(grace=1).wait()
 
     def _register(self) -> None:
         reports = self.store.reports()
         resp = self.master.RegisterWorker(pb.RegisterRequest(
             worker_id=self.worker_id, node_id=self.node_id, address=self.address,
-            capacity=self.store.capacity, used=self.store.used, blocks=reports),
+            capacity=self.store.capacity, used=self.store.used, blocks=reports, data_address=self.data_address),
             timeout=30, metadata=auth_metadata(self._token))
         for bid in resp.delete_blocks:
             self.store.delete(bid)
@@ -582,6 +592,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8997, help="gRPC port (0 = pick a free one)")
     p.add_argument("--advertise", default=None, help="host:port the master gives clients (default host:port)")
+    p.add_argument("--data-port", type=int, default=0,
+                   help="raw-TCP data plane port (0 = pick a free one; -1 = off, gRPC streaming only)")
     p.add_argument("--port-file")
     p.add_argument("--metrics-port", type=int, default=None)
     p.add_argument("--heartbeat-interval", type=float, default=1.0)
@@ -612,7 +624,8 @@ def main(argv: list[str] | None = None) -> int:
     worker = Worker(store, master=args.master, node_id=args.node_id,
                     worker_id=args.worker_id or _worker_id(dirs[0][0], args.node_id), host=args.host,
                     port=args.port, advertise=args.advertise, heartbeat_interval=args.heartbeat_interval,
-                    token=token, tls_cert=args.tls_cert, tls_key=args.tls_key, tls_ca=args.tls_ca)
+                    token=token, tls_cert=args.tls_cert, tls_key=args.tls_key, tls_ca=args.tls_ca,
+                    data_port=None if args.data_port < 0 else args.data_port)
     worker.start()
     metrics_port = None
     if args.metrics_port is not None:
@@ -621,9 +634,10 @@ def main(argv: list[str] | None = None) -> int:
                     "registered": worker.registered, "capacity": store.capacity, "used": store.used,
                     "blocks": len(store.blocks)}
         metrics_port = start_metrics_server(args.host, args.metrics_port, health).server_address[1]
-    write_port_file(args.port_file, port=worker.port, metrics_port=metrics_port, worker_id=worker.worker_id)
+    write_port_file(args.port_file, port=worker.port, metrics_port=metrics_port, worker_id=worker.worker_id,
+                    data_address=worker.data_address)
     print(f"l2fs worker {worker.worker_id} (node {args.node_id}) listening on {worker.address}, "
-          f"{len(store.blocks)} blocks, {store.used}/{store.capacity} bytes used"
+          f"(data plane {worker.data_address or 'off'}), {len(store.blocks)} blocks, {store.used}/{store.capacity} bytes used"
           + (f" (metrics on http://{args.host}:{metrics_port}/metrics)" if metrics_port else ""), flush=True)
     done = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

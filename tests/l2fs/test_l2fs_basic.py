@@ -13,12 +13,13 @@ from l2fs.local import LocalCluster
 MB = 1 << 20
 
 
-@pytest.mark.parametrize("node,short_circuit", [("node-1", True), ("node-1", False), ("elsewhere", True)],
-                         ids=["short-circuit", "same-node-grpc", "remote"])
-def test_put_get_roundtrip(cluster: LocalCluster, node: str, short_circuit: bool) -> None:
-    c = cluster.client(node_id=node, short_circuit=short_circuit)
+@pytest.mark.parametrize("node,short_circuit,data_plane", [
+    ("node-1", True, True), ("node-1", False, False), ("elsewhere", True, True), ("elsewhere", True, False)],
+    ids=["short-circuit", "same-node-grpc", "remote-tcp", "remote-grpc"])
+def test_put_get_roundtrip(cluster: LocalCluster, node: str, short_circuit: bool, data_plane: bool) -> None:
+    c = cluster.client(node_id=node, short_circuit=short_circuit, data_plane=data_plane)
     data = os.urandom(9 * MB + 123)  # several 4 MiB frames plus a tail
-    path = f"/rt/{node}-{short_circuit}.data"
+    path = f"/rt/{node}-{short_circuit}-{data_plane}.data"
     assert c.put(path, data) is True
     assert c.get(path) == data
     buf = bytearray(len(data) + 10)
@@ -26,7 +27,7 @@ def test_put_get_roundtrip(cluster: LocalCluster, node: str, short_circuit: bool
     assert bytes(buf[:len(data)]) == data
     info = c.stat(path)
     assert info is not None and info.size == len(data) and not info.is_dir and info.crc32c != 0
-    empty = f"/rt/{node}-{short_circuit}.empty"
+    empty = f"/rt/{node}-{short_circuit}-{data_plane}.empty"
     assert c.put(empty, b"") is True
     assert c.get(empty) == b""
     c.close()

@@ -77,10 +77,12 @@ def test_master_restart_rebuilds_namespace(fcluster: LocalCluster) -> None:
     assert c.get("/mr/gone") is None and c.get("/mr/old") is None
 
 
-@pytest.mark.parametrize("short_circuit", [True, False], ids=["short-circuit", "grpc"])
-def test_corrupt_block_is_a_miss_and_dropped(fcluster: LocalCluster, short_circuit: bool) -> None:
-    c = fcluster.client(node_id="node-1", short_circuit=short_circuit)
-    path = f"/corrupt/{short_circuit}"
+@pytest.mark.parametrize("short_circuit,data_plane", [(True, True), (False, False), (False, True)],
+                         ids=["short-circuit", "grpc", "tcp"])
+def test_corrupt_block_is_a_miss_and_dropped(fcluster: LocalCluster, short_circuit: bool,
+                                             data_plane: bool) -> None:
+    c = fcluster.client(node_id="node-1", short_circuit=short_circuit, data_plane=data_plane)
+    path = f"/corrupt/{short_circuit}-{data_plane}"
     before = set(block_files(fcluster, 0))
     data = os.urandom(1 << 20)
     assert c.put(path, data)
