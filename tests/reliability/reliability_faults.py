@@ -270,17 +270,19 @@ class FaultProxy:
 
     mode "pass": forward bytes; "drop": reset every connection (RST) now and on accept;
     "blackhole": accept and hold connections without forwarding a byte (a partitioned peer).
+    listen: where to listen; another loopback address (127.0.0.2) lets the proxy take the same port
+    number as its target, for servers that advertise "<advertised host>:<their own port>".
     """
 
-    def __init__(self, target: str) -> None:
+    def __init__(self, target: str, listen: tuple[str, int] = ("127.0.0.1", 0)) -> None:
         host, port = target.rsplit(":", 1)
         self.target = (host, int(port))
         self.mode = "pass"
         self._lsock = socket.socket()
         self._lsock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._lsock.bind(("127.0.0.1", 0))
+        self._lsock.bind(listen)
         self._lsock.listen(128)
-        self.address = f"127.0.0.1:{self._lsock.getsockname()[1]}"
+        self.address = f"{listen[0]}:{self._lsock.getsockname()[1]}"
         self._conns: list[socket.socket] = []
         self._lock = threading.Lock()
         self._closed = False
@@ -324,12 +326,11 @@ class FaultProxy:
     def _pump(self, src: socket.socket, dst: socket.socket) -> None:
         try:
             while True:
-                if self.mode == "blackhole":
-                    time.sleep(0.05)
-                    continue
                 data = src.recv(1 << 16)
                 if not data:
                     break
+                while self.mode == "blackhole" and not self._closed:
+                    time.sleep(0.02)  # hold the bytes (TCP backs up) until healed, like a partition
                 dst.sendall(data)
         except OSError:
             pass
@@ -352,6 +353,20 @@ class FaultProxy:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def free_loopback_port() -> int:
+    """A port free on both 127.0.0.1 and 127.0.0.2 a moment ago (for same-port proxies)."""
+    while True:
+        with socket.socket() as a:
+            a.bind(("127.0.0.1", 0))
+            port = a.getsockname()[1]
+            with socket.socket() as b:
+                try:
+                    b.bind(("127.0.0.2", port))
+                except OSError:
+                    continue
+                return port
 
 
 def _reset(s: socket.socket) -> None:

@@ -167,21 +167,23 @@ def test_fuzz_registration_last(fuzz_cluster: Any) -> None:
     """RegisterWorker/Heartbeat with random fields: clear statuses, and the master survives."""
     channel = grpc.insecure_channel(fuzz_cluster.master)
     for name, cls, _cs, _ss in _methods("Master"):
-        if name not in ("RegisterWorker", "Heartbeat"):
-            continue
-
-        @settings(max_examples=MAX_EXAMPLES, deadline=None, database=None,
-                  suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
-        @given(_message(cls))
-        def run(req: Any, name: str = name) -> None:
-            code, details = _status(lambda: _call(channel, "Master", name, req, False, False))
-            assert code in ALLOWED, f"{name}({req!r}) -> {code} {details}"
-
-        run()
+        if name in ("RegisterWorker", "Heartbeat"):
+            _fuzz_one(channel, name, cls)
     channel.close()
     stub_report = grpc.insecure_channel(fuzz_cluster.master).unary_unary(
         "/l2fs.Master/Report", lambda m: m.SerializeToString(), pb.ReportResponse.FromString)
     assert stub_report(pb.Empty(), timeout=DEADLINE).workers
+
+
+def _fuzz_one(channel: grpc.Channel, name: str, cls: Any) -> None:
+    @settings(max_examples=MAX_EXAMPLES, deadline=None, database=None,
+              suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+    @given(_message(cls))
+    def run(req: Any) -> None:
+        code, details = _status(lambda: _call(channel, "Master", name, req, False, False))
+        assert code in ALLOWED, f"{name}({req!r}) -> {code} {details}"
+
+    run()
 
 
 def _still_healthy(cluster: Any) -> None:
