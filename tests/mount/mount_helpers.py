@@ -52,3 +52,19 @@ def start_mount(mp: Path, master: str, *args: str, timeout: float = 20.0) -> Mou
         time.sleep(0.05)
     proc.kill()
     raise TimeoutError(f"l2fs mount did not come up in {timeout}s: {log.read_text()[-2000:]}")
+
+
+def metric(port: int | None, name: str, **labels: str) -> float:
+    """Sum of the samples of one Prometheus metric (matching labels) from 127.0.0.1:port/metrics."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    assert port, "the cluster was started without metrics ports"
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    total = 0.0
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
+                total += s.value
+    return total

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from mount_helpers import Mount, start_mount
+from mount_helpers import Mount, metric, start_mount
 
 from l2fs.local import LocalCluster
 
@@ -298,3 +298,20 @@ def test_root_subtree(cluster: LocalCluster, mount_factory: Callable[..., Mount]
     c = cluster.client()
     assert c.get(f"/{tmp_path.name}/tree/d/y") == b"in subtree"
     assert os.listdir(m) == ["d"]
+
+
+def test_local_reads_short_circuit_remote_reads_stream(cluster: LocalCluster, two_mounts: tuple[Mount, Mount],
+                                                       tmp_path: Path) -> None:
+    """A block on node-1 is read from worker-1's disk by node-1's mount, and streamed over gRPC to node-2's."""
+    m1, m2 = two_mounts
+    d1 = _d(m1, tmp_path)
+    data = os.urandom(4 << 20)
+    (d1 / "blk").write_bytes(data)
+    w1 = cluster.workers[0]
+    assert w1.node_id == "node-1"
+    streamed0 = metric(w1.metrics_port, "l2fs_worker_bytes_read_total")
+    for _ in range(3):
+        assert (d1 / "blk").read_bytes() == data
+    assert metric(w1.metrics_port, "l2fs_worker_bytes_read_total") == streamed0, "node-1 mount streamed a local block"
+    assert (m2 / tmp_path.name / "blk").read_bytes() == data
+    assert metric(w1.metrics_port, "l2fs_worker_bytes_read_total") >= streamed0 + len(data)
