@@ -11,6 +11,7 @@ A state file `<dir>/up.json` lists the endpoints, node ids and log files, so tha
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import signal
@@ -62,6 +63,7 @@ class StackState:
     l2fs_master: str
     nodes: list[str]
     replicas: list[ReplicaInfo]
+    kv_events: list[str]
     router_url: str | None
     strategy: str | None
     pid: int = field(default_factory=os.getpid)
@@ -158,6 +160,8 @@ class Stack:
         l1_gb: float = 1.0,
         max_model_len: int = 8192,
         parallel_start: bool = True,
+        prefix_caching: bool = False,
+        kv_cache_gb: float = 2.0,
     ) -> None:
         if replicas < 1:
             raise ValueError("--replicas must be >= 1")
@@ -172,6 +176,9 @@ class Stack:
         self.l1_gb = l1_gb
         self.max_model_len = max_model_len
         self.parallel_start = parallel_start
+        self.prefix_caching = prefix_caching
+        self.kv_cache_gb = kv_cache_gb
+        self.kv_events: list[str] = []  # ZMQ PUB endpoint per replica (only with L0 prefix caching)
         self.cluster: Any = None
         self.replicas: list[Any] = []
         self.infos: list[ReplicaInfo] = []
@@ -189,7 +196,6 @@ class Stack:
     # --- start ---
     def start(self) -> StackState:
         from connector.replica import start_replica
-
         from l2fs.local import LocalCluster
 
         self.base.mkdir(parents=True, exist_ok=True)
@@ -206,12 +212,18 @@ class Stack:
         for i in range(self.n_replicas):
             node = nodes[i % len(nodes)]
             plan.append((f"replica-{i + 1}", free_port(), node, self.base / "logs" / f"replica-{i + 1}.log"))
+            if self.prefix_caching:  # vLLM emits KV events only for prefix-cached blocks
+                self.kv_events.append(f"tcp://127.0.0.1:{free_port()}")
         results = self._launched
         errors: list[BaseException] = []
 
         def launch(i: int) -> None:
             name, port, node, log_path = plan[i]
             log(f"starting {name} on {node}, port {port} (vLLM CPU engine, ~1 min; log {log_path})")
+            extra = []
+            if self.kv_events:
+                extra = ["--kv-events-config", json.dumps({
+                    "enable_kv_cache_events": True, "publisher": "zmq", "endpoint": self.kv_events[i]})]
             try:
                 results[i] = start_replica(
                     self.model,
@@ -221,6 +233,11 @@ class Stack:
                     l1_gb=self.l1_gb,
                     log_path=log_path,
                     max_model_len=self.max_model_len,
+                    prefix_caching=self.prefix_caching,
+                    kv_cache_gb=self.kv_cache_gb,
+                    extra_args=extra,
+                    config_dir=self.base / "config",
+                    progress=False,
                 )
                 log(f"{name} healthy at http://127.0.0.1:{port}")
             except BaseException as e:  # reported after all launches returned
@@ -254,6 +271,7 @@ class Stack:
             l2fs_master=self.cluster.master,
             nodes=nodes,
             replicas=self.infos,
+            kv_events=self.kv_events,
             router_url=self.router_url,
             strategy=self.strategy,
         )
@@ -263,8 +281,7 @@ class Stack:
     def _start_router(self) -> None:
         port = self.router_port or free_port()
         urls = ",".join(r.url for r in self.infos)
-        cmd = [sys.executable, "-m", "kvtier.cli", "router", "--replicas", urls, "--strategy",
-               str(self.strategy), "--port", str(port), "--host", "127.0.0.1"]
+        cmd = router_command(urls, str(self.strategy), port, self.model, self.cluster.master, self.kv_events)
         log_path = self.base / "logs" / "router.log"
         log(f"starting router ({self.strategy}) on port {port}; log {log_path}")
         with open(log_path, "ab") as out:
@@ -315,6 +332,18 @@ class Stack:
         self.stop()
 
 
+def router_command(urls: str, strategy: str, port: int, model: str, l2fs_master: str | None,
+                   kv_events: list[str]) -> list[str]:
+    """`kvtier router` for this stack: the model's own tokenizer, vLLM CPU's 128-token blocks, L2 presence."""
+    cmd = [sys.executable, "-m", "kvtier.cli", "router", "--replicas", urls, "--strategy", strategy,
+           "--port", str(port), "--host", "127.0.0.1", "--tokenizer", model, "--block-size", "128"]
+    if l2fs_master and importlib.util.find_spec("router.l2") is not None:  # router's optional L2 lookup
+        cmd += ["--l2fs-master", l2fs_master]
+    if kv_events:
+        cmd += ["--kv-events", ",".join(kv_events)]
+    return cmd
+
+
 def chat_once(base_url: str, model: str, text: str = "Hello! Say something.", max_tokens: int = 16,
               timeout: float = 120.0) -> dict[str, Any]:
     """One chat completion (used by --smoke and the tests)."""
@@ -351,6 +380,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="router strategy: roundrobin|session|prefixaware|kvaware (default prefixaware)")
     p.add_argument("--l1-gb", type=float, default=1.0, help="LMCache L1 (host memory) per replica, GB")
     p.add_argument("--max-model-len", type=int, default=8192)
+    p.add_argument("--prefix-caching", action="store_true",
+                   help="also keep vLLM's own prefix cache (L0) on; enables KV events for the router's kvaware")
+    p.add_argument("--kv-cache-gb", type=float, default=2.0, help="vLLM CPU KV cache (L0) per replica, GB")
     p.add_argument("--sequential", action="store_true", help="start engines one after another")
     p.add_argument("--smoke", action="store_true", help="send one request through the router, then stop")
     return p
@@ -368,7 +400,8 @@ def main(argv: list[str] | None = None) -> int:
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     stack = Stack(args.dir, replicas=args.replicas, workers=args.workers, model=args.model,
                   strategy=args.strategy, router_port=args.port, l1_gb=args.l1_gb,
-                  max_model_len=args.max_model_len, parallel_start=not args.sequential)
+                  max_model_len=args.max_model_len, parallel_start=not args.sequential,
+                  prefix_caching=args.prefix_caching, kv_cache_gb=args.kv_cache_gb)
     rc = 0
     try:
         state = stack.start()

@@ -23,7 +23,7 @@ import httpx
 
 from kvtier.bench.common import fmt, pct, table, write_results
 from kvtier.bench.cross_pod import metric_sum
-from kvtier.up import Stack, StackState, free_port, log, stop_process, wait_http
+from kvtier.up import Stack, StackState, free_port, log, router_command, stop_process, wait_http
 
 OURS = ["roundrobin", "session", "prefixaware", "kvaware"]
 VLLM_ROUTER = ["cache_aware", "round_robin"]
@@ -93,11 +93,11 @@ def counters(urls: list[str]) -> list[dict[str, float | None]]:
     return [{k: metric_sum(u, m) for k, m in COUNTERS.items()} for u in urls]
 
 
-def start_router(kind: str, policy: str, urls: list[str], logdir: Path) -> tuple[subprocess.Popen[bytes], str]:
+def start_router(kind: str, policy: str, state: StackState, logdir: Path) -> tuple[subprocess.Popen[bytes], str]:
     port = free_port()
+    urls = [r.url for r in state.replicas]
     if kind == "kvtier":
-        cmd = [sys.executable, "-m", "kvtier.cli", "router", "--replicas", ",".join(urls), "--strategy", policy,
-               "--port", str(port), "--host", "127.0.0.1"]
+        cmd = router_command(",".join(urls), policy, port, state.model, state.l2fs_master, state.kv_events)
     else:
         exe = Path(sys.executable).with_name("vllm-router")
         cmd = [str(exe), "--worker-urls", *urls, "--policy", policy, "--host", "127.0.0.1", "--port", str(port),
@@ -112,7 +112,7 @@ def start_router(kind: str, policy: str, urls: list[str], logdir: Path) -> tuple
 def run_arm(name: str, kind: str, policy: str, state: StackState, args: argparse.Namespace, seed: int,
             logdir: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     urls = [r.url for r in state.replicas]
-    proc, url = start_router(kind, policy, urls, logdir)
+    proc, url = start_router(kind, policy, state, logdir)
     try:
         users = workload(args.users, args.rounds, args.groups, args.system_words, args.turn_words,
                          nonce=f"{name}-{seed}", seed=seed)
@@ -242,7 +242,8 @@ def main(argv: list[str] | None = None) -> int:
         state = StackState.load(args.from_up)
         summaries, raw = run_all(state, args)
     else:
-        with Stack(args.dir, replicas=args.replicas, workers=2, model=args.model, strategy=None) as stack:
+        with Stack(args.dir, replicas=args.replicas, workers=2, model=args.model, strategy=None,
+                   prefix_caching=True, kv_cache_gb=1.0) as stack:
             state = StackState.load(stack.state_path)
             summaries, raw = run_all(state, args)
     rows = [[s["arm"], f"{s['requests_ok']}/{s['requests']}", fmt(s.get("ttft_p50_ms"), 0),
