@@ -24,6 +24,7 @@ import logging
 import os
 import signal
 import stat as st
+import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -113,7 +114,7 @@ class _Node:
 
 
 class _Handle:
-    __slots__ = ("node", "writable", "append", "data", "buf", "dirty")
+    __slots__ = ("node", "writable", "append", "data", "buf", "dirty", "lent")
 
     def __init__(self, node: _Node, *, data: memoryview | None = None, buf: bytearray | None = None,
                  append: bool = False, dirty: bool = False) -> None:
@@ -123,6 +124,14 @@ class _Handle:
         self.data = data  # read snapshot (read-only handles)
         self.buf = buf if buf is not None else bytearray()  # this handle's private write buffer
         self.dirty = dirty  # buf differs from what l2fs holds
+        self.lent = False  # buf is being published: copy it before the next change (copy-on-write)
+
+    def own_buf(self) -> bytearray:
+        """The write buffer, safe to change (a copy if a publish still holds the current one)."""
+        if self.lent:
+            self.buf = bytearray(self.buf)
+            self.lent = False
+        return self.buf
 
 
 class L2Operations(pyfuse3.Operations):
@@ -273,13 +282,16 @@ class L2Operations(pyfuse3.Operations):
         n = h.node
         if not h.dirty or n.detached:
             return
-        data = bytes(h.buf)  # a snapshot: writes arriving during the RPC must not tear it
-        h.dirty = False
+        data = h.buf  # lent without a copy; a write arriving during the RPC copies it first (own_buf)
+        h.lent, h.dirty = True, False
         try:
             await self.call(self.client.put, self.l2(n.path), data, if_absent=False)
         except pyfuse3.FUSEError:
             h.dirty = True
             raise
+        finally:
+            if h.buf is data:
+                h.lent = False
         n.unpublished = False
         n.size, n.mtime = len(data), time.time()
 
@@ -320,7 +332,7 @@ class L2Operations(pyfuse3.Operations):
             if h is None and n.writers:
                 h = n.writers[-1]
             if h is not None and h.writable:  # ftruncate: changes that handle's buffer
-                self._resize(h.buf, size)
+                self._resize(h.own_buf(), size)
                 h.dirty = True
             else:  # truncate(path): read-modify-publish
                 data = b"" if size == 0 else await self.call(self.client.get, self.l2(n.path))
@@ -518,7 +530,7 @@ class L2Operations(pyfuse3.Operations):
         h = self.handles.get(fh)
         if h is None or not h.writable:
             raise pyfuse3.FUSEError(errno.EBADF)
-        b = h.buf
+        b = h.own_buf()
         if h.append:
             off = len(b)
         if off == len(b):
@@ -563,6 +575,46 @@ class L2Operations(pyfuse3.Operations):
         if mode & os.W_OK and self.read_only:
             raise pyfuse3.FUSEError(errno.EROFS)
         return True
+
+
+# -------------------------------------------------------------------- child-process helpers
+def spawn(mountpoint: str | os.PathLike[str], master: str, *args: str, log: str | os.PathLike[str] | None = None,
+          timeout: float = 20.0) -> subprocess.Popen:
+    """Start `l2fs mount MOUNTPOINT --master MASTER ARGS...` as a child process (its own session) and
+    return once the kernel shows the mount; raises with the log tail if it exits or times out."""
+    mp = os.path.abspath(mountpoint)
+    os.makedirs(mp, exist_ok=True)
+    out = open(log, "ab") if log else subprocess.DEVNULL  # noqa: SIM115 - handed to the child
+    try:
+        proc = subprocess.Popen([sys.executable, "-m", "l2fs.cli", "mount", mp, "--master", master, *args],
+                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    finally:
+        if log:
+            out.close()
+    deadline = time.monotonic() + timeout
+    while not os.path.ismount(mp):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            proc.wait()
+            tail = open(log, errors="replace").read()[-2000:] if log else ""
+            raise RuntimeError(f"l2fs mount of {mp} did not come up (rc {proc.returncode}): {tail}")
+        time.sleep(0.05)
+    return proc
+
+
+def stop(proc: subprocess.Popen, mountpoint: str | os.PathLike[str], sig: int = signal.SIGTERM,
+         timeout: float = 15.0) -> int | None:
+    """Signal a spawned mount and wait for it to unmount and exit; kill and lazy-unmount as a last resort."""
+    if proc.poll() is None:
+        proc.send_signal(sig)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
+    if os.path.ismount(mountpoint):
+        subprocess.run(["fusermount3", "-u", "-z", os.fspath(mountpoint)], capture_output=True)
+    return proc.returncode
 
 
 # -------------------------------------------------------------------- CLI

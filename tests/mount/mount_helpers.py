@@ -1,13 +1,12 @@
-"""Helpers shared by the mount tests and the mount benchmark: start/stop real `l2fs mount` processes."""
+"""Helpers for the mount tests: real `l2fs mount` processes (via l2fs.fuse.spawn/stop) and metrics."""
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
-import sys
-import time
 from pathlib import Path
+
+from l2fs import fuse
 
 
 class Mount:
@@ -24,34 +23,13 @@ class Mount:
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 15.0) -> int | None:
         """Signal the daemon and wait for it to unmount and exit; force-unmount if it does not."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
-        if os.path.ismount(self.path):
-            subprocess.run(["fusermount3", "-u", "-z", str(self.path)], capture_output=True)
-        return self.proc.returncode
+        return fuse.stop(self.proc, self.path, sig, timeout)
 
 
 def start_mount(mp: Path, master: str, *args: str, timeout: float = 20.0) -> Mount:
-    """Start `python -m l2fs.cli mount MP --master ...` and wait until the kernel shows the mount."""
-    mp.mkdir(parents=True, exist_ok=True)
+    """Start `l2fs mount MP --master ...` (log next to MP) and wait until the kernel shows the mount."""
     log = mp.parent / f"{mp.name}.log"
-    with open(log, "ab") as f:
-        proc = subprocess.Popen([sys.executable, "-m", "l2fs.cli", "mount", str(mp), "--master", master, *args],
-                                stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if os.path.ismount(mp):
-            return Mount(mp, proc, log)
-        if proc.poll() is not None:
-            raise RuntimeError(f"l2fs mount exited with {proc.returncode}: {log.read_text()[-2000:]}")
-        time.sleep(0.05)
-    proc.kill()
-    raise TimeoutError(f"l2fs mount did not come up in {timeout}s: {log.read_text()[-2000:]}")
+    return Mount(mp, fuse.spawn(mp, master, *args, log=log, timeout=timeout), log)
 
 
 def metric(port: int | None, name: str, **labels: str) -> float:

@@ -1,0 +1,142 @@
+"""`l2fs mount` throughput: FUSE mount vs the native l2fs client vs a plain local file, side by side in one run.
+
+    .venv/bin/python benchmarks/mount_bench.py [--iters 10] [--size 14680064] [--dir /tmp/mount-bench]
+
+Starts its own LocalCluster (2 workers = node-1, node-2) and two mounts (--node-id node-1 / node-2).
+Object size defaults to one 256-token KV chunk of a 7B model (14.7 MB). Every number is a median GB/s over
+--iters fresh objects. Rows:
+  write            open/write/close of a new file  | put()             | local file write (no fsync)
+  write+rename     LMCache's pattern: key.tmp, then os.replace to key.data (mount) | put() | local file + replace
+  read same-node   open/readinto on node-1's mount | get_into(), node-1 (short-circuit) | local file readinto
+  read cross-node  open/readinto on node-2's mount | get_into(), node-2 (streamed from worker 1) | -
+Goal: mount >= 0.5x native on reads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from l2fs import fuse  # noqa: E402
+from l2fs.local import LocalCluster  # noqa: E402
+
+CHUNK = 256 * 57344  # 14,680,064 bytes
+
+
+def median_gbps(size: int, fn: Callable[[int], object], iters: int, warmup: int = 2) -> float:
+    for i in range(warmup):
+        fn(-1 - i)
+    times = []
+    for i in range(iters):
+        t0 = time.perf_counter()
+        fn(i)
+        times.append(time.perf_counter() - t0)
+    return size / statistics.median(times) / 1e9
+
+
+def write_file(path: Path, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+
+
+def read_file(path: Path, buf: bytearray) -> None:
+    with open(path, "rb", buffering=0) as f:
+        n = f.readinto(buf)
+    if n != len(buf):
+        raise RuntimeError(f"short read of {path}: {n} of {len(buf)}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--size", type=int, default=CHUNK)
+    p.add_argument("--dir", default=None, help="work dir (default: a temp dir, removed afterwards)")
+    a = p.parse_args(argv)
+    if a.iters < 1 or a.size < 1:
+        p.error("--iters and --size must be positive")
+    base = Path(a.dir or tempfile.mkdtemp(prefix="mount-bench-"))
+    base.mkdir(parents=True, exist_ok=True)
+    data = os.urandom(a.size)
+    buf = bytearray(a.size)
+    n_obj = a.iters + 2
+    rows: list[tuple[str, float, float, float | None]] = []
+    procs: list[tuple[object, Path]] = []
+    try:
+        with LocalCluster(base / "cluster", workers=2, capacity=f"{max(2, 8 * n_obj * a.size >> 30)}G") as c:
+            m1, m2 = base / "mnt1", base / "mnt2"
+            procs.append((fuse.spawn(m1, c.master, "--node-id", "node-1", log=base / "mnt1.log"), m1))
+            procs.append((fuse.spawn(m2, c.master, "--node-id", "node-2", log=base / "mnt2.log"), m2))
+            local = base / "local"
+            local.mkdir()
+            c1, c2 = c.client(node_id="node-1"), c.client(node_id="node-2")
+            c1.mkdir("/bench", exist_ok=True)
+
+            def k(i: int) -> str:
+                return f"{i + 2:04d}.data"
+
+            # write: a new object each time
+            w_mount = median_gbps(a.size, lambda i: write_file(m1 / "bench" / ("w" + k(i)), data), a.iters)
+            w_native = median_gbps(a.size, lambda i: c1.put(f"/bench/n{k(i)}", data, if_absent=False), a.iters)
+            w_local = median_gbps(a.size, lambda i: write_file(local / ("w" + k(i)), data), a.iters)
+            rows.append(("write (node-1)", w_mount, w_native, w_local))
+
+            def mount_tmp_rename(i: int) -> None:
+                write_file(m1 / "bench" / ("r" + k(i)[:-5] + ".tmp"), data)
+                os.replace(m1 / "bench" / ("r" + k(i)[:-5] + ".tmp"), m1 / "bench" / ("r" + k(i)))
+
+            def local_tmp_rename(i: int) -> None:
+                write_file(local / ("r" + k(i)[:-5] + ".tmp"), data)
+                os.replace(local / ("r" + k(i)[:-5] + ".tmp"), local / ("r" + k(i)))
+
+            r_mount = median_gbps(a.size, mount_tmp_rename, a.iters)
+            r_local = median_gbps(a.size, local_tmp_rename, a.iters)
+            rows.append(("write+rename (node-1)", r_mount, w_native, r_local))
+
+            # reads of the objects written above (all placed on node-1)
+            def check(got: object) -> None:
+                if got != a.size or buf != data:
+                    raise RuntimeError("read returned wrong bytes")
+
+            rs_mount = median_gbps(a.size, lambda i: read_file(m1 / "bench" / ("w" + k(i)), buf), a.iters)
+            check(len(buf))
+            rs_native = median_gbps(a.size, lambda i: check(c1.get_into(f"/bench/n{k(i)}", buf)), a.iters)
+            rs_local = median_gbps(a.size, lambda i: read_file(local / ("w" + k(i)), buf), a.iters)
+            rows.append(("read same-node (node-1)", rs_mount, rs_native, rs_local))
+            rx_mount = median_gbps(a.size, lambda i: read_file(m2 / "bench" / ("w" + k(i)), buf), a.iters)
+            check(len(buf))
+            rx_native = median_gbps(a.size, lambda i: check(c2.get_into(f"/bench/n{k(i)}", buf)), a.iters)
+            rows.append(("read cross-node (node-2)", rx_mount, rx_native, None))
+            c1.close()
+            c2.close()
+    finally:
+        for proc, mp in procs:
+            fuse.stop(proc, mp)  # type: ignore[arg-type]
+        if not a.dir:
+            shutil.rmtree(base, ignore_errors=True)
+
+    print(f"l2fs mount benchmark: {a.size:,} B objects, median of {a.iters}, GB/s "
+          f"({os.cpu_count()} CPUs; one run, expect +-10-20 % on a shared 2-core box)")
+    print(f"| {'operation':<26} | {'mount':>6} | {'native':>6} | {'local':>6} | {'mount/native':>12} | "
+          f"{'mount/local':>11} |")
+    print(f"|{'-' * 28}|{'-' * 8}|{'-' * 8}|{'-' * 8}|{'-' * 14}|{'-' * 13}|")
+    for name, mount, native, loc in rows:
+        ls = f"{loc:6.2f}" if loc is not None else f"{'-':>6}"
+        lr = f"{mount / loc:10.2f}x" if loc else f"{'-':>11}"
+        print(f"| {name:<26} | {mount:6.2f} | {native:6.2f} | {ls} | {mount / native:11.2f}x | {lr} |")
+    reads = [r for r in rows if r[0].startswith("read")]
+    ok = all(m / n >= 0.5 for _, m, n, _ in reads)
+    print(f"goal mount >= 0.5x native on reads: {'met' if ok else 'NOT met'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
