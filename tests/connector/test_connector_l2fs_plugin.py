@@ -1,0 +1,248 @@
+"""The LMCache l2fs plugin driven through LMCache's own StorageManager/RemoteBackend against a real LocalCluster.
+
+No vLLM here: real LMCache objects (config, metadata, StorageManager, LocalCPUBackend, RemoteBackend) and real
+l2fs master/worker processes on loopback.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("lmcache")
+
+from conftest import free_port  # noqa: E402
+from lmcache.utils import CacheEngineKey  # noqa: E402
+from lmcache.v1.config import LMCacheEngineConfig  # noqa: E402
+from lmcache.v1.event_manager import EventManager  # noqa: E402
+from lmcache.v1.memory_management import MemoryFormat  # noqa: E402
+from lmcache.v1.metadata import LMCacheMetadata  # noqa: E402
+from lmcache.v1.protocol import RemoteMetadata  # noqa: E402
+from lmcache.v1.storage_backend.storage_manager import StorageManager  # noqa: E402
+
+from connector import keys as K  # noqa: E402
+from connector.config import lmcache_config  # noqa: E402
+from connector.fingerprint import record_and_check  # noqa: E402
+from l2fs.local import LocalCluster  # noqa: E402
+
+MODEL = "org/tiny@v1%x"  # '/', '@' and '%' must all survive the file name
+SHAPE = torch.Size([2, 4, 256, 128])
+PREFIX = "/kvtier/kv"
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory):
+    with LocalCluster(tmp_path_factory.mktemp("l2fs"), workers=2) as c:
+        yield c
+
+
+def _metadata() -> LMCacheMetadata:
+    return LMCacheMetadata(model_name=MODEL, world_size=1, local_world_size=1, worker_id=0, local_worker_id=0,
+                           kv_dtype=torch.float32, kv_shape=(4, 2, 256, 2, 64))
+
+
+def _manager(master: str, node: str, **over) -> StorageManager:
+    d = lmcache_config(chunk_size=256, l1_gb=0.1, l2fs_master=master, node_id=node, prefix=PREFIX,
+                       l2_timeout=1.0)
+    d.pop("remote_serde")
+    d.update(over)
+    cfg = LMCacheEngineConfig.from_defaults(**d)
+    return StorageManager(cfg, _metadata(), EventManager())
+
+
+def _key(h: int) -> CacheEngineKey:
+    return CacheEngineKey(model_name=MODEL, world_size=1, worker_id=0, chunk_hash=h, dtype=torch.float32)
+
+
+def _put(sm: StorageManager, keys: list[CacheEngineKey], seed: int) -> list[torch.Tensor]:
+    datas = []
+    objs = []
+    for i, _ in enumerate(keys):
+        obj = sm.allocate(SHAPE, torch.float32, MemoryFormat.KV_2LTD)
+        g = torch.Generator().manual_seed(seed * 1000 + i)
+        obj.tensor.copy_(torch.randn(SHAPE, generator=g))
+        datas.append(obj.tensor.clone())
+        objs.append(obj)
+    sm.batched_put(keys, objs)
+    return datas
+
+
+def _wait_exists(client, paths: list[str], timeout: float = 20.0) -> None:
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        if client.prefix_lookup(paths) == len(paths):
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"chunks not in l2fs after {timeout}s")
+
+
+def _remote(sm: StorageManager):
+    return next(b for n, b in sm.storage_backends.items() if n.startswith("RemoteBackend"))
+
+
+def _conn(sm: StorageManager):
+    """Our L2fsConnector inside LMCache's InstrumentedRemoteConnector wrapper."""
+    return _remote(sm).connection._connector
+
+
+def test_key_names_are_reversible() -> None:
+    for h in (0, 1, -1, 2**63 - 1, -(2**63), 0xDEADBEEF):
+        k = _key(h)
+        name = K.key_to_name(k)
+        assert "/" not in name and K.name_to_key(name) == k
+    tagged = CacheEngineKey(model_name="a/b", world_size=2, worker_id=1, chunk_hash=-7, dtype=torch.bfloat16,
+                            request_configs={"lmcache.tag.user": "x@y/z"})
+    assert K.name_to_key(K.key_to_name(tagged)) == tagged
+    with pytest.raises(ValueError):
+        K.name_to_key("junk.data")
+
+
+def test_cross_node_put_contains_get(cluster: LocalCluster) -> None:
+    a = _manager(cluster.master, "node-1")
+    b = _manager(cluster.master, "node-2")
+    client = cluster.client()
+    try:
+        keys = [_key(h) for h in (11, -22, 33)]
+        datas = _put(a, keys, seed=1)
+        _wait_exists(client, [K.key_path(PREFIX, k) for k in keys])
+        # files: reversible names, LMCache fs-connector header + raw bytes
+        infos = client.ls(K.model_dir(PREFIX, MODEL))
+        assert {K.name_to_key(i.path.rsplit("/", 1)[-1]) for i in infos} >= set(keys)
+        raw = client.get(K.key_path(PREFIX, keys[1]))
+        conn = _conn(a)
+        hdr = conn.remote_metadata_bytes
+        md = RemoteMetadata.deserialize(raw[:hdr])
+        assert md.length == len(raw) - hdr == SHAPE.numel() * 4 and md.fmt == MemoryFormat.KV_2LTD
+
+        # node-2 has an empty L1: prefix contains goes to l2fs; a hole stops the prefix
+        hits, _ = b.batched_contains(keys)
+        assert hits == 3
+        assert _remote(b).batched_contains([keys[0], keys[1], _key(999), keys[2]]) == 2
+        for k, d in zip(keys, datas, strict=True):
+            obj = b.get(k)
+            assert obj is not None and torch.equal(obj.tensor, d)
+            obj.ref_count_down()
+    finally:
+        a.close()
+        b.close()
+        client.close()
+
+
+def test_put_if_absent_keeps_first_version(cluster: LocalCluster) -> None:
+    a = _manager(cluster.master, "node-1")
+    b = _manager(cluster.master, "node-2")
+    client = cluster.client()
+    try:
+        k = _key(4242)
+        first = _put(a, [k], seed=7)[0]
+        _wait_exists(client, [K.key_path(PREFIX, k)])
+        before = client.get(K.key_path(PREFIX, k))
+        _put(b, [k], seed=8)  # same key, other bytes (would be a bug upstream; must not clobber)
+        time.sleep(1.0)
+        assert client.get(K.key_path(PREFIX, k)) == before
+        c = _manager(cluster.master, "node-2")
+        try:
+            obj = c.get(k)
+            assert obj is not None and torch.equal(obj.tensor, first)
+            obj.ref_count_down()
+        finally:
+            c.close()
+    finally:
+        a.close()
+        b.close()
+        client.close()
+
+
+def test_corrupted_chunks_are_misses(cluster: LocalCluster, tmp_path: Path) -> None:
+    client = cluster.client()
+    sm = _manager(cluster.master, "node-2")
+    try:
+        conn = _conn(sm)
+        hdr = conn.remote_metadata_bytes
+        # 3) bytes flipped on a worker's disk: l2fs's CRC turns it into a miss
+        k3 = _key(5003)
+        a = _manager(cluster.master, "node-1")
+        try:
+            _put(a, [k3], seed=3)
+            _wait_exists(client, [K.key_path(PREFIX, k3)])
+        finally:
+            a.close()
+        flipped = 0
+        for w in cluster.workers:
+            for f in w.data_dir.rglob("*"):
+                if f.is_file() and f.stat().st_size == hdr + SHAPE.numel() * 4:
+                    b = bytearray(f.read_bytes())
+                    b[hdr + 10] ^= 0xFF
+                    f.write_bytes(bytes(b))
+                    flipped += 1
+        assert flipped >= 1
+        # 1) header says more bytes than the file holds
+        k1 = _key(5001)
+        good = RemoteMetadata(SHAPE.numel() * 4, [SHAPE], [torch.float32], MemoryFormat.KV_2LTD).serialize()
+        client.put(K.key_path(PREFIX, k1), good + b"\0" * 100, if_absent=False)
+        # 2) garbage header
+        k2 = _key(5002)
+        client.put(K.key_path(PREFIX, k2), b"\xff" * (hdr + SHAPE.numel() * 4), if_absent=False)
+        for k in (k1, k2, k3):
+            assert sm.get(k) is None
+        assert conn.stats["corrupt"] >= 2
+    finally:
+        sm.close()
+        client.close()
+
+
+def test_unreachable_master_is_l1_only_without_stalls(caplog: pytest.LogCaptureFixture) -> None:
+    dead = f"127.0.0.1:{free_port()}"
+    caplog.set_level(logging.WARNING, logger="kvtier.connector.l2fs")
+    t0 = time.monotonic()
+    sm = _manager(dead, "node-1")
+    try:
+        assert time.monotonic() - t0 < 10  # construction does not wait for the master
+        assert _remote(sm).connection is not None  # the backend exists: L2 comes back by itself when the master does
+        conn = _conn(sm)
+        keys = [_key(h) for h in range(700, 708)]
+        datas = _put(sm, keys, seed=5)  # L1 keeps working
+        deadline = time.monotonic() + 10
+        while not conn.breaker.down and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert conn.breaker.down
+        t1 = time.monotonic()
+        for _ in range(20):
+            assert _remote(sm).batched_contains(keys) == 0
+        assert time.monotonic() - t1 < 0.5  # no per-request RPC deadline while the master is down
+        obj = sm.get(keys[3])  # served from L1
+        assert obj is not None and torch.equal(obj.tensor, datas[3])
+        obj.ref_count_down()
+        warnings = [r for r in caplog.records if "unreachable" in r.getMessage()]
+        assert len(warnings) == 1
+    finally:
+        sm.close()
+
+
+def test_key_mismatch_is_reported_loudly(cluster: LocalCluster, caplog: pytest.LogCaptureFixture,
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    client = cluster.client()
+    caplog.set_level(logging.ERROR, logger="kvtier.connector.fingerprint")
+    try:
+        md = _metadata()
+        md.model_name = "mismatch/model"
+        ok = LMCacheEngineConfig.from_defaults(chunk_size=256)
+        monkeypatch.setenv("PYTHONHASHSEED", "0")
+        monkeypatch.setenv("KVTIER_REPLICA_ID", "rep-a")
+        assert record_and_check(client, ok, md, node_id="node-1") == []
+        monkeypatch.setenv("KVTIER_REPLICA_ID", "rep-a2")
+        assert record_and_check(client, ok, md, node_id="node-2") == []  # same keys: silent
+        assert not [r for r in caplog.records if "KEY MISMATCH" in r.getMessage()]
+        monkeypatch.setenv("KVTIER_REPLICA_ID", "rep-b")
+        monkeypatch.setenv("PYTHONHASHSEED", "1")
+        other = LMCacheEngineConfig.from_defaults(chunk_size=128)
+        bad = record_and_check(client, other, md, node_id="node-2")
+        assert {r["replica"] for r in bad} == {"rep-a", "rep-a2"}
+        msgs = [r.getMessage() for r in caplog.records if "KVTIER KEY MISMATCH" in r.getMessage()]
+        assert msgs and "chunk_size" in msgs[0] and "python_hash_seed" in msgs[0]
+    finally:
+        client.close()
