@@ -1,0 +1,147 @@
+"""Router access control: no open proxy, and the API key is enforced (real router + test replica processes).
+
+A canary HTTP server that is NOT one of the router's replicas records every request it gets; no trick a
+client can play (absolute-form targets, CONNECT, Host / X-Forwarded-* headers, URLs in the path or body)
+may make the router talk to it. With --api-key, requests without the right bearer token are refused
+with 401 before anything reaches a replica.
+"""
+
+from __future__ import annotations
+
+import socket
+import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "router"))
+from router_helpers import Cluster, metric  # noqa: E402
+
+KEY = "router-key-for-tests"
+
+
+class Canary:
+    """An HTTP server that answers anything with 200 and records the request line."""
+
+    def __init__(self) -> None:
+        seen: list[str] = []
+        self.seen = seen
+
+        class H(BaseHTTPRequestHandler):
+            def _any(self) -> None:
+                seen.append(f"{self.command} {self.path}")
+                body = b'{"canary": true}'
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            do_GET = do_POST = do_PUT = do_DELETE = do_CONNECT = _any  # noqa: N815
+
+            def log_message(self, *a: Any) -> None:
+                pass
+
+        self.srv = ThreadingHTTPServer(("127.0.0.1", 0), H)
+        self.port = self.srv.server_address[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        threading.Thread(target=self.srv.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.srv.shutdown()
+        self.srv.server_close()
+
+
+@pytest.fixture
+def setup(tmp_path: Path) -> Any:
+    cluster = Cluster(tmp_path)
+    canary = Canary()
+    try:
+        rep = cluster.replica(kv=False)
+        router = cluster.router([rep], "--api-key", KEY)
+        yield router, rep, canary
+    finally:
+        cluster.close()
+        canary.close()
+
+
+def _raw(url: str, request: bytes) -> bytes:
+    """Send a hand-written HTTP/1.1 request (httpx cannot send absolute-form targets or CONNECT)."""
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as s:
+        s.sendall(request)
+        s.shutdown(socket.SHUT_WR)
+        out = b""
+        while chunk := s.recv(65536):
+            out += chunk
+    return out
+
+
+def test_router_is_not_an_open_proxy(setup: Any) -> None:
+    router, rep, canary = setup
+    auth = {"Authorization": f"Bearer {KEY}"}
+    hostport = f"127.0.0.1:{canary.port}"
+    body = b'{"model": "test-model", "prompt": "hi", "max_tokens": 1}'
+    raw = [
+        f"GET {canary.url}/v1/models HTTP/1.1\r\nHost: {hostport}\r\nAuthorization: Bearer {KEY}\r\n\r\n",
+        f"POST {canary.url}/v1/completions HTTP/1.1\r\nHost: {hostport}\r\nAuthorization: Bearer {KEY}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n{body.decode()}",
+        f"CONNECT {hostport} HTTP/1.1\r\nHost: {hostport}\r\nAuthorization: Bearer {KEY}\r\n\r\n",
+    ]
+    for req in raw:
+        _raw(router.url, req.encode())
+    with httpx.Client(timeout=15) as c:
+        tricks = [
+            ("POST", "/v1/completions", {"Host": hostport}, {}),
+            ("POST", "/v1/completions", {"X-Forwarded-Host": hostport, "X-Forwarded-Proto": "http",
+                                         "Forwarded": f"host={hostport}"}, {}),
+            ("POST", "/v1/completions", {"X-Kvtier-Replica": canary.url, "X-Kvtier-Upstream": canary.url,
+                                         "X-Kvtier-Strategy": canary.url}, {}),
+            ("POST", "/v1/completions", {}, {"base_url": canary.url, "replica": canary.url, "url": canary.url,
+                                             "model": canary.url}),
+            ("POST", "/v1/chat/completions", {}, {"messages": [{"role": "user", "content": "x"}],
+                                                  "api_base": canary.url}),
+            ("GET", f"/{canary.url}/v1/models", {}, None),
+            ("GET", f"//{hostport}/v1/models", {}, None),
+            ("POST", f"/v1/completions/../../{hostport}/v1/completions", {}, {}),
+            ("GET", f"/v1/models?url={canary.url}", {}, None),
+        ]
+        for method, path, headers, extra in tricks:
+            payload = {"model": "test-model", "prompt": "hello", "max_tokens": 1, **(extra or {})}
+            r = c.request(method, router.url + path, headers={**auth, **headers},
+                          json=payload if extra is not None else None)
+            assert r.status_code < 500 or r.status_code in (502, 503), (path, r.status_code, r.text[:200])
+        # The router still serves the configured replica normally.
+        ok = c.post(router.url + "/v1/completions", headers=auth,
+                    json={"model": "test-model", "prompt": "hello", "max_tokens": 1})
+        assert ok.status_code == 200, ok.text[:300]
+        assert "canary" not in ok.text
+    assert canary.seen == [], f"the router forwarded to a host that is not a replica: {canary.seen}"
+
+
+def test_router_api_key_enforced(setup: Any) -> None:
+    router, rep, canary = setup
+    body = {"model": "test-model", "prompt": "hello", "max_tokens": 1}
+    chat = {"model": "test-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+    bad_headers = [{}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY},
+                   {"Authorization": f"Basic {KEY}"}, {"Authorization": f"Bearer {KEY}x"},
+                   {"X-Api-Key": KEY}]
+    before = metric(router, "kvtier_router_requests_total")
+    denied0 = metric(router, "kvtier_router_rejected_total", reason="unauthorized")
+    with httpx.Client(timeout=15) as c:
+        for h in bad_headers:
+            for path, js in (("/v1/completions", body), ("/v1/chat/completions", chat)):
+                r = c.post(router.url + path, headers=h, json=js)
+                assert r.status_code == 401, (path, h, r.status_code, r.text[:200])
+                assert r.json().get("error"), r.text
+            r = c.get(router.url + "/v1/models", headers=h)
+            assert r.status_code == 401, ("/v1/models", h, r.status_code)
+        good = {"Authorization": f"Bearer {KEY}"}
+        assert c.post(router.url + "/v1/completions", headers=good, json=body).status_code == 200
+        assert c.get(router.url + "/v1/models", headers=good).status_code == 200
+    # Every refused request was counted as such, and only the authorised ones reached the proxy path.
+    assert metric(router, "kvtier_router_rejected_total", reason="unauthorized") - denied0 == 3 * len(bad_headers)
+    assert metric(router, "kvtier_router_requests_total") - before <= 2
