@@ -171,6 +171,7 @@ class Client:
         self._closed = False
         self.data_plane = enabled_by_default() if data_plane is None else data_plane
         self._data = DataClient(self.token)
+        self._inflight: set[Any] = set()
 
     # ---------- plumbing ----------
 
@@ -309,10 +310,7 @@ class Client:
         if self._is_local(loc):
             got = self._read_local(loc, st, into)
             if got is not None:
-                try:
-                    stub.Touch.future(pb.BlockIds(block_ids=[loc.block_id]), metadata=self._md, timeout=2)
-                except Exception:  # noqa: BLE001 - LRU hint only
-                    pass
+                self._fire(stub.Touch, pb.BlockIds(block_ids=[loc.block_id]))  # LRU: this was a read
                 return got
             if got is None and os.path.exists(loc.local_path):
                 return None  # local file present but bad: reported; do not stream a corrupt block
@@ -363,11 +361,22 @@ class Client:
 
     def _report_corrupt(self, loc: pb.Location) -> None:
         """Ask the worker to re-verify (and drop) a block that failed our checksum."""
+        self._fire(self._worker(loc.address).ReportCorrupt, pb.BlockIds(block_ids=[loc.block_id]))
+
+    def _fire(self, method: Any, request: Any) -> None:
+        """Fire-and-forget RPC. The future is kept until done: gRPC cancels a call whose future is
+        garbage collected."""
         try:
-            self._worker(loc.address).ReportCorrupt.future(pb.BlockIds(block_ids=[loc.block_id]),
-                                                           metadata=self._md, timeout=2)
+            fut = method.future(request, metadata=self._md, timeout=2)
         except Exception:  # noqa: BLE001 - best effort
-            pass
+            return
+        with self._lock:
+            self._inflight.add(fut)
+        fut.add_done_callback(self._inflight_done)
+
+    def _inflight_done(self, fut: Any) -> None:
+        with self._lock:
+            self._inflight.discard(fut)
 
     def _read_local(self, loc: pb.Location, st: pb.FileStat, into: memoryview | None) -> bytes | int | None:
         try:

@@ -144,7 +144,7 @@ class DataServer:
                     return
 
     def _read(self, conn: socket.socket, bid: str) -> None:
-        from l2fs.worker import BYTES_READ, READ_HITS, READ_MISSES
+        from l2fs.worker import BYTES_READ, CORRUPT, READ_HITS, READ_MISSES
 
         with self.store.lock:
             b = self.store.blocks.get(bid)
@@ -155,14 +155,23 @@ class DataServer:
             return
         try:
             f = open(path, "rb")  # noqa: SIM115 - closed below
+            on_disk = os.fstat(f.fileno()).st_size
         except OSError:
+            f, on_disk = None, -1
+        if on_disk != b.size:  # deleted, truncated or extended behind our back: drop it, a miss
+            if f is not None:
+                f.close()
+            log.warning("block %s (%s): %d bytes on disk, %d recorded: dropping it", bid, b.path, on_disk, b.size)
+            CORRUPT.inc()
             READ_MISSES.inc()
-            _send_err(conn, NOT_FOUND, f"block {bid} file missing")
+            self.store.delete(bid, "corrupt")
+            self._on_change()
+            _send_err(conn, NOT_FOUND, f"block {bid} damaged on disk (dropped)")
             return
         with f:
             conn.sendall(bytes([OK]) + _READ_OK.pack(b.size, b.crc32c))
             sent = conn.sendfile(f, 0, b.size) if b.size else 0
-        if sent != b.size:  # truncated on disk: drop the connection so the reader sees a miss
+        if sent != b.size:  # truncated while sending: drop the connection so the reader sees a miss
             raise ConnectionError(f"block {bid}: sent {sent} of {b.size} bytes")
         self.store.touch(bid)
         READ_HITS.inc()
