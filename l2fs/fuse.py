@@ -240,6 +240,16 @@ class L2Operations(pyfuse3.Operations):
         n.detached = True
         self.maybe_drop(n)
 
+    def drop_unpublished(self, n: _Node) -> None:
+        """Forget a file that only ever existed on this mount, and make the kernel forget its dentry."""
+        path = n.path
+        n.unpublished = False
+        self.detach(n)
+        i = path.rfind("/")
+        parent = self.by_path.get(path[:i] or "/")
+        if parent is not None:
+            pyfuse3.invalidate_entry_async(parent.ino, path[i + 1:].encode(), ignore_enoent=True)
+
     def maybe_drop(self, n: _Node) -> None:
         if n.lookups <= 0 and n.opens <= 0 and n.ino != pyfuse3.ROOT_INODE:
             self.nodes.pop(n.ino, None)
@@ -288,6 +298,8 @@ class L2Operations(pyfuse3.Operations):
             await self.call(self.client.put, self.l2(n.path), data, if_absent=False)
         except pyfuse3.FUSEError:
             h.dirty = True
+            if n.unpublished:  # a new file that could not be published does not exist: drop it now
+                self.drop_unpublished(n)
             raise
         finally:
             if h.buf is data:
@@ -566,9 +578,8 @@ class L2Operations(pyfuse3.Operations):
             except pyfuse3.FUSEError as e:
                 log.warning("publish of %s at release failed: errno %d", n.path, e.errno)
             n.writers.remove(h)
-            if n.unpublished and not n.writers:  # never published (e.g. publish failed): it is gone
-                n.unpublished = False
-                self.detach(n)
+            if n.unpublished and not n.writers:  # never published: it is gone
+                self.drop_unpublished(n)
         self.maybe_drop(n)
 
     async def access(self, inode: int, mode: int, ctx: pyfuse3.RequestContext) -> bool:

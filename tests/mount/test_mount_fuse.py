@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import os
 import signal
@@ -82,7 +83,13 @@ def test_atomic_rename_over_existing_file(two_mounts: tuple[Mount, Mount], tmp_p
     assert (d1 / "k.data").read_bytes() == new
     assert (d2 / "k.data").read_bytes() == new  # node 2 had the old one open-able a moment ago
     assert not (d2 / "k.tmp").exists()
-    # RENAME_NOREPLACE-like: os.link is not supported, but rename onto a directory is refused
+    # renameat2(RENAME_NOREPLACE) must not replace
+    (d1 / "other").write_bytes(b"other")
+    libc = ctypes.CDLL(None, use_errno=True)
+    rc = libc.renameat2(-100, bytes(d1 / "other"), -100, bytes(d1 / "k.data"), 1)  # AT_FDCWD, NOREPLACE
+    assert rc == -1 and ctypes.get_errno() == errno.EEXIST
+    assert (d2 / "k.data").read_bytes() == new
+    # rename of a file onto a directory is refused
     os.mkdir(d1 / "sub")
     with pytest.raises(OSError) as ei:
         os.rename(d1 / "k.data", d1 / "sub")
@@ -237,9 +244,13 @@ def test_partial_reads_seek_truncate_append(two_mounts: tuple[Mount, Mount], tmp
 
 
 def test_dead_master_fails_fast_and_recovers(tmp_path: Path, mount_factory: Callable[..., Mount]) -> None:
-    with LocalCluster(tmp_path / "c", workers=1, capacity="1G") as c:
+    with LocalCluster(tmp_path / "c", workers=1, capacity="1G", master_args=["--max-file-size", "1M"]) as c:
         m = mount_factory(c.master, "--node-id", "node-1", "--timeout", "1")
         (m / "f").write_bytes(b"before")
+        with pytest.raises(OSError) as ei:  # over the cluster's max file size: refused at close
+            (m / "big").write_bytes(b"x" * (2 << 20))
+        assert ei.value.errno == errno.EFBIG
+        assert not (m / "big").exists()
         c.kill_master(signal.SIGKILL)
         for op in (lambda: os.stat(m / "new-name"), lambda: (m / "f2").write_bytes(b"x"),
                    lambda: os.listdir(m), lambda: open(m / "f", "rb").read()):
