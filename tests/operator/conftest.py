@@ -14,15 +14,22 @@ import asyncio
 import copy
 import json
 import socket
+import ssl
+import subprocess
+import sys
 import threading
+import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import attrs
+import httpx
 import jsonpatch
 import kmock
 import pytest
+import trustme
 import yaml
 from kmock._internal import k8s, rendering
 
@@ -76,9 +83,14 @@ class ClusterEmulator(k8s.KubernetesEmulator):
     """KubernetesEmulator plus API-server patch semantics and a toy deployment controller."""
 
     stuck: set[str] = attrs.field(factory=set)  # Deployment names whose pods never become ready
+    admission_url: str | None = None  # a mutating webhook called for Deployment CREATE/UPDATE
+    admission_ca: str | None = None
+    admitted: list[dict[str, Any]] = attrs.field(factory=list)  # AdmissionReview responses seen
     _rv: int = 0
 
     async def _handle(self, request: rendering.Request) -> Any:
+        if request.method == kmock.method.PUT and request.name is not None and request.resource is not None:
+            object.__setattr__(request, "action", kmock.action.UPDATE)  # kmock knows PATCH only: add replace
         if request.resource is not None and request.action in (kmock.action.CREATE, kmock.action.UPDATE):
             try:
                 request = await self._translate(request)
@@ -92,6 +104,8 @@ class ClusterEmulator(k8s.KubernetesEmulator):
             data = copy.deepcopy(request.data)
             meta = data.setdefault("metadata", {})
             meta.update(resourceVersion=str(self._rv), generation=1, uid=f"uid-{self._rv}")
+            if request.resource.plural == "deployments":
+                data = await self._admit(request, data, None)
             return _with_data(request, data)
         key = (request.resource, request.namespace, request.name)
         if key not in self.objects or self.objects[key].deleted:
@@ -115,10 +129,41 @@ class ClusterEmulator(k8s.KubernetesEmulator):
             new = {**old, "status": new.get("status")}
         else:
             new["status"] = old.get("status")
+        if not subresource and request.resource.plural == "deployments":
+            new = await self._admit(request, new, old)
         new.setdefault("metadata", {})["resourceVersion"] = str(self._rv)
+        new["metadata"]["uid"] = old.get("metadata", {}).get("uid")
         if not subresource and new.get("spec") != old.get("spec"):
             new["metadata"]["generation"] = int(old.get("metadata", {}).get("generation", 1)) + 1
         return _with_data(request, _merge_delta(old, new))
+
+    async def _admit(self, request: rendering.Request, obj: dict[str, Any], old: dict[str, Any] | None) -> dict[str, Any]:
+        """Mutating admission as the API server does it (failurePolicy Ignore: errors admit unchanged)."""
+        if not self.admission_url:
+            return obj
+        import ssl
+        import uuid
+
+        import aiohttp
+
+        review = {"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview", "request": {
+            "uid": str(uuid.uuid4()), "kind": {"group": "apps", "version": "v1", "kind": "Deployment"},
+            "resource": {"group": "apps", "version": "v1", "resource": "deployments"},
+            "name": obj.get("metadata", {}).get("name"), "namespace": request.namespace,
+            "operation": "CREATE" if old is None else "UPDATE", "object": obj, "oldObject": old}}
+        ctx = ssl.create_default_context(cafile=self.admission_ca)
+        try:
+            async with aiohttp.ClientSession() as session, session.post(
+                    self.admission_url, json=review, ssl=ctx, timeout=aiohttp.ClientTimeout(total=5)) as r:
+                resp = (await r.json())["response"]
+        except (aiohttp.ClientError, TimeoutError, KeyError, ValueError):
+            return obj
+        self.admitted.append(resp)
+        if resp.get("patch"):
+            import base64
+
+            obj = jsonpatch.apply_patch(obj, json.loads(base64.b64decode(resp["patch"])))
+        return obj
 
     async def deployment_controller(self) -> None:
         """Every 50 ms move each Deployment's status one step towards its spec, like kube-controller-manager."""
@@ -194,3 +239,72 @@ def cluster(tmp_path: Path) -> Iterator[Cluster]:
     loop.call_soon_threadsafe(state["stop"].set)
     thread.join(10)
     loop.close()
+
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+class Webhook:
+    """A running `kvtier webhook` process and an HTTPS client that trusts its CA."""
+
+    def __init__(self, url: str, ca: str, proc: subprocess.Popen) -> None:
+        self.url, self.ca, self.proc = url, ca, proc
+        self.client = httpx.Client(verify=ssl.create_default_context(cafile=ca), timeout=10)
+
+    def stop(self) -> None:
+        self.client.close()
+        self.proc.terminate()
+        self.proc.wait(20)
+
+    def review(self, obj: dict | None, operation: str = "UPDATE", kind: str = "Deployment",
+               old: dict | None = None) -> dict:
+        body = {
+            "apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview",
+            "request": {
+                "uid": str(uuid.uuid4()),
+                "kind": {"group": "apps", "version": "v1", "kind": kind},
+                "resource": {"group": "apps", "version": "v1", "resource": kind.lower() + "s"},
+                "requestKind": {"group": "apps", "version": "v1", "kind": kind},
+                "name": (obj or old or {}).get("metadata", {}).get("name"),
+                "namespace": (obj or old or {}).get("metadata", {}).get("namespace"),
+                "operation": operation,
+                "userInfo": {"username": "system:serviceaccount:hyperpod-inference-system:controller"},
+                "object": obj, "oldObject": old, "dryRun": False,
+                "options": {"apiVersion": "meta.k8s.io/v1", "kind": "UpdateOptions"},
+            },
+        }
+        r = self.client.post(self.url + "/mutate", json=body)
+        assert r.status_code == 200, r.text
+        out = r.json()
+        assert out["apiVersion"] == "admission.k8s.io/v1" and out["kind"] == "AdmissionReview"
+        assert out["response"]["uid"] == body["request"]["uid"]
+        assert out["response"]["allowed"] is True
+        return out["response"]
+
+
+def start_webhook(tmp: Path, *args: str) -> Webhook:
+    """`kvtier webhook` as a subprocess on a free port, with a fresh trustme CA; waits for /healthz."""
+    ca = trustme.CA()
+    cert = ca.issue_cert("127.0.0.1", "localhost", "kvtier-webhook.kvtier.svc")
+    cert.private_key_pem.write_to_path(str(tmp / "tls.key"))
+    cert.cert_chain_pems[0].write_to_path(str(tmp / "tls.crt"))
+    ca.cert_pem.write_to_path(str(tmp / "ca.crt"))
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvtier.cli", "webhook", "--host", "127.0.0.1", "--port", str(port),
+         "--tls-cert", str(tmp / "tls.crt"), "--tls-key", str(tmp / "tls.key"), "--log-level", "warning", *args],
+        cwd=ROOT)
+    url = f"https://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            ctx = ssl.create_default_context(cafile=str(tmp / "ca.crt"))
+            if httpx.get(url + "/healthz", verify=ctx, timeout=2).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise RuntimeError(f"webhook did not start (rc={proc.poll()})")
+        time.sleep(0.2)
+    return Webhook(url, str(tmp / "ca.crt"), proc)

@@ -282,3 +282,43 @@ def test_entry_point_against_emulator(cluster: Cluster) -> None:
     r = subprocess.run([str(exe), "operator-patch", "verify", *args], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and "OK team-a/qwen2-7b" in r.stdout
     assert copy.deepcopy(cluster.deployment(CTRL_NS, CTRL))["spec"]["replicas"] == 1
+
+
+def test_webhook_keeps_patch_across_operator_rerender(cluster: Cluster, tmp_path: Path,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    """The emulated API server calls the real webhook process (HTTPS) on every Deployment write, as a
+    MutatingWebhookConfiguration would. After `apply`, the operator re-renders (a full PUT of its own
+    rendering, which drops the manual patch); the webhook puts the l2fs settings back in admission."""
+    from conftest import start_webhook
+
+    hook = start_webhook(tmp_path)
+    try:
+        rendered = setup(cluster)
+        cluster.emu.admission_url, cluster.emu.admission_ca = hook.url + "/mutate", hook.ca
+        assert run(cluster, "apply") == 0
+        assert "MutatingWebhookConfiguration kvtier-operator-patch not found" in capsys.readouterr().out
+        # the operator's re-render: its own template, plus the opt-in the CLI left on the Deployment
+        rerender = copy.deepcopy(rendered)
+        for key in ("resourceVersion", "generation", "uid"):
+            rerender["metadata"].pop(key, None)
+        rerender.pop("status", None)
+        rerender["metadata"]["annotations"] = {"kvtier.io/l2fs": "enabled"}
+        rerender["spec"]["template"]["spec"]["containers"][0]["image"] += "-upgraded"
+        assert check(rerender, PatchConfig())  # what the operator writes is unpatched
+        cluster.apps.replace_namespaced_deployment("qwen2-7b", "team-a", rerender)
+        stored = cluster.deployment("team-a", "qwen2-7b")
+        assert stored["spec"]["template"]["spec"]["containers"][0]["image"].endswith("-upgraded")
+        assert check(stored, PatchConfig()) == []
+        assert any(r.get("patch") for r in cluster.emu.admitted)
+        # without the opt-in, the same re-render stays as the operator wrote it
+        del rerender["metadata"]["annotations"]
+        cluster.apps.replace_namespaced_deployment("qwen2-7b", "team-a", rerender)
+        assert check(cluster.deployment("team-a", "qwen2-7b"), PatchConfig())
+        # a dead webhook (failurePolicy Ignore) admits unchanged instead of blocking the operator
+        hook.stop()
+        rerender["metadata"]["annotations"] = {"kvtier.io/l2fs": "enabled"}
+        cluster.apps.replace_namespaced_deployment("qwen2-7b", "team-a", rerender)
+        assert cluster.deployment("team-a", "qwen2-7b")["metadata"]["annotations"] == {"kvtier.io/l2fs": "enabled"}
+    finally:
+        if hook.proc.poll() is None:
+            hook.stop()

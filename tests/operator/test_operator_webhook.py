@@ -5,91 +5,24 @@ from __future__ import annotations
 import base64
 import copy
 import json
-import ssl
 import subprocess
 import sys
-import time
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import jsonpatch
 import pytest
-import trustme
-from conftest import free_port, load_yaml
+from conftest import Webhook, load_yaml, start_webhook
 
 from operator_patch.patch import PatchConfig, check
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-class Webhook:
-    def __init__(self, url: str, ca: str, proc: subprocess.Popen) -> None:
-        self.url, self.ca, self.proc = url, ca, proc
-        self.client = httpx.Client(verify=ssl.create_default_context(cafile=ca), timeout=10)
-
-    def stop(self) -> None:
-        self.client.close()
-        self.proc.terminate()
-        self.proc.wait(20)
-
-    def review(self, obj: dict | None, operation: str = "UPDATE", kind: str = "Deployment",
-               old: dict | None = None) -> dict:
-        body = {
-            "apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview",
-            "request": {
-                "uid": str(uuid.uuid4()),
-                "kind": {"group": "apps", "version": "v1", "kind": kind},
-                "resource": {"group": "apps", "version": "v1", "resource": kind.lower() + "s"},
-                "requestKind": {"group": "apps", "version": "v1", "kind": kind},
-                "name": (obj or old or {}).get("metadata", {}).get("name"),
-                "namespace": (obj or old or {}).get("metadata", {}).get("namespace"),
-                "operation": operation,
-                "userInfo": {"username": "system:serviceaccount:hyperpod-inference-system:controller"},
-                "object": obj, "oldObject": old, "dryRun": False,
-                "options": {"apiVersion": "meta.k8s.io/v1", "kind": "UpdateOptions"},
-            },
-        }
-        r = self.client.post(self.url + "/mutate", json=body)
-        assert r.status_code == 200, r.text
-        out = r.json()
-        assert out["apiVersion"] == "admission.k8s.io/v1" and out["kind"] == "AdmissionReview"
-        assert out["response"]["uid"] == body["request"]["uid"]
-        assert out["response"]["allowed"] is True
-        return out["response"]
-
-
-def start(tmp: Path, *args: str) -> Webhook:
-    ca = trustme.CA()
-    cert = ca.issue_cert("127.0.0.1", "localhost", "kvtier-webhook.kvtier.svc")
-    cert.private_key_pem.write_to_path(str(tmp / "tls.key"))
-    cert.cert_chain_pems[0].write_to_path(str(tmp / "tls.crt"))
-    ca.cert_pem.write_to_path(str(tmp / "ca.crt"))
-    port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "kvtier.cli", "webhook", "--host", "127.0.0.1", "--port", str(port),
-         "--tls-cert", str(tmp / "tls.crt"), "--tls-key", str(tmp / "tls.key"), "--log-level", "warning", *args],
-        cwd=ROOT)
-    url = f"https://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            ctx = ssl.create_default_context(cafile=str(tmp / "ca.crt"))
-            if httpx.get(url + "/healthz", verify=ctx, timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            raise RuntimeError(f"webhook did not start (rc={proc.poll()})")
-        time.sleep(0.2)
-    return Webhook(url, str(tmp / "ca.crt"), proc)
-
-
 @pytest.fixture(scope="module")
 def webhook(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Webhook]:
-    hook = start(tmp_path_factory.mktemp("tls"))
+    hook = start_webhook(tmp_path_factory.mktemp("tls"))
     yield hook
     hook.stop()
 
@@ -179,7 +112,7 @@ def test_plain_http_is_refused(webhook: Webhook) -> None:
 
 
 def test_all_owned_and_plugin_mode(tmp_path: Path) -> None:
-    hook = start(tmp_path, "--all-owned", "--mode", "plugin", "--master", "l2fs-master.x:8995")
+    hook = start_webhook(tmp_path, "--all-owned", "--mode", "plugin", "--master", "l2fs-master.x:8995")
     try:
         dep = load_yaml("rendered-v3.2-stripped.yaml")
         del dep["metadata"]["annotations"]
