@@ -375,7 +375,11 @@ class Procedure:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="kvtier operator-patch", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        prog="kvtier operator-patch",
+        description="Point an InferenceEndpointConfig's rendered Deployment at l2fs: pause the HyperPod "
+                    "inference operator, drain, JSON-patch, wait for the rollout, restore the operator. "
+                    "Safe to re-run; `verify` checks, `revert` restores the operator's rendering.")
     p.add_argument("action", choices=("apply", "verify", "revert"))
     p.add_argument("--namespace", "-n", required=True, help="namespace of the InferenceEndpointConfig")
     p.add_argument("--endpoint", required=True, help="InferenceEndpointConfig name")
