@@ -273,12 +273,14 @@ def _patch_router(dep: dict[str, Any], cfg: PatchConfig) -> None:
 
 def wants_patch(obj: dict[str, Any], all_owned: bool = False) -> bool:
     """Webhook gate: a Deployment owned by an InferenceEndpointConfig (or a router) that opted in.
-    `all_owned` patches every IEC-owned Deployment (the namespaceSelector does the opting in)."""
+    `all_owned` patches every IEC-owned Deployment and every router Deployment without the marker (the
+    webhook's namespaceSelector does the opting in; the operator's router is not IEC-owned, and a
+    re-render would drop a hand-added marker)."""
     if obj.get("kind") not in (None, "Deployment"):
         return False
-    if opted_in(obj):
+    if opted_in(obj) or all_owned:
         return owner_endpoint(obj) is not None or is_router(obj)
-    return all_owned and owner_endpoint(obj) is not None
+    return False
 
 
 def mutate(dep: dict[str, Any], cfg: PatchConfig) -> dict[str, Any]:

@@ -193,6 +193,7 @@ def test_paths_and_ports_follow_config(docs: list[dict[str, Any]]) -> None:
         ("StatefulSet", "l2fs-master", "metrics"): "L2FS_MASTER_METRICS_PORT",
         ("DaemonSet", "l2fs-worker", "grpc"): "L2FS_WORKER_PORT",
         ("DaemonSet", "l2fs-worker", "metrics"): "L2FS_WORKER_METRICS_PORT",
+        ("DaemonSet", "l2fs-worker", "data"): "L2FS_WORKER_DATA_PORT",
         ("Deployment", "kvtier-webhook", "https"): "KVTIER_WEBHOOK_PORT",
     }
     for (kind, name, port), key in ports.items():
@@ -305,3 +306,30 @@ def test_dockerfile_copies_existing_sources() -> None:
     packages = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]["include"]
     for pkg in packages:
         assert f"COPY {pkg.rstrip('*')} " in text, pkg
+
+
+def _help(cmd: list[str]) -> str:
+    exe = Path(sys.executable).with_name(cmd[0])
+    out = subprocess.run([str(exe), *cmd[1:], "--help"], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
+def test_flags_exist_in_the_components() -> None:
+    """Every --flag the manifests pass is one the component's own parser accepts (catches renames)."""
+    docs = render("overlays/hyperpod-g6e")
+    helps: dict[tuple[str, ...], str] = {}
+    for w in workloads(docs):
+        for c in w["spec"]["template"]["spec"]["containers"]:
+            if c["command"][0] == "sh":
+                words = c["args"][0].split("exec ", 1)[1].split()
+                cmd, flags = tuple(words[:2]), [x for x in words if x.startswith("--")]
+            else:
+                cmd = tuple(c["command"][:2])
+                flags = [x for x in c["args"] if str(x).startswith("--")]
+            if cmd not in helps:
+                helps[cmd] = _help(list(cmd))
+            for flag in flags:
+                assert re.search(rf"{re.escape(flag)}\b", helps[cmd]), f"{' '.join(cmd)} has no {flag}"
+    assert set(helps) == {("l2fs", "master"), ("l2fs", "worker"), ("l2fs", "mount"), ("kvtier", "webhook"),
+                          ("kvtier", "router")}

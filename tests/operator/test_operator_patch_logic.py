@@ -168,6 +168,10 @@ def test_not_opted_in_or_not_owned_is_left_alone() -> None:
     other_owner["metadata"]["ownerReferences"][0]["apiVersion"] = "example.com/v1"
     assert not wants_patch(other_owner)
     assert not wants_patch({**dep, "kind": "StatefulSet"})
+    router = load_yaml("router.yaml")
+    del router["metadata"]["annotations"]
+    assert not wants_patch(router)
+    assert wants_patch(router, all_owned=True)
 
 
 def test_missing_container_is_a_clear_error_and_no_change() -> None:
