@@ -116,12 +116,18 @@ class Procedure:
                 raise CliError(f"CRD {crd} is not installed: is the HyperPod inference operator installed "
                                "in this cluster?") from None
             raise CliError(f"reading CRD {crd}: HTTP {e.status} {e.reason}") from None
-        try:
-            iec = self.k.custom.get_namespaced_custom_object(IEC_GROUP, "v1", self.namespace, IEC_PLURAL, self.endpoint)
-        except ApiException as e:
-            if _status(e) == 404:
-                raise CliError(f"{IEC_KIND} {self.namespace}/{self.endpoint} not found") from None
-            raise CliError(f"reading {IEC_KIND} {self.namespace}/{self.endpoint}: HTTP {e.status} {e.reason}") from None
+        iec = None
+        for version in ("v1", "v1alpha1"):  # older operator builds serve only v1alpha1
+            try:
+                iec = self.k.custom.get_namespaced_custom_object(IEC_GROUP, version, self.namespace, IEC_PLURAL,
+                                                                 self.endpoint)
+                break
+            except ApiException as e:
+                if _status(e) != 404:
+                    raise CliError(f"reading {IEC_KIND} {self.namespace}/{self.endpoint}: HTTP {e.status} "
+                                   f"{e.reason}") from None
+        if iec is None:
+            raise CliError(f"{IEC_KIND} {self.namespace}/{self.endpoint} not found")
         dep = self.find_deployment(iec)
         ctrl = None if self.ns.no_pause else self.find_controller()
         return dep, ctrl

@@ -322,3 +322,29 @@ def test_webhook_keeps_patch_across_operator_rerender(cluster: Cluster, tmp_path
     finally:
         if hook.proc.poll() is None:
             hook.stop()
+
+
+def test_failed_patch_rolls_back_drain_and_pause(cluster: Cluster, capsys: pytest.CaptureFixture[str]) -> None:
+    """The API server rejects the patch (422): the model is scaled back, the operator restored, and
+    the template is as the operator rendered it (no partial patch)."""
+    from kubernetes.client.exceptions import ApiException
+
+    from operator_patch import cli
+
+    before = setup(cluster)
+    real = cli.Procedure.json_patch
+
+    def rejected(self: cli.Procedure, dep: dict, new: dict) -> None:
+        raise ApiException(status=422, reason="Invalid")
+
+    cli.Procedure.json_patch = rejected  # type: ignore[method-assign]
+    try:
+        assert run(cluster, "apply") == 1
+    finally:
+        cli.Procedure.json_patch = real  # type: ignore[method-assign]
+    assert "HTTP 422" in capsys.readouterr().err
+    dep = cluster.deployment("team-a", "qwen2-7b")
+    assert dep["spec"]["template"] == before["spec"]["template"]
+    assert dep["spec"]["replicas"] == 2 and REPLICAS_KEY not in (dep["metadata"].get("annotations") or {})
+    assert replicas_seen(cluster, CTRL_NS, CTRL) == [1, 0, 1]
+    assert replicas_seen(cluster, "team-a", "qwen2-7b") == [2, 0, 2]
