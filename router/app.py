@@ -25,6 +25,7 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.requests import ClientDisconnect
 
 from router.kvevents import KVEventSubscriber
 from router.metrics import Metrics
@@ -228,7 +229,11 @@ class Router:
         rid = request.headers.get("x-request-id") or uuid.uuid4().hex
         if (denied := self._auth(request)) is not None:
             return denied
-        body = await self._read_body(request)
+        try:
+            body = await self._read_body(request)
+        except ClientDisconnect:
+            self.m.cancelled.labels("reading_body").inc()
+            return Response(status_code=499)
         if isinstance(body, JSONResponse):
             return body
         try:
@@ -312,18 +317,23 @@ class Router:
             except (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout, httpx.RemoteProtocolError,
                     httpx.ReadError, httpx.WriteError) as e:
                 adm.finish()
-                self.replicas.mark_down(r, f"{type(e).__name__}: {e}")
+                if isinstance(e, httpx.ConnectError):
+                    self.replicas.mark_down(r, f"{type(e).__name__}: {e}")  # refused: nobody listens
+                else:
+                    self.replicas.soft_fail(r, type(e).__name__)
                 self.m.retries.labels("connect").inc()
                 last_err = _err(502, f"replica {r.url} failed: {type(e).__name__}", "upstream_error")
                 continue
             except httpx.TimeoutException:
                 adm.finish()
-                self.replicas.mark_down(r, "timeout")
+                self.replicas.soft_fail(r, "timeout")
                 self.m.requests.labels(r.url, strategy, "504").inc()
                 return _err(504, f"replica {r.url} did not answer within {self.cfg.upstream_timeout}s",
                             "upstream_timeout", **{"x-request-id": rid})
             self.m.ttfb.observe(time.perf_counter() - t_send)
             code = resp.status_code
+            if code < 500:
+                self.replicas.ok(r)
             if code == 429 or code >= 500:
                 err_body = await resp.aread() if stream else resp.content
                 await resp.aclose()

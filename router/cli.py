@@ -46,9 +46,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--session-header", default="x-session-id")
     p.add_argument("--k8s-selector", default=None, help="discover replicas: pods matching this label selector")
     p.add_argument("--k8s-namespace", default="default")
-    p.add_argument("--k8s-port", type=int, default=8000)
-    p.add_argument("--k8s-kv-events-port", type=int, default=None)
-    p.add_argument("--k8s-kv-replay-port", type=int, default=None)
+    p.add_argument("--k8s-port", default="8000", help="replica HTTP port: a number or a named container port")
+    p.add_argument("--k8s-kv-events-port", default=None, help="KV events PUB port (number or port name)")
+    p.add_argument("--k8s-kv-replay-port", default=None, help="KV events replay port (number or port name)")
+    p.add_argument("--k8s-api", default=None, help="API server URL (default: in-cluster config, then kubeconfig)")
     p.add_argument("--l2fs-master", default=None, help="host:port of the l2fs master (kvaware L2 presence)")
     p.add_argument("--l2fs-prefix", default="/kv", help="l2fs directory the connector writes chunks under")
     p.add_argument("--l2fs-chunk-size", type=int, default=256, help="LMCache chunk size in tokens")
@@ -86,7 +87,8 @@ def main(argv: list[str] | None = None) -> int:
         from router.discovery import K8sDiscovery
 
         discovery = K8sDiscovery(args.k8s_namespace, args.k8s_selector, port=args.k8s_port,
-                                 kv_events_port=args.k8s_kv_events_port, kv_replay_port=args.k8s_kv_replay_port)
+                                 kv_events_port=args.k8s_kv_events_port, kv_replay_port=args.k8s_kv_replay_port,
+                                 api_url=args.k8s_api)
     l2_lookup = None
     if args.l2fs_master:
         from router.l2 import L2Lookup

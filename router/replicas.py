@@ -25,7 +25,8 @@ class Replica:
     kv_replay_endpoint: str | None = None
     healthy: bool = True  # optimistic until the first check says otherwise
     ejected_until: float = 0.0
-    fails: int = 0
+    fails: int = 0  # consecutive request failures
+    health_misses: int = 0  # consecutive health-check timeouts
     inflight: int = 0  # admitted, not finished
     prefill_tokens: int = 0  # uncached prompt tokens admitted and not yet at first byte
     decode_tokens: int = 0  # context tokens of requests past first byte and not finished
@@ -75,8 +76,17 @@ class ReplicaSet:
     def available(self) -> list[Replica]:
         return [r for r in self.replicas.values() if r.available]
 
+    def soft_fail(self, r: Replica, why: str, threshold: int = 3) -> None:
+        """A timeout may be overload rather than death: eject only after `threshold` in a row."""
+        r.fails += 1
+        if r.fails >= threshold:
+            self.mark_down(r, f"{why} ({r.fails} in a row)")
+
+    def ok(self, r: Replica) -> None:
+        r.fails = 0
+
     def mark_down(self, r: Replica, why: str) -> None:
-        """Passive ejection: a connect error / 5xx takes the replica out until a health check passes."""
+        """Passive ejection: a refused connection / 5xx takes the replica out until a health check passes."""
         was = r.available
         r.fails += 1
         r.healthy = False
@@ -88,19 +98,25 @@ class ReplicaSet:
 
     async def check(self, r: Replica) -> bool:
         assert self._client is not None
+        dead = False
         try:
             resp = await self._client.get(r.url + "/health", timeout=self.health_timeout, headers=self._headers)
             ok = resp.status_code == 200
+            dead = not ok
+        except httpx.ConnectError:
+            ok, dead = False, True  # refused: nobody listens
         except (httpx.HTTPError, OSError):
-            ok = False
+            ok = False  # slow: could be overload, needs a second miss in a row
         if ok:
             if not r.healthy:
                 log.info("replica %s healthy again", r.url)
-            r.healthy, r.fails, r.ejected_until = True, 0, 0.0
-        elif r.healthy or r.ejected_until:
+            r.healthy, r.fails, r.ejected_until, r.health_misses = True, 0, 0.0, 0
+            return True
+        r.health_misses += 1
+        if (dead or r.health_misses >= 2) and (r.healthy or r.ejected_until):
             self.mark_down(r, "health check failed")
             r.ejected_until = 0.0  # stays out through `healthy` until a check passes
-        return ok
+        return False
 
     async def check_all(self) -> None:
         await asyncio.gather(*(self.check(r) for r in list(self.replicas.values())))

@@ -1,0 +1,89 @@
+"""Kubernetes discovery against kmock's API emulator (driven through the official client) and real replicas."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections import Counter
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from router_helpers import PY, Proc, _spawn, complete, wait_for
+
+kmock = pytest.importorskip("kmock")
+from kubernetes import client  # noqa: E402
+
+pytestmark = pytest.mark.k8s
+
+
+@pytest.fixture
+def k8s() -> Iterator[tuple[str, client.CoreV1Api]]:
+    loop = asyncio.new_event_loop()
+    started = threading.Event()
+    state: dict[str, Any] = {}
+
+    async def serve() -> None:
+        emu = kmock.KubernetesEmulator()
+        emu.resources["v1/pods"] = {}
+        async with emu, kmock.Server(emu) as srv:
+            state.update(url=str(srv.url).rstrip("/"), stop=asyncio.Event())
+            started.set()
+            await state["stop"].wait()
+
+    t = threading.Thread(target=lambda: loop.run_until_complete(serve()), daemon=True)
+    t.start()
+    assert started.wait(10)
+    cfg = client.Configuration()
+    cfg.host = state["url"]
+    yield state["url"], client.CoreV1Api(client.ApiClient(cfg))
+    loop.call_soon_threadsafe(state["stop"].set)
+    t.join(10)
+    if not t.is_alive():
+        loop.close()
+
+
+def pod(name: str, port: int, *, ready: bool, labels: dict[str, str] | None = None) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": name, "namespace": "serving", "labels": labels or {"app": "vllm", "tier": "kv"}},
+        "spec": {"containers": [{"name": "vllm", "image": "vllm", "ports": [{"name": "http", "containerPort": port}]}]},
+        "status": {"phase": "Running", "podIP": "127.0.0.1",
+                   "conditions": [{"type": "Ready", "status": "True" if ready else "False"}]},
+    }
+
+
+def _port(p: Proc) -> int:
+    return int(p.url.rsplit(":", 1)[1])
+
+
+def test_pods_by_label_selector_with_readiness(k8s, cluster):
+    url, api = k8s
+    a, b, c = (cluster.replica(kv=False) for _ in range(3))
+    api.create_namespaced_pod("serving", pod("a", _port(a), ready=True))
+    api.create_namespaced_pod("serving", pod("b", _port(b), ready=False))
+    api.create_namespaced_pod("serving", pod("c", _port(c), ready=True, labels={"app": "other"}))
+    cluster.n += 1
+    log = cluster.tmp / "router-k8s.log"
+    p, rurl = _spawn([PY, "-m", "router.cli", "--port", "0", "--k8s-selector", "app=vllm,tier=kv",
+                      "--k8s-namespace", "serving", "--k8s-port", "http", "--k8s-api", url,
+                      "--strategy", "roundrobin", "--health-interval", "0.5"], log, r"listening on (http://\S+)")
+    rt = Proc(p, rurl, log)
+    cluster.procs.append(rt)
+
+    def members() -> set[str]:
+        return {x["url"] for x in rt.get("/health").json()["replicas"]}
+
+    wait_for(lambda: members() == {a.url}, timeout=40)  # importing the kubernetes client is slow
+    for i in range(4):
+        assert complete(rt, f"x{i}").headers["x-kvtier-replica"] == a.url
+    # b becomes Ready -> joins; c never matches the selector
+    api.patch_namespaced_pod("b", "serving", {"status": {"conditions": [{"type": "Ready", "status": "True"}]}})
+    wait_for(lambda: members() == {a.url, b.url}, timeout=20)
+    got = Counter(complete(rt, f"y{i}").headers["x-kvtier-replica"] for i in range(6))
+    assert set(got) == {a.url, b.url}
+    # a is deleted -> leaves at once; no request goes there afterwards
+    api.delete_namespaced_pod("a", "serving")
+    wait_for(lambda: members() == {b.url}, timeout=20)
+    assert {complete(rt, f"z{i}").headers["x-kvtier-replica"] for i in range(4)} == {b.url}
+    assert c.get("/admin/stats").json()["requests"] == 0
