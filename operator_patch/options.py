@@ -18,7 +18,7 @@ _DEFAULTS = PatchConfig()
 _FLAGS: dict[str, tuple[str, str]] = {
     "--mode": ("mode", "mount: LMCache fs:// on the FUSE mount; plugin: LMCache remote-storage plugin"),
     "--mount-path": ("mount_path", "path of the l2fs mount inside vLLM pods"),
-    "--cache-subdir": ("cache_subdir", "LMCache directory inside the mount"),
+    "--prefix": ("prefix", "l2fs directory of the KV chunks (both modes; = the router's --l2fs-prefix)"),
     "--host-path": ("host_path", "node path where the l2fs-mount DaemonSet mounts l2fs"),
     "--pvc": ("pvc_name", "mount this PVC instead of the hostPath"),
     "--volume-name": ("volume_name", "name of the injected volume"),

@@ -38,7 +38,9 @@ class PatchConfig:
 
     mode: Literal["mount", "plugin"] = "mount"
     mount_path: str = "/mnt/l2fs"  # where pods see the FUSE mount
-    cache_subdir: str = "kvcache"  # LMCache's directory inside the mount
+    # l2fs directory of the KV chunks, shared by both modes (= connector.config.DEFAULT_PREFIX and the
+    # router's --l2fs-prefix), so mount-mode and plugin-mode pods and the router see the same chunks
+    prefix: str = "/kvtier/kv"
     host_path: str = "/mnt/l2fs"  # the node path the l2fs-mount DaemonSet mounts on
     pvc_name: str = ""  # use a PVC instead of the hostPath (e.g. a CSI RWX volume)
     volume_name: str = "kvtier-l2fs"
@@ -61,8 +63,9 @@ class PatchConfig:
                 continue  # short-circuit I/O off
             if not value.startswith("/") or "," in value or " " in value:
                 raise ValueError(f"{name} must be an absolute path without ',' or spaces, not {value!r}")
-        if "/" in self.cache_subdir.strip("/") or not self.cache_subdir.strip("/"):
-            raise ValueError(f"cache_subdir must be one path component, not {self.cache_subdir!r}")
+        if not self.prefix.startswith("/") or not self.prefix.strip("/") or "," in self.prefix or " " in self.prefix \
+                or ".." in self.prefix.split("/"):
+            raise ValueError(f"prefix must be an absolute l2fs directory like /kvtier/kv, not {self.prefix!r}")
         if self.router_strategy not in ROUTER_STRATEGIES:
             raise ValueError(f"router_strategy must be one of {ROUTER_STRATEGIES}, not {self.router_strategy!r}")
         if not self.hash_seed.isdigit():
@@ -73,7 +76,7 @@ class PatchConfig:
     @property
     def remote_url(self) -> str:
         """LMCache fs:// URL; host and port are placeholders its URL parser insists on."""
-        return f"fs://localhost:0{self.mount_path.rstrip('/')}/{self.cache_subdir.strip('/')}/"
+        return f"fs://localhost:0{self.mount_path.rstrip('/')}/{self.prefix.strip('/')}/"
 
     def fingerprint(self) -> str:
         """Short stable hash, stored on patched objects so `verify` can tell config drift."""
@@ -219,6 +222,7 @@ def _extra_config(env: list[dict[str, Any]], cfg: PatchConfig) -> str:
         prefix + "module_path": cfg.plugin_module,
         prefix + "class_name": cfg.plugin_class,
         prefix + "master": cfg.master,
+        prefix + "prefix": cfg.prefix,
     })
     return json.dumps(extra, sort_keys=True, separators=(",", ":"))
 

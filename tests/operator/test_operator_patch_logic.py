@@ -60,7 +60,7 @@ def test_mount_mode_gives_exactly_one_l2_setting(shape: str) -> None:
     validate(out)
     assert check(out, cfg) == []
     assert env_entries(out, "LMCACHE_REMOTE_URL") == [{"name": "LMCACHE_REMOTE_URL",
-                                                        "value": "fs://localhost:0/mnt/l2fs/kvcache/"}]
+                                                        "value": "fs://localhost:0/mnt/l2fs/kvtier/kv/"}]
     assert env_entries(out, "PYTHONHASHSEED") == [{"name": "PYTHONHASHSEED", "value": "0"}]
     assert env_entries(out, "LMCACHE_REMOTE_SERDE") == [{"name": "LMCACHE_REMOTE_SERDE", "value": "naive"}]
     mounts = [m for m in vllm(out)["volumeMounts"] if m["mountPath"] == "/mnt/l2fs"]
@@ -119,6 +119,7 @@ def test_plugin_mode(shape: str) -> None:
     extra = json.loads(env_entries(out, "LMCACHE_EXTRA_CONFIG")[0]["value"])
     assert extra["remote_storage_plugin.l2fs.module_path"] == "connector.lmcache_l2fs"
     assert extra["remote_storage_plugin.l2fs.master"] == "l2fs-master.kvtier:8995"
+    assert extra["remote_storage_plugin.l2fs.prefix"] == "/kvtier/kv"
     if shape == "rendered-v3.2-stripped.yaml":  # the operator's own keys are kept
         assert extra["sagemaker_hyperpod_shared_memory_name"] == "ai_toolkit_cache"
     assert env_entries(out, "L2FS_NODE_ID") == [
@@ -134,7 +135,7 @@ def test_plugin_mode(shape: str) -> None:
 
 def test_pvc_volume_source() -> None:
     dep = load_yaml("rendered-v3.2-stripped.yaml")
-    cfg = PatchConfig(pvc_name="l2fs-rwx", mount_path="/mnt/kv", cache_subdir="cache")
+    cfg = PatchConfig(pvc_name="l2fs-rwx", mount_path="/mnt/kv", prefix="/cache/")
     out = jsonpatch.apply_patch(dep, plan(dep, cfg))
     validate(out)
     assert env_entries(out, "LMCACHE_REMOTE_URL")[0]["value"] == "fs://localhost:0/mnt/kv/cache/"
@@ -192,7 +193,7 @@ def test_missing_container_is_a_clear_error_and_no_change() -> None:
 def test_bad_config_is_rejected() -> None:
     for kwargs in ({"mode": "nfs"}, {"mount_path": "relative"}, {"mount_path": "/a,/b"},
                    {"router_strategy": "random"}, {"hash_seed": "x"}, {"master": "nohostport"},
-                   {"cache_subdir": "a/b"}):
+                   {"prefix": "rel/path"}, {"prefix": "/"}, {"prefix": "/a/../b"}):
         with pytest.raises(ValueError):
             PatchConfig(**kwargs)
 
@@ -218,3 +219,17 @@ def test_diff_escapes_pointer_characters() -> None:
     assert jsonpatch.apply_patch({"a": {"x/y": 1, "t~": 2}}, ops) == {"a": {"x/y": 2}}
     assert diff({"a": [1, 2]}, {"a": [1, 2]}) == []
     assert diff({"a": 1}, {"a": 1.0}) == [{"op": "replace", "path": "/a", "value": 1.0}]
+
+
+def test_defaults_agree_with_the_connector_and_router() -> None:
+    """operator_patch may not import the other packages, so its copies of their names are checked here."""
+    import importlib.util
+
+    from connector.config import DEFAULT_PREFIX, lmcache_config
+
+    cfg = PatchConfig()
+    assert cfg.prefix == DEFAULT_PREFIX
+    plugin = lmcache_config(l2fs_master=cfg.master)["extra_config"]
+    assert plugin["remote_storage_plugin.l2fs.module_path"] == cfg.plugin_module
+    assert plugin["remote_storage_plugin.l2fs.class_name"] == cfg.plugin_class
+    assert importlib.util.find_spec(cfg.plugin_module) is not None
