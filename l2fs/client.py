@@ -107,7 +107,8 @@ def _error(e: grpc.RpcError) -> L2fsError:
         return AlreadyExists(msg)
     if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
         return PermissionDenied(msg)
-    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
+                grpc.StatusCode.RESOURCE_EXHAUSTED):
         return Unavailable(msg)
     return L2fsError(f"{code.name}: {msg}")
 
@@ -231,11 +232,30 @@ class Client:
         size = mv.nbytes
         deadline = time.monotonic() + max(self.timeout, size / 200e6)  # >= 200 MB/s before giving up
         hint = order_hint if order_hint is not None else 0
-        alloc = self._master("Allocate", pb.AllocateRequest(path=path, size=size, node_id=self.node_id,
-                                                            if_absent=if_absent), deadline)
-        if alloc.exists:
-            return False
-        loc, bid = alloc.worker, alloc.block_id
+        exclude: list[str] = []
+        while True:
+            alloc = self._master("Allocate", pb.AllocateRequest(
+                path=path, size=size, node_id=self.node_id, if_absent=if_absent, exclude_workers=exclude),
+                deadline)
+            if alloc.exists:
+                return False
+            loc, bid = alloc.worker, alloc.block_id
+            try:
+                res = self._write_block(loc, bid, path, mv, hint, deadline)
+                break
+            except Unavailable:
+                # the worker died and the master does not know yet: try another one, once
+                if exclude or time.monotonic() >= deadline:
+                    raise
+                exclude.append(loc.worker_id)
+        commit = self._master("Commit", pb.CommitRequest(
+            path=path, block_id=bid, worker_id=loc.worker_id, size=size, crc32c=res.crc32c,
+            if_absent=if_absent, order_hint=hint, local_path=res.local_path), deadline)
+        return commit.published
+
+    def _write_block(self, loc: pb.Location, bid: str, path: str, mv: memoryview, hint: int,
+                     deadline: float) -> pb.WriteResult:
+        """Short-circuit, TCP data plane or gRPC stream, in that order of preference."""
         stub = self._worker(loc.address)
         try:
             res = None
@@ -243,20 +263,17 @@ class Client:
                 res = self._put_local(stub, bid, path, mv, hint, deadline)
             if res is None and self.data_plane and loc.data_address:
                 crc, local_path = self._data.write(loc.data_address, bid, path, mv, hint, deadline)
-                res = pb.WriteResult(block_id=bid, size=size, crc32c=crc, local_path=local_path)
+                res = pb.WriteResult(block_id=bid, size=mv.nbytes, crc32c=crc, local_path=local_path)
             if res is None:
                 res = stub.WriteBlock(self._frames(bid, path, mv, hint), metadata=self._md,
                                       timeout=max(0.001, deadline - time.monotonic()))
+            return res
         except grpc.RpcError as e:
             raise _error(e) from None
         except DataPlaneError as e:
             raise InvalidArgument(str(e)) if "max file size" in str(e) else L2fsError(str(e)) from None
         except OSError as e:
             raise Unavailable(f"worker {loc.address}: {e}") from None
-        commit = self._master("Commit", pb.CommitRequest(
-            path=path, block_id=bid, worker_id=loc.worker_id, size=size, crc32c=res.crc32c,
-            if_absent=if_absent, order_hint=hint, local_path=res.local_path), deadline)
-        return commit.published
 
     @staticmethod
     def _frames(bid: str, path: str, mv: memoryview, hint: int) -> Any:

@@ -215,7 +215,7 @@ class MasterService(pbg.MasterServicer):
 
         def send() -> None:
             try:
-                getattr(self._worker_stub(address), call)(request, timeout=2.0,
+                getattr(self._worker_stub(address), call)(request, timeout=1.0,
                                                           metadata=auth_metadata(self._token))
             except grpc.RpcError as e:
                 log.warning("worker %s %s failed: %s", worker_id, call, e.code())
@@ -320,16 +320,17 @@ class MasterService(pbg.MasterServicer):
                 return pb.AllocateResponse(exists=True)
             if path in self.children:
                 raise RpcError(grpc.StatusCode.FAILED_PRECONDITION, f"{path} is a directory")
-            w = self._place(request.size, request.node_id)
+            w = self._place(request.size, request.node_id, set(request.exclude_workers))
             w.used += request.size  # estimate until the next heartbeat, spreads concurrent writers
             return pb.AllocateResponse(block_id=uuid.uuid4().hex, worker=pb.Location(
                 worker_id=w.worker_id, node_id=w.node_id, address=w.address, data_address=w.data_address))
 
-    def _place(self, size: int, node_id: str) -> WorkerEntry:
+    def _place(self, size: int, node_id: str, exclude: set[str]) -> WorkerEntry:
         """Local-first if the local worker has free room, else the most free; eviction makes room last."""
-        alive = [w for w in self.workers.values() if w.alive and w.capacity >= size]
+        alive = [w for w in self.workers.values()
+                 if w.alive and w.capacity >= size and w.worker_id not in exclude]
         if not alive:
-            raise RpcError(grpc.StatusCode.UNAVAILABLE, f"no live worker can hold {size} bytes")
+            raise RpcError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"no live worker can hold {size} bytes")
         local = [w for w in alive if node_id and w.node_id == node_id]
         for w in local:
             if w.capacity * 0.9 - w.used >= size:
@@ -352,7 +353,7 @@ class MasterService(pbg.MasterServicer):
         with self.lock:
             w = self.workers.get(request.worker_id)
             if w is None or not w.alive:
-                raise RpcError(grpc.StatusCode.UNAVAILABLE, f"worker {request.worker_id!r} is not alive")
+                raise RpcError(grpc.StatusCode.FAILED_PRECONDITION, f"worker {request.worker_id!r} is not alive")
             cur = self.files.get(path)
             if cur is not None and cur.block_id == request.block_id:
                 return pb.CommitResponse(published=True)  # a retried commit of our own block

@@ -481,6 +481,8 @@ class Worker:
         self.port = self.server.add_secure_port(addr, creds) if creds else self.server.add_insecure_port(addr)
         if self.port == 0:
             raise OSError(f"could not bind {addr}")
+        if not advertise and host in ("0.0.0.0", "::", ""):
+            advertise = f"{_host_ip()}:{self.port}"
         self.address = advertise or f"{host}:{self.port}"
         self.data: DataServer | None = None
         if data_port is not None and not creds:  # raw TCP is plaintext: TLS clusters use gRPC only
@@ -559,6 +561,14 @@ class Worker:
                 continue
             self._wake.wait(max(0.0, next_hb - time.monotonic()))
             self._wake.clear()
+
+
+def _host_ip() -> str:
+    """This node's address as others see it (for workers bound to 0.0.0.0 without --advertise)."""
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
 
 
 def parse_data_dir(spec: str) -> tuple[Path, int]:

@@ -91,7 +91,7 @@ def test_unknown_and_malformed_block_ids(bcluster: LocalCluster) -> None:
     assert e.code() == grpc.StatusCode.FAILED_PRECONDITION and "not reserved" in e.details()
     e = _status(lambda: _master(bcluster).Commit(pb.CommitRequest(path="/x/y", block_id="4" * 32,
                                                                   worker_id="no-such-worker"), timeout=5))
-    assert e.code() == grpc.StatusCode.UNAVAILABLE and "not alive" in e.details()
+    assert e.code() == grpc.StatusCode.FAILED_PRECONDITION and "not alive" in e.details()
     _intact(bcluster)
 
 

@@ -120,3 +120,20 @@ def test_concurrent_put_if_absent_publishes_one_version(fcluster: LocalCluster) 
         return sum(f.stat().st_size == 2 << 20 and f.read_bytes()[:1] in {p[:1] for p in payloads}
                    for i in range(2) for f in block_files(fcluster, i))
     wait_until(lambda: copies() == 1, timeout=5)
+
+
+def test_put_moves_on_from_a_dead_worker_the_master_still_lists(tmp_path) -> None:  # noqa: ANN001
+    # a long heartbeat timeout: the master keeps placing on the dead worker for a while
+    with LocalCluster(tmp_path / "pm", workers=2, capacity="1G", heartbeat_timeout=30) as cl:
+        c = cl.client(node_id="node-2", timeout=3.0)
+        cl.kill_worker(1, signal.SIGKILL)
+        t0 = time.monotonic()
+        assert c.put("/pm/a", b"data") is True  # local-first picks node-2, which is gone
+        assert time.monotonic() - t0 < 3.0
+        assert c.stat("/pm/a").nodes == ["node-1"]
+        assert c.get("/pm/a") == b"data"
+        cl.kill_worker(0, signal.SIGKILL)
+        from l2fs.client import Unavailable
+        with pytest.raises(Unavailable):
+            c.put("/pm/b", b"data")
+        assert time.monotonic() - t0 < 10.0
