@@ -1,0 +1,178 @@
+"""Run the rendered manifests' own container commands as local processes and hit their own probes.
+
+`kubectl kustomize deploy/base` gives the l2fs master, worker and FUSE-mount containers; their command,
+args ($(VAR) expanded from the rendered ConfigMap the way the kubelet does it) and probes are executed
+here on loopback, with ports, data dir and mountpoint redirected to temporary ones. This catches a
+manifest whose command line does not start, or whose probe never passes, without a cluster.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from conftest import free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _kubectl() -> str:
+    for cand in (Path(sys.executable).with_name("kubectl"), shutil.which("kubectl")):
+        if cand and Path(cand).exists():
+            return str(cand)
+    pytest.skip("no kubectl")
+
+
+@pytest.fixture(scope="module")
+def base() -> list[dict[str, Any]]:
+    out = subprocess.run([_kubectl(), "kustomize", str(ROOT / "deploy/base")], capture_output=True, text=True,
+                         timeout=120, check=True)
+    return [d for d in yaml.safe_load_all(out.stdout) if d]
+
+
+def container(docs: list[dict[str, Any]], kind: str, name: str) -> dict[str, Any]:
+    (w,) = [d for d in docs if d["kind"] == kind and d["metadata"]["name"] == name]
+    return w["spec"]["template"]["spec"]["containers"][0]
+
+
+def expand(words: list[str], env: dict[str, str]) -> list[str]:
+    """Kubernetes $(VAR) expansion of command/args (unknown references are left as they are)."""
+    return [re.sub(r"\$\((\w+)\)", lambda m: env.get(m.group(1), m.group(0)), str(w)) for w in words]
+
+
+class Env:
+    """The container environment: the rendered ConfigMap with local ports/paths, plus downward API values."""
+
+    def __init__(self, docs: list[dict[str, Any]], tmp: Path) -> None:
+        (cm,) = [d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"].startswith("kvtier-config")]
+        self.vars: dict[str, str] = dict(cm["data"])
+        mport = free_port()
+        self.vars.update({
+            "L2FS_MASTER_PORT": str(mport), "L2FS_MASTER": f"127.0.0.1:{mport}",
+            "L2FS_MASTER_METRICS_PORT": str(free_port()), "L2FS_WORKER_PORT": str(free_port()),
+            "L2FS_WORKER_DATA_PORT": str(free_port()), "L2FS_WORKER_METRICS_PORT": str(free_port()),
+            "L2FS_DATA_DIR": str(tmp / "nvme"), "L2FS_DATA_CAPACITY": "1G", "L2FS_MOUNT_PATH": str(tmp / "mnt"),
+            "NODE_NAME": "node-a", "POD_IP": "127.0.0.1",
+        })
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.tmp = tmp
+
+    def start(self, c: dict[str, Any], log: str) -> subprocess.Popen[bytes]:
+        cmd = expand(c["command"] + c.get("args", []), self.vars)
+        exe = Path(sys.executable).with_name(cmd[0])
+        if exe.exists():
+            cmd[0] = str(exe)
+        env = {**os.environ, **self.vars, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+        proc = subprocess.Popen(cmd, env=env, stdout=open(self.tmp / log, "wb"), stderr=subprocess.STDOUT)
+        self.procs.append(proc)
+        return proc
+
+    def port(self, c: dict[str, Any], name: str | int) -> int:
+        """Map a container port (by name) to the local port its $(VAR) flag was given."""
+        if isinstance(name, int):
+            return name
+        key = {"grpc": "PORT", "metrics": "METRICS_PORT", "data": "DATA_PORT"}[name]
+        role = "MASTER" if "master" in " ".join(c["command"]) else "WORKER"
+        return int(self.vars[f"L2FS_{role}_{key}"])
+
+    def probe(self, c: dict[str, Any], which: str) -> bool:
+        p = c[which]
+        if "httpGet" in p:
+            url = f"http://127.0.0.1:{self.port(c, p['httpGet']['port'])}{p['httpGet']['path']}"
+            try:
+                with urllib.request.urlopen(url, timeout=2) as r:
+                    return r.status == 200
+            except OSError:
+                return False
+        if "tcpSocket" in p:
+            import socket
+
+            try:
+                socket.create_connection(("127.0.0.1", self.port(c, p["tcpSocket"]["port"])), timeout=2).close()
+                return True
+            except OSError:
+                return False
+        cmd = expand(p["exec"]["command"], self.vars)
+        return subprocess.run(cmd, env={**os.environ, **self.vars}, timeout=10).returncode == 0
+
+    def wait_probe(self, c: dict[str, Any], which: str, proc: subprocess.Popen[bytes], log: str) -> None:
+        deadline = time.monotonic() + 60
+        while not self.probe(c, which):
+            assert proc.poll() is None, f"{log} exited {proc.returncode}: {(self.tmp / log).read_text()[-2000:]}"
+            assert time.monotonic() < deadline, f"{which} of {log} never passed: {(self.tmp / log).read_text()[-2000:]}"
+            time.sleep(0.3)
+
+    def stop(self) -> None:
+        for p in reversed(self.procs):
+            if p.poll() is None:
+                p.terminate()
+                try:
+                    p.wait(15)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait(5)
+
+
+@pytest.fixture
+def env(base: list[dict[str, Any]], tmp_path: Path) -> Iterator[Env]:
+    e = Env(base, tmp_path)
+    yield e
+    mnt = e.vars["L2FS_MOUNT_PATH"]
+    if os.path.ismount(mnt):
+        subprocess.run(["fusermount3", "-u", "-z", mnt], timeout=20)
+    e.stop()
+
+
+def test_master_and_worker_commands_and_probes(base: list[dict[str, Any]], env: Env) -> None:
+    master = container(base, "StatefulSet", "l2fs-master")
+    worker = container(base, "DaemonSet", "l2fs-worker")
+    mp = env.start(master, "master.log")
+    env.wait_probe(master, "readinessProbe", mp, "master.log")
+    assert env.probe(master, "livenessProbe")
+    wp = env.start(worker, "worker.log")
+    env.wait_probe(worker, "readinessProbe", wp, "worker.log")
+    assert env.probe(worker, "livenessProbe")
+    # the worker registered under the node name from the downward API, with the configured capacity
+    report = subprocess.run([str(Path(sys.executable).with_name("l2fs")), "report", "--json", "--master",
+                             env.vars["L2FS_MASTER"]], capture_output=True, text=True, timeout=60)
+    assert report.returncode == 0, report.stderr
+    assert "node-a" in report.stdout
+    assert Path(env.vars["L2FS_DATA_DIR"]).is_dir()
+
+
+@pytest.mark.fuse
+@pytest.mark.skipif(os.geteuid() != 0 or not os.path.exists("/dev/fuse") or not shutil.which("fusermount3"),
+                    reason="needs root, /dev/fuse and fusermount3")
+def test_mount_command_probes_and_prestop(base: list[dict[str, Any]], env: Env) -> None:
+    master = container(base, "StatefulSet", "l2fs-master")
+    worker = container(base, "DaemonSet", "l2fs-worker")
+    mount = container(base, "DaemonSet", "l2fs-mount")
+    env.wait_probe(master, "readinessProbe", env.start(master, "master.log"), "master.log")
+    env.wait_probe(worker, "readinessProbe", env.start(worker, "worker.log"), "worker.log")
+    mnt = Path(env.vars["L2FS_MOUNT_PATH"])
+    assert not env.probe(mount, "readinessProbe")  # nothing mounted yet: not ready
+    proc = env.start(mount, "mount.log")
+    env.wait_probe(mount, "readinessProbe", proc, "mount.log")
+    assert env.probe(mount, "livenessProbe")
+    # what vLLM's LMCache fs connector will do through the mount: mkdir, write tmp, rename, read
+    chunk = mnt / "kvtier" / "kv"
+    chunk.mkdir(parents=True, exist_ok=True)
+    (chunk / "k.data.tmp").write_bytes(b"x" * 4096)
+    os.replace(chunk / "k.data.tmp", chunk / "k.data")
+    assert (chunk / "k.data").read_bytes() == b"x" * 4096
+    # preStop unmounts; the daemon then exits and liveness fails
+    pre = expand(mount["lifecycle"]["preStop"]["exec"]["command"], env.vars)
+    assert subprocess.run(pre, env={**os.environ, **env.vars}, timeout=30).returncode == 0
+    assert not os.path.ismount(mnt)
+    proc.wait(30)
+    assert not env.probe(mount, "livenessProbe")
