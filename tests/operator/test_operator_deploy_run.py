@@ -176,3 +176,64 @@ def test_mount_command_probes_and_prestop(base: list[dict[str, Any]], env: Env) 
     assert not os.path.ismount(mnt)
     proc.wait(30)
     assert not env.probe(mount, "livenessProbe")
+
+
+def test_router_command_discovers_the_pods_the_webhook_labels(cluster: Any, tmp_path: Path) -> None:
+    """The g6e overlay's router container (its args, its ConfigMap) against the API emulator: it routes to
+    the endpoint pod that carries the label the webhook adds, and ignores an unpatched one."""
+    import copy
+    import json
+
+    from conftest import load_yaml
+
+    pytest.importorskip("router.l2", reason="kvtier router's --l2fs-master support (router/l2.py) is not in the tree yet")
+
+    from operator_patch.patch import PatchConfig, mutate
+
+    out = subprocess.run([_kubectl(), "kustomize", str(ROOT / "deploy/overlays/hyperpod-g6e")], capture_output=True,
+                         text=True, timeout=120, check=True)
+    docs = [d for d in yaml.safe_load_all(out.stdout) if d]
+    router = container(docs, "Deployment", "kvtier-router")
+    (cm,) = [d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"].startswith("kvtier-router-config")]
+    engine_port, router_port = free_port(), free_port()
+    env = Env.__new__(Env)
+    env.tmp, env.procs = tmp_path, []
+    env.vars = {**cm["data"], "ROUTER_ENGINE_PORT": str(engine_port), "ROUTER_PORT": str(router_port),
+                "POD_NAMESPACE": cm["metadata"]["namespace"]}
+    rendered = load_yaml("rendered-v3.2-stripped.yaml")
+    rendered["metadata"]["name"] = rendered["metadata"]["ownerReferences"][0]["name"] = "qwen2-7b"
+    patched = mutate(rendered, PatchConfig())
+
+    def pod(name: str, template: dict[str, Any], ip: str) -> dict[str, Any]:
+        return {"apiVersion": "v1", "kind": "Pod",
+                "metadata": {"name": name, "namespace": "team-a", "labels": template["metadata"]["labels"]},
+                "spec": copy.deepcopy(template["spec"]),
+                "status": {"phase": "Running", "podIP": ip, "conditions": [{"type": "Ready", "status": "True"}]}}
+
+    from kubernetes import client
+
+    core = client.CoreV1Api(cluster.api)
+    core.create_namespaced_pod("team-a", pod("qwen2-7b-patched", patched["spec"]["template"], "127.0.0.1"))
+    core.create_namespaced_pod("team-a", pod("qwen2-7b-unpatched", rendered["spec"]["template"], "127.0.0.2"))
+    replica = subprocess.Popen([sys.executable, "-m", "router.testreplica", "--port", str(engine_port)], cwd=ROOT,
+                               stdout=open(tmp_path / "replica.log", "wb"), stderr=subprocess.STDOUT)
+    env.procs.append(replica)
+    try:
+        router = {**router, "args": router["args"] + ["--k8s-api", cluster.url]}
+        proc = env.start(router, "router.log")
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{router_port}/health", timeout=2) as r:
+                    health = json.loads(r.read())
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            assert proc.poll() is None, (tmp_path / "router.log").read_text()[-2000:]
+            assert time.monotonic() < deadline, (tmp_path / "router.log").read_text()[-2000:]
+            time.sleep(0.5)
+        assert [r["url"] for r in health["replicas"]] == [f"http://127.0.0.1:{engine_port}"]
+        assert health["default_strategy"] == cm["data"]["ROUTER_STRATEGY"]
+    finally:
+        env.stop()
