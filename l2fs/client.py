@@ -28,7 +28,7 @@ from typing import Any
 import crc32c
 import grpc
 
-from l2fs.common import FRAME, PathError, auth_metadata, make_channel, norm_path
+from l2fs.common import FRAME, PathError, auth_metadata, crc32c_fast, make_channel, norm_path
 from l2fs.dataplane import DataClient, DataPlaneError, enabled_by_default
 from l2fs.proto import l2fs_pb2 as pb
 from l2fs.proto import l2fs_pb2_grpc as pbg
@@ -173,6 +173,8 @@ class Client:
         self.data_plane = enabled_by_default() if data_plane is None else data_plane
         self._data = DataClient(self.token)
         self._inflight: set[Any] = set()
+        self._touches: dict[str, set[str]] = {}
+        self._toucher: threading.Thread | None = None
 
     # ---------- plumbing ----------
 
@@ -297,7 +299,7 @@ class Client:
                 n += os.write(fd, view[n:])
         finally:
             os.close(fd)
-        crc = crc32c.crc32c(mv)
+        crc = crc32c_fast(mv)
         return stub.AdoptLocal(pb.AdoptRequest(block_id=bid, path=path, size=mv.nbytes, crc32c=crc,
                                                order_hint=hint),
                                metadata=self._md, timeout=max(0.001, deadline - time.monotonic()))
@@ -327,7 +329,7 @@ class Client:
         if self._is_local(loc):
             got = self._read_local(loc, st, into)
             if got is not None:
-                self._fire(stub.Touch, pb.BlockIds(block_ids=[loc.block_id]))  # LRU: this was a read
+                self._touch(loc)  # LRU: this was a read
                 return got
             if got is None and os.path.exists(loc.local_path):
                 return None  # local file present but bad: reported; do not stream a corrupt block
@@ -371,7 +373,7 @@ class Client:
             return None
         n = got if isinstance(got, int) else len(got)
         view = into[:n] if into is not None else got
-        if n != st.size or crc != st.crc32c or crc32c.crc32c(view) != crc:
+        if n != st.size or crc != st.crc32c or crc32c_fast(view) != crc:
             self._report_corrupt(loc)
             return None
         return got
@@ -379,6 +381,27 @@ class Client:
     def _report_corrupt(self, loc: pb.Location) -> None:
         """Ask the worker to re-verify (and drop) a block that failed our checksum."""
         self._fire(self._worker(loc.address).ReportCorrupt, pb.BlockIds(block_ids=[loc.block_id]))
+
+    def _touch(self, loc: pb.Location) -> None:
+        """Queue a short-circuit read for the worker's LRU; a background thread sends them in batches
+        (a gRPC future per read costs a thread start, more than the read's checksum)."""
+        with self._lock:
+            self._touches.setdefault(loc.address, set()).add(loc.block_id)
+            if self._toucher is None:
+                self._toucher = threading.Thread(target=self._touch_loop, name="l2fs-touch", daemon=True)
+                self._toucher.start()
+
+    def _touch_loop(self) -> None:
+        while not self._closed:
+            time.sleep(0.2)
+            with self._lock:
+                batch, self._touches = self._touches, {}
+            for address, ids in batch.items():
+                try:
+                    self._worker(address).Touch(pb.BlockIds(block_ids=sorted(ids)), metadata=self._md,
+                                                timeout=1.0)
+                except (grpc.RpcError, ValueError):  # worker gone or channel closed: LRU hint only
+                    pass
 
     def _fire(self, method: Any, request: Any) -> None:
         """Fire-and-forget RPC. The future is kept until done: gRPC cancels a call whose future is
@@ -400,11 +423,11 @@ class Client:
             with open(loc.local_path, "rb", buffering=0) as f:
                 if into is not None:
                     n = f.readinto(into[:st.size])
-                    ok = n == st.size and crc32c.crc32c(into[:st.size]) == st.crc32c
+                    ok = n == st.size and crc32c_fast(into[:st.size]) == st.crc32c
                     result: bytes | int = n
                 else:
                     data = f.read(st.size + 1)
-                    ok = len(data) == st.size and crc32c.crc32c(data) == st.crc32c
+                    ok = len(data) == st.size and crc32c_fast(data) == st.crc32c
                     result = data
         except OSError:
             return None

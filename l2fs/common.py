@@ -173,3 +173,59 @@ def start_metrics_server(host: str, port: int, health: Callable[[], dict]) -> Th
     srv.daemon_threads = True
     threading.Thread(target=srv.serve_forever, name="l2fs-metrics", daemon=True).start()
     return srv
+
+
+# ---------- parallel CRC32C ----------
+# A 14.7 MB KV chunk takes ~1.5 ms to checksum on one core, as long as the read itself when the file is
+# in the page cache. Large buffers are split into 4 MiB pieces checksummed on a small thread pool (the
+# crc32c extension releases the GIL) and recombined with the GF(2) shift operator for 4 MiB of zeros.
+
+_CRC_POLY = 0x82F63B78  # CRC32C, reflected
+_CRC_PIECE_LOG2 = 22
+_CRC_PIECE = 1 << _CRC_PIECE_LOG2
+_crc_op: list[int] | None = None
+_crc_pool = None
+_crc_lock = threading.Lock()
+
+
+def _gf2_times(mat: list[int], vec: int) -> int:
+    s, i = 0, 0
+    while vec:
+        if vec & 1:
+            s ^= mat[i]
+        vec >>= 1
+        i += 1
+    return s
+
+
+def _crc_setup() -> tuple[list[int], Any]:
+    """Shift operator for one piece of zeros (computed once, ~3 ms) and the pool."""
+    global _crc_op, _crc_pool
+    with _crc_lock:
+        if _crc_op is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            m = [_CRC_POLY] + [1 << n for n in range(31)]  # one zero bit
+            for _ in range(3 + _CRC_PIECE_LOG2):
+                m = [_gf2_times(m, m[n]) for n in range(32)]
+            _crc_pool = ThreadPoolExecutor(min(4, os.cpu_count() or 1), thread_name_prefix="l2fs-crc")
+            _crc_op = m
+        return _crc_op, _crc_pool
+
+
+def crc32c_fast(buf: bytes | bytearray | memoryview) -> int:
+    """CRC32C of buf, identical to crc32c.crc32c(buf); parallel for buffers of 8 MiB and more."""
+    import crc32c
+
+    mv = memoryview(buf).cast("B")
+    n = mv.nbytes
+    if n < 2 * _CRC_PIECE or (os.cpu_count() or 1) < 2:
+        return crc32c.crc32c(mv)
+    op, pool = _crc_setup()
+    first = n % _CRC_PIECE or _CRC_PIECE  # only the first piece may be short: one operator suffices
+    pieces = [mv[:first]] + [mv[o:o + _CRC_PIECE] for o in range(first, n, _CRC_PIECE)]
+    crcs = list(pool.map(lambda p: crc32c.crc32c(p, gil_release_mode=1), pieces))
+    c = crcs[0]
+    for x in crcs[1:]:
+        c = _gf2_times(op, c) ^ x
+    return c

@@ -38,6 +38,7 @@ from l2fs.common import (
     PathError,
     TokenInterceptor,
     auth_metadata,
+    crc32c_fast,
     make_channel,
     norm_path,
     parse_size,
@@ -305,7 +306,7 @@ class Store:
                 extra = f.read(1)
         except OSError:
             n, extra = -1, b""
-        if n != b.size or extra or crc32c.crc32c(buf) != b.crc32c:
+        if n != b.size or extra or crc32c_fast(buf) != b.crc32c:
             log.warning("block %s (%s) failed verification: dropping it", bid, b.path)
             CORRUPT.inc()
             self._delete(bid, "corrupt")
