@@ -59,16 +59,19 @@ def corrupt_cluster(tmp_path_factory: pytest.TempPathFactory) -> Any:
         yield cluster
 
 
-@pytest.mark.parametrize("short_circuit", [False, True], ids=["remote", "short-circuit"])
+@pytest.mark.parametrize("via", ["tcp", "grpc", "short-circuit"])
 @pytest.mark.parametrize("how", DAMAGE)
-def test_damaged_block_is_a_miss_and_dropped(corrupt_cluster: Any, how: str, short_circuit: bool) -> None:
+def test_damaged_block_is_a_miss_and_dropped(corrupt_cluster: Any, how: str, via: str) -> None:
+    """Every read path: the raw-TCP data plane, gRPC streaming, and short-circuit local reads."""
     cluster = corrupt_cluster
     owner = cluster.workers[0].node_id
     writer = cluster.client(node_id=owner, timeout=DEADLINE)
-    # Short-circuit reads happen on the owner's node; remote reads from the other node over gRPC.
+    # Short-circuit reads happen on the owner's node; remote reads come from the other node.
+    short_circuit = via == "short-circuit"
     reader_node = owner if short_circuit else cluster.workers[1].node_id
-    reader = cluster.client(node_id=reader_node, timeout=DEADLINE, short_circuit=short_circuit)
-    key = f"/rel/corrupt/{how}-{'sc' if short_circuit else 'remote'}"
+    reader = cluster.client(node_id=reader_node, timeout=DEADLINE, short_circuit=short_circuit,
+                            data_plane=via == "tcp")
+    key = f"/rel/corrupt/{how}-{via}"
     data = payload(1, SIZE, key)
     assert writer.put(key, data) is True
     assert reader.get(key) == data  # sanity: whole before the damage

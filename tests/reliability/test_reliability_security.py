@@ -9,6 +9,9 @@ before anything is allocated.
 
 from __future__ import annotations
 
+import contextlib
+import socket
+import struct
 from pathlib import Path
 from typing import Any
 
@@ -225,4 +228,78 @@ def test_absurd_sizes_refused_before_allocation(plain_cluster: Any) -> None:
     code = _code(lambda: w.WriteBlock(short, timeout=DEADLINE))
     assert code != grpc.StatusCode.OK
     assert c.put("/after-huge", b"y" * 1000) is True and c.get("/after-huge") == b"y" * 1000
+    assert rss_bytes(pid) - rss0 < 64 << 20
+
+
+# ------------------------------------------------------------------------------------------ raw-TCP data plane
+
+
+def _dp(address: str, op: bytes, token: bytes, bid: str, extra: bytes = b"") -> tuple[int, bytes]:
+    """One raw data-plane request; returns (status byte, rest of what the worker sent before closing)."""
+    host, port = address.rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=5) as s:
+        with contextlib.suppress(OSError):  # the worker may refuse and close before reading it all
+            s.sendall(struct.pack("<4scH", b"L2D1", op, len(token)) + token
+                      + bid.encode("latin-1")[:32].ljust(32, b"0") + extra)
+            s.shutdown(socket.SHUT_WR)
+        out = b""
+        with contextlib.suppress(OSError):
+            while chunk := s.recv(1 << 16):
+                out += chunk
+    assert out, "the data plane closed without any answer"
+    return out[0], out[1:]
+
+
+def _data_address(master: str, path: str, md: Any = None) -> tuple[str, str]:
+    loc = _first_location(master, path, md)
+    assert loc.data_address, "worker offers no raw data plane"
+    return loc.data_address, loc.block_id
+
+
+def test_data_plane_requires_token(make_cluster: Any) -> None:
+    cluster = make_cluster(workers=1, token=TOKEN)
+    good = cluster.client(token=TOKEN, timeout=DEADLINE, short_circuit=False)
+    data = payload(5, 64 * 1024, "/dp/a")
+    assert good.put("/dp/a", data) is True
+    addr, bid = _data_address(cluster.master, "/dp/a", (("authorization", f"Bearer {TOKEN}"),))
+    status, rest = _dp(addr, b"R", TOKEN.encode(), bid)
+    assert status == 0 and data in rest  # the right token reads
+    for bad in (b"", b"wrong", TOKEN.encode() + b"x", TOKEN.encode()[:-1]):
+        status, rest = _dp(addr, b"R", bad, bid)
+        assert status == 2 and data[:64] not in rest, (bad, status)
+        wpath = b"/dp/evil"
+        status, _ = _dp(addr, b"W", bad, "e" * 32,
+                        struct.pack("<H", len(wpath)) + wpath + struct.pack("<Qq", 4, 0) + b"evil")
+        assert status == 2, (bad, status)
+    assert good.get("/dp/a") == data
+    assert not any(b"evil" in p.read_bytes() for p in files_under(cluster.workers[0].data_dir) if p.is_file()
+                   and not p.name.startswith("manifest"))
+
+
+def test_data_plane_rejects_bad_input(plain_cluster: Any) -> None:
+    c = plain_cluster.client(timeout=DEADLINE)
+    assert c.put("/dp/ok", b"o" * 4096) is True
+    addr, _ = _data_address(plain_cluster.master, "/dp/ok")
+    pid = proc_pid(plain_cluster.workers[0])
+    rss0 = rss_bytes(pid)
+    for bid in ("../../../../../../../etc/passwd", "/etc/passwd" + "0" * 21, "g" * 32, "\x00" * 32):
+        assert _dp(addr, b"R", b"", bid)[0] in (1, 3), bid
+    for path in (b"/../escape", b"rel", b"/a\x00b", b"/" + b"x" * 300):
+        status, _ = _dp(addr, b"W", b"", "f" * 32, struct.pack("<H", len(path)) + path + struct.pack("<Qq", 4, 0) + b"evil")
+        assert status == 3, path
+    huge = struct.pack("<H", 5) + b"/huge" + struct.pack("<Qq", (1 << 64) - 1, 0)
+    assert _dp(addr, b"W", b"", "a" * 32, huge)[0] == 3
+    assert _dp(addr, b"X", b"", "a" * 32)[0] == 3  # unknown op
+    host, port = addr.rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=5) as s:
+        s.sendall(b"GET / HTTP/1.1\r\n\r\n")
+        assert s.recv(1) == b"\x03"  # bad magic: refused, not parsed as anything else
+    # A short write (fewer bytes than declared) is never published or kept.
+    short = struct.pack("<H", 6) + b"/short" + struct.pack("<Qq", 1 << 20, 0) + b"x" * 1000
+    with contextlib.suppress(AssertionError):
+        _dp(addr, b"W", b"", "b" * 32, short)
+    assert not c.exists("/short")
+    leftover = [p for p in files_under(plain_cluster.workers[0].data_dir) if p.name.endswith(".part")]
+    assert not leftover, f"an aborted write left temp files: {leftover}"
+    assert c.get("/dp/ok") == b"o" * 4096
     assert rss_bytes(pid) - rss0 < 64 << 20
