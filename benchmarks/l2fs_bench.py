@@ -43,11 +43,28 @@ def timeit(fn: Callable[[int], object], iters: int, warmup: int = 2) -> list[flo
     return out
 
 
+def paired(fa: Callable[[int], object], fb: Callable[[int], object], iters: int,
+           warmup: int = 2) -> tuple[list[float], list[float]]:
+    """Interleave A and B call by call, so load changes on a shared box hit both sides alike."""
+    for i in range(warmup):
+        fa(i)
+        fb(i)
+    ta, tb = [], []
+    for i in range(iters):
+        t0 = time.perf_counter()
+        fa(i)
+        t1 = time.perf_counter()
+        fb(i)
+        ta.append(t1 - t0)
+        tb.append(time.perf_counter() - t1)
+    return ta, tb
+
+
 def gbps(size: int, times: list[float]) -> float:
     return size / statistics.median(times) / 1e9
 
 
-def raw_tcp_read(data: bytes, iters: int) -> list[float]:
+def tcp_reader(data: bytes) -> Callable[[int], None]:
     """Loopback TCP: a server thread sendall()s the object per request; the client recv_into()s it."""
     srv = socket.socket()
     srv.bind(("127.0.0.1", 0))
@@ -71,11 +88,7 @@ def raw_tcp_read(data: bytes, iters: int) -> list[float]:
         while n < len(data):
             n += cli.recv_into(mv[n:])
 
-    try:
-        return timeit(one, iters)
-    finally:
-        cli.close()
-        srv.close()
+    return one
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -103,8 +116,7 @@ def main(argv: list[str] | None = None) -> int:
             with open(base / f"plain-w{i}-{time.monotonic_ns()}.bin", "wb", buffering=0) as f:
                 f.write(data)
 
-        t_plain_w = timeit(plain_write, iters)
-        t_sc_w = timeit(lambda i: local.put(f"/bench/sc-w/{i}", data), iters)
+        t_plain_w, t_sc_w = paired(plain_write, lambda i: local.put(f"/bench/sc-w/{i}", data), iters)
         t_tcp_w = timeit(lambda i: remote.put(f"/bench/tcp-w/{i}", data), iters)
         t_grpc_w = timeit(lambda i: rgrpc.put(f"/bench/grpc-w/{i}", data), iters)
 
@@ -118,18 +130,16 @@ def main(argv: list[str] | None = None) -> int:
                 f.read(size + 1)
 
         assert local.get("/bench/obj") == data
-        t_plain_r = timeit(plain_read, iters)
-        t_sc_r = timeit(lambda _: local.get("/bench/obj"), iters)
+        t_plain_r, t_sc_r = paired(plain_read, lambda _: local.get("/bench/obj"), iters)
         buf = bytearray(size)
         t_sc_into = timeit(lambda _: local.get_into("/bench/obj", buf), iters)
 
         # --- cross-node read ---
         assert remote.get("/bench/obj") == data and rgrpc.get("/bench/obj") == data
-        t_dp_r = timeit(lambda _: remote.get("/bench/obj"), iters)
+        t_tcp, t_dp_r = paired(tcp_reader(data), lambda _: remote.get("/bench/obj"), iters)
         t_dp_into = timeit(lambda _: remote.get_into("/bench/obj", buf), iters)
         t_grpc_r = timeit(lambda _: rgrpc.get("/bench/obj"), iters)
         t_grpc_into = timeit(lambda _: rgrpc.get_into("/bench/obj", buf), iters)
-        t_tcp = raw_tcp_read(data, iters)
 
         # --- metadata ---
         paths = [f"/bench/meta/{i}" for i in range(args.batch)]
