@@ -52,6 +52,8 @@ WORKERS_ALIVE = Gauge("l2fs_master_workers_alive", "Live workers")
 CAPACITY = Gauge("l2fs_master_capacity_bytes", "Capacity of live workers")
 USED = Gauge("l2fs_master_used_bytes", "Used bytes on live workers")
 COMMITS = Counter("l2fs_master_commits_total", "File commits", ["result"])
+DUPLICATES = Gauge("l2fs_master_duplicate_content_files",
+                   "Files (>= 4 KiB) with the same size+crc32c as another file: likely diverging cache keys")
 DROPPED = Counter("l2fs_master_dropped_files_total", "Files dropped from the namespace", ["reason"])
 
 
@@ -88,6 +90,14 @@ class WorkerEntry:
     data_address: str = ""
 
 
+def _check_address(addr: str, what: str) -> None:
+    """A worker address must be host:port: the master hands it to every client, which would fail on junk."""
+    host, sep, port = addr.rpartition(":")
+    if (not sep or not host or not port.isdigit() or not 0 < int(port) < 65536 or len(addr) > 300
+            or any(c.isspace() or ord(c) < 32 or c in "/\\" for c in addr)):
+        raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, f"worker {what} must be host:port, got {addr[:80]!r}")
+
+
 def _rpc(method: Callable) -> Callable:
     """Time a handler and map RpcError/PathError to a gRPC status with a clear message."""
     name = method.__name__
@@ -121,6 +131,8 @@ class MasterService(pbg.MasterServicer):
         self.blocks: dict[str, str] = {}  # block_id -> path
         self.children: dict[str, set[str]] = {"/": set()}  # dir -> child names (files and dirs)
         self.workers: dict[str, WorkerEntry] = {}
+        self.content: dict[tuple[int, int], int] = {}  # (size, crc32c) -> files with it (>= 4 KiB)
+        self.duplicates = 0
         self._token = token
         self._tls_ca = tls_ca
         self._stubs: dict[str, pbg.WorkerStub] = {}
@@ -156,6 +168,7 @@ class MasterService(pbg.MasterServicer):
         w = self.workers.get(entry.worker_id)
         if w is not None:
             w.files.add(path)
+        self._count_content(entry, +1)
         FILES.set(len(self.files))
 
     def _drop_file(self, path: str) -> FileEntry | None:
@@ -169,8 +182,26 @@ class MasterService(pbg.MasterServicer):
         w = self.workers.get(e.worker_id)
         if w is not None:
             w.files.discard(path)
+        self._count_content(e, -1)
         FILES.set(len(self.files))
         return e
+
+    def _count_content(self, e: FileEntry, delta: int) -> None:
+        """Key-divergence detector: track files whose bytes (size + crc32c) equal another file's."""
+        if e.size < 4096:
+            return
+        key = (e.size, e.crc32c)
+        n = self.content.get(key, 0)
+        if delta > 0:
+            self.duplicates += n > 0
+            self.content[key] = n + 1
+        else:
+            self.duplicates -= n > 1
+            if n <= 1:
+                self.content.pop(key, None)
+            else:
+                self.content[key] = n - 1
+        DUPLICATES.set(self.duplicates)
 
     def _location(self, e: FileEntry) -> pb.Location:
         w = self.workers[e.worker_id]
@@ -249,6 +280,9 @@ class MasterService(pbg.MasterServicer):
     def RegisterWorker(self, request: pb.RegisterRequest, context: Any) -> pb.RegisterResponse:  # noqa: N802
         if not request.worker_id or not request.address:
             raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, "worker_id and address are required")
+        _check_address(request.address, "address")
+        if request.data_address:
+            _check_address(request.data_address, "data_address")
         reject: list[str] = []
         remote_deletes: list[tuple[str, str]] = []
         with self.lock:
@@ -536,7 +570,7 @@ class MasterService(pbg.MasterServicer):
             ws = [pb.WorkerStatus(worker_id=w.worker_id, node_id=w.node_id, address=w.address, alive=w.alive,
                                   capacity=w.capacity, used=w.used, blocks=w.blocks)
                   for w in sorted(self.workers.values(), key=lambda w: w.worker_id)]
-            return pb.ReportResponse(workers=ws, files=len(self.files))
+            return pb.ReportResponse(workers=ws, files=len(self.files), duplicate_files=self.duplicates)
 
     def health(self) -> dict:
         with self.lock:
