@@ -12,8 +12,7 @@ import multiprocessing as mp
 import threading
 from typing import Any
 
-from conftest import DEADLINE
-from reliability_faults import check_payload, files_under, payload, wait_until
+from reliability_faults import DEADLINE, check_payload, files_under, payload, wait_until
 
 SIZE = 1 << 20
 WRITERS = 32

@@ -13,8 +13,17 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import DEADLINE, SLACK
-from reliability_faults import check_payload, find_block_files, flip_bit, payload, timed, truncate, wait_until
+from reliability_faults import (
+    DEADLINE,
+    SLACK,
+    check_payload,
+    find_block_files,
+    flip_bit,
+    payload,
+    timed,
+    truncate,
+    wait_until,
+)
 
 SIZE = 512 * 1024
 

@@ -11,11 +11,10 @@ from typing import Any
 
 import grpc
 import pytest
-from conftest import DEADLINE
 from google.protobuf.descriptor import FieldDescriptor as FD
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from reliability_faults import dir_bytes, payload, proc_pid, rss_bytes
+from reliability_faults import DEADLINE, dir_bytes, payload, proc_pid, rss_bytes
 
 from l2fs.proto import l2fs_pb2 as pb
 
@@ -243,8 +242,6 @@ def _still_healthy(cluster: Any) -> None:
     assert dir_bytes(cluster.workers[0].data_dir) <= CAPACITY + (1 << 20)
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="master accepts any string as a worker address (reported to the core "
-                   "engineer); a client then fails with ValueError instead of an l2fs error")
 def test_register_rejects_malformed_addresses(tmp_path_factory: pytest.TempPathFactory) -> None:
     """A registration whose address is not host:port must be refused with INVALID_ARGUMENT; otherwise
     the master hands clients an unusable worker (found by the garbage-bytes fuzzer)."""

@@ -11,7 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from conftest import DEADLINE
+from reliability_faults import DEADLINE
 
 ROOT = Path(__file__).resolve().parents[2]
 

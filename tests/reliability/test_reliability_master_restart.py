@@ -10,8 +10,7 @@ import signal
 import time
 from typing import Any
 
-from conftest import DEADLINE, SLACK
-from reliability_faults import check_payload, payload, timed, wait_until
+from reliability_faults import DEADLINE, SLACK, check_payload, payload, timed, wait_until
 
 from l2fs.client import L2fsError
 

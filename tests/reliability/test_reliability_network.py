@@ -11,8 +11,7 @@ import time
 from typing import Any
 
 import pytest
-from conftest import DEADLINE, SLACK
-from reliability_faults import FaultProxy, check_payload, free_loopback_port, payload, timed
+from reliability_faults import DEADLINE, SLACK, FaultProxy, check_payload, free_loopback_port, payload, timed
 
 from l2fs.client import L2fsError
 

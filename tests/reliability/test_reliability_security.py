@@ -17,8 +17,7 @@ from typing import Any
 
 import grpc
 import pytest
-from conftest import DEADLINE
-from reliability_faults import files_under, payload, proc_pid, rss_bytes
+from reliability_faults import DEADLINE, files_under, payload, proc_pid, rss_bytes
 
 from l2fs.client import InvalidPath, L2fsError, PermissionDenied
 from l2fs.proto import l2fs_pb2 as pb

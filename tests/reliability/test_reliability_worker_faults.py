@@ -12,8 +12,9 @@ import signal
 import time
 from typing import Any
 
-from conftest import DEADLINE, SLACK
 from reliability_faults import (
+    DEADLINE,
+    SLACK,
     Call,
     Hammer,
     check_payload,
