@@ -129,7 +129,9 @@ def _run(c: object, cmd: str, args: argparse.Namespace) -> int:
             print(json.dumps(asdict(rep), indent=1))
             return 0
         print(f"files {rep.files}  capacity {rep.capacity}  used {rep.used}"
-              f" ({100 * rep.used / rep.capacity if rep.capacity else 0:.1f}%)")
+              f" ({100 * rep.used / rep.capacity if rep.capacity else 0:.1f}%)"
+              + (f"  duplicate-content files {rep.duplicate_files} (diverging cache keys?)"
+                 if rep.duplicate_files else ""))
         for w in rep.workers:
             print(f"  {w.worker_id:<24} node={w.node_id:<12} {w.address:<21} "
                   f"{'alive' if w.alive else 'DEAD ':<5} used {w.used}/{w.capacity} blocks {w.blocks}")

@@ -91,6 +91,7 @@ class ClusterReport:
     files: int
     capacity: int
     used: int
+    duplicate_files: int = 0  # same bytes under another name: a sign of diverging cache keys
 
 
 _TRANSIENT = {grpc.StatusCode.UNAVAILABLE}
@@ -505,7 +506,7 @@ class Client:
               for w in r.workers]
         alive = [w for w in ws if w.alive]
         return ClusterReport(workers=ws, files=r.files, capacity=sum(w.capacity for w in alive),
-                             used=sum(w.used for w in alive))
+                             used=sum(w.used for w in alive), duplicate_files=r.duplicate_files)
 
     def close(self) -> None:
         self._closed = True
