@@ -96,21 +96,36 @@ class Replica:
             body["logprobs"] = logprobs
         return self.request("/v1/completions", body)
 
-    def ttft(self, prompt: str | list[int], *, max_tokens: int = 1) -> float:
-        """Seconds to the first streamed token of a greedy completion."""
-        body = {"model": self.served_model_name, "prompt": prompt, "max_tokens": max_tokens,
-                "temperature": 0.0, "stream": True}
+    def stream_greedy(self, prompt: str | list[int], *, max_tokens: int = 1,
+                      logprobs: bool = True) -> tuple[float, list[str], list[float]]:
+        """Streamed greedy completion: (seconds to first token, tokens as "token_id:N", their logprobs)."""
+        body: dict[str, Any] = {"model": self.served_model_name, "prompt": prompt, "max_tokens": max_tokens,
+                                "temperature": 0.0, "stream": True}
+        if logprobs:
+            body.update(logprobs=1, return_tokens_as_token_ids=True)
         req = urllib.request.Request(self.url + "/v1/completions", data=json.dumps(body).encode(),
                                      headers={"Content-Type": "application/json"})
         t0 = time.perf_counter()
-        first = None
+        first: float | None = None
+        tokens: list[str] = []
+        lps: list[float] = []
         with urllib.request.urlopen(req, timeout=600) as r:
             for line in r:
-                if first is None and line.startswith(b"data: ") and b'"text"' in line:
+                if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
+                    continue
+                if first is None:
                     first = time.perf_counter() - t0
+                ch = json.loads(line[6:])["choices"][0]
+                lp = ch.get("logprobs") or {}
+                tokens += lp.get("tokens") or []
+                lps += lp.get("token_logprobs") or []
         if first is None:
             raise ReplicaError("stream returned no token")
-        return first
+        return first, tokens, lps
+
+    def ttft(self, prompt: str | list[int], *, max_tokens: int = 1) -> float:
+        """Seconds to the first streamed token of a greedy completion."""
+        return self.stream_greedy(prompt, max_tokens=max_tokens, logprobs=False)[0]
 
     def stop(self, timeout: float = 20.0) -> None:
         """Terminate the whole process group (API server, engine core, workers); idempotent."""
