@@ -60,6 +60,7 @@ class RouterConfig:
     kv_endpoints: list[str | None] = field(default_factory=list)  # aligned with replicas
     kv_replay_endpoints: list[str | None] = field(default_factory=list)
     l2_lookup: Callable[[list[int], str], Awaitable[int]] | None = None  # (tokens, model) -> L2 hit tokens
+    l2_timeout: float = 0.05  # an L2 lookup slower than this counts as a miss
     discovery: Any = None  # object with async start(replicas) / stop()
 
 
@@ -165,6 +166,9 @@ class Router:
         if self.subs:  # serve only once the event streams are connected and caught up (bounded wait)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(asyncio.gather(*(s.ready.wait() for s in self.subs.values())), 3.0)
+        warm = getattr(self.cfg.l2_lookup, "warm", None)
+        if warm is not None:
+            await warm()
         self.replicas.start()
         if self.cfg.discovery is not None:
             await self.cfg.discovery.start(self.replicas)
@@ -195,6 +199,8 @@ class Router:
         h["x-request-id"] = rid
         h["x-kvtier-replica"] = r.url
         h["x-kvtier-route"] = d.reason
+        if d.l2_tokens:
+            h["x-kvtier-l2-tokens"] = str(d.l2_tokens)
         return h
 
     async def _read_body(self, request: Request) -> bytes | JSONResponse:
@@ -272,7 +278,7 @@ class Router:
         l2 = 0
         if strategy == "kvaware" and self.cfg.l2_lookup is not None and tokens:
             with contextlib.suppress(Exception):  # L2 trouble is a miss, never an error
-                l2 = await asyncio.wait_for(self.cfg.l2_lookup(tokens, model), 0.05)
+                l2 = await asyncio.wait_for(self.cfg.l2_lookup(tokens, model), self.cfg.l2_timeout)
         salt = payload.get("cache_salt") if isinstance(payload.get("cache_salt"), str) else None
         headers = self._upstream_headers(request, rid)
         tried: set[str] = set()

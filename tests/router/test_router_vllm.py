@@ -25,7 +25,7 @@ def vllm_pair(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
 
     def start(i: int):
         port, ev, rp = free_port(), free_port(), free_port()
-        cfg = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://127.0.0.1:{ev}",
+        cfg = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{ev}",  # vLLM binds only wildcard endpoints
                "replay_endpoint": f"tcp://127.0.0.1:{rp}", "topic": f"kv@r{i}@tiny"}
         rep = replica_mod.start_replica(
             tiny_model, port, lmcache=False, prefix_caching=True, kv_cache_gb=1, max_model_len=4096,
