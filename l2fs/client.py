@@ -221,7 +221,9 @@ class Client:
         raise Unavailable(f"l2fs master {','.join(self.masters)}: {last.details() or last.code()}") from None
 
     def _is_local(self, loc: pb.Location) -> bool:
-        return self.short_circuit and bool(self.node_id) and loc.node_id == self.node_id and bool(loc.local_path)
+        # the file name must be the block id: a bogus registration cannot point us at arbitrary files
+        return (self.short_circuit and bool(self.node_id) and loc.node_id == self.node_id
+                and os.path.basename(loc.local_path) == loc.block_id and bool(loc.block_id))
 
     # ---------- data ----------
 

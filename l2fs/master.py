@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import functools
 import logging
+import re
 import signal
 import sys
 import threading
@@ -35,12 +36,14 @@ from l2fs.common import (
     parse_size,
     server_credentials,
     start_metrics_server,
+    valid_address,
     write_port_file,
 )
 from l2fs.proto import l2fs_pb2 as pb
 from l2fs.proto import l2fs_pb2_grpc as pbg
 
 log = logging.getLogger("l2fs.master")
+BLOCK_ID = re.compile(r"^[0-9a-f]{32}$")
 
 RPC_LATENCY = Histogram("l2fs_master_rpc_seconds", "Master RPC latency", ["method"],
                         buckets=(.0001, .00025, .0005, .001, .0025, .005, .01, .025, .05, .1, .5, 1, 5))
@@ -280,6 +283,14 @@ class MasterService(pbg.MasterServicer):
     def RegisterWorker(self, request: pb.RegisterRequest, context: Any) -> pb.RegisterResponse:  # noqa: N802
         if not request.worker_id or not request.address:
             raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, "worker_id and address are required")
+        if len(request.worker_id) > 256 or any(ord(ch) < 33 for ch in request.worker_id):
+            raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, "worker_id must be 1-256 printable characters")
+        if not valid_address(request.address):
+            raise RpcError(grpc.StatusCode.INVALID_ARGUMENT,
+                           f"worker address must be host:port, got {request.address[:100]!r}")
+        if request.data_address and not valid_address(request.data_address):
+            raise RpcError(grpc.StatusCode.INVALID_ARGUMENT,
+                           f"worker data_address must be host:port, got {request.data_address[:100]!r}")
         _check_address(request.address, "address")
         if request.data_address:
             _check_address(request.data_address, "data_address")
@@ -294,6 +305,8 @@ class MasterService(pbg.MasterServicer):
                             data_address=request.data_address)
             self.workers[request.worker_id] = w
             for b in request.blocks:
+                if not BLOCK_ID.match(b.block_id):
+                    continue  # not a block any worker of ours could hold: nothing to publish or delete
                 try:
                     path = norm_path(b.path)
                 except PathError:
@@ -381,8 +394,8 @@ class MasterService(pbg.MasterServicer):
         path = norm_path(request.path)
         if path == "/":
             raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, "cannot write to '/'")
-        if not request.block_id:
-            raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, "block_id is required")
+        if not BLOCK_ID.match(request.block_id):
+            raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, f"malformed block id {request.block_id[:80]!r}")
         orphan: tuple[str, str] | None = None
         with self.lock:
             w = self.workers.get(request.worker_id)

@@ -7,7 +7,7 @@ from typing import Any
 
 import grpc
 import pytest
-from conftest import wait_until
+from l2fs_helpers import wait_until
 
 from l2fs.client import InvalidArgument, InvalidPath
 from l2fs.local import LocalCluster

@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 
 import pytest
-from conftest import block_files, wait_until
+from l2fs_helpers import block_files, wait_until
 
 from l2fs.local import LocalCluster
 

@@ -8,7 +8,7 @@ import threading
 import time
 
 import pytest
-from conftest import block_files, wait_until
+from l2fs_helpers import block_files, wait_until
 
 from l2fs.local import LocalCluster
 
