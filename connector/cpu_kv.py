@@ -249,6 +249,9 @@ def _patch(module: ModuleType) -> None:
                 if getattr(config, "use_layerwise", False):
                     raise RuntimeError("kvtier CPU connector: use_layerwise is not supported on CPU")
                 conn = connector_class().from_metadata(metadata)
+                from connector.logs import ensure_log_handler
+
+                ensure_log_handler()
                 log.info("kvtier: using the CPU paged-KV connector for LMCache (%s layers, %s KV heads)",
                          conn.num_layers, conn.num_kv_heads)
                 return conn

@@ -40,8 +40,10 @@ from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
 
 from connector import keys as K
 from connector.fingerprint import record_and_check
+from connector.logs import ensure_log_handler
 
 log = logging.getLogger("kvtier.connector.l2fs")
+ensure_log_handler()
 PLUGIN_TYPE = "l2fs"
 T = TypeVar("T")
 

@@ -27,8 +27,10 @@ from lmcache.v1.distributed.l2_adapters.config import L2AdapterConfigBase
 from lmcache.v1.platform import create_event_notifier
 
 from connector import keys as K
+from connector.logs import ensure_log_handler
 
 log = logging.getLogger("kvtier.connector.mp_l2fs")
+ensure_log_handler()
 
 
 class L2fsL2AdapterConfig(L2AdapterConfigBase):
