@@ -1,1 +1,1 @@
-"""router."""
+"""kvtier router: cache-aware OpenAI-compatible proxy (see docs/router.md)."""
