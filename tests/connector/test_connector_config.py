@@ -1,0 +1,83 @@
+"""`kvtier lmcache-config` and `kvtier model tiny` as commands (no engines)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from connector.config import lmcache_config, main
+from l2fs.local import LocalCluster
+
+
+def _run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "kvtier.cli", *args], capture_output=True, text=True, timeout=120)
+
+
+def test_config_for_l2fs_writes_yaml_env_and_args(tmp_path: Path) -> None:
+    out = tmp_path / "lmc.yaml"
+    r = _run("lmcache-config", "--model", "m", "--l2fs-master", "127.0.0.1:7000", "--node-id", "node-2",
+             "--l1-gb", "3", "--chunk-size", "128", "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    cfg = yaml.safe_load(out.read_text())
+    assert cfg["chunk_size"] == 128 and cfg["max_local_cpu_size"] == 3.0
+    assert cfg["remote_storage_plugins"] == ["l2fs"]
+    ex = cfg["extra_config"]
+    assert ex["remote_storage_plugin.l2fs.module_path"] == "connector.lmcache_l2fs"
+    assert ex["remote_storage_plugin.l2fs.master"] == "127.0.0.1:7000"
+    assert ex["remote_storage_plugin.l2fs.node_id"] == "node-2"
+    assert "export PYTHONHASHSEED=0" in r.stdout
+    assert f"export LMCACHE_CONFIG_FILE={out.resolve()}" in r.stdout
+    assert "LMCacheConnectorV1" in r.stdout and "--no-enable-prefix-caching" in r.stdout
+
+
+def test_config_mount_uses_lmcache_fs_connector() -> None:
+    cfg = lmcache_config(mount_path="/mnt/l2fs")
+    assert cfg["remote_storage_plugins"] == ["fs"]
+    assert cfg["extra_config"]["remote_storage_plugin.fs.base_path"] == "/mnt/l2fs/kvtier/kv"
+    assert "remote_storage_plugins" not in lmcache_config()  # L1 only
+
+
+def test_config_bad_input_is_a_clear_error(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--chunk-size", "0"]) == 2
+    assert "must be positive" in capsys.readouterr().err
+    r = _run("lmcache-config", "--l2fs-master", "a:1", "--mount", "/x")
+    assert r.returncode == 2 and "not allowed with" in r.stderr
+
+
+def test_check_reports_key_mismatch(tmp_path: Path) -> None:
+    with LocalCluster(tmp_path / "l2fs", workers=1) as cluster:
+        c = cluster.client()
+        base = {"model_name": "m/x", "kv_dtype": "float32", "chunk_size": 256, "hash_algorithm": "builtin",
+                "python_hash_seed": "0", "world_size": 1}
+        c.mkdir("/kvtier/meta/m%2Fx", parents=True)
+        c.put("/kvtier/meta/m%2Fx/a.json", json.dumps({**base, "replica": "a"}).encode())
+        c.put("/kvtier/meta/m%2Fx/b.json", json.dumps({**base, "replica": "b"}).encode())
+        ok = _run("lmcache-config", "check", "--l2fs-master", cluster.master, "--model", "m/x")
+        assert ok.returncode == 0, ok.stderr
+        c.put("/kvtier/meta/m%2Fx/c.json", json.dumps({**base, "replica": "c", "chunk_size": 512}).encode())
+        bad = _run("lmcache-config", "check", "--l2fs-master", cluster.master, "--model", "m/x")
+        assert bad.returncode == 1 and "MISMATCH" in bad.stderr and "chunk_size" in bad.stderr
+        c.close()
+
+
+def test_tiny_model_is_deterministic_and_loads(tmp_path: Path, tiny_model: Path) -> None:
+    r = _run("model", "tiny", "--out", str(tmp_path / "m"))
+    assert r.returncode == 0, r.stderr
+    h = [hashlib.sha256((d / "model.safetensors").read_bytes()).hexdigest() for d in (tmp_path / "m", tiny_model)]
+    assert h[0] == h[1]  # same seed, same weights
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tmp_path / "m"))
+    text = tok.apply_chat_template([{"role": "user", "content": "cache the prefix"}], tokenize=False,
+                                   add_generation_prompt=True)
+    assert text.endswith("<|assistant|>\n")
+    ids = tok("the cache token model")["input_ids"]
+    assert tok.decode(ids) == "the cache token model"
+    bad = _run("model", "tiny", "--out", str(tmp_path / "x"), "--heads", "3")
+    assert bad.returncode == 2 and "divide" in bad.stderr
