@@ -220,9 +220,9 @@ class Stack:
         def launch(i: int) -> None:
             name, port, node, log_path = plan[i]
             log(f"starting {name} on {node}, port {port} (vLLM CPU engine, ~1 min; log {log_path})")
-            extra = []
+            extra = ["--enable-prompt-tokens-details"]  # usage.cached_tokens: per-request hit evidence
             if self.kv_events:
-                extra = ["--kv-events-config", json.dumps({
+                extra += ["--kv-events-config", json.dumps({
                     "enable_kv_cache_events": True, "publisher": "zmq", "endpoint": self.kv_events[i]})]
             try:
                 results[i] = start_replica(
@@ -411,8 +411,12 @@ def main(argv: list[str] | None = None) -> int:
             text = reply["choices"][0]["message"]["content"]
             print(f"smoke: OK, {reply['usage']['completion_tokens']} tokens: {text!r}", flush=True)
         else:
-            signal.signal(signal.SIGINT, lambda *_: stop_event.set())
-            signal.signal(signal.SIGTERM, lambda *_: stop_event.set())
+            def on_stop(signum: int, _frame: object) -> None:
+                log(f"got signal {signum}; shutting down")
+                stop_event.set()
+
+            signal.signal(signal.SIGINT, on_stop)
+            signal.signal(signal.SIGTERM, on_stop)
             while not stop_event.wait(1.0):
                 if stack.router is not None and stack.router.poll() is not None:
                     log(f"router exited (rc={stack.router.returncode}); shutting down")

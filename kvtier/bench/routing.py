@@ -10,6 +10,7 @@ TTFT is measured at the client, streamed, through the router.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import random
 import subprocess
@@ -39,16 +40,13 @@ COUNTERS = {
 
 def workload(users: int, rounds: int, groups: int, sys_words: int, turn_words: int, nonce: str,
              seed: int) -> list[dict[str, Any]]:
-    """users x rounds chat turns; users share one of `groups` system prompts (the reusable prefix)."""
+    """users x rounds chat turns; users share one of `groups` system prompts (the reusable prefix).
+    Text comes from routing_bench.text(); the nonce makes each arm's prompts new to every cache."""
+    text = _routing_bench().text
     rng = random.Random(seed)
-    vocab = [f"w{rng.randint(0, 9999)}" for _ in range(2000)]
-
-    def words(n: int) -> str:
-        return " ".join(rng.choice(vocab) for _ in range(n))
-
-    systems = [f"[{nonce} group {g}] You are assistant {g}. " + words(sys_words) for g in range(groups)]
+    systems = [f"[{nonce} group {g}] " + text(rng, sys_words) for g in range(groups)]
     return [{"user": u, "session": f"{nonce}-user-{u}", "system": systems[u % groups],
-             "turns": [f"question {r} from user {u}: " + words(turn_words) for r in range(rounds)]}
+             "turns": [f"question {r} from user {u}: " + text(rng, turn_words) for r in range(rounds)]}
             for u in range(users)]
 
 
@@ -60,9 +58,11 @@ def run_user(base_url: str, model: str, user: dict[str, Any], answer_tokens: int
         for r, q in enumerate(user["turns"]):
             messages.append({"role": "user", "content": q})
             body = {"model": model, "messages": messages, "max_tokens": answer_tokens, "temperature": 0,
-                    "stream": True, "user": user["session"]}
+                    "stream": True, "user": user["session"],
+                    "stream_options": {"include_usage": True}}
             t0 = time.perf_counter()
             first, text, ok, err = None, [], False, ""
+            usage: dict[str, Any] = {}
             try:
                 with http.stream("POST", f"{base_url}/v1/chat/completions", json=body,
                                  headers={**headers, "x-session-id": user["session"],
@@ -75,6 +75,8 @@ def run_user(base_url: str, model: str, user: dict[str, Any], answer_tokens: int
                             if not line.startswith("data:") or line[5:].strip() == "[DONE]":
                                 continue
                             chunk = json.loads(line[5:])
+                            if chunk.get("usage"):
+                                usage = chunk["usage"]
                             if chunk.get("choices"):
                                 if first is None:
                                     first = time.perf_counter() - t0
@@ -85,6 +87,8 @@ def run_user(base_url: str, model: str, user: dict[str, Any], answer_tokens: int
             results.append({"user": user["user"], "round": r, "ok": ok, "error": err, "sent_at": t0,
                             "messages": [dict(m) for m in messages],
                             "ttft_ms": first * 1e3 if first is not None else None,
+                            "prompt_tokens": usage.get("prompt_tokens"),
+                            "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens"),
                             "e2e_ms": (time.perf_counter() - t0) * 1e3})
             messages.append({"role": "assistant", "content": "".join(text) or "ok"})
 
@@ -140,16 +144,23 @@ def run_arm(name: str, kind: str, policy: str, state: StackState, args: argparse
     per = [{k: delta(i, k) for k in COUNTERS} for i in range(len(urls))]
     reqs = [p["requests"] for p in per]
     mean = sum(reqs) / len(reqs) if reqs else 0
-    queries = sum(p["queries"] for p in per)
+    queries = sum(p["prompt_tokens"] for p in per)
     l0 = sum(p["l0_hits"] for p in per)
     ext = sum(p["ext_hits"] for p in per)
+    # Per-request truth when the replicas report it (vLLM --enable-prompt-tokens-details: cached_tokens
+    # counts L0 and connector (L1/L2) hits); the counters above can lag the end of an arm.
+    ok_rs = [r for r in results if r["ok"]]
+    exact = bool(ok_rs) and all(r["cached_tokens"] is not None and r["prompt_tokens"] for r in ok_rs)
+    prompt_sum = sum(r["prompt_tokens"] or 0 for r in ok_rs)
+    cached_sum = sum(r["cached_tokens"] or 0 for r in ok_rs)
     ttfts = [r["ttft_ms"] for r in results if r["ok"]]
     summary = {
         "arm": name, "requests": len(results), "requests_ok": sum(r["ok"] for r in results),
         "ttft_p50_ms": pct(ttfts, 50), "ttft_p90_ms": pct(ttfts, 90), "wall_s": wall,
         "prompt_tokens": queries, "l0_hit_tokens": l0, "ext_hit_tokens": ext,
         "l0_hit_rate": l0 / queries if queries else None,
-        "total_hit_rate": (l0 + ext) / queries if queries else None,
+        "total_hit_rate": (cached_sum / prompt_sum if exact else (l0 + ext) / queries if queries else None),
+        "hit_source": "per-request cached_tokens" if exact else "replica counters (approximate)",
         "per_replica_requests": reqs, "max_over_mean": (max(reqs) / mean) if mean else None,
         "errors": sorted({r["error"] for r in results if r["error"]})[:5],
     }
@@ -163,29 +174,34 @@ def run_arm(name: str, kind: str, policy: str, state: StackState, args: argparse
     return summary, results
 
 
+@functools.cache
+def _routing_bench() -> Any:
+    """The router engineer's benchmarks/routing_bench.py (workload text and oracle): reused, not copied."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "routing_bench.py"
+    spec = importlib.util.spec_from_file_location("kvtier_routing_bench", path)
+    if spec is None or spec.loader is None or not path.exists():
+        raise SystemExit(f"kvtier bench routing: needs {path} (run from a kvtier checkout)")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # its dataclasses look their module up there
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def oracle_hit_rate(model: str, results: list[dict[str, Any]], block: int) -> float | None:
-    """Best possible cached fraction: each prompt reuses its longest block-aligned prefix shared with any
-    prompt sent before it (an all-knowing router with unlimited cache). Prompts are re-tokenized here with
-    the model's chat template, so the figure is in the same tokens the replicas count."""
+    """Best possible cached fraction (routing_bench.Oracle: an infinite cache shared by all replicas), over
+    the prompts in the order they were sent, tokenized with the model's own chat template."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model)
-    seq = sorted((r for r in results if r["ok"]), key=lambda r: r["sent_at"])
-    seen: list[list[int]] = []
+    oracle = _routing_bench().Oracle(block)
     total = reusable = 0
-    for r in seq:
-        ids = list(tok.apply_chat_template(r["messages"], add_generation_prompt=True, tokenize=True))
-        best = 0
-        for prev in seen:
-            n = 0
-            for a, b in zip(ids, prev, strict=False):
-                if a != b:
-                    break
-                n += 1
-            best = max(best, n)
-        reusable += min(best, len(ids) - 1) // block * block
+    for r in sorted((r for r in results if r["ok"]), key=lambda r: r["sent_at"]):
+        text = tok.apply_chat_template(r["messages"], add_generation_prompt=True, tokenize=False)
+        ids = tok(text, add_special_tokens=False)["input_ids"]  # as vLLM's chat endpoint does
+        reusable += oracle.hit(ids)
         total += len(ids)
-        seen.append(ids)
     return reusable / total if total else None
 
 
@@ -255,7 +271,8 @@ def main(argv: list[str] | None = None) -> int:
     print(table(["arm", "ok/requests", "TTFT p50 ms", "TTFT p90 ms", "L0 hit %", "L0+L1/L2 hit %",
                  "oracle hit %", "hit/oracle", "max/mean load", "requests per replica"], rows,
                 title=f"routing: {args.users} users x {args.rounds} rounds, {args.groups} shared system prompts, "
-                      f"{len(state.replicas)} replicas (hit % = cached prompt tokens / prompt tokens)"))
+                      f"{len(state.replicas)} replicas (hit % = cached prompt tokens / prompt tokens; source: "
+                f"{summaries[0].get('hit_source', '-') if summaries else '-'})"))
     for s in summaries:
         if s.get("errors"):
             print(f"{s['arm']}: errors {s['errors']}")
