@@ -108,6 +108,17 @@ def wait_http(url: str, timeout: float, proc: subprocess.Popen[Any] | None = Non
     raise TimeoutError(f"{url} not healthy after {timeout:.0f}s")
 
 
+def _last_line(path: Path, width: int = 110) -> str:
+    """Last non-empty line of a log (what an engine is doing while it starts)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, f.seek(0, 2) - 4096))
+            lines = [ln for ln in f.read().decode("utf-8", "replace").splitlines() if ln.strip()]
+    except OSError:
+        return "-"
+    return lines[-1][:width] if lines else "-"
+
+
 def _die_with_parent() -> None:
     """preexec_fn: the child gets SIGTERM if `kvtier up` dies without cleaning up (Linux)."""
     try:
@@ -255,6 +266,9 @@ class Stack:
                 th.join(timeout=10)
             if any(th.is_alive() for th in threads):
                 log(f"waiting for engines ({time.monotonic() - t0:.0f}s, {len(results)}/{len(plan)} up)")
+                for i, (name, _, _, log_path) in enumerate(plan):
+                    if i not in results:
+                        log(f"  {name}: {_last_line(log_path)}")
         self.replicas = [results[i] for i in sorted(results)]
         if errors:
             raise RuntimeError(f"replica start failed: {errors[0]!r}") from errors[0]

@@ -251,6 +251,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.users, args.rounds, args.groups, args.system_words, args.turn_words = 4, 2, 2, 200, 20
         args.answer_tokens, args.stagger = 4, 0.05
+        if args.strategies == ",".join(OURS):
+            args.strategies = "roundrobin,prefixaware"
+        if args.vllm_router == ",".join(VLLM_ROUTER):
+            args.vllm_router = "cache_aware"
     if min(args.users, args.rounds, args.groups, args.replicas) < 1:
         print("kvtier bench routing: --users/--rounds/--groups/--replicas must be >= 1", file=sys.stderr)
         return 2
