@@ -85,6 +85,14 @@ def test_sigstop_freezes_and_resumes_a_process() -> None:
     assert not alive(p.pid)
 
 
+def _echo(c: socket.socket) -> None:
+    try:
+        while data := c.recv(4096):
+            c.sendall(data)
+    except OSError:
+        pass  # the proxy reset us: that is the point of the test
+
+
 def _echo_server() -> tuple[socket.socket, str]:
     srv = socket.socket()
     srv.bind(("127.0.0.1", 0))
@@ -96,8 +104,7 @@ def _echo_server() -> tuple[socket.socket, str]:
                 c, _ = srv.accept()
             except OSError:
                 return
-            threading.Thread(target=lambda c=c: [c.sendall(d) for d in iter(lambda: c.recv(4096), b"")],
-                             daemon=True).start()
+            threading.Thread(target=_echo, args=(c,), daemon=True).start()
 
     threading.Thread(target=serve, daemon=True).start()
     return srv, f"127.0.0.1:{srv.getsockname()[1]}"

@@ -46,7 +46,7 @@ def test_master_kill9_restart_rebuilds_namespace(make_cluster: Any, record_prope
     # During the outage: no call hangs; reads return the right bytes (cached locations) or a miss;
     # metadata calls fail with an l2fs error (callers treat it as a miss).
     served = 0
-    for k in list(expected)[:10]:
+    for k in list(expected)[:3]:
         c = timed("get", k, lambda k=k: reader.get(k))
         assert c.seconds <= DEADLINE + SLACK, c
         assert c.error is None, f"get must not raise during a master outage: {c.error!r}"
@@ -56,7 +56,7 @@ def test_master_kill9_restart_rebuilds_namespace(make_cluster: Any, record_prope
     c = timed("exists", "/rel/m/005", lambda: reader.exists("/rel/m/005"))
     assert c.seconds <= DEADLINE + SLACK, c
     assert c.error is None or isinstance(c.error, L2fsError), repr(c.error)
-    record_property("reads_served_during_outage", f"{served}/10")
+    record_property("reads_served_during_outage", f"{served}/3")
 
     cluster.start_master()
     fresh = cluster.client(timeout=DEADLINE)

@@ -136,10 +136,10 @@ def test_worker_kill9_during_reads_and_writes(make_cluster: Any, record_property
     # Writes keep working while the worker is down (they go to the surviving worker).
     assert writer.put("/rel/during-outage", payload(7, SIZE, "/rel/during-outage")) is True
 
-    cluster.start_worker(0)
     t_restart = time.monotonic()
-    recover = wait_until(lambda: reader.prefix_lookup(on_victim) == len(on_victim), 30)
-    record_property("recover_s", round(recover, 2))
+    cluster.start_worker(0)  # returns once the master lists the worker alive again
+    wait_until(lambda: reader.prefix_lookup(on_victim) == len(on_victim), 30)
+    record_property("restart_to_readable_s", round(time.monotonic() - t_restart, 2))
     record_property("kill_to_readable_s", round(time.monotonic() - t_kill, 2))
     readable, absent = _verify_after(reader, keys, written)
     assert time.monotonic() - t_restart < 30
@@ -174,7 +174,10 @@ def test_worker_dropped_from_stat_within_default_timeout(make_cluster: Any, reco
     cluster = make_cluster(workers=2)
     client = cluster.client(node_id=cluster.workers[0].node_id, timeout=DEADLINE)
     keys = _fill(client, "/rel/default", 4)
+    t0 = time.monotonic()
     cluster.kill_worker(0, signal.SIGKILL)
     detect = wait_until(lambda: client.prefix_lookup(keys) == 0 and _alive(client, "node-1") is not True, 15)
     record_property("detect_default_s", round(detect, 2))
-    assert detect <= 10.5, f"default dead-worker detection took {detect:.2f}s"
+    print(f"default settings: kill -9 to locations dropped {detect:.2f}s (from kill: {time.monotonic() - t0:.2f}s)")
+    # Bound: the 10 s default timeout after the last heartbeat, plus the master's sweep period (<= 1 s).
+    assert detect <= 11.0 + SLACK, f"default dead-worker detection took {detect:.2f}s"
