@@ -34,14 +34,13 @@ def up(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Iterator[U
         [sys.executable, "-m", "kvtier.cli", "up", "--dir", str(d), "--port", "0", "--model", str(tiny_model),
          "--l1-gb", "0.5"], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, text=True)
     state_file = d / "up.json"
-    deadline = time.monotonic() + 420
-    while not state_file.exists():
+    deadline = time.monotonic() + 600
+    while not (state_file.exists() and "Ctrl-C stops everything" in (d / "up.out").read_text()):
         if proc.poll() is not None or time.monotonic() > deadline:
             proc.kill()
             log.seek(0)
             pytest.fail(f"kvtier up did not come up (rc={proc.poll()}):\n{log.read()[-4000:]}")
         time.sleep(1)
-    time.sleep(0.5)
     u = Up(proc, json.loads(state_file.read_text()), d)
     yield u
     if proc.poll() is None:  # a test failed before the shutdown test: do not leave engines behind
