@@ -405,8 +405,29 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def check_args(args: argparse.Namespace) -> str | None:
+    """A clear message for bad options, before anything starts."""
+    from router.policy import STRATEGIES
+
+    if args.replicas < 1 or args.workers < 1:
+        return "--replicas and --workers must be >= 1"
+    if args.strategy not in STRATEGIES:
+        return f"unknown --strategy {args.strategy!r}; choose one of {', '.join(STRATEGIES)}"
+    if not 0 <= args.port <= 65535:
+        return f"--port {args.port} is not a TCP port"
+    if args.model and (args.model.startswith((".", "/")) or os.sep in args.model) and not Path(args.model).exists():
+        return f"--model {args.model}: no such directory"
+    if args.l1_gb <= 0 or args.kv_cache_gb <= 0:
+        return "--l1-gb and --kv-cache-gb must be > 0"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    problem = check_args(args)
+    if problem:
+        print(f"kvtier up: {problem}", file=sys.stderr)
+        return 2
     stop_event = threading.Event()
 
     def on_signal(signum: int, _frame: object) -> None:
