@@ -67,7 +67,10 @@ def lmcache_config(*, chunk_size: int = 256, l1_gb: float = 2.0, l2fs_master: st
 
 
 def kv_transfer_config() -> str:
-    return json.dumps({"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"})
+    """LMCacheConnectorV1; a chunk that was found but cannot be loaded (corrupt, vanished, L2 down) is
+    recomputed instead of failing the request (vLLM's default policy is "fail")."""
+    return json.dumps({"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both",
+                       "kv_load_failure_policy": "recompute"})
 
 
 def vllm_args(model: str, *, port: int = 8000, host: str = "127.0.0.1", max_model_len: int = 8192,
