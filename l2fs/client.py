@@ -424,10 +424,12 @@ class Client:
     def _read_local(self, loc: pb.Location, st: pb.FileStat, into: memoryview | None) -> bytes | int | None:
         try:
             with open(loc.local_path, "rb", buffering=0) as f:
-                if into is not None:
+                if os.fstat(f.fileno()).st_size != st.size:
+                    ok, result = False, None  # truncated or extended behind the worker's back
+                elif into is not None:
                     n = f.readinto(into[:st.size])
                     ok = n == st.size and crc32c_fast(into[:st.size]) == st.crc32c
-                    result: bytes | int = n
+                    result = n
                 else:
                     data = f.read(st.size + 1)
                     ok = len(data) == st.size and crc32c_fast(data) == st.crc32c

@@ -91,6 +91,7 @@ class WorkerEntry:
     alive: bool = True
     files: set[str] = field(default_factory=set)
     data_address: str = ""
+    interval: float = 1.0  # the worker's heartbeat interval
 
 
 def _check_address(addr: str, what: str) -> None:
@@ -260,13 +261,17 @@ class MasterService(pbg.MasterServicer):
             self._bg.submit(send)
 
     def _sweeper(self) -> None:
-        """Marks workers dead after heartbeat_timeout and drops their file locations at once."""
-        period = max(0.05, min(1.0, self.heartbeat_timeout / 5))
+        """Marks a worker dead within heartbeat_timeout of its failure and drops its locations at once.
+
+        The failure happened up to one heartbeat interval after the last heartbeat, so a worker is dead
+        once it has been silent for timeout - interval (but at least two intervals)."""
+        period = max(0.02, min(0.1, self.heartbeat_timeout / 20))
         while not self._stop.wait(period):
             now = time.monotonic()
             with self.lock:
                 for w in self.workers.values():
-                    if w.alive and now - w.last_seen > self.heartbeat_timeout:
+                    limit = max(self.heartbeat_timeout - w.interval - period, 2 * w.interval)
+                    if w.alive and now - w.last_seen > limit:
                         w.alive = False
                         self._drop_worker_files(w, "worker_dead")
                         log.warning("worker %s (%s) dead: no heartbeat for %.1fs", w.worker_id, w.address,
@@ -340,6 +345,8 @@ class MasterService(pbg.MasterServicer):
                 return pb.HeartbeatResponse(reregister=True)
             w.last_seen = time.monotonic()
             w.capacity, w.used, w.blocks = request.capacity, request.used, request.blocks
+            if request.interval > 0:
+                w.interval = min(request.interval, self.heartbeat_timeout / 2)
         return pb.HeartbeatResponse(reregister=False)
 
     @_rpc

@@ -551,7 +551,8 @@ class Worker:
                     self.store.flush_access()
                     resp = self.master.Heartbeat(pb.HeartbeatRequest(
                         worker_id=self.worker_id, capacity=self.store.capacity, used=self.store.used,
-                        blocks=len(self.store.blocks)), timeout=5, metadata=auth_metadata(self._token))
+                        blocks=len(self.store.blocks), interval=self.heartbeat_interval),
+                        timeout=5, metadata=auth_metadata(self._token))
                     if resp.reregister:
                         self.registered = False
                         continue

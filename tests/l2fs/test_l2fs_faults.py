@@ -38,7 +38,7 @@ def test_dead_worker_dropped_and_reads_miss_fast(fcluster: LocalCluster) -> None
     assert c.get("/dead/b") is None  # worker gone: a miss, not a hang
     assert time.monotonic() - t0 < 2.5
     wait_until(lambda: c.stat("/dead/b") is None, timeout=HB_TIMEOUT + 2)
-    assert time.monotonic() - t0 < HB_TIMEOUT + 2
+    assert time.monotonic() - t0 <= HB_TIMEOUT + 0.25  # detected within the timeout of the kill
     assert _alive(fcluster)["node-2"] is False
     assert c.get("/dead/a") == data  # the other worker is unaffected
     # the restarted worker keeps its data and re-reports it
