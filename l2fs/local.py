@@ -16,12 +16,14 @@ worker keeps its data dir (and so its blocks and worker id) but may get a new po
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -79,6 +81,7 @@ class LocalCluster:
         self.workers = [LocalWorker(i, f"node-{i + 1}", self.base / f"worker-{i + 1}", capacity,
                                     extra_args=list(worker_args or [])) for i in range(workers)]
         self._logs: list[IO[Any]] = []
+        _LIVE.add(self)
 
     @property
     def master(self) -> str:
@@ -199,6 +202,19 @@ class LocalCluster:
         kwargs.setdefault("token", self.token)
         kwargs.setdefault("tls_ca", self.tls_ca)
         return Client(self.master, node_id=node_id or "", **kwargs)
+
+
+_LIVE: weakref.WeakSet[LocalCluster] = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_all() -> None:
+    """Never leave l2fs processes behind when the launching interpreter exits without stop()."""
+    for cluster in list(_LIVE):
+        try:
+            cluster.stop()
+        except Exception:  # noqa: BLE001 - best effort at exit
+            pass
 
 
 def _kill(proc: subprocess.Popen | None, sig: int) -> None:
