@@ -66,13 +66,18 @@ def test_up_prints_endpoints_and_serves_through_router(up: Up) -> None:
     assert 400 <= bad.status_code < 500
 
 
+def _bench(up: Up, name: str, out: Path) -> dict[str, Any]:
+    """Run `kvtier bench <name> --quick` against the running stack; its JSON result."""
+    r = subprocess.run([sys.executable, "-m", "kvtier.cli", "bench", name, "--quick", "--from-up",
+                        str(up.dir / "up.json"), "--out", str(out)], cwd=ROOT, capture_output=True, text=True,
+                       timeout=900)
+    assert r.returncode == 0, r.stdout + r.stderr[-4000:]
+    return json.loads((out / f"{name.replace('-', '_')}.json").read_text())
+
+
 def test_bench_cross_pod_quick(up: Up, tmp_path: Path) -> None:
     out = tmp_path / "out"
-    r = subprocess.run([sys.executable, "-m", "kvtier.cli", "bench", "cross-pod", "--quick", "--from-up",
-                        str(up.dir / "up.json"), "--out", str(out)], cwd=ROOT, capture_output=True, text=True,
-                       timeout=600)
-    assert r.returncode == 0, r.stdout + r.stderr[-4000:]
-    res = json.loads((out / "cross_pod.json").read_text())
+    res = _bench(up, "cross-pod", out)
     for row in res["summary"]["rows"]:
         # replica B never saw the prompt: every full chunk must come from L2, and the output must not change
         assert row["b_hit_tokens_min"] >= row["full_chunk_tokens"] > 0, row
@@ -83,12 +88,7 @@ def test_bench_cross_pod_quick(up: Up, tmp_path: Path) -> None:
 
 
 def test_bench_routing_quick(up: Up, tmp_path: Path) -> None:
-    out = tmp_path / "out"
-    r = subprocess.run([sys.executable, "-m", "kvtier.cli", "bench", "routing", "--quick", "--from-up",
-                        str(up.dir / "up.json"), "--out", str(out)], cwd=ROOT, capture_output=True, text=True,
-                       timeout=600)
-    assert r.returncode == 0, r.stdout + r.stderr[-4000:]
-    res = json.loads((out / "routing.json").read_text())
+    res = _bench(up, "routing", tmp_path / "out")
     arms = {a["arm"]: a for a in res["summary"]["arms"]}
     assert "prefixaware" in arms and "roundrobin" in arms and "vllm-router cache_aware" in arms
     for name, a in arms.items():
