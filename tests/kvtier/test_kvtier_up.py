@@ -93,6 +93,8 @@ def test_bench_routing_quick(up: Up, tmp_path: Path) -> None:
     assert "prefixaware" in arms and "roundrobin" in arms and "vllm-router cache_aware" in arms
     for name, a in arms.items():
         assert a["requests_ok"] == a["requests"] > 0, (name, a)
+    # shared system prompts and round-2 histories are cached somewhere (L1 or, across replicas, L2)
+    assert arms["prefixaware"]["total_hit_rate"] > 0, arms["prefixaware"]
 
 
 def test_sigterm_shuts_everything_down(up: Up) -> None:
