@@ -132,12 +132,19 @@ def main(argv: list[str] | None = None) -> int:
         assert local.get("/bench/obj") == data
         t_plain_r, t_sc_r = paired(plain_read, lambda _: local.get("/bench/obj"), iters)
         buf = bytearray(size)
-        t_sc_into = timeit(lambda _: local.get_into("/bench/obj", buf), iters)
+        pbuf = bytearray(size)
+
+        def plain_readinto(_: int) -> None:
+            with open(plain_file, "rb", buffering=0) as f:
+                f.readinto(pbuf)
+
+        t_plain_into, t_sc_into = paired(plain_readinto, lambda _: local.get_into("/bench/obj", buf), iters)
 
         # --- cross-node read ---
         assert remote.get("/bench/obj") == data and rgrpc.get("/bench/obj") == data
-        t_tcp, t_dp_r = paired(tcp_reader(data), lambda _: remote.get("/bench/obj"), iters)
-        t_dp_into = timeit(lambda _: remote.get_into("/bench/obj", buf), iters)
+        tcp_one = tcp_reader(data)
+        t_tcp, t_dp_r = paired(tcp_one, lambda _: remote.get("/bench/obj"), iters)
+        t_tcp2, t_dp_into = paired(tcp_one, lambda _: remote.get_into("/bench/obj", buf), iters)
         t_grpc_r = timeit(lambda _: rgrpc.get("/bench/obj"), iters)
         t_grpc_into = timeit(lambda _: rgrpc.get_into("/bench/obj", buf), iters)
 
@@ -156,19 +163,25 @@ def main(argv: list[str] | None = None) -> int:
     plain_r, sc_r, sc_into = gbps(size, t_plain_r), gbps(size, t_sc_r), gbps(size, t_sc_into)
     grpc_r, grpc_into, tcp = gbps(size, t_grpc_r), gbps(size, t_grpc_into), gbps(size, t_tcp)
     dp_r, dp_into = gbps(size, t_dp_r), gbps(size, t_dp_into)
+    plain_into, tcp2 = gbps(size, t_plain_into), gbps(size, t_tcp2)
     plain_w, sc_w, grpc_w = gbps(size, t_plain_w), gbps(size, t_sc_w), gbps(size, t_grpc_w)
     tcp_w = gbps(size, t_tcp_w)
     rows += [
         ("plain local file read", f"{plain_r:.2f} GB/s", f"{statistics.median(t_plain_r) * 1e3:.2f} ms", "1.00x"),
         ("same-node get (short-circuit)", f"{sc_r:.2f} GB/s", f"{statistics.median(t_sc_r) * 1e3:.2f} ms",
          f"{sc_r / plain_r:.2f}x of plain"),
+        ("plain local file readinto", f"{plain_into:.2f} GB/s", f"{statistics.median(t_plain_into) * 1e3:.2f} ms",
+         "1.00x"),
         ("same-node get_into (short-circuit)", f"{sc_into:.2f} GB/s",
-         f"{statistics.median(t_sc_into) * 1e3:.2f} ms", f"{sc_into / plain_r:.2f}x of plain"),
+         f"{statistics.median(t_sc_into) * 1e3:.2f} ms", f"{sc_into / plain_into:.2f}x of plain readinto"),
         ("raw loopback TCP stream", f"{tcp:.2f} GB/s", f"{statistics.median(t_tcp) * 1e3:.2f} ms", "1.00x"),
         ("cross-node get (TCP data plane)", f"{dp_r:.2f} GB/s", f"{statistics.median(t_dp_r) * 1e3:.2f} ms",
          f"{dp_r / tcp:.2f}x of TCP; {dp_r / 1.84:.2f}x of 1.84 GB/s"),
+        ("raw loopback TCP stream (2nd pairing)", f"{tcp2:.2f} GB/s", f"{statistics.median(t_tcp2) * 1e3:.2f} ms",
+         "1.00x"),
         ("cross-node get_into (TCP data plane)", f"{dp_into:.2f} GB/s",
-         f"{statistics.median(t_dp_into) * 1e3:.2f} ms", f"{dp_into / tcp:.2f}x of TCP"),
+         f"{statistics.median(t_dp_into) * 1e3:.2f} ms", f"{dp_into / tcp2:.2f}x of TCP (2nd); "
+         f"{dp_into / 1.84:.2f}x of 1.84 GB/s"),
         ("cross-node get (gRPC stream)", f"{grpc_r:.2f} GB/s", f"{statistics.median(t_grpc_r) * 1e3:.2f} ms",
          f"{grpc_r / tcp:.2f}x of TCP; {grpc_r / 1.84:.2f}x of 1.84 GB/s"),
         ("cross-node get_into (gRPC stream)", f"{grpc_into:.2f} GB/s", f"{statistics.median(t_grpc_into) * 1e3:.2f} ms",

@@ -28,7 +28,16 @@ from typing import Any
 import crc32c
 import grpc
 
-from l2fs.common import FRAME, PathError, auth_metadata, crc32c_fast, make_channel, norm_path
+from l2fs.common import (
+    FRAME,
+    CrcPipeline,
+    PathError,
+    auth_metadata,
+    crc32c_fast,
+    crc_pieces,
+    make_channel,
+    norm_path,
+)
 from l2fs.dataplane import DataClient, DataPlaneError, enabled_by_default
 from l2fs.proto import l2fs_pb2 as pb
 from l2fs.proto import l2fs_pb2_grpc as pbg
@@ -370,13 +379,14 @@ class Client:
     def _read_tcp(self, loc: pb.Location, st: pb.FileStat, into: memoryview | None, deadline: float
                   ) -> bytes | int | None:
         try:
-            got, crc = self._data.read(loc.data_address, loc.block_id, deadline, into)
+            got, crc, computed = self._data.read(loc.data_address, loc.block_id, deadline, into)
         except (OSError, DataPlaneError, ValueError) as e:
             log.debug("data-plane read of %s from %s failed: %s", st.path, loc.data_address, e)
             return None
         n = got if isinstance(got, int) else len(got)
-        view = into[:n] if into is not None else got
-        if n != st.size or crc != st.crc32c or crc32c_fast(view) != crc:
+        if computed is None:
+            computed = crc32c_fast(got)
+        if n != st.size or crc != st.crc32c or computed != crc:
             self._report_corrupt(loc)
             return None
         return got
@@ -427,9 +437,7 @@ class Client:
                 if os.fstat(f.fileno()).st_size != st.size:
                     ok, result = False, None  # truncated or extended behind the worker's back
                 elif into is not None:
-                    n = f.readinto(into[:st.size])
-                    ok = n == st.size and crc32c_fast(into[:st.size]) == st.crc32c
-                    result = n
+                    ok, result = self._readinto_verified(f, into, st), st.size
                 else:
                     data = f.read(st.size + 1)
                     ok = len(data) == st.size and crc32c_fast(data) == st.crc32c
@@ -440,6 +448,20 @@ class Client:
             return result
         self._report_corrupt(loc)  # let the worker re-verify and drop it
         return None
+
+    @staticmethod
+    def _readinto_verified(f: Any, into: memoryview, st: pb.FileStat) -> bool:
+        """Read piece by piece, checksumming each piece while the next one is read."""
+        pipe = CrcPipeline()
+        for start, end in crc_pieces(st.size):
+            view, got = into[start:end], 0
+            while got < end - start:
+                n = f.readinto(view[got:])
+                if not n:
+                    return False
+                got += n
+            pipe.add(view)
+        return pipe.result() == st.crc32c
 
     def get(self, path: str) -> bytes | None:
         """Whole file or None (miss)."""

@@ -243,3 +243,34 @@ def crc32c_fast(buf: bytes | bytearray | memoryview) -> int:
     for x in crcs[1:]:
         c = _gf2_times(op, c) ^ x
     return c
+
+
+def crc_pieces(n: int) -> list[tuple[int, int]]:
+    """(start, end) of the pieces crc32c_fast/CrcPipeline use: only the first may be short."""
+    if n < 2 * _CRC_PIECE:
+        return [(0, n)]
+    first = n % _CRC_PIECE or _CRC_PIECE
+    return [(0, first)] + [(o, o + _CRC_PIECE) for o in range(first, n, _CRC_PIECE)]
+
+
+class CrcPipeline:
+    """Checksum pieces (from crc_pieces) on the pool while the caller reads/receives the next one, so
+    verification overlaps I/O instead of following it."""
+
+    def __init__(self) -> None:
+        self._futs: list[Any] = []
+        self._op, self._pool = _crc_setup()
+
+    def add(self, piece: memoryview) -> None:
+        import crc32c
+
+        self._futs.append(self._pool.submit(crc32c.crc32c, piece, 0, 1))
+
+    def result(self) -> int:
+        crcs = [f.result() for f in self._futs]
+        if not crcs:
+            return 0
+        c = crcs[0]
+        for x in crcs[1:]:
+            c = _gf2_times(self._op, c) ^ x
+        return c

@@ -266,9 +266,13 @@ class DataClient:
         return DataPlaneError(status, _recv_exact(s, n).decode(errors="replace"))
 
     def read(self, address: str, bid: str, deadline: float, into: memoryview | None = None
-             ) -> tuple[bytes | int, int]:
-        """(data or byte count, crc32c the worker recorded). Raises on any fault (callers: miss)."""
+             ) -> tuple[bytes | int, int, int | None]:
+        """(data or byte count, crc32c the worker recorded, crc32c of what arrived when `into` was given:
+        computed piece by piece while the next piece is received). Raises on any fault (callers: miss)."""
+        from l2fs.common import CrcPipeline, crc_pieces
+
         s = self._get(address, deadline)
+        computed: int | None = None
         try:
             self._arm(s, deadline)
             s.sendall(self._header(b"R", bid))
@@ -281,14 +285,11 @@ class DataClient:
             if into is not None:
                 if into.nbytes < size:
                     raise ValueError(f"buffer of {into.nbytes} bytes < block of {size}")
-                got = 0
-                while got < size:
-                    if time.monotonic() > deadline:
-                        raise TimeoutError("data-plane read deadline")
-                    n = s.recv_into(into[got:size], size - got, socket.MSG_WAITALL)
-                    if not n:
-                        raise ConnectionError("worker closed mid-read")
-                    got += n
+                pipe = CrcPipeline()
+                for start, end in crc_pieces(size):
+                    self._fill(s, into[start:end], deadline)
+                    pipe.add(into[start:end])
+                computed = pipe.result()
                 result: bytes | int = size
             else:
                 data = s.recv(size, socket.MSG_WAITALL) if size else b""
@@ -303,7 +304,7 @@ class DataClient:
             s.close()
             raise
         self._put_back(address, s)
-        return result, crc
+        return result, crc, computed
 
     @staticmethod
     def _fill(s: socket.socket, mv: memoryview, deadline: float) -> None:
