@@ -285,7 +285,10 @@ class L2Operations(pyfuse3.Operations):
         info = await self.call(self.client.stat, self.l2(n.path))
         if info is None:
             raise pyfuse3.FUSEError(errno.ENOENT)
-        n.is_dir, n.size, n.mtime = info.is_dir, info.size, info.mtime
+        if info.is_dir != n.is_dir:  # replaced by the other kind elsewhere: this inode is stale
+            self.detach(n)
+            raise pyfuse3.FUSEError(errno.ENOENT)
+        n.size, n.mtime = info.size, info.mtime
 
     async def publish(self, h: _Handle) -> None:
         """Atomically publish h's buffer at its node's current path (POSIX overwrite: last close wins)."""
@@ -629,6 +632,14 @@ def stop(proc: subprocess.Popen, mountpoint: str | os.PathLike[str], sig: int = 
 
 
 # -------------------------------------------------------------------- CLI
+def stat_is_dir(path: str) -> bool:
+    """True for a directory, False for anything else or nothing; other OSErrors (ENOTCONN...) propagate."""
+    try:
+        return st.S_ISDIR(os.stat(path).st_mode)
+    except FileNotFoundError:
+        return False
+
+
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="l2fs mount", description="Mount an l2fs cluster with FUSE (foreground; "
                                 "SIGTERM/SIGINT unmount cleanly).")
@@ -656,8 +667,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         p.error("--cache-timeout must be within 0..1 s (cross-node visibility)")
     if a.threads < 1:
         p.error("--threads must be >= 1")
-    if not os.path.isdir(a.mountpoint):
-        p.error(f"mountpoint {a.mountpoint!r} is not a directory")
+    try:
+        if not stat_is_dir(a.mountpoint):
+            p.error(f"mountpoint {a.mountpoint!r} is not a directory")
+    except OSError as e:
+        if e.errno == errno.ENOTCONN:
+            p.error(f"{a.mountpoint} is a dead FUSE mount (its daemon exited): run fusermount3 -u {a.mountpoint}")
+        p.error(f"mountpoint {a.mountpoint!r}: {e.strerror}")
     if not a.root.startswith("/"):
         p.error("--root must be an absolute l2fs path")
     return a

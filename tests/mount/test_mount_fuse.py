@@ -299,6 +299,16 @@ def test_cli_errors(cluster: LocalCluster, tmp_path: Path) -> None:
     assert r.returncode == 2 and "not a directory" in r.stderr
     r = run(str(tmp_path), "--master", cluster.master, "--cache-timeout", "5")
     assert r.returncode == 2 and "cache-timeout" in r.stderr
+    # a mount whose daemon was SIGKILLed leaves a dead mountpoint: say so, and how to clear it
+    dead = start_mount(tmp_path / "dead", cluster.master)
+    try:
+        dead.proc.kill()
+        dead.proc.wait(10)
+        r = run(str(dead.path), "--master", cluster.master)
+        assert r.returncode == 2 and "fusermount3 -u" in r.stderr, r.stderr
+    finally:
+        dead.stop()
+    assert not os.path.ismount(dead.path)
 
 
 def test_root_subtree(cluster: LocalCluster, mount_factory: Callable[..., Mount], tmp_path: Path) -> None:
