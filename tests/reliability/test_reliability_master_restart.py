@@ -10,7 +10,7 @@ import signal
 import time
 from typing import Any
 
-from reliability_faults import DEADLINE, SLACK, check_payload, payload, timed, wait_until
+from reliability_faults import DEADLINE, SLACK, check_payload, payload, proc_pid, stopped, timed, wait_until
 
 from l2fs.client import L2fsError
 
@@ -108,3 +108,25 @@ def _accepts_sig(cluster: Any) -> bool:
     import inspect
 
     return len(inspect.signature(cluster.kill_master).parameters) > 0
+
+
+def test_master_sigstop_longer_than_heartbeat_timeout(make_cluster: Any, record_property: Any) -> None:
+    """A hung master (SIGSTOP for longer than the heartbeat timeout): calls end within their deadline
+    while it is frozen; once it resumes, its sweeper sees stale heartbeats and drops every worker, and
+    the workers re-register at their next heartbeat: the namespace must come back whole."""
+    cluster = make_cluster(workers=2, heartbeat_timeout=3.0)
+    c = cluster.client(timeout=DEADLINE)
+    keys = [f"/rel/hung/{i}" for i in range(10)]
+    for i, k in enumerate(keys):
+        assert c.put(k, payload(i, SIZE, k)) is True
+    with stopped(proc_pid(cluster.master_proc)):
+        time.sleep(3.5)
+        for k in keys[:2]:
+            call = timed("get", k, lambda k=k: c.get(k))
+            assert call.error is None and call.result is None and call.seconds <= DEADLINE + SLACK, call
+        call = timed("exists", keys[0], lambda: c.exists(keys[0]))
+        assert isinstance(call.error, L2fsError) and call.seconds <= DEADLINE + SLACK, call
+    back = wait_until(lambda: c.prefix_lookup(keys) == len(keys), 15)
+    record_property("resume_to_full_namespace_s", round(back, 2))
+    for k in keys:
+        check_payload(c.get(k), SIZE, k)
