@@ -302,3 +302,21 @@ def test_data_plane_rejects_bad_input(plain_cluster: Any) -> None:
     assert not leftover, f"an aborted write left temp files: {leftover}"
     assert c.get("/dp/ok") == b"o" * 4096
     assert rss_bytes(pid) - rss0 < 64 << 20
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError,
+                   reason="known weakness (docs/reliability.md, finding 1): a reservation evicts live blocks "
+                          "before any byte arrives and an unused one is held for 300 s")
+def test_reservations_without_data_do_not_evict_live_blocks(make_cluster: Any) -> None:
+    """An authenticated but buggy or hostile client reserves space and never writes: the cache's live
+    data must not be flushed for it."""
+    cluster = make_cluster(workers=1, capacity=str(8 << 20))
+    c = cluster.client(timeout=DEADLINE)
+    keys = [f"/resv/{i}" for i in range(20)]
+    for i, k in enumerate(keys):
+        assert c.put(k, payload(i, 256 * 1024, k)) is True  # 5 MiB live, under the 90 % watermark
+    w = pbg.WorkerStub(grpc.insecure_channel(_worker_address(c)))
+    for i in range(4):
+        w.ReserveLocal(pb.ReserveRequest(block_id=f"{i:032x}", size=3 << 20), timeout=DEADLINE)
+    present = sum(d is not None for d in c.get_many(keys))
+    assert present == len(keys), f"{len(keys) - present} live objects evicted by 12 MiB of empty reservations"
