@@ -205,6 +205,15 @@ def create_app(args: argparse.Namespace) -> FastAPI:
         eng.fault = (await request.json())["mode"]
         return JSONResponse({"fault": eng.fault})
 
+    @app.post("/admin/config")
+    async def config(request: Request) -> Response:
+        """Change the simulated costs at runtime (benchmarks switch to zero cost to measure overhead)."""
+        body = await request.json()
+        for k in ("prefill_us_per_token", "decode_ms_per_token"):
+            if k in body:
+                setattr(args, k, float(body[k]))
+        return JSONResponse({k: getattr(args, k) for k in ("prefill_us_per_token", "decode_ms_per_token")})
+
     @app.post("/admin/drop_events")
     async def drop(request: Request) -> Response:
         body = await request.json()
