@@ -223,6 +223,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--from-up", type=Path, default=None, help="reuse a running `kvtier up` (<dir>/up.json)")
     p.add_argument("--dir", type=Path, default=Path(".kvtier/bench-routing"))
     p.add_argument("--model", default=None)
+    p.add_argument("--l1-gb", type=float, default=0.5, help="LMCache L1 per replica when started here")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=Path("bench-results"))
     return p
@@ -263,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
         summaries, raw = run_all(state, args)
     else:
         with Stack(args.dir, replicas=args.replicas, workers=2, model=args.model, strategy=None,
-                   prefix_caching=True, kv_cache_gb=1.0) as stack:
+                   prefix_caching=True, kv_cache_gb=1.0, l1_gb=args.l1_gb) as stack:
             state = StackState.load(stack.state_path)
             summaries, raw = run_all(state, args)
     rows = [[s["arm"], f"{s['requests_ok']}/{s['requests']}", fmt(s.get("ttft_p50_ms"), 0),
