@@ -48,8 +48,20 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[Any]], title: str | No
 def environment() -> dict[str, Any]:
     """Where the numbers came from (goes into every JSON result)."""
     import os
+    import subprocess
 
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                cwd=Path(__file__).resolve().parent, timeout=5).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        commit = ""
+    try:
+        load = os.getloadavg()[0]
+    except OSError:
+        load = None
     return {
+        "git_commit": commit,
+        "load_avg_1m": load,
         "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "host": platform.node(),
         "cpus": os.cpu_count(),
