@@ -266,9 +266,14 @@ class MasterService(pbg.MasterServicer):
         The failure happened up to one heartbeat interval after the last heartbeat, so a worker is dead
         once it has been silent for timeout - interval (but at least two intervals)."""
         period = max(0.02, min(0.1, self.heartbeat_timeout / 20))
+        last = time.monotonic()
         while not self._stop.wait(period):
             now = time.monotonic()
+            paused, last = now - last > period + 1.0, now
             with self.lock:
+                if paused:  # the master itself stalled (SIGSTOP, swap): silence was ours, not theirs
+                    for w in self.workers.values():
+                        w.last_seen = max(w.last_seen, now - w.interval)
                 for w in self.workers.values():
                     limit = max(self.heartbeat_timeout - w.interval - period, 2 * w.interval)
                     if w.alive and now - w.last_seen > limit:
