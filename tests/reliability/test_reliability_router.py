@@ -8,6 +8,7 @@ with 401 before anything reaches a replica.
 
 from __future__ import annotations
 
+import json
 import socket
 import sys
 import threading
@@ -17,6 +18,8 @@ from typing import Any
 
 import httpx
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "router"))
 from router_helpers import Cluster, metric  # noqa: E402
@@ -145,3 +148,48 @@ def test_router_api_key_enforced(setup: Any) -> None:
     # Every refused request was counted as such, and only the authorised ones reached the proxy path.
     assert metric(router, "kvtier_router_rejected_total", reason="unauthorized") - denied0 == 3 * len(bad_headers)
     assert metric(router, "kvtier_router_requests_total") - before <= 2
+
+
+_JSONISH = st.recursive(
+    st.none() | st.booleans() | st.integers(-(1 << 70), 1 << 70) | st.floats(allow_nan=False) | st.text(max_size=30),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=10), inner, max_size=4),
+    max_leaves=12)
+_VALID = {"model": "test-model", "prompt": "hello", "messages": [{"role": "user", "content": "hi"}],
+          "max_tokens": 1}
+_BODIES = st.one_of(
+    # A valid request with one field replaced by anything: reaches tokenization, routing and the replica.
+    st.tuples(st.sampled_from(["model", "prompt", "messages", "stream", "temperature", "user", "n"]), _JSONISH).map(
+        lambda kv: json.dumps({**_VALID, kv[0]: kv[1]}).encode()),
+    st.binary(max_size=300),
+    _JSONISH.map(lambda v: json.dumps(v).encode()),
+    st.fixed_dictionaries({}, optional={"model": _JSONISH, "prompt": _JSONISH, "messages": _JSONISH,
+                                        "max_tokens": _JSONISH, "stream": _JSONISH}).map(
+        lambda d: json.dumps(d).encode()),
+)
+
+
+def test_router_http_fuzz(setup: Any) -> None:
+    """Random bodies, JSON shapes and content types at the router's endpoints: it answers each with a
+    deliberate status (never 500), and keeps serving real requests."""
+    router, _rep, _canary = setup
+    auth = {"Authorization": f"Bearer {KEY}"}
+    statuses: dict[int, int] = {}
+    with httpx.Client(timeout=30) as c:
+
+        @settings(max_examples=120, deadline=None, database=None,
+                  suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+        @given(st.sampled_from(["/v1/completions", "/v1/chat/completions"]), _BODIES,
+               st.sampled_from(["application/json", "text/plain", "", "application/x-www-form-urlencoded"]))
+        def run(path: str, body: bytes, ctype: str) -> None:
+            r = c.post(router.url + path, content=body, headers={**auth, "Content-Type": ctype})
+            statuses[r.status_code] = statuses.get(r.status_code, 0) + 1
+            assert r.status_code != 500 and r.status_code < 600, (path, body[:200], r.status_code, r.text[:200])
+            if r.status_code >= 400:
+                assert r.text, "error without a message"
+
+        run()
+        assert c.get(router.url + "/health").status_code == 200
+        ok = c.post(router.url + "/v1/completions", headers=auth,
+                    json={"model": "test-model", "prompt": "hello", "max_tokens": 1})
+        assert ok.status_code == 200, ok.text[:300]
+    print(f"router fuzz statuses: {dict(sorted(statuses.items()))}")
