@@ -216,6 +216,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mix", type=_parse_mix, default=_parse_mix("put:0.2,get:0.5,prefix:0.3"))
     p.add_argument("--timeout", type=float, default=2.0, help="client deadline per call")
     p.add_argument("--json", help="also write the figures as JSON here")
+    p.add_argument("--max-growth-mb", type=float, default=64.0,
+                   help="exit 1 if a server process grew more than this (MiB) during the run, or on any error")
     return p
 
 
@@ -229,6 +231,10 @@ def main(argv: list[str] | None = None) -> int:
     print_tables(res)
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=2))
+    grown = {n: m["growth_mb"] for n, m in res["memory"].items() if m["growth_mb"] > args.max_growth_mb}
+    if res["errors"] or grown:
+        print(f"FAIL: {res['errors']} errors; grew beyond {args.max_growth_mb} MiB: {grown or 'none'}", file=sys.stderr)
+        return 1
     return 0
 
 
