@@ -144,3 +144,17 @@ def test_put_moves_on_from_a_dead_worker_the_master_still_lists(tmp_path) -> Non
         with pytest.raises(Unavailable):
             c.put("/pm/b", b"data")
         assert time.monotonic() - t0 < 10.0
+
+
+def test_stalled_master_keeps_workers_when_it_resumes(tmp_path) -> None:  # noqa: ANN001
+    with LocalCluster(tmp_path / "stall", workers=1, capacity="256M", heartbeat_timeout=HB_TIMEOUT,
+                      heartbeat_interval=0.3) as cl:
+        c = cl.client(node_id="node-1")
+        c.put("/stall/a", b"kept")
+        cl.master_proc.send_signal(signal.SIGSTOP)
+        time.sleep(HB_TIMEOUT + 1.5)  # longer than the dead-worker timeout
+        cl.master_proc.send_signal(signal.SIGCONT)
+        for _ in range(10):  # the worker never looks dead: no window of misses
+            assert c.stat("/stall/a") is not None
+            time.sleep(0.05)
+        assert c.get("/stall/a") == b"kept"
