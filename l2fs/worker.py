@@ -642,8 +642,8 @@ def main(argv: list[str] | None = None) -> int:
     metrics_port = None
     if args.metrics_port is not None:
         def health() -> dict:
-            return {"ok": True, "role": "worker", "worker_id": worker.worker_id, "node_id": worker.node_id,
-                    "registered": worker.registered, "capacity": store.capacity, "used": store.used,
+            return {"ok": True, "ready": worker.registered, "role": "worker", "worker_id": worker.worker_id,
+                    "node_id": worker.node_id, "registered": worker.registered, "capacity": store.capacity, "used": store.used,
                     "blocks": len(store.blocks)}
         metrics_port = start_metrics_server(args.host, args.metrics_port, health).server_address[1]
     write_port_file(args.port_file, port=worker.port, metrics_port=metrics_port, worker_id=worker.worker_id,

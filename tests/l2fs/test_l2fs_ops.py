@@ -6,6 +6,7 @@ import json
 import shutil
 import subprocess
 import sys
+import time
 import urllib.request
 from pathlib import Path
 
@@ -57,6 +58,8 @@ def test_metrics_and_health(cluster: LocalCluster) -> None:
     assert "l2fs_worker_evictions_total" in wtext
     code, body = _http(w.metrics_port, "/healthz")
     assert code == 200 and json.loads(body)["registered"] is True
+    assert _http(w.metrics_port, "/readyz")[0] == 200
+    assert _http(cluster.master_metrics_port, "/readyz")[0] == 200
     assert _http(w.metrics_port, "/nope")[0] == 404
 
 
@@ -101,3 +104,21 @@ def test_proto_regenerates_identically(tmp_path: Path) -> None:
     subprocess.run([sys.executable, "-c", code, str(dst / "build.py")], check=True)
     for name in ("l2fs_pb2.py", "l2fs_pb2_grpc.py"):
         assert (dst / name).read_text() == (src / name).read_text(), f"{name} is stale: run python -m l2fs.proto.build"
+
+
+def test_worker_not_ready_without_master(tmp_path: Path) -> None:
+    with LocalCluster(tmp_path / "ready", workers=1, heartbeat_interval=0.2) as cl:
+        w = cl.workers[0]
+        assert _http(w.metrics_port, "/readyz")[0] == 200
+        cl.kill_master()
+        deadline = time.monotonic() + 10
+        while _http(w.metrics_port, "/readyz")[0] != 503:
+            assert time.monotonic() < deadline, "worker still ready with its master gone"
+            time.sleep(0.1)
+        assert _http(w.metrics_port, "/healthz")[0] == 200  # alive, just not ready
+        cl.start_master()
+        cl.wait_workers(1)
+        deadline = time.monotonic() + 10
+        while _http(w.metrics_port, "/readyz")[0] != 200:
+            assert time.monotonic() < deadline, "worker not ready again after the master came back"
+            time.sleep(0.1)
