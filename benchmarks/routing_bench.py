@@ -161,11 +161,13 @@ async def run_chat(url: str, args: argparse.Namespace, model: str) -> dict[str, 
     return stats
 
 
-async def run_open_loop(url: str, n: int, rate: float, model: str, prompts: list[str]) -> list[float]:
+async def run_open_loop(urls: list[str], n: int, rate: float, model: str, prompts: list[str]) -> list[float]:
+    """Open loop at `rate` req/s; with several URLs the client itself round-robins (the no-router baseline)."""
     lat: list[float] = []
     async with httpx.AsyncClient(timeout=30, limits=httpx.Limits(max_connections=400)) as client:
         async def one(i: int) -> None:
             t0 = time.perf_counter()
+            url = urls[i % len(urls)]
             try:
                 r = await client.post(url + "/v1/completions",
                                       json={"model": model, "prompt": prompts[i % len(prompts)], "max_tokens": 1})
@@ -204,6 +206,25 @@ def reset(reps: list[P]) -> None:
         httpx.post(r.url + "/reset_prefix_cache", timeout=5)
 
 
+def set_cost(reps: list[P], prefill_us: float, decode_ms: float) -> None:
+    for r in reps:
+        httpx.post(r.url + "/admin/config", json={"prefill_us_per_token": prefill_us,
+                                                  "decode_ms_per_token": decode_ms}, timeout=5)
+
+
+def hist_quantile(text: str, name: str, q: float) -> float:
+    """Upper bucket bound of quantile q from a Prometheus histogram exposition (seconds)."""
+    buckets = []
+    for line in text.splitlines():
+        if line.startswith(name + "_bucket{"):
+            le = line.split('le="', 1)[1].split('"', 1)[0]
+            buckets.append((float("inf") if le == "+Inf" else float(le), float(line.rsplit(" ", 1)[1])))
+    if not buckets or buckets[-1][1] == 0:
+        return float("nan")
+    total = buckets[-1][1]
+    return next(le for le, c in buckets if c >= q * total)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--users", type=int, default=20)
@@ -218,10 +239,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prefill-us-per-token", type=float, default=20.0)
     ap.add_argument("--decode-ms-per-token", type=float, default=1.0)
     ap.add_argument("--rate", type=float, default=200.0)
-    ap.add_argument("--overhead-requests", type=int, default=2000)
+    ap.add_argument("--overhead-requests", type=int, default=1000)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--skip-vllm-router", action="store_true")
     ap.add_argument("--only", default="", help="comma-separated subset of router configs to run")
+    ap.add_argument("--skip-chat", action="store_true", help="overhead phase only")
     args = ap.parse_args(argv)
     tmp = Path(tempfile.mkdtemp(prefix="routing-bench-"))
     model = "test-model"
@@ -274,7 +296,10 @@ def main(argv: list[str] | None = None) -> int:
 
         rows = []
         prompts = [text(random.Random(i), 60) for i in range(50)]
-        direct_lat = asyncio.run(run_open_loop(reps[0].url, args.overhead_requests, args.rate, model, prompts))
+        set_cost(reps, 0, 0)  # overhead phase: replicas answer at once, so latency is transport + router
+        direct_lat = asyncio.run(run_open_loop([r.url for r in reps], args.overhead_requests, args.rate, model,
+                                               prompts))
+        set_cost(reps, args.prefill_us_per_token, args.decode_ms_per_token)
         for name, make in configs:
             reset(reps)
             try:
@@ -284,13 +309,20 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             procs.append(rt)
             before = replica_stats(reps)
-            res = asyncio.run(run_chat(rt.url, args, model))
+            res = asyncio.run(run_chat(rt.url, args if not args.skip_chat else argparse.Namespace(
+                **{**vars(args), "users": 1, "rounds": 1}), model))
             after = replica_stats(reps)
             served = [a["requests"] - b["requests"] for a, b in zip(after, before, strict=True)]
             computed = [(a["prompt_tokens"] - b["prompt_tokens"]) - (a["cached_tokens"] - b["cached_tokens"])
                         for a, b in zip(after, before, strict=True)]
             reset(reps)
-            ol = asyncio.run(run_open_loop(rt.url, args.overhead_requests, args.rate, model, prompts))
+            set_cost(reps, 0, 0)
+            ol = asyncio.run(run_open_loop([rt.url], args.overhead_requests, args.rate, model, prompts))
+            set_cost(reps, args.prefill_us_per_token, args.decode_ms_per_token)
+            internal = (float("nan"), float("nan"))
+            if name.startswith("kvtier"):
+                mtext = httpx.get(rt.url + "/metrics", timeout=5).text
+                internal = tuple(hist_quantile(mtext, "kvtier_router_overhead_seconds", q) * 1e3 for q in (.5, .99))
             rt.stop()
             procs.remove(rt)
             hit = res["cached"] / max(1, res["prompt"])
@@ -305,15 +337,18 @@ def main(argv: list[str] | None = None) -> int:
                 "ovh p50 ms": (pct(ol, 0.5) - pct(direct_lat, 0.5)) * 1e3,
                 "ovh p99 ms": (pct(ol, 0.99) - pct(direct_lat, 0.99)) * 1e3,
                 "via p50 ms": pct(ol, 0.5) * 1e3, "via p99 ms": pct(ol, 0.99) * 1e3, "ol n": len(ol),
+                "int p50 ms<=": internal[0], "int p99 ms<=": internal[1],
             })
         print(f"\n# routing bench: {args.users} users x {args.rounds} rounds, {args.systems} shared system prompts "
               f"(~{args.system_words} words), {args.replicas} test replicas, block {args.block_size}, "
               f"prefill {args.prefill_us_per_token} us/token, decode {args.decode_ms_per_token} ms/token")
-        print(f"# direct to one replica at {args.rate:.0f} req/s: p50 {pct(direct_lat, .5)*1e3:.2f} ms, "
+        print("# overhead: open loop, zero-cost replicas; 'via' = through the router, 'ovh' = via minus the "
+              "client round-robining the replicas itself; 'int' = kvtier's own pre-send histogram (bucket bound)")
+        print(f"# direct (client round-robin) at {args.rate:.0f} req/s: p50 {pct(direct_lat, .5)*1e3:.2f} ms, "
               f"p99 {pct(direct_lat, .99)*1e3:.2f} ms (n={len(direct_lat)})")
         cols = ["router", "reqs", "err", "hit", "oracle", "hit/oracle", "req max/mean", "prefill max/mean",
                 "lat p50 ms", "lat p99 ms", "wall s", "served", "via p50 ms", "via p99 ms", "ovh p50 ms",
-                "ovh p99 ms", "ol n"]
+                "ovh p99 ms", "ol n", "int p50 ms<=", "int p99 ms<="]
         print("| " + " | ".join(cols) + " |")
         print("|" + "---|" * len(cols))
         for r in rows:

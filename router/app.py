@@ -242,6 +242,7 @@ class Router:
             return Response(status_code=499)
         if isinstance(body, JSONResponse):
             return body
+        t_in = time.perf_counter()  # overhead = our work, not the client's upload time
         try:
             payload = json.loads(body)
         except (ValueError, UnicodeDecodeError) as e:
