@@ -64,12 +64,13 @@ def run(model: str, lengths: list[int], reps: int, base: Path) -> list[dict]:
             b = start_replica(model, free_port(), l2fs_master=cluster.master, node_id="node-2", l1_gb=2,
                               kv_cache_gb=2, log_path=base / "b.log")
             rng = random.Random(0)
+            vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"] - 1
             for r in (a, b):  # warm-up: first requests pay one-off costs
-                r.ttft([rng.randrange(10, 7900) for _ in range(300)])
+                r.ttft([rng.randrange(10, vocab) for _ in range(300)])
             stored = wait_files(cluster, model, 2)  # each warm-up prompt stored one full chunk
             for n in lengths:
                 for rep in range(reps):
-                    p = [rng.randrange(10, 7900) for _ in range(n)]
+                    p = [rng.randrange(10, vocab) for _ in range(n)]
                     cold = a.ttft(p)
                     stored += n // 256
                     have = wait_files(cluster, model, stored)

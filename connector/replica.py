@@ -115,7 +115,10 @@ class Replica:
                     continue
                 if first is None:
                     first = time.perf_counter() - t0
-                ch = json.loads(line[6:])["choices"][0]
+                msg = json.loads(line[6:])
+                if "error" in msg:
+                    raise ReplicaError(f"replica {self.url}: {msg['error'].get('message', msg['error'])}")
+                ch = msg["choices"][0]
                 lp = ch.get("logprobs") or {}
                 tokens += lp.get("tokens") or []
                 lps += lp.get("token_logprobs") or []

@@ -21,6 +21,8 @@ from l2fs.local import LocalCluster
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1500)]
 
+VOCAB = 7000  # the tiny model's tokenizer has 7077 tokens; random ids stay below
+
 N_TOKENS = 2100  # 8 full chunks of 256 + a partial one
 CHUNK = 256
 MAX_NEW = 16
@@ -28,7 +30,7 @@ MAX_NEW = 16
 
 def prompt_ids(seed: int, n: int = N_TOKENS) -> list[int]:
     rng = random.Random(seed)
-    return [rng.randrange(10, 7900) for _ in range(n)]
+    return [rng.randrange(10, VOCAB) for _ in range(n)]
 
 
 def greedy(rep: Replica, ids: list[int]) -> tuple[list[str], list[float]]:
