@@ -112,7 +112,7 @@ def test_corrupted_l2_chunk_is_a_miss_and_output_stays_correct(stack) -> None:
     victims = sorted((f for w in cluster.workers for f in w.data_dir.rglob("*")
                       if f.is_file() and f.stat().st_mtime >= t_before and f.stat().st_size == CHUNK_FILE_BYTES),
                      key=lambda f: f.stat().st_mtime)
-    assert len(victims) == full // CHUNK
+    assert len(victims) >= full // CHUNK
     victim = victims[len(victims) // 2]
     data = bytearray(victim.read_bytes())
     data[len(data) // 2] ^= 0xFF
