@@ -22,6 +22,7 @@ import argparse
 import errno
 import logging
 import os
+import re
 import signal
 import stat as st
 import subprocess
@@ -616,6 +617,20 @@ def spawn(mountpoint: str | os.PathLike[str], master: str, *args: str, log: str 
     return proc
 
 
+def is_mounted(mountpoint: str | os.PathLike[str]) -> bool:
+    """Whether the kernel lists a mount at this path, even a dead one (os.path.ismount says False for a
+    FUSE mount whose daemon died, because stat fails with ENOTCONN)."""
+    mp = os.path.abspath(mountpoint)
+    with open("/proc/self/mounts") as f:
+        for line in f:
+            target = line.split(" ")[1]
+            if "\\" in target:  # octal escapes for space, tab, newline, backslash
+                target = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), target)
+            if target == mp:
+                return True
+    return False
+
+
 def stop(proc: subprocess.Popen, mountpoint: str | os.PathLike[str], sig: int = signal.SIGTERM,
          timeout: float = 15.0) -> int | None:
     """Signal a spawned mount and wait for it to unmount and exit; kill and lazy-unmount as a last resort."""
@@ -626,7 +641,9 @@ def stop(proc: subprocess.Popen, mountpoint: str | os.PathLike[str], sig: int = 
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(5)
-    if os.path.ismount(mountpoint):
+    for _ in range(4):  # mounts stacked by mistake: peel them all
+        if not is_mounted(mountpoint):
+            break
         subprocess.run(["fusermount3", "-u", "-z", os.fspath(mountpoint)], capture_output=True)
     return proc.returncode
 
@@ -668,6 +685,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     if a.threads < 1:
         p.error("--threads must be >= 1")
     try:
+        if os.path.ismount(a.mountpoint):
+            p.error(f"{a.mountpoint} is already a mount point; unmount it first: fusermount3 -u {a.mountpoint}")
         if not stat_is_dir(a.mountpoint):
             p.error(f"mountpoint {a.mountpoint!r} is not a directory")
     except OSError as e:
@@ -708,7 +727,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ops = L2Operations(client, root=root, read_only=a.read_only, timeout=a.cache_timeout,
                        direct_io=not a.page_cache, threads=a.threads)
     opts = set(pyfuse3.default_options)
-    opts |= {"fsname=l2fs", "subtype=l2fs", "noatime"}
+    opts |= {f"fsname=l2fs:{a.master.split(',')[0]}{root}", "subtype=l2fs", "noatime"}
     if a.read_only:
         opts.add("ro")
     if a.allow_other:

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 from mount_helpers import Mount, metric, start_mount
 
+from l2fs.fuse import is_mounted
 from l2fs.local import LocalCluster
 
 
@@ -282,7 +283,7 @@ def test_signal_unmounts_cleanly(cluster: LocalCluster, tmp_path: Path, sig: int
         (m / tmp_path.name / "f").write_bytes(b"kept")
         m.proc.send_signal(sig)
         assert m.proc.wait(15) == 0
-        assert not os.path.ismount(m.path)
+        assert not is_mounted(m.path)
         assert cluster.client().get(f"/{tmp_path.name}/f") == b"kept"
     finally:
         m.stop()
@@ -308,7 +309,7 @@ def test_cli_errors(cluster: LocalCluster, tmp_path: Path) -> None:
         assert r.returncode == 2 and "fusermount3 -u" in r.stderr, r.stderr
     finally:
         dead.stop()
-    assert not os.path.ismount(dead.path)
+    assert not is_mounted(dead.path)
 
 
 def test_root_subtree(cluster: LocalCluster, mount_factory: Callable[..., Mount], tmp_path: Path) -> None:
