@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hmac
 import json
 import os
 import re
@@ -111,7 +112,7 @@ class TokenInterceptor(grpc.ServerInterceptor):
     """Rejects calls without `authorization: Bearer <token>` metadata (UNAUTHENTICATED)."""
 
     def __init__(self, token: str) -> None:
-        self._expected = f"Bearer {token}"
+        self._expected = f"Bearer {token}".encode()
 
         def deny(_request: Any, context: grpc.ServicerContext) -> None:
             context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or bad l2fs bearer token")
@@ -122,7 +123,9 @@ class TokenInterceptor(grpc.ServerInterceptor):
 
     def intercept_service(self, continuation: Callable, handler_call_details: Any) -> Any:
         md = dict(handler_call_details.invocation_metadata or ())
-        if md.get("authorization") == self._expected:
+        got = md.get("authorization", "")
+        got = got if isinstance(got, bytes) else str(got).encode("utf-8", "surrogatepass")
+        if hmac.compare_digest(got, self._expected):  # constant time: no token-guessing by timing
             return continuation(handler_call_details)
         method = handler_call_details.method or ""
         if method.endswith("/WriteBlock"):
