@@ -598,6 +598,8 @@ def spawn(mountpoint: str | os.PathLike[str], master: str, *args: str, log: str 
     """Start `l2fs mount MOUNTPOINT --master MASTER ARGS...` as a child process (its own session) and
     return once the kernel shows the mount; raises with the log tail if it exits or times out."""
     mp = os.path.abspath(mountpoint)
+    if mount_type(mp) == "fuse.l2fs":
+        raise RuntimeError(f"{mp} already has an l2fs mount; unmount it first: fusermount3 -u {mp}")
     os.makedirs(mp, exist_ok=True)
     out = open(log, "ab") if log else subprocess.DEVNULL  # noqa: SIM115 - handed to the child
     try:
@@ -607,7 +609,7 @@ def spawn(mountpoint: str | os.PathLike[str], master: str, *args: str, log: str 
         if log:
             out.close()
     deadline = time.monotonic() + timeout
-    while not os.path.ismount(mp):
+    while mount_type(mp) != "fuse.l2fs":
         if proc.poll() is not None or time.monotonic() > deadline:
             proc.kill()
             proc.wait()
@@ -617,18 +619,25 @@ def spawn(mountpoint: str | os.PathLike[str], master: str, *args: str, log: str 
     return proc
 
 
-def is_mounted(mountpoint: str | os.PathLike[str]) -> bool:
-    """Whether the kernel lists a mount at this path, even a dead one (os.path.ismount says False for a
-    FUSE mount whose daemon died, because stat fails with ENOTCONN)."""
+def mount_type(mountpoint: str | os.PathLike[str]) -> str | None:
+    """File system type of the topmost mount at this path (e.g. "fuse.l2fs"), or None. Unlike
+    os.path.ismount this also sees a FUSE mount whose daemon died (where stat fails with ENOTCONN)."""
     mp = os.path.abspath(mountpoint)
+    found = None
     with open("/proc/self/mounts") as f:
         for line in f:
-            target = line.split(" ")[1]
+            fields = line.split(" ")
+            target = fields[1]
             if "\\" in target:  # octal escapes for space, tab, newline, backslash
                 target = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), target)
             if target == mp:
-                return True
-    return False
+                found = fields[2]
+    return found
+
+
+def is_mounted(mountpoint: str | os.PathLike[str]) -> bool:
+    """Whether the kernel lists any mount at this path, dead FUSE mounts included."""
+    return mount_type(mountpoint) is not None
 
 
 def stop(proc: subprocess.Popen, mountpoint: str | os.PathLike[str], sig: int = signal.SIGTERM,
@@ -641,8 +650,8 @@ def stop(proc: subprocess.Popen, mountpoint: str | os.PathLike[str], sig: int = 
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(5)
-    for _ in range(4):  # mounts stacked by mistake: peel them all
-        if not is_mounted(mountpoint):
+    for _ in range(4):  # FUSE mounts stacked by mistake: peel them all (never the volume underneath)
+        if not (mount_type(mountpoint) or "").startswith("fuse"):
             break
         subprocess.run(["fusermount3", "-u", "-z", os.fspath(mountpoint)], capture_output=True)
     return proc.returncode
@@ -685,8 +694,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     if a.threads < 1:
         p.error("--threads must be >= 1")
     try:
-        if os.path.ismount(a.mountpoint):
-            p.error(f"{a.mountpoint} is already a mount point; unmount it first: fusermount3 -u {a.mountpoint}")
+        kind = mount_type(a.mountpoint)  # a volume mount (k8s emptyDir, hostPath) is fine to mount over
+        if kind and kind.startswith("fuse"):
+            p.error(f"{a.mountpoint} already has a {kind} mount (live or dead); unmount it first: "
+                    f"fusermount3 -u {a.mountpoint}")
         if not stat_is_dir(a.mountpoint):
             p.error(f"mountpoint {a.mountpoint!r} is not a directory")
     except OSError as e:

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from mount_helpers import Mount, metric, start_mount
 
-from l2fs.fuse import is_mounted
+from l2fs.fuse import is_mounted, mount_type
 from l2fs.local import LocalCluster
 
 
@@ -337,3 +337,24 @@ def test_local_reads_short_circuit_remote_reads_stream(cluster: LocalCluster, tw
     assert metric(w1.metrics_port, "l2fs_worker_bytes_read_total") == streamed0, "node-1 mount streamed a local block"
     assert (m2 / tmp_path.name / "blk").read_bytes() == data
     assert metric(w1.metrics_port, "l2fs_worker_bytes_read_total") >= streamed0 + len(data)
+
+
+def test_mount_over_a_volume_mount(cluster: LocalCluster, tmp_path: Path) -> None:
+    """In a pod the mountpoint is often itself a volume (emptyDir/hostPath): mounting over it must work, and
+    stopping must remove only the l2fs mount."""
+    vol = tmp_path / "vol"
+    vol.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "kvtier-test", str(vol)], capture_output=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.decode().strip()}")
+    try:
+        m = start_mount(vol, cluster.master, "--node-id", "node-1")
+        try:
+            assert mount_type(vol) == "fuse.l2fs"
+            (m / "on-l2fs").write_bytes(b"x")
+            assert cluster.client().get("/on-l2fs") == b"x"
+        finally:
+            m.stop()
+        assert mount_type(vol) == "tmpfs" and not (vol / "on-l2fs").exists()
+    finally:
+        subprocess.run(["umount", str(vol)], capture_output=True)
