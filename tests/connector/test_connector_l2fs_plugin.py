@@ -80,6 +80,17 @@ def _wait_exists(client, paths: list[str], timeout: float = 20.0) -> None:
     raise AssertionError(f"chunks not in l2fs after {timeout}s")
 
 
+def _rpc_counts(cluster: LocalCluster) -> dict[str, float]:
+    """Master RPCs served so far, by method (from the master's Prometheus endpoint)."""
+    import re
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{cluster.master_metrics_port}/metrics", timeout=5) as r:
+        text = r.read().decode()
+    return {m.group(1): float(m.group(2))
+            for m in re.finditer(r'^l2fs_master_rpc_seconds_count\{method="(\w+)"\} (\S+)$', text, re.M)}
+
+
 def _remote(sm: StorageManager):
     return next(b for n, b in sm.storage_backends.items() if n.startswith("RemoteBackend"))
 
@@ -121,7 +132,11 @@ def test_cross_node_put_contains_get(cluster: LocalCluster) -> None:
         # node-2 has an empty L1: prefix contains goes to l2fs; a hole stops the prefix
         hits, _ = b.batched_contains(keys)
         assert hits == 3
+        before = _rpc_counts(cluster)
         assert _remote(b).batched_contains([keys[0], keys[1], _key(999), keys[2]]) == 2
+        after = _rpc_counts(cluster)
+        assert after.get("PrefixLookup", 0) - before.get("PrefixLookup", 0) == 1  # one RPC for 4 keys
+        assert after.get("Stat", 0) == before.get("Stat", 0)
         for k, d in zip(keys, datas, strict=True):
             obj = b.get(k)
             assert obj is not None and torch.equal(obj.tensor, d)
