@@ -144,30 +144,30 @@ class DataServer:
                     return
 
     def _read(self, conn: socket.socket, bid: str) -> None:
-        from l2fs.worker import BYTES_READ, CORRUPT, READ_HITS, READ_MISSES
+        from l2fs.worker import BYTES_READ, READ_HITS, READ_MISSES
 
-        with self.store.lock:
-            b = self.store.blocks.get(bid)
-            path = self.store.dirs[b.dir_idx].block_file(bid) if b is not None else None
-        if b is None or path is None:
-            READ_MISSES.inc()
-            _send_err(conn, NOT_FOUND, f"block {bid} not found")
-            return
-        try:
-            f = open(path, "rb")  # noqa: SIM115 - closed below
-            on_disk = os.fstat(f.fileno()).st_size
-        except OSError:
-            f, on_disk = None, -1
-        if on_disk != b.size:  # deleted, truncated or extended behind our back: drop it, a miss
+        while True:
+            found = self.store.file_of(bid)
+            if found is None:
+                READ_MISSES.inc()
+                _send_err(conn, NOT_FOUND, f"block {bid} not found")
+                return
+            b, path = found
+            try:
+                f = open(path, "rb")  # noqa: SIM115 - closed below
+                on_disk = os.fstat(f.fileno()).st_size
+            except OSError:
+                f, on_disk = None, -1
+            if on_disk == b.size:
+                break
             if f is not None:
                 f.close()
-            log.warning("block %s (%s): %d bytes on disk, %d recorded: dropping it", bid, b.path, on_disk, b.size)
-            CORRUPT.inc()
-            READ_MISSES.inc()
-            self.store.delete(bid, "corrupt")
-            self._on_change()
-            _send_err(conn, NOT_FOUND, f"block {bid} damaged on disk (dropped)")
-            return
+            if self.store.drop_damaged(bid, path):  # deleted, truncated or extended behind our back
+                READ_MISSES.inc()
+                self._on_change()
+                _send_err(conn, NOT_FOUND, f"block {bid} damaged on disk (dropped)")
+                return
+            # it moved to another tier meanwhile: look again
         with f:
             conn.sendall(bytes([OK]) + _READ_OK.pack(b.size, b.crc32c))
             sent = conn.sendfile(f, 0, b.size) if b.size else 0

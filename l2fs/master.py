@@ -364,6 +364,17 @@ class MasterService(pbg.MasterServicer):
                     DROPPED.labels(request.reason or "removed").inc()
         return pb.Empty()
 
+    @_rpc
+    def MoveBlocks(self, request: pb.BlocksMoved, context: Any) -> pb.Empty:  # noqa: N802
+        if len(request.block_ids) != len(request.local_paths):
+            raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, "block_ids and local_paths differ in length")
+        with self.lock:
+            for bid, lp in zip(request.block_ids, request.local_paths, strict=True):
+                path = self.blocks.get(bid)
+                if path is not None and self.files[path].worker_id == request.worker_id:
+                    self.files[path].local_path = lp
+        return pb.Empty()
+
     # ---------- client-facing ----------
 
     @_rpc

@@ -14,6 +14,7 @@ import functools
 import logging
 import os
 import re
+import shutil
 import signal
 import socket
 import sqlite3
@@ -59,6 +60,7 @@ READ_MISSES = Counter("l2fs_worker_read_misses_total", "Block reads of unknown o
 BYTES_READ = Counter("l2fs_worker_bytes_read_total", "Bytes served over gRPC")
 BYTES_WRITTEN = Counter("l2fs_worker_bytes_written_total", "Bytes sealed (gRPC and short-circuit)")
 EVICTIONS = Counter("l2fs_worker_evictions_total", "Blocks evicted to stay under the watermark")
+DEMOTIONS = Counter("l2fs_worker_demotions_total", "Blocks moved to a slower tier instead of evicted")
 EVICTED_BYTES = Counter("l2fs_worker_evicted_bytes_total", "Bytes evicted")
 CORRUPT = Counter("l2fs_worker_corrupt_blocks_total", "Blocks dropped after a checksum mismatch")
 CAPACITY = Gauge("l2fs_worker_capacity_bytes", "Capacity over all data dirs")
@@ -92,12 +94,16 @@ class Block:
     order_hint: int
 
 
-class DataDir:
-    """One storage directory with a capacity and its own manifest."""
+TIERS = {"MEM": 0, "SSD": 1, "DISK": 1, "HDD": 2}
 
-    def __init__(self, root: Path, capacity: int) -> None:
+
+class DataDir:
+    """One storage directory with a capacity, a tier rank (0 = fastest) and its own manifest."""
+
+    def __init__(self, root: Path, capacity: int, tier: int = 1) -> None:
         self.root = root
         self.capacity = capacity
+        self.tier = tier
         self.used = 0  # sealed + reserved bytes
         (root / "blocks").mkdir(parents=True, exist_ok=True)
         (root / "tmp").mkdir(parents=True, exist_ok=True)
@@ -119,16 +125,18 @@ class DataDir:
 class Store:
     """Blocks over all data dirs; one lock; eviction (LRU by read, deepest order hint first)."""
 
-    def __init__(self, dirs: list[tuple[Path, int]], *, high: float = 0.9, low: float = 0.8,
-                 max_file_size: int = DEFAULT_MAX_FILE_SIZE, evict_granularity: float = 1.0) -> None:
+    def __init__(self, dirs: list[tuple[Path, int]] | list[tuple[Path, int, int]], *, high: float = 0.9,
+                 low: float = 0.8, max_file_size: int = DEFAULT_MAX_FILE_SIZE,
+                 evict_granularity: float = 1.0) -> None:
         self.lock = threading.RLock()
-        self.dirs = [DataDir(p, c) for p, c in dirs]
+        self.dirs = [DataDir(*d) for d in dirs]
         self.high, self.low = high, low
         self.max_file_size = max_file_size
         self.evict_granularity = evict_granularity
         self.blocks: dict[str, Block] = {}
         self.reservations: dict[str, tuple[int, int, float]] = {}  # bid -> (dir, size, since)
         self.removed: list[tuple[str, str]] = []  # (block_id, reason) not yet reported to the master
+        self.moved: list[tuple[str, str]] = []  # (block_id, new local path) not yet reported
         self._dirty_access: set[str] = set()
         self._load()
 
@@ -142,7 +150,8 @@ class Store:
             known = set()
             for bid, path, size, crc, sealed, mtime, la, oh in rows:
                 f = d.block_file(bid)
-                if not sealed or not f.exists() or f.stat().st_size != size:
+                if not sealed or not f.exists() or f.stat().st_size != size or bid in self.blocks:
+                    # unsealed, missing, damaged, or a second copy left by a demotion cut short
                     d.db.execute("DELETE FROM blocks WHERE block_id=?", (bid,))
                     f.unlink(missing_ok=True)
                     continue
@@ -185,7 +194,10 @@ class Store:
             if not fits:
                 raise RpcError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                f"block of {size} bytes is larger than {self.low:.0%} of every data dir")
-            i = max(fits, key=lambda j: self.dirs[j].capacity - self.dirs[j].used)
+            # new data goes to the fastest tier; its coldest blocks move down (or out) to make room
+            fastest = min(self.dirs[j].tier for j in fits)
+            i = max((j for j in fits if self.dirs[j].tier == fastest),
+                    key=lambda j: self.dirs[j].capacity - self.dirs[j].used)
             d = self.dirs[i]
             if d.used + size > d.capacity * self.high:
                 self._evict(i, d.capacity * self.low - size)
@@ -204,7 +216,8 @@ class Store:
                 self._gauges()
 
     def _evict(self, i: int, target: float) -> None:
-        """Evict from dir i until used <= target: coldest read first, deepest chain position first."""
+        """Free dir i down to `target` bytes: coldest read first, deepest chain position first. A victim
+        moves to a slower tier when there is one (which makes room the same way), else it is deleted."""
         d = self.dirs[i]
         g = self.evict_granularity
         victims = sorted((b for b in self.blocks.values() if b.dir_idx == i),
@@ -212,9 +225,41 @@ class Store:
         for b in victims:
             if d.used <= target:
                 break
+            slower = [j for j, dj in enumerate(self.dirs) if dj.tier > d.tier and dj.capacity * self.low >= b.size]
+            if slower:
+                j = min(slower, key=lambda j: (self.dirs[j].tier, self.dirs[j].used - self.dirs[j].capacity))
+                dj = self.dirs[j]
+                if dj.used + b.size > dj.capacity * self.high:
+                    self._evict(j, dj.capacity * self.low - b.size)
+                if self._move(b, j):
+                    continue
             self._delete(b.block_id, "evicted")
             EVICTIONS.inc()
             EVICTED_BYTES.inc(b.size)
+
+    def _move(self, b: Block, j: int) -> bool:
+        """Demote block b into dir j (copy, then switch manifests); False if the copy failed."""
+        src_dir, dst_dir = self.dirs[b.dir_idx], self.dirs[j]
+        src, dst, tmp = src_dir.block_file(b.block_id), dst_dir.block_file(b.block_id), dst_dir.tmp_file(b.block_id)
+        try:
+            dst.parent.mkdir(exist_ok=True)
+            shutil.copyfile(src, tmp)
+            os.replace(tmp, dst)
+        except OSError as e:
+            log.warning("demoting block %s to %s failed: %s", b.block_id, dst_dir.root, e)
+            tmp.unlink(missing_ok=True)
+            return False
+        dst_dir.db.execute("INSERT OR REPLACE INTO blocks VALUES (?,?,?,?,1,?,?,?)",
+                           (b.block_id, b.path, b.size, b.crc32c, b.mtime, b.last_access, b.order_hint))
+        src_dir.db.execute("DELETE FROM blocks WHERE block_id=?", (b.block_id,))
+        src.unlink(missing_ok=True)
+        src_dir.used -= b.size
+        dst_dir.used += b.size
+        b.dir_idx = j
+        self.moved.append((b.block_id, str(dst)))
+        DEMOTIONS.inc()
+        self._gauges()
+        return True
 
     def maybe_evict(self) -> None:
         """Background check: bring any dir above the high watermark down to the low one."""
@@ -292,27 +337,45 @@ class Store:
                                                     (b.last_access, bid))
             self._dirty_access.clear()
 
-    def read_verified(self, bid: str) -> tuple[Block, bytearray] | None:
-        """Whole block, checksum verified; None (and the block dropped) when missing or corrupt."""
+    def file_of(self, bid: str) -> tuple[Block, Path] | None:
+        """The block and its current file (it can move to a slower tier at any time)."""
         with self.lock:
             b = self.blocks.get(bid)
-            path = self.dirs[b.dir_idx].block_file(bid) if b is not None else None
-        if b is None or path is None:
-            return None
-        buf = bytearray(b.size)
-        try:
-            with open(path, "rb", buffering=0) as f:
-                n = f.readinto(buf)
-                extra = f.read(1)
-        except OSError:
-            n, extra = -1, b""
-        if n != b.size or extra or crc32c_fast(buf) != b.crc32c:
+            return (b, self.dirs[b.dir_idx].block_file(bid)) if b is not None else None
+
+    def drop_damaged(self, bid: str, path: Path) -> bool:
+        """Drop a block found damaged at `path`; False if it has moved meanwhile (the caller retries)."""
+        with self.lock:
+            b = self.blocks.get(bid)
+            if b is None:
+                return True
+            if self.dirs[b.dir_idx].block_file(bid) != path:
+                return False
             log.warning("block %s (%s) failed verification: dropping it", bid, b.path)
             CORRUPT.inc()
             self._delete(bid, "corrupt")
-            return None
-        self.touch(bid)
-        return b, buf
+            return True
+
+    def read_verified(self, bid: str) -> tuple[Block, bytearray] | None:
+        """Whole block, checksum verified; None (and the block dropped) when missing or corrupt."""
+        for _ in range(3):
+            found = self.file_of(bid)
+            if found is None:
+                return None
+            b, path = found
+            buf = bytearray(b.size)
+            try:
+                with open(path, "rb", buffering=0) as f:
+                    n = f.readinto(buf)
+                    extra = f.read(1)
+            except OSError:
+                n, extra = -1, b""
+            if n == b.size and not extra and crc32c_fast(buf) == b.crc32c:
+                self.touch(bid)
+                return b, buf
+            if self.drop_damaged(bid, path):
+                return None
+        return None
 
     def verify(self, bid: str) -> bool:
         """Re-check a block's checksum (drops it when bad)."""
@@ -515,7 +578,8 @@ class Worker:
         for bid in resp.delete_blocks:
             self.store.delete(bid)
         with self.store.lock:
-            self.store.removed.clear()  # the full report supersedes pending removals
+            self.store.removed.clear()  # the full report supersedes pending removals and moves
+            self.store.moved.clear()
         self.registered = True
         log.info("registered with master as %s (%d blocks reported)", self.worker_id, len(reports))
 
@@ -535,6 +599,18 @@ class Worker:
                     self.store.removed.extend((b, reason) for b in ids)
                 raise
 
+    def _report_moved(self) -> None:
+        with self.store.lock:
+            pending, self.store.moved = self.store.moved, []
+        try:
+            self.master.MoveBlocks(pb.BlocksMoved(worker_id=self.worker_id, block_ids=[b for b, _ in pending],
+                                                  local_paths=[p for _, p in pending]),
+                                   timeout=5, metadata=auth_metadata(self._token))
+        except grpc.RpcError:
+            with self.store.lock:
+                self.store.moved[:0] = pending
+            raise
+
     def _loop(self) -> None:
         """Heartbeat every interval; re-register when the master asks (it restarted or dropped us)."""
         next_hb = 0.0
@@ -544,6 +620,8 @@ class Worker:
                     self._register()
                 if self.store.removed:
                     self._report_removed()
+                if self.store.moved:
+                    self._report_moved()
                 now = time.monotonic()
                 if now >= next_hb:
                     next_hb = now + self.heartbeat_interval
@@ -573,15 +651,22 @@ def _host_ip() -> str:
         return "127.0.0.1"
 
 
-def parse_data_dir(spec: str) -> tuple[Path, int]:
-    """'PATH[:CAPACITY]' -> (path, bytes); capacity defaults to the filesystem's free space."""
+def parse_data_dir(spec: str) -> tuple[Path, int, int]:
+    """'[TIER]PATH[:CAPACITY]' -> (path, bytes, tier rank). TIER is MEM, SSD (default), DISK or HDD, as in
+    Curvine; capacity defaults to the filesystem's free space."""
+    tier = TIERS["SSD"]
+    m = re.match(r"^\[([A-Za-z]+)\](.*)$", spec)
+    if m:
+        if m.group(1).upper() not in TIERS:
+            raise ValueError(f"unknown tier [{m.group(1)}] in {spec!r} (use MEM, SSD, DISK or HDD)")
+        tier, spec = TIERS[m.group(1).upper()], m.group(2)
     path, _, cap = spec.rpartition(":") if re.search(r":\d+(\.\d+)?[kmgtKMGT]?i?[bB]?$", spec) else (spec, "", "")
     p = Path(path).resolve()
     p.mkdir(parents=True, exist_ok=True)
     if cap:
-        return p, parse_size(cap)
+        return p, parse_size(cap), tier
     st = os.statvfs(p)
-    return p, st.f_bavail * st.f_frsize
+    return p, st.f_bavail * st.f_frsize, tier
 
 
 def _worker_id(first_dir: Path, node_id: str) -> str:
@@ -597,8 +682,9 @@ def _worker_id(first_dir: Path, node_id: str) -> str:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="l2fs worker", description="Run an l2fs block-storing worker.")
     p.add_argument("--master", default=os.environ.get("L2FS_MASTER"), help="master host:port ($L2FS_MASTER)")
-    p.add_argument("--data-dir", action="append", required=True, metavar="PATH[:CAPACITY]",
-                   help="storage dir, repeatable; capacity like 10G or 512M (default: free space)")
+    p.add_argument("--data-dir", action="append", required=True, metavar="[TIER]PATH[:CAPACITY]",
+                   help="storage dir, repeatable; capacity like 10G or 512M (default: free space); optional "
+                        "tier [MEM]/[SSD]/[HDD]: new blocks go to the fastest tier, cold ones move down")
     p.add_argument("--node-id", default=os.environ.get("L2FS_NODE_ID") or socket.gethostname())
     p.add_argument("--worker-id", default=None, help="default: stored in the first data dir")
     p.add_argument("--host", default="127.0.0.1")

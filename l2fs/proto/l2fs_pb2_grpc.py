@@ -49,6 +49,11 @@ class MasterStub(object):
                 request_serializer=l2fs__pb2.BlocksRemoved.SerializeToString,
                 response_deserializer=l2fs__pb2.Empty.FromString,
                 _registered_method=True)
+        self.MoveBlocks = channel.unary_unary(
+                '/l2fs.Master/MoveBlocks',
+                request_serializer=l2fs__pb2.BlocksMoved.SerializeToString,
+                response_deserializer=l2fs__pb2.Empty.FromString,
+                _registered_method=True)
         self.Allocate = channel.unary_unary(
                 '/l2fs.Master/Allocate',
                 request_serializer=l2fs__pb2.AllocateRequest.SerializeToString,
@@ -122,6 +127,12 @@ class MasterServicer(object):
         raise NotImplementedError('Method not implemented!')
 
     def RemoveBlocks(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def MoveBlocks(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -209,6 +220,11 @@ def add_MasterServicer_to_server(servicer, server):
             'RemoveBlocks': grpc.unary_unary_rpc_method_handler(
                     servicer.RemoveBlocks,
                     request_deserializer=l2fs__pb2.BlocksRemoved.FromString,
+                    response_serializer=l2fs__pb2.Empty.SerializeToString,
+            ),
+            'MoveBlocks': grpc.unary_unary_rpc_method_handler(
+                    servicer.MoveBlocks,
+                    request_deserializer=l2fs__pb2.BlocksMoved.FromString,
                     response_serializer=l2fs__pb2.Empty.SerializeToString,
             ),
             'Allocate': grpc.unary_unary_rpc_method_handler(
@@ -347,6 +363,33 @@ class Master(object):
             target,
             '/l2fs.Master/RemoveBlocks',
             l2fs__pb2.BlocksRemoved.SerializeToString,
+            l2fs__pb2.Empty.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def MoveBlocks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/l2fs.Master/MoveBlocks',
+            l2fs__pb2.BlocksMoved.SerializeToString,
             l2fs__pb2.Empty.FromString,
             options,
             channel_credentials,
