@@ -20,6 +20,7 @@ import logging
 import os
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -183,6 +184,10 @@ class Client:
         self.data_plane = enabled_by_default() if data_plane is None else data_plane
         self._data = DataClient(self.token)
         self._inflight: set[Any] = set()
+        # Last known location of recently read paths, used only while the master is unreachable so reads of
+        # already-located blocks keep working through a master restart (issue 8); any miss forgets it.
+        self._located: OrderedDict[str, pb.FileStat] = OrderedDict()
+        self._master_down_until = 0.0  # after a failed Stat, skip the master for a moment (fail fast)
         self._touches: dict[str, set[str]] = {}
         self._toucher: threading.Thread | None = None
 
@@ -316,16 +321,39 @@ class Client:
                                                order_hint=hint),
                                metadata=self._md, timeout=max(0.001, deadline - time.monotonic()))
 
+    _LOCATED_MAX = 65536
+
     def _locate(self, path: str, deadline: float) -> pb.FileStat | None:
+        with self._lock:
+            cached = self._located.get(path)
+        now = time.monotonic()
+        if now < self._master_down_until:
+            return cached  # the master just failed: last known location, or a miss without waiting
+        # With a fallback, leave most of the deadline for the read itself.
+        mdeadline = min(deadline, now + self.timeout / 4) if cached is not None else deadline
         try:
-            st = self._master("Stat", pb.PathRequest(path=path), deadline)
+            st = self._master("Stat", pb.PathRequest(path=path), mdeadline)
+        except Unavailable:
+            self._master_down_until = time.monotonic() + 1.0
+            return cached
         except L2fsError as e:
             if isinstance(e, InvalidPath):
                 raise
             return None
         if not st.exists or st.is_dir or not st.locations:
+            self._forget(path)
             return None
+        with self._lock:
+            self._located[path] = st
+            self._located.move_to_end(path)
+            if len(self._located) > self._LOCATED_MAX:
+                self._located.popitem(last=False)
         return st
+
+    def _forget(self, *paths: str) -> None:
+        with self._lock:
+            for p in paths:
+                self._located.pop(p, None)
 
     def _read(self, path: str, into: memoryview | None) -> bytes | int | None:
         """Shared get/get_into: short-circuit or gRPC stream; any fault is a miss (None)."""
@@ -466,12 +494,18 @@ class Client:
     def get(self, path: str) -> bytes | None:
         """Whole file or None (miss)."""
         r = self._read(path, None)
-        return r if isinstance(r, bytes) else None
+        if not isinstance(r, bytes):
+            self._forget(path)
+            return None
+        return r
 
     def get_into(self, path: str, buf: memoryview | bytearray) -> int | None:
         """Read the file into buf (must be large enough); returns bytes read or None (miss)."""
         r = self._read(path, memoryview(buf).cast("B"))
-        return r if isinstance(r, int) else None
+        if not isinstance(r, int):
+            self._forget(path)
+            return None
+        return r
 
     def put_many(self, items: Sequence[tuple[str, bytes | memoryview]], *, if_absent: bool = True,
                  order_hints: Sequence[int] | None = None) -> list[bool]:
@@ -520,10 +554,12 @@ class Client:
 
     def rm(self, path: str) -> bool:
         """True if something was removed."""
+        self._forget(path)
         return self._master("Delete", pb.PathRequest(path=_check(path))).removed
 
     def rename(self, src: str, dst: str, *, overwrite: bool = True) -> None:
         """Atomic; overwrite=True replaces dst (POSIX rename semantics)."""
+        self._forget(src, dst)
         self._master("Rename", pb.RenameRequest(src=_check(src), dst=_check(dst), overwrite=overwrite))
 
     def report(self) -> ClusterReport:
