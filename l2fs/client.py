@@ -353,7 +353,10 @@ class Client:
     def _forget(self, *paths: str) -> None:
         with self._lock:
             for p in paths:
-                self._located.pop(p, None)
+                try:
+                    self._located.pop(norm_path(p), None)
+                except PathError:
+                    pass  # an invalid path was never remembered
 
     def _read(self, path: str, into: memoryview | None) -> bytes | int | None:
         """Shared get/get_into: short-circuit or gRPC stream; any fault is a miss (None)."""
