@@ -14,6 +14,7 @@ import argparse
 import importlib.util
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -108,6 +109,9 @@ def wait_http(url: str, timeout: float, proc: subprocess.Popen[Any] | None = Non
     raise TimeoutError(f"{url} not healthy after {timeout:.0f}s")
 
 
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
 def _last_line(path: Path, width: int = 110) -> str:
     """Last non-empty line of a log (what an engine is doing while it starts)."""
     try:
@@ -116,7 +120,7 @@ def _last_line(path: Path, width: int = 110) -> str:
             lines = [ln for ln in f.read().decode("utf-8", "replace").splitlines() if ln.strip()]
     except OSError:
         return "-"
-    return lines[-1][:width] if lines else "-"
+    return _ANSI.sub("", lines[-1])[:width] if lines else "-"
 
 
 def _die_with_parent() -> None:
