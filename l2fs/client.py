@@ -358,10 +358,15 @@ class Client:
                 except PathError:
                     pass  # an invalid path was never remembered
 
-    def _read(self, path: str, into: memoryview | None) -> bytes | int | None:
-        """Shared get/get_into: short-circuit or gRPC stream; any fault is a miss (None)."""
+    def _read(self, path: str, into: memoryview | None, deadline: float | None = None) -> bytes | int | None:
+        """Shared get/get_into: short-circuit or gRPC stream; any fault is a miss (None).
+        `deadline` (monotonic) is set by AsyncClient when the call was made, so a call that waited for a
+        pool thread past it misses at once and never writes into `into` after the caller gave up."""
         path = _check(path)
-        deadline = time.monotonic() + self.timeout
+        if deadline is None:
+            deadline = time.monotonic() + self.timeout
+        elif time.monotonic() >= deadline:
+            return None
         st = self._locate(path, deadline)
         if st is None:
             return None
@@ -494,17 +499,17 @@ class Client:
             pipe.add(view)
         return pipe.result() == st.crc32c
 
-    def get(self, path: str) -> bytes | None:
+    def get(self, path: str, *, _deadline: float | None = None) -> bytes | None:
         """Whole file or None (miss)."""
-        r = self._read(path, None)
+        r = self._read(path, None, _deadline)
         if not isinstance(r, bytes):
             self._forget(path)
             return None
         return r
 
-    def get_into(self, path: str, buf: memoryview | bytearray) -> int | None:
+    def get_into(self, path: str, buf: memoryview | bytearray, *, _deadline: float | None = None) -> int | None:
         """Read the file into buf (must be large enough); returns bytes read or None (miss)."""
-        r = self._read(path, memoryview(buf).cast("B"))
+        r = self._read(path, memoryview(buf).cast("B"), _deadline)
         if not isinstance(r, int):
             self._forget(path)
             return None
@@ -611,11 +616,13 @@ def _async(name: str) -> Callable:
     @functools.wraps(sync)
     async def method(self: AsyncClient, *args: Any, **kwargs: Any) -> Any:
         loop = asyncio.get_running_loop()
+        if name in _READS:  # the read's own deadline starts now, not when a pool thread frees up
+            kwargs["_deadline"] = time.monotonic() + self._client.timeout
         fut = loop.run_in_executor(self._pool, functools.partial(getattr(self._client, name), *args, **kwargs))
         if name not in _BOUNDED:
             return await fut
         try:
-            return await asyncio.wait_for(fut, self._client.timeout + 0.1)
+            return await asyncio.wait_for(fut, self._client.timeout + 0.25)
         except TimeoutError:
             if name in _READS:
                 return None
