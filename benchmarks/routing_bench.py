@@ -190,6 +190,19 @@ async def run_open_loop(urls: list[str], n: int, rate: float, model: str, prompt
     return lat
 
 
+async def run_serial(urls: list[str], n: int, model: str, prompts: list[str]) -> list[float]:
+    """One request at a time: the latency a router adds when nothing queues."""
+    lat: list[float] = []
+    async with httpx.AsyncClient(timeout=30) as client:
+        for i in range(n + 20):
+            t0 = time.perf_counter()
+            r = await client.post(urls[i % len(urls)] + "/v1/completions",
+                                  json={"model": model, "prompt": prompts[i % len(prompts)], "max_tokens": 1})
+            if r.status_code == 200 and i >= 20:  # the first 20 warm connections and caches
+                lat.append(time.perf_counter() - t0)
+    return lat
+
+
 def pct(xs: list[float], q: float) -> float:
     if not xs:
         return float("nan")
@@ -240,6 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--decode-ms-per-token", type=float, default=1.0)
     ap.add_argument("--rate", type=float, default=200.0)
     ap.add_argument("--overhead-requests", type=int, default=1000)
+    ap.add_argument("--serial-requests", type=int, default=300)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--skip-vllm-router", action="store_true")
     ap.add_argument("--only", default="", help="comma-separated subset of router configs to run")
@@ -299,6 +313,7 @@ def main(argv: list[str] | None = None) -> int:
         set_cost(reps, 0, 0)  # overhead phase: replicas answer at once, so latency is transport + router
         direct_lat = asyncio.run(run_open_loop([r.url for r in reps], args.overhead_requests, args.rate, model,
                                                prompts))
+        direct_serial = asyncio.run(run_serial([r.url for r in reps], args.serial_requests, model, prompts))
         set_cost(reps, args.prefill_us_per_token, args.decode_ms_per_token)
         for name, make in configs:
             reset(reps)
@@ -318,6 +333,7 @@ def main(argv: list[str] | None = None) -> int:
             reset(reps)
             set_cost(reps, 0, 0)
             ol = asyncio.run(run_open_loop([rt.url], args.overhead_requests, args.rate, model, prompts))
+            ser = asyncio.run(run_serial([rt.url], args.serial_requests, model, prompts))
             set_cost(reps, args.prefill_us_per_token, args.decode_ms_per_token)
             internal = (float("nan"), float("nan"))
             if name.startswith("kvtier"):
@@ -338,17 +354,21 @@ def main(argv: list[str] | None = None) -> int:
                 "ovh p99 ms": (pct(ol, 0.99) - pct(direct_lat, 0.99)) * 1e3,
                 "via p50 ms": pct(ol, 0.5) * 1e3, "via p99 ms": pct(ol, 0.99) * 1e3, "ol n": len(ol),
                 "int p50 ms<=": internal[0], "int p99 ms<=": internal[1],
+                "serial +p50 ms": (pct(ser, .5) - pct(direct_serial, .5)) * 1e3,
+                "serial +p99 ms": (pct(ser, .99) - pct(direct_serial, .99)) * 1e3,
             })
         print(f"\n# routing bench: {args.users} users x {args.rounds} rounds, {args.systems} shared system prompts "
               f"(~{args.system_words} words), {args.replicas} test replicas, block {args.block_size}, "
               f"prefill {args.prefill_us_per_token} us/token, decode {args.decode_ms_per_token} ms/token")
         print("# overhead: open loop, zero-cost replicas; 'via' = through the router, 'ovh' = via minus the "
               "client round-robining the replicas itself; 'int' = kvtier's own pre-send histogram (bucket bound)")
+        print(f"# serial (one at a time, zero-cost replicas) direct: p50 {pct(direct_serial, .5)*1e3:.2f} ms, "
+              f"p99 {pct(direct_serial, .99)*1e3:.2f} ms; 'serial +' = added by the router")
         print(f"# direct (client round-robin) at {args.rate:.0f} req/s: p50 {pct(direct_lat, .5)*1e3:.2f} ms, "
               f"p99 {pct(direct_lat, .99)*1e3:.2f} ms (n={len(direct_lat)})")
         cols = ["router", "reqs", "err", "hit", "oracle", "hit/oracle", "req max/mean", "prefill max/mean",
                 "lat p50 ms", "lat p99 ms", "wall s", "served", "via p50 ms", "via p99 ms", "ovh p50 ms",
-                "ovh p99 ms", "ol n", "int p50 ms<=", "int p99 ms<="]
+                "ovh p99 ms", "ol n", "int p50 ms<=", "int p99 ms<=", "serial +p50 ms", "serial +p99 ms"]
         print("| " + " | ".join(cols) + " |")
         print("|" + "---|" * len(cols))
         for r in rows:
