@@ -307,7 +307,7 @@ class Stack:
                                            start_new_session=True, preexec_fn=_die_with_parent)
         self.router_url = f"http://127.0.0.1:{port}"
         try:
-            wait_http(f"{self.router_url}/health", 90, self.router)
+            wait_http(f"{self.router_url}/health", 300, self.router)
         except (RuntimeError, TimeoutError) as e:
             raise RuntimeError(f"router did not start: {e}; log {log_path}:\n{_last_line(log_path, 300)}") from e
         log(f"router healthy at {self.router_url}")

@@ -109,7 +109,7 @@ def start_router(kind: str, policy: str, state: StackState, logdir: Path) -> tup
     with open(logdir / f"router-{kind}-{policy}.log", "ab") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
-    wait_http(f"{url}/health", 90, proc)
+    wait_http(f"{url}/health", 300, proc)  # kvaware imports LMCache + vLLM hashing: slow on a busy box
     return proc, url
 
 
