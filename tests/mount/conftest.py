@@ -24,7 +24,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if Path(str(item.fspath)).parent != here:
             continue
         uses = {"two_mounts", "mount_factory"} & set(getattr(item, "fixturenames", ()))
-        if uses or item.module.__name__ in ("test_mount_fuse", "test_mount_lmcache"):
+        if uses or item.module.__name__ != "test_mount_fsspec":  # fsspec alone needs no FUSE
             item.add_marker(pytest.mark.fuse)
             if not FUSE_OK:
                 item.add_marker(pytest.mark.skip(reason="needs /dev/fuse, root and fusermount3"))
