@@ -375,7 +375,7 @@ def chat_once(base_url: str, model: str, text: str = "Hello! Say something.", ma
     return r.json()
 
 
-def _print_endpoints(state: StackState) -> None:
+def _print_endpoints(state: StackState, smoke: bool = False) -> None:
     print("kvtier is up:")
     print(f"  router ({state.strategy}): {state.router_url}")
     for r in state.replicas:
@@ -387,7 +387,7 @@ def _print_endpoints(state: StackState) -> None:
                        "max_tokens": 16})
     print("try:")
     print(f"  curl -s {target}/v1/chat/completions -H 'Content-Type: application/json' -d '{body}'")
-    print("Ctrl-C stops everything.", flush=True)
+    print("smoke test: one request, then stop." if smoke else "Ctrl-C stops everything.", flush=True)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -447,7 +447,7 @@ def main(argv: list[str] | None = None) -> int:
     rc = 0
     try:
         state = stack.start()
-        _print_endpoints(state)
+        _print_endpoints(state, smoke=args.smoke)
         if args.smoke:
             reply = chat_once(state.router_url or state.replicas[0].url, state.model)
             text = reply["choices"][0]["message"]["content"]
