@@ -32,6 +32,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-replay", default="", help="comma-separated ZMQ replay (ROUTER) endpoints, one per replica")
     p.add_argument("--api-key", default=os.environ.get("KVTIER_ROUTER_API_KEY"),
                    help="require 'Authorization: Bearer KEY' from clients (env KVTIER_ROUTER_API_KEY)")
+    p.add_argument("--tls-cert", default=os.environ.get("KVTIER_ROUTER_TLS_CERT"),
+                   help="serve HTTPS with this PEM certificate (chain); needs --tls-key. Plain HTTP is then refused")
+    p.add_argument("--tls-key", default=os.environ.get("KVTIER_ROUTER_TLS_KEY"),
+                   help="PEM private key of --tls-cert")
     p.add_argument("--upstream-api-key", default=os.environ.get("KVTIER_UPSTREAM_API_KEY"),
                    help="bearer token sent to replicas (vLLM --api-key)")
     p.add_argument("--max-body-bytes", type=int, default=8 << 20)
@@ -78,6 +82,13 @@ def main(argv: list[str] | None = None) -> int:
         if not u.startswith(("http://", "https://")):
             print(f"kvtier router: replica {u!r} is not an http(s) URL", file=sys.stderr)
             return 2
+    if bool(args.tls_cert) != bool(args.tls_key):
+        print("kvtier router: --tls-cert and --tls-key go together", file=sys.stderr)
+        return 2
+    for f in (args.tls_cert, args.tls_key):
+        if f and not os.path.isfile(f):
+            print(f"kvtier router: TLS file {f!r} not found", file=sys.stderr)
+            return 2
     kv = _split(args.kv_events)
     if kv and len(kv) != len(replicas):
         print("kvtier router: --kv-events needs one entry per replica", file=sys.stderr)
@@ -119,8 +130,18 @@ def main(argv: list[str] | None = None) -> int:
     sock.bind((args.host, args.port))
     sock.listen(2048)  # connections queue until uvicorn accepts, so the printed URL works at once
     port = sock.getsockname()[1]
-    print(f"kvtier router listening on http://{args.host}:{port} strategy={args.strategy}", flush=True)
-    config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=2)
+    scheme = "https" if args.tls_cert else "http"
+    # uvicorn loads the certificate in Config.load() (inside serve), so a bad pair fails before we print
+    config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=2,
+                            ssl_certfile=args.tls_cert, ssl_keyfile=args.tls_key)
+    if args.tls_cert:
+        try:
+            config.load()
+        except Exception as e:  # noqa: BLE001 - ssl.SSLError, ValueError...: report it plainly
+            print(f"kvtier router: cannot load TLS certificate/key: {e}", file=sys.stderr)
+            return 2
+    host = f"[{args.host}]" if ":" in args.host else args.host
+    print(f"kvtier router listening on {scheme}://{host}:{port} strategy={args.strategy}", flush=True)
     server = uvicorn.Server(config)
     asyncio.run(server.serve(sockets=[sock]))
     return 0

@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import json
 import socket
+import ssl
+import subprocess
 import sys
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -22,7 +25,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "router"))
-from router_helpers import Cluster, metric  # noqa: E402
+from router_helpers import ROOT, Cluster, metric  # noqa: E402
 
 KEY = "router-key-for-tests"
 
@@ -193,3 +196,54 @@ def test_router_http_fuzz(setup: Any) -> None:
                     json={"model": "test-model", "prompt": "hello", "max_tokens": 1})
         assert ok.status_code == 200, ok.text[:300]
     print(f"router fuzz statuses: {dict(sorted(statuses.items()))}")
+
+
+def test_router_tls_refuses_plain_http(tmp_path: Path) -> None:
+    """With --tls-cert/--tls-key the router speaks only HTTPS: plain HTTP gets no HTTP answer, an
+    untrusted CA fails the handshake, and HTTPS still enforces the API key and proxies to the replica."""
+    import trustme
+    from router_helpers import PY, Proc, _spawn
+
+    ca = trustme.CA()
+    cert = ca.issue_cert("127.0.0.1", "localhost")
+    cert.private_key_pem.write_to_path(str(tmp_path / "tls.key"))
+    cert.cert_chain_pems[0].write_to_path(str(tmp_path / "tls.crt"))
+    ca.cert_pem.write_to_path(str(tmp_path / "ca.crt"))
+    cluster = Cluster(tmp_path)
+    try:
+        rep = cluster.replica(kv=False)
+        p, url = _spawn([PY, "-m", "router.cli", "--port", "0", "--replicas", rep.url, "--api-key", KEY,
+                         "--tls-cert", str(tmp_path / "tls.crt"), "--tls-key", str(tmp_path / "tls.key")],
+                        tmp_path / "router-tls.log", r"listening on (https://\S+)")
+        cluster.procs.append(Proc(p, url, tmp_path / "router-tls.log"))
+        body = {"model": "test-model", "prompt": "hello", "max_tokens": 1}
+        good = {"Authorization": f"Bearer {KEY}"}
+        with httpx.Client(timeout=15, verify=ssl.create_default_context(cafile=str(tmp_path / "ca.crt"))) as c:
+            for _ in range(100):  # answered once the app has started
+                try:
+                    if c.get(url + "/health").status_code == 200:
+                        break
+                except httpx.TransportError:
+                    pass
+                time.sleep(0.2)
+            assert c.post(url + "/v1/completions", json=body).status_code == 401
+            r = c.post(url + "/v1/completions", headers=good, json=body)
+            assert r.status_code == 200, r.text[:300]
+            assert r.json()["choices"], r.text[:300]
+        # Plain HTTP on the same port: no HTTP response, whatever the request carries.
+        plain = url.replace("https://", "http://")
+        with pytest.raises(httpx.TransportError):
+            httpx.post(plain + "/v1/completions", headers=good, json=body, timeout=5)
+        raw = _raw(plain, b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert not raw.startswith(b"HTTP/"), raw[:100]
+        with pytest.raises(httpx.ConnectError):  # a CA the client does not trust fails the handshake
+            httpx.get(url + "/health", timeout=5)
+        # Only one of --tls-cert/--tls-key, or an unreadable pair, is a clear startup error.
+        for args, msg in ((["--tls-cert", str(tmp_path / "tls.crt")], "go together"),
+                          (["--tls-cert", str(tmp_path / "tls.key"), "--tls-key", str(tmp_path / "tls.crt")],
+                           "cannot load TLS")):
+            r2 = subprocess.run([PY, "-m", "router.cli", "--port", "0", "--replicas", rep.url, *args],
+                                capture_output=True, text=True, timeout=120, cwd=ROOT)
+            assert r2.returncode == 2 and msg in r2.stderr, (r2.returncode, r2.stderr[-500:])
+    finally:
+        cluster.close()
