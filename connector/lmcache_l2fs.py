@@ -223,8 +223,10 @@ class L2fsConnector(RemoteConnector):
             md = RemoteMetadata.deserialize(bytes(buf[:hdr]))
             if md.length != n - hdr or md.length <= 0 or md.length > self.full_chunk_size_bytes:
                 raise ValueError(f"header length {md.length} vs {n - hdr} data bytes")
-            if md.fmt != self.meta_fmt or list(md.dtypes) != list(self.meta_dtypes):
-                raise ValueError(f"format {md.fmt}/{md.dtypes} != {self.meta_fmt}/{self.meta_dtypes}")
+            # Any MemoryFormat the header names is fine (layerwise stores KV_T2D/KV_2TD, not meta_fmt), as in
+            # LMCache's fs connector; the dtype must still be the engine's.
+            if list(md.dtypes) != list(self.meta_dtypes):
+                raise ValueError(f"dtypes {md.dtypes} != {self.meta_dtypes}")
             want = sum(s.numel() * d.itemsize for s, d in zip(md.shapes, md.dtypes, strict=True))
             if want != md.length:
                 raise ValueError(f"shapes {md.shapes} need {want} bytes, header says {md.length}")
