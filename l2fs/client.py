@@ -15,6 +15,7 @@ Conventions:
 from __future__ import annotations
 
 import asyncio
+import errno
 import functools
 import logging
 import os
@@ -107,8 +108,30 @@ class ClusterReport:
 _TRANSIENT = {grpc.StatusCode.UNAVAILABLE}
 
 
+def _errno(e: grpc.RpcError) -> int | None:
+    """The errno the server attached as trailing metadata `l2fs-errno` (e.g. ENOTEMPTY), if any."""
+    try:
+        md = e.trailing_metadata() or ()
+    except Exception:  # noqa: BLE001 - not every RpcError carries a call
+        return None
+    for key, value in md:
+        if key == "l2fs-errno":
+            code = getattr(errno, str(value), None)
+            return code if isinstance(code, int) else None
+    return None
+
+
 def _error(e: grpc.RpcError) -> L2fsError:
-    """Map a gRPC status to the client's exception types (message kept)."""
+    """Map a gRPC status to the client's exception types (message kept; `.errno` set when the server
+    named one, so callers such as the FUSE mount need not parse messages)."""
+    exc = _error_type(e)
+    code = _errno(e)
+    if code is not None:
+        exc.errno = code
+    return exc
+
+
+def _error_type(e: grpc.RpcError) -> L2fsError:
     code, msg = e.code(), e.details() or str(e.code())
     if code == grpc.StatusCode.INVALID_ARGUMENT:
         return InvalidPath(msg) if "path" in msg else InvalidArgument(msg)

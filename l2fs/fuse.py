@@ -43,7 +43,6 @@ from l2fs.client import (
     L2fsError,
     NotFound,
     PermissionDenied,
-    Unavailable,
 )
 
 log = logging.getLogger("l2fs.fuse")
@@ -58,6 +57,9 @@ def errno_of(exc: BaseException) -> int:
     """Map an l2fs client exception to the errno the kernel should see."""
     if isinstance(exc, pyfuse3.FUSEError):
         return exc.errno
+    named = getattr(exc, "errno", None)  # set by the client from the server's `l2fs-errno` metadata
+    if isinstance(named, int) and named:
+        return named
     msg = str(exc).lower()
     if isinstance(exc, NotFound):
         return errno.ENOENT
@@ -69,17 +71,7 @@ def errno_of(exc: BaseException) -> int:
         return errno.EFBIG if "max file size" in msg else errno.EINVAL
     if isinstance(exc, PermissionDenied):
         return errno.EACCES
-    if isinstance(exc, Unavailable):
-        return errno.ENOSPC if "can hold" in msg else errno.EIO
-    if isinstance(exc, OSError) and exc.errno:
-        return exc.errno
-    if isinstance(exc, L2fsError):  # FAILED_PRECONDITION and friends carry the reason in the message
-        for needle, code in (("not empty", errno.ENOTEMPTY), ("not a directory", errno.ENOTDIR),
-                             ("is a directory", errno.EISDIR), ("is a file", errno.ENOTDIR),
-                             ("inside itself", errno.EINVAL)):
-            if needle in msg:
-                return code
-    return errno.EIO
+    return errno.EIO  # Unavailable (dead master/worker) and anything unexpected
 
 
 def _join(parent: str, name: str) -> str:

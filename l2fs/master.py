@@ -61,11 +61,13 @@ DROPPED = Counter("l2fs_master_dropped_files_total", "Files dropped from the nam
 
 
 class RpcError(Exception):
-    """Raised inside handlers; turned into a gRPC status with a message."""
+    """Raised inside handlers; turned into a gRPC status with a message. `errno_name` (e.g. "ENOTEMPTY")
+    travels as trailing metadata `l2fs-errno`, so clients (the FUSE mount) map errors without parsing text."""
 
-    def __init__(self, code: grpc.StatusCode, msg: str) -> None:
+    def __init__(self, code: grpc.StatusCode, msg: str, errno_name: str | None = None) -> None:
         super().__init__(msg)
         self.code = code
+        self.errno_name = errno_name
 
 
 @dataclass(slots=True)
@@ -108,6 +110,8 @@ def _rpc(method: Callable) -> Callable:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except RpcError as e:
             RPC_ERRORS.labels(name, e.code.name).inc()
+            if e.errno_name:
+                context.set_trailing_metadata((("l2fs-errno", e.errno_name),))
             context.abort(e.code, str(e))
         finally:
             RPC_LATENCY.labels(name).observe(time.perf_counter() - t0)
@@ -147,7 +151,7 @@ class MasterService(pbg.MasterServicer):
         p = path
         while p not in self.children:
             if p in self.files:
-                raise RpcError(grpc.StatusCode.FAILED_PRECONDITION, f"{p} is a file, not a directory")
+                raise RpcError(grpc.StatusCode.FAILED_PRECONDITION, f"{p} is a file, not a directory", "ENOTDIR")
             missing.append(p)
             p = parent_of(p)
         for d in reversed(missing):
@@ -156,7 +160,7 @@ class MasterService(pbg.MasterServicer):
 
     def _add_file(self, path: str, entry: FileEntry) -> None:
         if path in self.children:
-            raise RpcError(grpc.StatusCode.FAILED_PRECONDITION, f"{path} is a directory")
+            raise RpcError(grpc.StatusCode.FAILED_PRECONDITION, f"{path} is a directory", "EISDIR")
         self._ensure_dirs(parent_of(path))
         self.files[path] = entry
         self.blocks[entry.block_id] = path
@@ -378,7 +382,7 @@ class MasterService(pbg.MasterServicer):
             if request.if_absent and path in self.files:
                 return pb.AllocateResponse(exists=True)
             if path in self.children:
-                raise RpcError(grpc.StatusCode.FAILED_PRECONDITION, f"{path} is a directory")
+                raise RpcError(grpc.StatusCode.FAILED_PRECONDITION, f"{path} is a directory", "EISDIR")
             w = self._place(request.size, request.node_id, set(request.exclude_workers))
             w.used += request.size  # estimate until the next heartbeat, spreads concurrent writers
             return pb.AllocateResponse(block_id=uuid.uuid4().hex, worker=pb.Location(
@@ -389,7 +393,7 @@ class MasterService(pbg.MasterServicer):
         alive = [w for w in self.workers.values()
                  if w.alive and w.capacity >= size and w.worker_id not in exclude]
         if not alive:
-            raise RpcError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"no live worker can hold {size} bytes")
+            raise RpcError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"no live worker can hold {size} bytes", "ENOSPC")
         local = [w for w in alive if node_id and w.node_id == node_id]
         for w in local:
             if w.capacity * 0.9 - w.used >= size:
@@ -504,10 +508,10 @@ class MasterService(pbg.MasterServicer):
         kids = self.children.get(path)
         if kids is None:
             if path in self.files:
-                raise RpcError(grpc.StatusCode.FAILED_PRECONDITION, f"{path} is a file, not a directory")
+                raise RpcError(grpc.StatusCode.FAILED_PRECONDITION, f"{path} is a file, not a directory", "ENOTDIR")
             raise RpcError(grpc.StatusCode.NOT_FOUND, f"{path}: no such directory")
         if kids:
-            raise RpcError(grpc.StatusCode.FAILED_PRECONDITION, f"{path}: directory not empty")
+            raise RpcError(grpc.StatusCode.FAILED_PRECONDITION, f"{path}: directory not empty", "ENOTEMPTY")
         del self.children[path]
         self.children[parent_of(path)].discard(path.rsplit("/", 1)[1])
 
@@ -535,13 +539,13 @@ class MasterService(pbg.MasterServicer):
                     raise RpcError(grpc.StatusCode.NOT_FOUND, f"{src}: no such file or directory")
             return pb.Empty()
         if dst.startswith(src + "/"):
-            raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, f"cannot move {src} inside itself")
+            raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, f"cannot move {src} inside itself", "EINVAL")
         moved: list[tuple[str, str, str]] = []  # (worker_id, block_id, new path)
         replaced: FileEntry | None = None
         with self.lock:
             if src in self.files:
                 if dst in self.children:
-                    raise RpcError(grpc.StatusCode.FAILED_PRECONDITION, f"{dst} is a directory")
+                    raise RpcError(grpc.StatusCode.FAILED_PRECONDITION, f"{dst} is a directory", "EISDIR")
                 if dst in self.files and not request.overwrite:
                     raise RpcError(grpc.StatusCode.ALREADY_EXISTS, f"{dst} already exists")
                 self._ensure_dirs(parent_of(dst))
@@ -552,10 +556,10 @@ class MasterService(pbg.MasterServicer):
                 moved.append((e.worker_id, e.block_id, dst))
             elif src in self.children:
                 if dst in self.files:
-                    raise RpcError(grpc.StatusCode.FAILED_PRECONDITION, f"{dst} is a file")
+                    raise RpcError(grpc.StatusCode.FAILED_PRECONDITION, f"{dst} is a file", "ENOTDIR")
                 if dst in self.children:
                     if self.children[dst]:
-                        raise RpcError(grpc.StatusCode.FAILED_PRECONDITION, f"{dst}: directory not empty")
+                        raise RpcError(grpc.StatusCode.FAILED_PRECONDITION, f"{dst}: directory not empty", "ENOTEMPTY")
                     if not request.overwrite:
                         raise RpcError(grpc.StatusCode.ALREADY_EXISTS, f"{dst} already exists")
                     self._rmdir(dst)

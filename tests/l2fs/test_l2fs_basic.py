@@ -157,3 +157,25 @@ def test_duplicate_content_detector(tmp_path) -> None:  # noqa: ANN001
         assert c.report().duplicate_files == 1
         c.rm("/kv/seed-a/chunk0")
         assert c.report().duplicate_files == 0
+
+
+def test_namespace_errors_carry_errno(cluster: LocalCluster) -> None:
+    """The master names an errno for namespace conflicts (trailing metadata), so the FUSE mount and other
+    callers map errors without parsing message text."""
+    import errno
+
+    c = cluster.client(node_id="node-1")
+    c.put("/errno/dir/f", b"x")
+    c.put("/errno/file", b"y")
+    cases = [
+        (lambda: c.rmdir("/errno/dir"), errno.ENOTEMPTY),
+        (lambda: c.mkdir("/errno/file/sub"), errno.ENOTDIR),
+        (lambda: c.put("/errno/dir", b"z", if_absent=False), errno.EISDIR),
+        (lambda: c.rename("/errno/file", "/errno/dir"), errno.EISDIR),
+        (lambda: c.rename("/errno/dir", "/errno/dir/inner"), errno.EINVAL),
+    ]
+    for call, want in cases:
+        with pytest.raises(L2fsError) as ei:
+            call()
+        assert getattr(ei.value, "errno", None) == want, (ei.value, want)
+    assert c.get("/errno/dir/f") == b"x" and c.get("/errno/file") == b"y"  # nothing lost
