@@ -251,6 +251,11 @@ def test_dead_master_fails_fast_and_recovers(tmp_path: Path, mount_factory: Call
         with pytest.raises(OSError) as ei:  # over the cluster's max file size: refused at close
             (m / "big").write_bytes(b"x" * (2 << 20))
         assert ei.value.errno == errno.EFBIG
+        # the refused new file is dropped; the kernel forgets its dentry through an asynchronous
+        # invalidation, so allow the attribute-cache bound (1 s) for the name to vanish
+        deadline = time.monotonic() + 2.0
+        while (m / "big").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
         assert not (m / "big").exists()
         c.kill_master(signal.SIGKILL)
         for op in (lambda: os.stat(m / "new-name"), lambda: (m / "f2").write_bytes(b"x"),
