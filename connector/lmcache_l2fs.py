@@ -146,7 +146,8 @@ class L2fsConnector(RemoteConnector):
         except L2Down:
             pass
         except Exception as e:  # noqa: BLE001 - start-up must never fail because of L2
-            log.warning("kvtier: l2fs start-up check failed: %s", e)
+            if not self._closed:  # closed before the check ran: its channel is gone, nothing to report
+                log.warning("kvtier: l2fs start-up check failed: %s", e)
 
     def _guard(self, fn: Callable[[], T]) -> T:
         """Run a metadata call through the breaker; Unavailable opens it. Other errors propagate."""
