@@ -66,7 +66,7 @@ def run_peer(peer: Path, test_file: str, tmpdir: Path, *extra: str) -> tuple[int
     out = r.stdout + r.stderr
     passed = re.findall(r"^PASSED (\S+)", out, re.M)
     failed = re.findall(r"^(?:FAILED|ERROR|SKIPPED) (\S+.*)$", out, re.M)
-    print(f"lmcache peer {test_file} on the mount: {len(passed)} passed, not passed: {failed}")
+    print(f"lmcache peer {test_file} (TMPDIR {tmpdir}): {len(passed)} passed, not passed: {failed}")
     return r.returncode, passed, failed, out
 
 
