@@ -47,7 +47,7 @@ from l2fs.common import (
     start_metrics_server,
     write_port_file,
 )
-from l2fs.dataplane import DataServer
+from l2fs.dataplane import DATA_IDLE_TIMEOUT, DATA_MAX_CONNS, DataServer
 from l2fs.proto import l2fs_pb2 as pb
 from l2fs.proto import l2fs_pb2_grpc as pbg
 
@@ -62,6 +62,10 @@ BYTES_WRITTEN = Counter("l2fs_worker_bytes_written_total", "Bytes sealed (gRPC a
 EVICTIONS = Counter("l2fs_worker_evictions_total", "Blocks evicted to stay under the watermark")
 DEMOTIONS = Counter("l2fs_worker_demotions_total", "Blocks moved to a slower tier instead of evicted")
 EVICTED_BYTES = Counter("l2fs_worker_evicted_bytes_total", "Bytes evicted")
+RESERVE_REJECTS = Counter("l2fs_worker_reserve_rejects_total",
+                          "Writes refused because too many bytes were promised to unfinished writes")
+RESERVED_FRACTION = 0.25  # unsealed bytes a data dir admits, as a fraction of its capacity
+RESERVATION_TTL = 30.0  # seconds an unadopted short-circuit reservation is held
 CORRUPT = Counter("l2fs_worker_corrupt_blocks_total", "Blocks dropped after a checksum mismatch")
 CAPACITY = Gauge("l2fs_worker_capacity_bytes", "Capacity over all data dirs")
 USED = Gauge("l2fs_worker_used_bytes", "Used bytes over all data dirs (sealed + reserved)")
@@ -105,6 +109,7 @@ class DataDir:
         self.capacity = capacity
         self.tier = tier
         self.used = 0  # sealed + reserved bytes
+        self.reserved = 0  # bytes promised to writes not yet sealed (part of `used`)
         (root / "blocks").mkdir(parents=True, exist_ok=True)
         (root / "tmp").mkdir(parents=True, exist_ok=True)
         self.db = sqlite3.connect(root / "manifest.sqlite3", check_same_thread=False, isolation_level=None)
@@ -127,14 +132,19 @@ class Store:
 
     def __init__(self, dirs: list[tuple[Path, int]] | list[tuple[Path, int, int]], *, high: float = 0.9,
                  low: float = 0.8, max_file_size: int = DEFAULT_MAX_FILE_SIZE,
-                 evict_granularity: float = 1.0) -> None:
+                 evict_granularity: float = 1.0, max_reserved: float = RESERVED_FRACTION,
+                 reservation_ttl: float = RESERVATION_TTL) -> None:
         self.lock = threading.RLock()
         self.dirs = [DataDir(*d) for d in dirs]
         self.high, self.low = high, low
         self.max_file_size = max_file_size
         self.evict_granularity = evict_granularity
+        self.max_reserved = max_reserved
+        self.reservation_ttl = reservation_ttl
         self.blocks: dict[str, Block] = {}
-        self.reservations: dict[str, tuple[int, int, float]] = {}  # bid -> (dir, size, since)
+        # bid -> (dir, size, since, expires): short-circuit reservations expire, streamed ones are
+        # released by the thread that receives the bytes
+        self.reservations: dict[str, tuple[int, int, float, bool]] = {}
         self.removed: list[tuple[str, str]] = []  # (block_id, reason) not yet reported to the master
         self.moved: list[tuple[str, str]] = []  # (block_id, new local path) not yet reported
         self._dirty_access: set[str] = set()
@@ -182,9 +192,15 @@ class Store:
 
     # ---------- space ----------
 
-    def reserve(self, bid: str, size: int) -> int:
-        """Pick a dir and make room (evicting first, never ENOSPC); returns the dir index."""
-        if size > self.max_file_size:
+    def reserve(self, bid: str, size: int, *, expires: bool = False) -> int:
+        """Pick a dir and promise `size` bytes to a write; returns the dir index.
+
+        Why no eviction here: a promise is not data, and evicting for it let any client flush the cache
+        with empty reservations. Live blocks are evicted when bytes are sealed (`seal`); here only when the
+        dir would otherwise go past its capacity (a single reservation larger than the headroom above the
+        high watermark). Unsealed bytes per dir are capped at `max_reserved` x capacity (one reservation is
+        always admitted, so a single large write works): beyond it RESOURCE_EXHAUSTED, a write miss."""
+        if size < 0 or size > self.max_file_size:
             raise RpcError(grpc.StatusCode.INVALID_ARGUMENT,
                            f"block of {size} bytes exceeds the max file size {self.max_file_size}")
         with self.lock:
@@ -194,15 +210,24 @@ class Store:
             if not fits:
                 raise RpcError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                f"block of {size} bytes is larger than {self.low:.0%} of every data dir")
-            # new data goes to the fastest tier; its coldest blocks move down (or out) to make room
-            fastest = min(self.dirs[j].tier for j in fits)
-            i = max((j for j in fits if self.dirs[j].tier == fastest),
+            free = [j for j in fits if self.dirs[j].reserved == 0
+                    or self.dirs[j].reserved + size <= self.dirs[j].capacity * self.max_reserved]
+            if not free:
+                RESERVE_REJECTS.inc()
+                pending = sum(self.dirs[j].reserved for j in fits)
+                raise RpcError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                               f"too many bytes promised to unfinished writes ({pending} reserved; each data dir "
+                               f"admits {self.max_reserved:.0%} of its capacity): retry after they complete")
+            # new data goes to the fastest tier; its coldest blocks move down (or out) when it is sealed
+            fastest = min(self.dirs[j].tier for j in free)
+            i = max((j for j in free if self.dirs[j].tier == fastest),
                     key=lambda j: self.dirs[j].capacity - self.dirs[j].used)
             d = self.dirs[i]
-            if d.used + size > d.capacity * self.high:
-                self._evict(i, d.capacity * self.low - size)
+            if d.used + size > d.capacity:  # the bytes would not fit at all: make room now
+                self._evict(i, d.capacity - size)
             d.used += size
-            self.reservations[bid] = (i, size, time.monotonic())
+            d.reserved += size
+            self.reservations[bid] = (i, size, time.monotonic(), expires)
             self._gauges()
             return i
 
@@ -212,15 +237,16 @@ class Store:
             r = self.reservations.pop(bid, None)
             if r is not None:
                 self.dirs[r[0]].used -= r[1]
+                self.dirs[r[0]].reserved -= r[1]
                 self.dirs[r[0]].tmp_file(bid).unlink(missing_ok=True)
                 self._gauges()
 
-    def _evict(self, i: int, target: float) -> None:
-        """Free dir i down to `target` bytes: coldest read first, deepest chain position first. A victim
+    def _evict(self, i: int, target: float, keep: str | None = None) -> None:
+        """Free dir i down to `target` used bytes (sealed + reserved): coldest read first, deepest chain position first. A victim
         moves to a slower tier when there is one (which makes room the same way), else it is deleted."""
         d = self.dirs[i]
         g = self.evict_granularity
-        victims = sorted((b for b in self.blocks.values() if b.dir_idx == i),
+        victims = sorted((b for b in self.blocks.values() if b.dir_idx == i and b.block_id != keep),
                          key=lambda b: (int(b.last_access / g), -b.order_hint, b.last_access))
         for b in victims:
             if d.used <= target:
@@ -229,8 +255,8 @@ class Store:
             if slower:
                 j = min(slower, key=lambda j: (self.dirs[j].tier, self.dirs[j].used - self.dirs[j].capacity))
                 dj = self.dirs[j]
-                if dj.used + b.size > dj.capacity * self.high:
-                    self._evict(j, dj.capacity * self.low - b.size)
+                if dj.used - dj.reserved + b.size > dj.capacity * self.high:
+                    self._evict(j, dj.capacity * self.low - b.size + dj.reserved)
                 if self._move(b, j):
                     continue
             self._delete(b.block_id, "evicted")
@@ -261,15 +287,22 @@ class Store:
         self._gauges()
         return True
 
+    def _over_high(self, i: int, keep: str | None = None) -> None:
+        """Sealed bytes of dir i above the high watermark: evict them down to the low one (promised bytes
+        do not count, so pending reservations never push live blocks out)."""
+        d = self.dirs[i]
+        if d.used - d.reserved > d.capacity * self.high:
+            self._evict(i, d.capacity * self.low + d.reserved, keep)
+
     def maybe_evict(self) -> None:
-        """Background check: bring any dir above the high watermark down to the low one."""
+        """Background check: bring any dir above the high watermark down to the low one, and drop
+        short-circuit reservations whose writer went away."""
         with self.lock:
-            for i, d in enumerate(self.dirs):
-                if d.used > d.capacity * self.high:
-                    self._evict(i, d.capacity * self.low)
+            for i in range(len(self.dirs)):
+                self._over_high(i)
             now = time.monotonic()
-            for bid, (_, _, since) in list(self.reservations.items()):
-                if now - since > 300:  # an abandoned short-circuit write
+            for bid, (_, _, since, expires) in list(self.reservations.items()):
+                if expires and now - since > self.reservation_ttl:
                     self.release(bid)
 
     # ---------- blocks ----------
@@ -280,17 +313,19 @@ class Store:
             r = self.reservations.pop(bid, None)
             if r is None:
                 raise RpcError(grpc.StatusCode.FAILED_PRECONDITION, f"block {bid} has no reservation")
-            i, reserved, _ = r
+            i, reserved = r[0], r[1]
             d = self.dirs[i]
             dst = d.block_file(bid)
             dst.parent.mkdir(exist_ok=True)
             os.replace(src, dst)
             d.used += size - reserved
+            d.reserved -= reserved
             now = time.time()
             b = Block(bid, i, path, size, crc, now, now, order_hint)
             self.blocks[bid] = b
             d.db.execute("INSERT OR REPLACE INTO blocks VALUES (?,?,?,?,1,?,?,?)",
                          (bid, path, size, crc, now, now, order_hint))
+            self._over_high(i, keep=bid)  # the bytes are here now: make room for them (never by dropping them)
             self._gauges()
         BYTES_WRITTEN.inc(size)
         return b
@@ -470,7 +505,7 @@ class WorkerService(pbg.WorkerServicer):
     @_rpc
     def ReserveLocal(self, request: pb.ReserveRequest, context: Any) -> pb.ReserveResponse:  # noqa: N802
         bid = _check_block_id(request.block_id)
-        i = self.store.reserve(bid, request.size)
+        i = self.store.reserve(bid, request.size, expires=True)
         self._on_removed()
         return pb.ReserveResponse(tmp_path=str(self.store.dirs[i].tmp_file(bid)))
 
@@ -492,6 +527,7 @@ class WorkerService(pbg.WorkerServicer):
             raise RpcError(grpc.StatusCode.INVALID_ARGUMENT,
                            f"local block file has {actual} bytes, expected {request.size}")
         b = self.store.seal(bid, path, request.size, request.crc32c, request.order_hint, tmp)
+        self._on_removed()  # sealing may have evicted: tell the master now
         return pb.WriteResult(block_id=bid, size=b.size, crc32c=b.crc32c, local_path=self.store.local_path(b))
 
     @_rpc
@@ -529,7 +565,8 @@ class Worker:
 
     def __init__(self, store: Store, *, master: str, node_id: str, worker_id: str, host: str, port: int,
                  advertise: str | None, heartbeat_interval: float, token: str | None, tls_cert: str | None,
-                 tls_key: str | None, tls_ca: str | None, threads: int = 32, data_port: int | None = 0) -> None:
+                 tls_key: str | None, tls_ca: str | None, threads: int = 32, data_port: int | None = 0,
+                 data_max_conns: int = DATA_MAX_CONNS, data_idle_timeout: float = DATA_IDLE_TIMEOUT) -> None:
         self.store = store
         self.node_id, self.worker_id = node_id, worker_id
         self.heartbeat_interval = heartbeat_interval
@@ -550,7 +587,8 @@ class Worker:
         self.address = advertise or f"{host}:{self.port}"
         self.data: DataServer | None = None
         if data_port is not None and not creds:  # raw TCP is plaintext: TLS clusters use gRPC only
-            self.data = DataServer(store, host, data_port, token, self._wake.set)
+            self.data = DataServer(store, host, data_port, token, self._wake.set, max_conns=data_max_conns,
+                                   idle_timeout=data_idle_timeout)
         adv_host = self.address.rpartition(":")[0]
         self.data_address = f"{adv_host}:{self.data.port}" if self.data else ""
         self.master = pbg.MasterStub(make_channel(master, tls_ca))
@@ -698,6 +736,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--high-watermark", type=float, default=0.9)
     p.add_argument("--low-watermark", type=float, default=0.8)
     p.add_argument("--max-file-size", default=str(DEFAULT_MAX_FILE_SIZE))
+    p.add_argument("--max-reserved", type=float, default=RESERVED_FRACTION,
+                   help="fraction of a data dir's capacity that unfinished writes may reserve; one write is "
+                        "always admitted, more beyond it get RESOURCE_EXHAUSTED")
+    p.add_argument("--reservation-ttl", type=float, default=RESERVATION_TTL,
+                   help="seconds an unadopted short-circuit reservation is held")
+    p.add_argument("--data-max-conns", type=int, default=DATA_MAX_CONNS,
+                   help="concurrent data-plane connections; more are refused with a message")
+    p.add_argument("--data-idle-timeout", type=float, default=DATA_IDLE_TIMEOUT,
+                   help="seconds an idle data-plane connection is kept")
     p.add_argument("--token", default=None, help="require this bearer token (also $L2FS_TOKEN)")
     p.add_argument("--tls-cert")
     p.add_argument("--tls-key")
@@ -717,13 +764,21 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     dirs = [parse_data_dir(s) for s in args.data_dir]
     token = args.token or os.environ.get("L2FS_TOKEN") or None
+    if not 0 < args.max_reserved <= 1 or args.reservation_ttl <= 0:
+        print("l2fs worker: need 0 < --max-reserved <= 1 and --reservation-ttl > 0", file=sys.stderr)
+        return 2
+    if args.data_max_conns < 1 or args.data_idle_timeout <= 0:
+        print("l2fs worker: need --data-max-conns >= 1 and --data-idle-timeout > 0", file=sys.stderr)
+        return 2
     store = Store(dirs, high=args.high_watermark, low=args.low_watermark,
-                  max_file_size=parse_size(args.max_file_size))
+                  max_file_size=parse_size(args.max_file_size), max_reserved=args.max_reserved,
+                  reservation_ttl=args.reservation_ttl)
     worker = Worker(store, master=args.master, node_id=args.node_id,
                     worker_id=args.worker_id or _worker_id(dirs[0][0], args.node_id), host=args.host,
                     port=args.port, advertise=args.advertise, heartbeat_interval=args.heartbeat_interval,
                     token=token, tls_cert=args.tls_cert, tls_key=args.tls_key, tls_ca=args.tls_ca,
-                    data_port=None if args.data_port < 0 else args.data_port)
+                    data_port=None if args.data_port < 0 else args.data_port,
+                    data_max_conns=args.data_max_conns, data_idle_timeout=args.data_idle_timeout)
     worker.start()
     metrics_port = None
     if args.metrics_port is not None:
