@@ -22,21 +22,27 @@ import socket
 import struct
 import threading
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import crc32c
+from prometheus_client import Counter
 
 if TYPE_CHECKING:
     from l2fs.worker import Store
 
 log = logging.getLogger("l2fs.dataplane")
+REFUSED = Counter("l2fs_worker_data_refused_total", "Data-plane connections refused over the connection limit")
 
 MAGIC = b"L2D1"
-OK, NOT_FOUND, DENIED, BAD = 0, 1, 2, 3
+OK, NOT_FOUND, DENIED, BAD, BUSY = 0, 1, 2, 3, 4
 _HDR = struct.Struct("<4scH")
 _READ_OK = struct.Struct("<QI")
 _WRITE_HDR = struct.Struct("<Qq")
 BUF = 4 << 20
+DATA_MAX_CONNS = 256  # concurrent connections a worker serves (one thread each)
+DATA_IDLE_TIMEOUT = 30.0  # seconds an idle connection is kept open
+BUSY_MSG = "worker data plane busy: too many connections (limit {}); use gRPC or retry"
 
 
 class DataPlaneError(Exception):
@@ -45,6 +51,11 @@ class DataPlaneError(Exception):
     def __init__(self, status: int, msg: str) -> None:
         super().__init__(msg)
         self.status = status
+
+
+class DataPlaneBusy(ConnectionError):
+    """Worker refused for load (connection limit, too many pending writes): an OSError, so callers treat
+    it like an unreachable worker (reads miss, writes try another worker) rather than as bad input."""
 
 
 def _recv_exact(sock: socket.socket, n: int) -> bytes:
@@ -63,14 +74,33 @@ def _send_err(sock: socket.socket, status: int, msg: str) -> None:
     sock.sendall(struct.pack("<BH", status, len(m)) + m)
 
 
+def _alive(s: socket.socket) -> bool:
+    """A pooled socket is reusable when the peer has not closed it and sent nothing unasked."""
+    try:
+        s.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)  # b"": closed; bytes: out of step
+        return False
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
+
+
 # ---------------------------------------------------------------- server
 
 
 class DataServer:
-    """Accept loop + one thread per connection; each serves requests until the client closes."""
+    """Accept loop + one thread per connection; each serves requests until the client closes or idles.
 
-    def __init__(self, store: Store, host: str, port: int, token: str | None, on_change: callable) -> None:
+    Why bounded: a thread per connection is cheap until a flood; past `max_conns` a connection gets an
+    error answer at once and is closed (the client falls back to gRPC or misses), and idle ones close
+    after `idle_timeout` (clients check pooled sockets before reuse)."""
+
+    def __init__(self, store: Store, host: str, port: int, token: str | None, on_change: Callable[[], None], *,
+                 max_conns: int = DATA_MAX_CONNS, idle_timeout: float = DATA_IDLE_TIMEOUT) -> None:
         self.store = store
+        self.max_conns = max_conns
+        self.idle_timeout = idle_timeout
+        self._slots = threading.BoundedSemaphore(max_conns)
         self.token = (token or "").encode()
         self._on_change = on_change
         self.sock = socket.create_server((host, port), reuse_port=False, backlog=128)
@@ -93,14 +123,39 @@ class DataServer:
                 conn, _ = self.sock.accept()
             except OSError:
                 return
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            threading.Thread(target=self._serve, args=(conn,), name="l2fs-data-conn", daemon=True).start()
+            if not self._slots.acquire(blocking=False):
+                self._refuse(conn)
+                continue
+            try:
+                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                threading.Thread(target=self._serve, args=(conn,), name="l2fs-data-conn", daemon=True).start()
+            except BaseException:
+                self._slots.release()
+                conn.close()
+                raise
+
+    def _refuse(self, conn: socket.socket) -> None:
+        """Over the connection limit: answer the first request with BUSY, without a thread."""
+        REFUSED.inc()
+        try:
+            conn.setblocking(False)
+            _send_err(conn, BUSY, BUSY_MSG.format(self.max_conns))
+        except OSError:
+            pass
+        finally:
+            conn.close()
 
     def _serve(self, conn: socket.socket) -> None:
+        try:
+            self._serve_conn(conn)
+        finally:
+            self._slots.release()
+
+    def _serve_conn(self, conn: socket.socket) -> None:
         from l2fs.common import PathError, norm_path
         from l2fs.worker import RpcError, _check_block_id
 
-        conn.settimeout(300)  # idle connections close eventually
+        conn.settimeout(self.idle_timeout)  # idle connections close, freeing their slot
         with conn:
             while True:
                 try:
@@ -178,12 +233,14 @@ class DataServer:
         BYTES_READ.inc(b.size)
 
     def _write(self, conn: socket.socket, bid: str, path: str, size: int, hint: int) -> bool:
+        import grpc
+
         from l2fs.worker import RpcError
 
         try:
             i = self.store.reserve(bid, size)
         except RpcError as e:
-            _send_err(conn, BAD, str(e))
+            _send_err(conn, BUSY if e.code == grpc.StatusCode.RESOURCE_EXHAUSTED else BAD, str(e))
             return False
         finally:
             self._on_change()
@@ -207,6 +264,7 @@ class DataServer:
         finally:
             if not ok:
                 self.store.release(bid)
+            self._on_change()  # sealing may have evicted: tell the master now
         lp = self.store.local_path(b).encode()
         conn.sendall(bytes([OK]) + struct.pack("<IH", crc, len(lp)) + lp)
         return True
@@ -231,10 +289,15 @@ class DataClient:
             s.close()
 
     def _get(self, address: str, deadline: float) -> socket.socket:
-        with self._lock:
-            lst = self._idle.get(address)
-            if lst:
-                return lst.pop()
+        while True:
+            with self._lock:
+                lst = self._idle.get(address)
+                s = lst.pop() if lst else None
+            if s is None:
+                break
+            if _alive(s):
+                return s
+            s.close()  # the worker closed it (idle timeout, restart): not worth a miss
         host, _, port = address.rpartition(":")
         s = socket.create_connection((host, int(port)), timeout=max(0.001, deadline - time.monotonic()))
         s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -261,9 +324,10 @@ class DataClient:
         return _HDR.pack(MAGIC, op, len(self.token)) + self.token + bid.encode("ascii")
 
     @staticmethod
-    def _error(s: socket.socket, status: int) -> DataPlaneError:
+    def _error(s: socket.socket, status: int) -> DataPlaneError | DataPlaneBusy:
         (n,) = struct.unpack("<H", _recv_exact(s, 2))
-        return DataPlaneError(status, _recv_exact(s, n).decode(errors="replace"))
+        msg = _recv_exact(s, n).decode(errors="replace")
+        return DataPlaneBusy(msg) if status == BUSY else DataPlaneError(status, msg)
 
     def read(self, address: str, bid: str, deadline: float, into: memoryview | None = None
              ) -> tuple[bytes | int, int, int | None]:
