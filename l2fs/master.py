@@ -136,7 +136,7 @@ class MasterService(pbg.MasterServicer):
         self._token = token
         self._tls_ca = tls_ca
         self._stubs: dict[str, pbg.WorkerStub] = {}
-        self._bg = futures.ThreadPoolExecutor(4, thread_name_prefix="l2fs-master-bg")
+        self._bg = futures.ThreadPoolExecutor(8, thread_name_prefix="l2fs-master-bg")
         self._stop = threading.Event()
         threading.Thread(target=self._sweeper, name="l2fs-sweeper", daemon=True).start()
 
@@ -245,11 +245,21 @@ class MasterService(pbg.MasterServicer):
             return
 
         def send() -> None:
-            try:
-                getattr(self._worker_stub(address), call)(request, timeout=1.0,
-                                                          metadata=auth_metadata(self._token))
-            except grpc.RpcError as e:
-                log.warning("worker %s %s failed: %s", worker_id, call, e.code())
+            # in the background, retry with growing deadlines: a loaded worker that misses one 1 s
+            # deadline would otherwise keep a losing writer's orphan block until it restarts
+            attempts = 1 if wait else 3
+            for i in range(attempts):
+                try:
+                    getattr(self._worker_stub(address), call)(request, timeout=1.0 * (2 ** i),
+                                                              metadata=auth_metadata(self._token))
+                    return
+                except grpc.RpcError as e:
+                    if i + 1 == attempts or e.code() not in (grpc.StatusCode.DEADLINE_EXCEEDED,
+                                                             grpc.StatusCode.UNAVAILABLE):
+                        log.warning("worker %s %s failed: %s", worker_id, call, e.code())
+                        return
+                    if self._stop.wait(0.2 * (2 ** i)):
+                        return
 
         if wait:
             send()
