@@ -16,7 +16,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -28,15 +27,10 @@ from typing import Any
 
 import httpx
 
+from l2fs.common import free_port
+
 DEFAULT_DIR = Path(".kvtier")
 STATE_NAME = "up.json"
-
-
-def free_port() -> int:
-    """A TCP port that was free a moment ago on 127.0.0.1."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def log(msg: str) -> None:

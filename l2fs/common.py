@@ -6,6 +6,7 @@ import hmac
 import json
 import os
 import re
+import socket
 import threading
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -95,6 +96,13 @@ def parse_size(text: str | int) -> int:
         raise ValueError(f"bad size {text!r} (use e.g. 512M, 10G)")
     mult = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}[m.group(2).upper()]
     return int(float(m.group(1)) * mult)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free a moment ago (for launchers and tests that must name a port up front)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
 
 
 def write_port_file(path: str | None, **info: Any) -> None:

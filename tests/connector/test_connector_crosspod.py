@@ -13,10 +13,10 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import free_port
 
 from connector import keys as K
 from connector.replica import Replica, start_replica
+from l2fs.common import free_port
 from l2fs.local import LocalCluster
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1500)]

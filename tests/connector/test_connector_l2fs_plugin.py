@@ -15,7 +15,6 @@ import torch
 
 pytest.importorskip("lmcache")
 
-from conftest import free_port  # noqa: E402
 from lmcache.utils import CacheEngineKey  # noqa: E402
 from lmcache.v1.config import LMCacheEngineConfig  # noqa: E402
 from lmcache.v1.event_manager import EventManager  # noqa: E402
@@ -27,6 +26,7 @@ from lmcache.v1.storage_backend.storage_manager import StorageManager  # noqa: E
 from connector import keys as K  # noqa: E402
 from connector.config import lmcache_config  # noqa: E402
 from connector.fingerprint import record_and_check  # noqa: E402
+from l2fs.common import free_port  # noqa: E402
 from l2fs.local import LocalCluster  # noqa: E402
 
 MODEL = "org/tiny@v1%x"  # '/', '@' and '%' must all survive the file name

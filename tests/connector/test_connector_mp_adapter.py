@@ -16,7 +16,6 @@ import torch
 
 pytest.importorskip("lmcache")
 
-from conftest import free_port  # noqa: E402
 from lmcache.v1.distributed.api import ObjectKey  # noqa: E402
 from lmcache.v1.distributed.l2_adapters.config import parse_args_to_l2_adapters_config  # noqa: E402
 from lmcache.v1.distributed.l2_adapters.factory import create_l2_adapter_from_registry  # noqa: E402
@@ -25,6 +24,7 @@ from lmcache.v1.memory_management import MemoryFormat  # noqa: E402
 
 from connector import keys as K  # noqa: E402
 from connector.mp_l2fs import L2fsL2Adapter  # noqa: E402
+from l2fs.common import free_port  # noqa: E402
 from l2fs.local import LocalCluster  # noqa: E402
 
 SHAPE = torch.Size([2, 2, 256, 64])

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import Cluster, load_yaml
+from operator_helpers import Cluster, load_yaml
 
 from operator_patch.cli import PAUSED_KEY, REPLICAS_KEY, main
 from operator_patch.patch import SNAPSHOT_KEY, PatchConfig, check
@@ -289,7 +289,7 @@ def test_webhook_keeps_patch_across_operator_rerender(cluster: Cluster, tmp_path
     """The emulated API server calls the real webhook process (HTTPS) on every Deployment write, as a
     MutatingWebhookConfiguration would. After `apply`, the operator re-renders (a full PUT of its own
     rendering, which drops the manual patch); the webhook puts the l2fs settings back in admission."""
-    from conftest import start_webhook
+    from operator_helpers import start_webhook
 
     hook = start_webhook(tmp_path)
     try:

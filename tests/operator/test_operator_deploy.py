@@ -19,7 +19,7 @@ import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
-from conftest import load_yaml
+from operator_helpers import load_yaml
 
 from operator_patch.options import _FLAGS, add_config_args, config_from_args
 from operator_patch.patch import ENDPOINT_LABEL, mutate

@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 import yaml
-from conftest import free_port
+from operator_helpers import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -184,7 +184,7 @@ def test_router_command_discovers_the_pods_the_webhook_labels(cluster: Any, tmp_
     import copy
     import json
 
-    from conftest import load_yaml
+    from operator_helpers import load_yaml
 
     pytest.importorskip("router.l2", reason="kvtier router's --l2fs-master support (router/l2.py) is not in the tree yet")
 

@@ -12,7 +12,7 @@ import json
 import jsonpatch
 import kubernetes_validate
 import pytest
-from conftest import load_yaml
+from operator_helpers import load_yaml
 
 from operator_patch.patch import (
     ENDPOINT_LABEL,

@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import jsonpatch
 import pytest
-from conftest import Webhook, load_yaml, start_webhook
+from operator_helpers import Webhook, load_yaml, start_webhook
 
 from operator_patch.patch import PatchConfig, check
 
