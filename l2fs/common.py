@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import functools
 import hmac
 import json
 import os
 import re
+import signal
 import socket
 import threading
+import time
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -39,6 +42,55 @@ CLIENT_OPTIONS = [
 
 class PathError(ValueError):
     """A path that l2fs refuses (mapped to INVALID_ARGUMENT / InvalidPath)."""
+
+
+class RpcError(Exception):
+    """Raised inside master/worker handlers; turned into a gRPC status with a message. `errno_name`
+    (e.g. "ENOTEMPTY") travels as trailing metadata `l2fs-errno`, so clients (the FUSE mount) map errors
+    without parsing text."""
+
+    def __init__(self, code: grpc.StatusCode, msg: str, errno_name: str | None = None) -> None:
+        super().__init__(msg)
+        self.code = code
+        self.errno_name = errno_name
+
+
+def rpc_handler(latency: Any, errors: Any | None = None) -> Callable[[Callable], Callable]:
+    """Decorator for servicer methods: time each call (`latency` histogram, labelled by method), count
+    errors (`errors` counter, by method and code) and map RpcError/PathError to a gRPC status."""
+
+    def decorate(method: Callable) -> Callable:
+        name = method.__name__
+
+        @functools.wraps(method)
+        def wrapper(self: Any, request: Any, context: grpc.ServicerContext) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return method(self, request, context)
+            except PathError as e:
+                if errors is not None:
+                    errors.labels(name, "INVALID_ARGUMENT").inc()
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            except RpcError as e:
+                if errors is not None:
+                    errors.labels(name, e.code.name).inc()
+                if e.errno_name:
+                    context.set_trailing_metadata((("l2fs-errno", e.errno_name),))
+                context.abort(e.code, str(e))
+            finally:
+                latency.labels(name).observe(time.perf_counter() - t0)
+
+        return wrapper
+
+    return decorate
+
+
+def wait_for_stop_signal() -> None:
+    """Block until SIGTERM or SIGINT: servers then shut down cleanly on either."""
+    done = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: done.set())
+    done.wait()
 
 
 def norm_path(path: str) -> str:

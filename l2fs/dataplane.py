@@ -152,8 +152,8 @@ class DataServer:
             self._slots.release()
 
     def _serve_conn(self, conn: socket.socket) -> None:
-        from l2fs.common import PathError, norm_path
-        from l2fs.worker import RpcError, _check_block_id
+        from l2fs.common import PathError, RpcError, norm_path
+        from l2fs.worker import _check_block_id
 
         conn.settimeout(self.idle_timeout)  # idle connections close, freeing their slot
         with conn:
@@ -235,7 +235,7 @@ class DataServer:
     def _write(self, conn: socket.socket, bid: str, path: str, size: int, hint: int) -> bool:
         import grpc
 
-        from l2fs.worker import RpcError
+        from l2fs.common import RpcError
 
         try:
             i = self.store.reserve(bid, size)

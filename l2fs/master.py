@@ -8,15 +8,13 @@ KV data is recomputable, so anything lost in that window only costs cache misses
 from __future__ import annotations
 
 import argparse
-import functools
 import logging
 import re
-import signal
 import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from concurrent import futures
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,15 +26,18 @@ from l2fs.common import (
     DEFAULT_MAX_FILE_SIZE,
     GRPC_OPTIONS,
     PathError,
+    RpcError,
     TokenInterceptor,
     auth_metadata,
     make_channel,
     norm_path,
     parent_of,
     parse_size,
+    rpc_handler,
     server_credentials,
     start_metrics_server,
     valid_address,
+    wait_for_stop_signal,
     write_port_file,
 )
 from l2fs.proto import l2fs_pb2 as pb
@@ -58,16 +59,6 @@ COMMITS = Counter("l2fs_master_commits_total", "File commits", ["result"])
 DUPLICATES = Gauge("l2fs_master_duplicate_content_files",
                    "Files (>= 4 KiB) with the same size+crc32c as another file: likely diverging cache keys")
 DROPPED = Counter("l2fs_master_dropped_files_total", "Files dropped from the namespace", ["reason"])
-
-
-class RpcError(Exception):
-    """Raised inside handlers; turned into a gRPC status with a message. `errno_name` (e.g. "ENOTEMPTY")
-    travels as trailing metadata `l2fs-errno`, so clients (the FUSE mount) map errors without parsing text."""
-
-    def __init__(self, code: grpc.StatusCode, msg: str, errno_name: str | None = None) -> None:
-        super().__init__(msg)
-        self.code = code
-        self.errno_name = errno_name
 
 
 @dataclass(slots=True)
@@ -96,27 +87,7 @@ class WorkerEntry:
     interval: float = 1.0  # the worker's heartbeat interval
 
 
-def _rpc(method: Callable) -> Callable:
-    """Time a handler and map RpcError/PathError to a gRPC status with a clear message."""
-    name = method.__name__
-
-    @functools.wraps(method)
-    def wrapper(self: Any, request: Any, context: grpc.ServicerContext) -> Any:
-        t0 = time.perf_counter()
-        try:
-            return method(self, request, context)
-        except PathError as e:
-            RPC_ERRORS.labels(name, "INVALID_ARGUMENT").inc()
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        except RpcError as e:
-            RPC_ERRORS.labels(name, e.code.name).inc()
-            if e.errno_name:
-                context.set_trailing_metadata((("l2fs-errno", e.errno_name),))
-            context.abort(e.code, str(e))
-        finally:
-            RPC_LATENCY.labels(name).observe(time.perf_counter() - t0)
-
-    return wrapper
+_rpc = rpc_handler(RPC_LATENCY, RPC_ERRORS)
 
 
 class MasterService(pbg.MasterServicer):
@@ -667,10 +638,7 @@ def main(argv: list[str] | None = None) -> int:
     write_port_file(args.port_file, port=port, metrics_port=metrics_port)
     print(f"l2fs master listening on {args.host}:{port}"
           + (f" (metrics on http://{args.host}:{metrics_port}/metrics)" if metrics_port else ""), flush=True)
-    done = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: done.set())
-    done.wait()
+    wait_for_stop_signal()
     service.close()
     server.stop(grace=1).wait()
     return 0

@@ -10,12 +10,10 @@ read is a miss.
 from __future__ import annotations
 
 import argparse
-import functools
 import logging
 import os
 import re
 import shutil
-import signal
 import socket
 import sqlite3
 import sys
@@ -36,15 +34,17 @@ from l2fs.common import (
     DEFAULT_MAX_FILE_SIZE,
     FRAME,
     GRPC_OPTIONS,
-    PathError,
+    RpcError,
     TokenInterceptor,
     auth_metadata,
     crc32c_fast,
     make_channel,
     norm_path,
     parse_size,
+    rpc_handler,
     server_credentials,
     start_metrics_server,
+    wait_for_stop_signal,
     write_port_file,
 )
 from l2fs.dataplane import DATA_IDLE_TIMEOUT, DATA_MAX_CONNS, DataServer
@@ -72,12 +72,6 @@ USED = Gauge("l2fs_worker_used_bytes", "Used bytes over all data dirs (sealed + 
 BLOCKS = Gauge("l2fs_worker_blocks", "Sealed blocks held")
 
 BLOCK_ID = re.compile(r"^[0-9a-f]{32}$")
-
-
-class RpcError(Exception):
-    def __init__(self, code: grpc.StatusCode, msg: str) -> None:
-        super().__init__(msg)
-        self.code = code
 
 
 def _check_block_id(bid: str) -> str:
@@ -423,22 +417,7 @@ class Store:
                     for b in self.blocks.values()]
 
 
-def _rpc(method: Callable) -> Callable:
-    name = method.__name__
-
-    @functools.wraps(method)
-    def wrapper(self: Any, request: Any, context: grpc.ServicerContext) -> Any:
-        t0 = time.perf_counter()
-        try:
-            return method(self, request, context)
-        except PathError as e:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        except RpcError as e:
-            context.abort(e.code, str(e))
-        finally:
-            RPC_LATENCY.labels(name).observe(time.perf_counter() - t0)
-
-    return wrapper
+_rpc = rpc_handler(RPC_LATENCY)
 
 
 class WorkerService(pbg.WorkerServicer):
@@ -792,10 +771,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"l2fs worker {worker.worker_id} (node {args.node_id}) listening on {worker.address}, "
           f"(data plane {worker.data_address or 'off'}), {len(store.blocks)} blocks, {store.used}/{store.capacity} bytes used"
           + (f" (metrics on http://{args.host}:{metrics_port}/metrics)" if metrics_port else ""), flush=True)
-    done = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: done.set())
-    done.wait()
+    wait_for_stop_signal()
     worker.stop()
     store.flush_access()
     return 0
