@@ -82,7 +82,9 @@ def test_client_master_partition(make_cluster: Any, mode: str) -> None:
                 assert isinstance(call.error, L2fsError), call
         proxy.set_mode("pass")
         t0 = time.monotonic()
-        while c.get(k) is None and time.monotonic() - t0 < 10:
+        data = c.get(k)
+        while data is None and time.monotonic() - t0 < 10:
             time.sleep(0.1)
-        check_payload(c.get(k), SIZE, k)
+            data = c.get(k)
+        check_payload(data, SIZE, k)  # the object the healed path served, whole
         c.close()
