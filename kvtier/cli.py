@@ -20,24 +20,25 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
-def _usage() -> str:
-    lines = ["usage: kvtier <command> [args...]", "", "commands:"]
-    lines += [f"  {name:<16} {help_}" for name, (_, help_) in SUBCOMMANDS.items()]
-    return "\n".join(lines)
+def dispatch(prog: str, table: dict[str, tuple[str, str]], argv: list[str] | None,
+             noun: str = "command") -> int:
+    """Run `<prog> <name> args...` by calling `<module>.main(args)` for the table's entry; lazy imports."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    width = max(map(len, table)) + 2
+    usage = "\n".join([f"usage: {prog} <{noun}> [args...]", "", f"{noun}s:"]
+                      + [f"  {name:<{width}} {help_}" for name, (_, help_) in table.items()])
+    if not argv or argv[0] in ("-h", "--help"):
+        print(usage)
+        return 0
+    if argv[0] not in table:
+        print(f"{prog}: unknown {noun} {argv[0]!r}\n\n{usage}", file=sys.stderr)
+        return 2
+    rc = importlib.import_module(table[argv[0]][0]).main(argv[1:])
+    return int(rc or 0)
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help"):
-        print(_usage())
-        return 0
-    name, rest = argv[0], argv[1:]
-    if name not in SUBCOMMANDS:
-        print(f"kvtier: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
-        return 2
-    module = importlib.import_module(SUBCOMMANDS[name][0])
-    rc = module.main(rest)
-    return int(rc or 0)
+    return dispatch("kvtier", SUBCOMMANDS, argv)
 
 
 if __name__ == "__main__":
