@@ -85,6 +85,12 @@ class WorkerEntry:
     files: set[str] = field(default_factory=set)
     data_address: str = ""
     interval: float = 1.0  # the worker's heartbeat interval
+    pending: int = 0  # bytes placed here since the last heartbeat: a placement estimate, never reported as used
+
+    @property
+    def free(self) -> int:
+        """Room under the 90 % high watermark, counting placements the worker has not reported yet."""
+        return int(self.capacity * 0.9) - self.used - self.pending
 
 
 _rpc = rpc_handler(RPC_LATENCY, RPC_ERRORS)
@@ -324,6 +330,7 @@ class MasterService(pbg.MasterServicer):
                 return pb.HeartbeatResponse(reregister=True)
             w.last_seen = time.monotonic()
             w.capacity, w.used, w.blocks = request.capacity, request.used, request.blocks
+            w.pending = 0  # the worker's own figure now includes what landed
             if request.interval > 0:
                 w.interval = min(request.interval, self.heartbeat_timeout / 2)
         return pb.HeartbeatResponse(reregister=False)
@@ -365,7 +372,7 @@ class MasterService(pbg.MasterServicer):
             if path in self.children:
                 raise RpcError(grpc.StatusCode.FAILED_PRECONDITION, f"{path} is a directory", "EISDIR")
             w = self._place(request.size, request.node_id, set(request.exclude_workers))
-            w.used += request.size  # estimate until the next heartbeat, spreads concurrent writers
+            w.pending += request.size  # until the next heartbeat: spreads concurrent writers
             return pb.AllocateResponse(block_id=uuid.uuid4().hex, worker=pb.Location(
                 worker_id=w.worker_id, node_id=w.node_id, address=w.address, data_address=w.data_address))
 
@@ -377,14 +384,14 @@ class MasterService(pbg.MasterServicer):
             raise RpcError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"no live worker can hold {size} bytes", "ENOSPC")
         local = [w for w in alive if node_id and w.node_id == node_id]
         for w in local:
-            if w.capacity * 0.9 - w.used >= size:
+            if w.free >= size:
                 return w
-        roomy = [w for w in alive if w.capacity * 0.9 - w.used >= size]
+        roomy = [w for w in alive if w.free >= size]
         if roomy:
-            return max(roomy, key=lambda w: w.capacity - w.used)
+            return max(roomy, key=lambda w: w.free)
         if local:
             return local[0]
-        return max(alive, key=lambda w: w.capacity - w.used)
+        return max(alive, key=lambda w: w.free)
 
     @_rpc
     def Commit(self, request: pb.CommitRequest, context: Any) -> pb.CommitResponse:  # noqa: N802

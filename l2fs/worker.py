@@ -109,6 +109,9 @@ class DataDir:
         self.db = sqlite3.connect(root / "manifest.sqlite3", check_same_thread=False, isolation_level=None)
         self.db.execute("PRAGMA journal_mode=WAL")
         self.db.execute("PRAGMA synchronous=NORMAL")
+        # Keep the WAL small (it sits outside the block capacity): checkpoint every 1 MiB, truncate to 1 MiB.
+        self.db.execute("PRAGMA wal_autocheckpoint=256")
+        self.db.execute("PRAGMA journal_size_limit=1048576")
         self.db.execute("""CREATE TABLE IF NOT EXISTS blocks (
             block_id TEXT PRIMARY KEY, path TEXT NOT NULL, size INTEGER NOT NULL, crc32c INTEGER NOT NULL,
             sealed INTEGER NOT NULL, mtime REAL NOT NULL, last_access REAL NOT NULL,

@@ -47,7 +47,7 @@ def test_write_3x_capacity_never_fails_and_stays_under_watermark(make_cluster: A
     clients = [cluster.client(node_id=n, timeout=DEADLINE) for n in nodes]
     cap = 2 * WORKER_CAP
     n_obj = 3 * cap // OBJ
-    peak_reported = peak_disk = peak_meta = 0
+    peak_reported = peak_master = peak_disk = peak_meta = 0
     t0 = time.monotonic()
     for i in range(n_obj):
         k = f"/rel/fill/{i:05d}"
@@ -57,6 +57,7 @@ def test_write_3x_capacity_never_fails_and_stays_under_watermark(make_cluster: A
             used, capacity, disk = _usage(cluster, clients[0])
             assert capacity == cap, f"report capacity {capacity} != configured {cap}"
             peak_reported = max(peak_reported, used)
+            peak_master = max(peak_master, clients[0].report().used)  # the master's copy of the same gauges
             peak_disk = max(peak_disk, max(d for d, _ in disk))
             peak_meta = max(peak_meta, max(m for _, m in disk))
     elapsed = time.monotonic() - t0
@@ -69,11 +70,13 @@ def test_write_3x_capacity_never_fails_and_stays_under_watermark(make_cluster: A
     # One object per worker of slack: eviction runs as soon as a write crosses the watermark.
     assert peak_reported <= HIGH * cap + 2 * OBJ, f"reported usage peaked at {peak_reported / cap:.1%}"
     assert used <= HIGH * cap, f"usage settled at {used / cap:.1%} > high watermark"
-    # The master's report (which adds placement estimates between heartbeats) converges to the same bound.
+    # The master reports what the workers last said, never its placement estimates (those once read 158 %).
+    assert peak_master <= HIGH * cap + 2 * OBJ, f"the master reported {peak_master / cap:.1%} used"
     wait_until(lambda: clients[0].report().used <= HIGH * cap, 5)
     assert peak_disk <= HIGH * WORKER_CAP + OBJ, f"a worker's disk held {peak_disk} bytes of blocks"
-    # The manifest is bounded too (SQLite WAL auto-checkpoints at ~4 MiB), whatever was written.
-    assert peak_meta <= 8 << 20, f"manifest grew to {peak_meta} bytes"
+    # The manifest is bounded too (the worker checkpoints the SQLite WAL every 1 MiB and truncates it to
+    # 1 MiB; it reached 2.7 MiB with SQLite's 4 MiB default), whatever was written.
+    assert peak_meta <= 2 << 20, f"manifest grew to {peak_meta} bytes"
     print(f"3x fill: peak used {peak_reported / cap:.1%} of capacity, peak blocks on one disk "
           f"{peak_disk / WORKER_CAP:.1%} of its capacity, manifest+WAL {peak_meta / 2**20:.1f} MiB, "
           f"{n_obj * OBJ / elapsed / 1e6:.1f} MB/s")
