@@ -37,7 +37,6 @@ from l2fs.common import (
     RpcError,
     TokenInterceptor,
     auth_metadata,
-    crc32c_fast,
     make_channel,
     norm_path,
     parse_size,
@@ -388,30 +387,27 @@ class Store:
             self._delete(bid, "corrupt")
             return True
 
-    def read_verified(self, bid: str) -> tuple[Block, bytearray] | None:
-        """Whole block, checksum verified; None (and the block dropped) when missing or corrupt."""
+    def verify(self, bid: str) -> bool:
+        """Re-check a block's checksum, one frame in memory at a time; drops it when bad."""
         for _ in range(3):
             found = self.file_of(bid)
             if found is None:
-                return None
+                return False
             b, path = found
-            buf = bytearray(b.size)
+            n, crc = 0, 0
             try:
                 with open(path, "rb", buffering=0) as f:
-                    n = f.readinto(buf)
-                    extra = f.read(1)
+                    while piece := f.read(FRAME):
+                        crc = crc32c.crc32c(piece, value=crc)
+                        n += len(piece)
             except OSError:
-                n, extra = -1, b""
-            if n == b.size and not extra and crc32c_fast(buf) == b.crc32c:
+                n = -1
+            if n == b.size and crc == b.crc32c:
                 self.touch(bid)
-                return b, buf
+                return True
             if self.drop_damaged(bid, path):
-                return None
-        return None
-
-    def verify(self, bid: str) -> bool:
-        """Re-check a block's checksum (drops it when bad)."""
-        return self.read_verified(bid) is not None
+                return False
+        return False
 
     def reports(self) -> list[pb.BlockReport]:
         with self.lock:
@@ -470,18 +466,45 @@ class WorkerService(pbg.WorkerServicer):
             bid = _check_block_id(request.block_id)
         except RpcError as e:
             context.abort(e.code, str(e))
-        got = self.store.read_verified(bid)
-        if got is None:
+        # Stream frame by frame (memory per read = one frame, not the whole block), checksumming as we go; a
+        # mismatch found at the end aborts the stream (the client discards what it got) and drops the block.
+        found, f = None, None
+        for _ in range(3):
+            found = self.store.file_of(bid)
+            if found is None:
+                break
+            try:
+                f = open(found[1], "rb", buffering=0)  # noqa: SIM115 - closed below, after streaming
+                break
+            except OSError:
+                if self.store.drop_damaged(bid, found[1]):  # gone behind our back: drop it
+                    found = None
+                    break
+                found = None  # moved to another tier meanwhile: look again
+        if found is None or f is None:
             READ_MISSES.inc()
             self._on_removed()
             context.abort(grpc.StatusCode.NOT_FOUND, f"block {bid} not found (missing or failed checksum)")
-        b, buf = got
+        b, path = found
+        off, crc, first = 0, 0, True
+        with f:
+            while first or off < b.size:
+                data = f.read(min(FRAME, b.size - off))
+                crc = crc32c.crc32c(data, value=crc)
+                off += len(data)
+                yield pb.ReadChunk(size=b.size, crc32c=b.crc32c, data=data) if first else pb.ReadChunk(data=data)
+                first = False
+                if not data:
+                    break  # shorter than the manifest says
+            extra = f.read(1) if off == b.size else b""
+        if off != b.size or extra or crc != b.crc32c:
+            READ_MISSES.inc()
+            self.store.drop_damaged(bid, path)
+            self._on_removed()
+            context.abort(grpc.StatusCode.DATA_LOSS, f"block {bid} failed verification while streaming")
+        self.store.touch(bid)
         READ_HITS.inc()
         BYTES_READ.inc(b.size)
-        mv = memoryview(buf)
-        yield pb.ReadChunk(size=b.size, crc32c=b.crc32c, data=bytes(mv[:FRAME]))
-        for off in range(FRAME, b.size, FRAME):
-            yield pb.ReadChunk(data=bytes(mv[off:off + FRAME]))
         RPC_LATENCY.labels("ReadBlock").observe(time.perf_counter() - t0)
 
     @_rpc

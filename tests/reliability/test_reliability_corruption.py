@@ -102,6 +102,27 @@ def test_damaged_block_is_a_miss_and_dropped(corrupt_cluster: Any, how: str, via
     check_payload(reader.get(key), SIZE, key)
 
 
+def test_grpc_stream_spanning_frames_verifies_at_the_end(corrupt_cluster: Any) -> None:
+    """The gRPC read path streams a block frame by frame (4 MiB) instead of buffering it whole, so damage in
+    the last frame is only seen after earlier frames were sent: still a miss, and the block is dropped."""
+    cluster = corrupt_cluster
+    owner = cluster.workers[0].node_id
+    writer = cluster.client(node_id=owner, timeout=DEADLINE)
+    reader = cluster.client(node_id=cluster.workers[1].node_id, timeout=DEADLINE, short_circuit=False,
+                            data_plane=False)
+    big = os.urandom(9 << 20)  # three frames
+    assert writer.put("/rel/frames/big", big) is True and writer.put("/rel/frames/empty", b"") is True
+    assert reader.get("/rel/frames/big") == big
+    buf = bytearray(len(big))
+    assert reader.get_into("/rel/frames/big", buf) == len(big) and buf == big
+    assert reader.get("/rel/frames/empty") == b""
+    hits = find_block_files([cluster.workers[0].data_dir], big[-4096:-4032])
+    assert len(hits) == 1
+    flip_bit(hits[0], len(big) - 10, bit=1)
+    assert reader.get("/rel/frames/big") is None
+    wait_until(lambda: not reader.exists("/rel/frames/big"), 5)
+
+
 def test_corruption_while_worker_down_is_caught_after_restart(make_cluster: Any) -> None:
     """Damage done while the worker is stopped (e.g. a bad disk) is caught when it serves again."""
     cluster = make_cluster(workers=2)
