@@ -103,6 +103,20 @@ class _Admission:
         self._gauges()
 
 
+class _Clock:
+    """The router's own time for one request: since the body was read, minus tokenization and minus every
+    wait on a replica (from handing the request to httpx until its answer is in: headers, and the whole
+    body when not streaming). Sent back as X-Kvtier-Router-Ms (and X-Kvtier-Tokenize-Ms)."""
+
+    __slots__ = ("t_in", "tok", "upstream")
+
+    def __init__(self, t_in: float) -> None:
+        self.t_in, self.tok, self.upstream = t_in, 0.0, 0.0
+
+    def own_ms(self) -> float:
+        return (time.perf_counter() - self.t_in - self.tok - self.upstream) * 1e3
+
+
 async def _wait_disconnect(request: Request) -> None:
     while True:
         msg = await request.receive()
@@ -192,7 +206,8 @@ class Router:
         return h
 
     @staticmethod
-    def _down_headers(resp: httpx.Response, rid: str, r: Replica, d: Decision, decoded: bool) -> dict[str, str]:
+    def _down_headers(resp: httpx.Response, rid: str, r: Replica, d: Decision, decoded: bool,
+                      clock: _Clock) -> dict[str, str]:
         h = {k: v for k, v in resp.headers.items() if k.lower() not in HOP}
         if decoded:
             h.pop("content-encoding", None)
@@ -201,6 +216,8 @@ class Router:
         h["x-kvtier-route"] = d.reason
         if d.l2_tokens:
             h["x-kvtier-l2-tokens"] = str(d.l2_tokens)
+        h["x-kvtier-router-ms"] = f"{clock.own_ms():.3f}"
+        h["x-kvtier-tokenize-ms"] = f"{clock.tok * 1e3:.3f}"
         return h
 
     async def _read_body(self, request: Request) -> bytes | JSONResponse:
@@ -266,7 +283,7 @@ class Router:
         if session is None and isinstance(payload.get("user"), str):
             session = payload["user"]
         tokens: list[int] = []
-        t_tok = 0.0
+        clock = _Clock(t_in)
         if strategy != "roundrobin":
             t0 = time.perf_counter()
             try:
@@ -274,8 +291,8 @@ class Router:
             except TokenizeError as e:
                 self.m.rejected.labels("bad_prompt").inc()
                 return _err(400, str(e))
-            t_tok = time.perf_counter() - t0
-            self.m.tokenize.observe(t_tok)
+            clock.tok = time.perf_counter() - t0
+            self.m.tokenize.observe(clock.tok)
         l2 = 0
         if strategy == "kvaware" and self.cfg.l2_lookup is not None and tokens:
             with contextlib.suppress(Exception):  # L2 trouble is a miss, never an error
@@ -297,13 +314,14 @@ class Router:
             self.m.decisions.labels(strategy, d.reason).inc()
             adm = _Admission(r, d, len(tokens), self.m)
             if attempt == 0:
-                self.m.overhead.observe(time.perf_counter() - t_in - t_tok)
+                self.m.overhead.observe(clock.own_ms() / 1e3)
             req = self.client.build_request("POST", r.url + path, content=body, headers=headers)
             t_send = time.perf_counter()
             send = asyncio.ensure_future(self.client.send(req, stream=stream))
             disc = asyncio.ensure_future(_wait_disconnect(request))
             try:
                 await asyncio.wait({send, disc}, return_when=asyncio.FIRST_COMPLETED)
+                clock.upstream += time.perf_counter() - t_send
             except asyncio.CancelledError:
                 send.cancel()
                 disc.cancel()
@@ -351,7 +369,7 @@ class Router:
                 last_err = JSONResponse(_safe_json(err_body, code), status_code=code)
                 continue
             if not stream:
-                return self._finish_plain(resp, adm, rid, r, d, strategy)
+                return self._finish_plain(resp, adm, rid, r, d, strategy, clock)
             ctype = resp.headers.get("content-type", "")
             if code == 200 and "text/event-stream" not in ctype:
                 await resp.aclose()
@@ -362,7 +380,7 @@ class Router:
                 continue
             self.m.requests.labels(r.url, strategy, str(code)).inc()
             return StreamingResponse(self._pump(resp, adm), status_code=code,
-                                     headers=self._down_headers(resp, rid, r, d, decoded=False))
+                                     headers=self._down_headers(resp, rid, r, d, decoded=False, clock=clock))
         if last_err is not None:
             last_err.headers["x-request-id"] = rid
             self.m.requests.labels("none", strategy, str(last_err.status_code)).inc()
@@ -371,7 +389,7 @@ class Router:
         return _err(503, "no healthy replica available", "service_unavailable", **{"x-request-id": rid})
 
     def _finish_plain(self, resp: httpx.Response, adm: _Admission, rid: str, r: Replica, d: Decision,
-                      strategy: str) -> Response:
+                      strategy: str, clock: _Clock) -> Response:
         adm.first_byte()
         adm.finish()
         content = resp.content
@@ -388,7 +406,7 @@ class Router:
                             **{"x-request-id": rid})
             self._count_usage(obj, d)
         self.m.requests.labels(r.url, strategy, str(code)).inc()
-        return Response(content, status_code=code, headers=self._down_headers(resp, rid, r, d, decoded=True))
+        return Response(content, status_code=code, headers=self._down_headers(resp, rid, r, d, decoded=True, clock=clock))
 
     def _count_usage(self, obj: dict[str, Any], d: Decision) -> None:
         usage = obj.get("usage")

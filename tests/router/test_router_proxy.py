@@ -180,3 +180,20 @@ def test_client_disconnect_cancels_upstream_nonstreaming_and_streaming(cluster):
     # and the router's own in-flight accounting did not leak
     wait_for(lambda: rt.get("/health").json()["replicas"][0]["inflight"] == 0, timeout=5)
     assert metric(rt, "kvtier_router_client_disconnects_total") == 2
+
+
+def test_router_time_header_excludes_the_replica(cluster):
+    # the replica sleeps 4 x 60 ms decoding before it answers: that wait is upstream time, not the router's
+    rep = cluster.replica("--decode-ms-per-token", "60", kv=False)
+    rt = cluster.router([rep], "--strategy", "prefixaware")
+    t0 = time.perf_counter()
+    r = complete(rt, "a prompt the router tokenizes", max_tokens=4)
+    e2e_ms = (time.perf_counter() - t0) * 1e3
+    assert r.status_code == 200, r.text
+    own, tok = float(r.headers["x-kvtier-router-ms"]), float(r.headers["x-kvtier-tokenize-ms"])
+    assert own >= 0 and tok > 0
+    assert own + tok <= e2e_ms - 200  # the replica's >= 240 ms of sleeping is in neither number
+    # roundrobin does not tokenize; a streamed answer carries the header too
+    r = complete(rt, "x", headers={"X-Kvtier-Strategy": "roundrobin"}, stream=True, max_tokens=1)
+    assert r.status_code == 200 and "data: [DONE]" in r.text
+    assert float(r.headers["x-kvtier-tokenize-ms"]) == 0 and float(r.headers["x-kvtier-router-ms"]) >= 0
