@@ -14,6 +14,7 @@ import sys
 import threading
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import Iterable
 from concurrent import futures
 from dataclasses import dataclass, field
@@ -99,9 +100,17 @@ _rpc = rpc_handler(RPC_LATENCY, RPC_ERRORS)
 class MasterService(pbg.MasterServicer):
     """Namespace + registry. One lock guards all state; handlers are short and never do I/O under it."""
 
+    ALLOC_MEMORY = 1 << 18  # open allocations / abandoned block ids remembered (oldest forgotten first)
+
     def __init__(self, *, heartbeat_timeout: float = 10.0, max_file_size: int = DEFAULT_MAX_FILE_SIZE,
-                 token: str | None = None, tls_ca: str | None = None) -> None:
+                 token: str | None = None, tls_ca: str | None = None, allocation_ttl: float = 600.0) -> None:
         self.heartbeat_timeout = heartbeat_timeout
+        self.allocation_ttl = allocation_ttl
+        # Blocks allocated but not committed yet (block id -> (worker id, expiry)), and those given up on: an
+        # expired allocation, or one whose worker re-registered before the commit. An abandoned block is never
+        # published (a put that never returned must not surface after a worker restart) and is deleted.
+        self.allocations: OrderedDict[str, tuple[str, float]] = OrderedDict()
+        self.abandoned: OrderedDict[str, None] = OrderedDict()
         self.max_file_size = max_file_size
         self.lock = threading.RLock()
         self.files: dict[str, FileEntry] = {}
@@ -243,6 +252,23 @@ class MasterService(pbg.MasterServicer):
         else:
             self._bg.submit(send)
 
+    def _abandon(self, bid: str) -> None:
+        self.abandoned[bid] = None
+        if len(self.abandoned) > self.ALLOC_MEMORY:
+            self.abandoned.popitem(last=False)
+
+    def _expire_allocations(self, now: float) -> dict[str, list[str]]:
+        """Abandon allocations older than allocation_ttl (lock held); returns worker -> block ids to delete."""
+        out: dict[str, list[str]] = {}
+        while self.allocations:
+            bid, (wid, expiry) = next(iter(self.allocations.items()))
+            if expiry > now:
+                break
+            self.allocations.popitem(last=False)
+            self._abandon(bid)
+            out.setdefault(wid, []).append(bid)
+        return out
+
     def _sweeper(self) -> None:
         """Marks a worker dead within heartbeat_timeout of its failure and drops its locations at once.
 
@@ -265,6 +291,10 @@ class MasterService(pbg.MasterServicer):
                         log.warning("worker %s (%s) dead: no heartbeat for %.1fs", w.worker_id, w.address,
                                     now - w.last_seen)
                 self._update_gauges()
+                expired = self._expire_allocations(now)
+            for wid, ids in expired.items():  # their writers gave up long ago: free whatever got sealed
+                log.info("abandoning %d uncommitted block(s) on worker %s", len(ids), wid)
+                self._tell_worker(wid, "DeleteBlocks", pb.BlockIds(block_ids=ids), wait=False)
 
     def close(self) -> None:
         self._stop.set()
@@ -297,6 +327,10 @@ class MasterService(pbg.MasterServicer):
             for b in request.blocks:
                 if not BLOCK_ID.match(b.block_id):
                     continue  # not a block any worker of ours could hold: nothing to publish or delete
+                if b.block_id in self.abandoned or self.allocations.pop(b.block_id, None) is not None:
+                    self._abandon(b.block_id)  # sealed, never committed: its put did not return success
+                    reject.append(b.block_id)
+                    continue
                 try:
                     path = norm_path(b.path)
                 except PathError:
@@ -373,7 +407,11 @@ class MasterService(pbg.MasterServicer):
                 raise RpcError(grpc.StatusCode.FAILED_PRECONDITION, f"{path} is a directory", "EISDIR")
             w = self._place(request.size, request.node_id, set(request.exclude_workers))
             w.pending += request.size  # until the next heartbeat: spreads concurrent writers
-            return pb.AllocateResponse(block_id=uuid.uuid4().hex, worker=pb.Location(
+            bid = uuid.uuid4().hex
+            self.allocations[bid] = (w.worker_id, time.monotonic() + self.allocation_ttl)
+            if len(self.allocations) > self.ALLOC_MEMORY:
+                self.allocations.popitem(last=False)
+            return pb.AllocateResponse(block_id=bid, worker=pb.Location(
                 worker_id=w.worker_id, node_id=w.node_id, address=w.address, data_address=w.data_address))
 
     def _place(self, size: int, node_id: str, exclude: set[str]) -> WorkerEntry:
@@ -408,6 +446,11 @@ class MasterService(pbg.MasterServicer):
             cur = self.files.get(path)
             if cur is not None and cur.block_id == request.block_id:
                 return pb.CommitResponse(published=True)  # a retried commit of our own block
+            if request.block_id in self.abandoned:
+                raise RpcError(grpc.StatusCode.FAILED_PRECONDITION,
+                               f"block {request.block_id} was abandoned before its commit (allocation older than "
+                               f"{self.allocation_ttl:.0f} s, or its worker restarted): write it again")
+            self.allocations.pop(request.block_id, None)
             if cur is not None and request.if_absent:
                 orphan = (request.worker_id, request.block_id)  # lost the race: drop our copy
                 published = False
@@ -621,6 +664,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--heartbeat-timeout", type=float, default=10.0,
                    help="seconds without a heartbeat before a worker is dead (default 10)")
     p.add_argument("--max-file-size", default=str(DEFAULT_MAX_FILE_SIZE), help="e.g. 1G (default)")
+    p.add_argument("--allocation-ttl", type=float, default=600.0,
+                   help="seconds a put may take from Allocate to Commit; older uncommitted blocks are deleted "
+                        "and never published (default 600)")
     p.add_argument("--token", default=None, help="require this bearer token (also $L2FS_TOKEN)")
     p.add_argument("--tls-cert")
     p.add_argument("--tls-key")
@@ -636,7 +682,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     token = args.token or os.environ.get("L2FS_TOKEN") or None
     service = MasterService(heartbeat_timeout=args.heartbeat_timeout,
-                            max_file_size=parse_size(args.max_file_size), token=token, tls_ca=args.tls_ca)
+                            max_file_size=parse_size(args.max_file_size), token=token, tls_ca=args.tls_ca,
+                            allocation_ttl=args.allocation_ttl)
     server, port = serve(args.host, args.port, service, token=token, tls_cert=args.tls_cert,
                          tls_key=args.tls_key)
     metrics_port = None

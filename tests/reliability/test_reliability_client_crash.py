@@ -16,7 +16,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from reliability_faults import DEADLINE, check_payload, wait_until
+import grpc
+import pytest
+from reliability_faults import DEADLINE, check_payload, find_block_files, payload, wait_until
+
+from l2fs.client import Client
+from l2fs.proto import l2fs_pb2 as pb
+from l2fs.proto import l2fs_pb2_grpc as pbg
 
 SIZE = 4 << 20  # large enough that a kill often lands mid-write
 
@@ -65,7 +71,7 @@ def test_writers_killed_mid_put_never_publish_torn_objects(make_cluster: Any, re
         p.wait()
         kills += 1
     visible = _all_whole(reader)
-    # Worker restarts re-report every sealed block, including blocks whose put never committed.
+    # Worker restarts re-report every sealed block; those whose put never committed must stay unpublished.
     for i in range(2):
         cluster.kill_worker(i, signal.SIGKILL)
         cluster.start_worker(i)
@@ -78,3 +84,51 @@ def test_writers_killed_mid_put_never_publish_torn_objects(make_cluster: Any, re
     used = sum(w.used for w in reader.report().workers)
     record_property("used_after_restart", used)
     assert used <= (after + 2 * kills) * SIZE
+
+
+def _sealed_uncommitted(cluster: Any, path: str, data: bytes) -> tuple[pbg.MasterStub, str]:
+    """What a writer killed between the worker's seal and the master's commit leaves behind."""
+    master = pbg.MasterStub(grpc.insecure_channel(cluster.master))
+    a = master.Allocate(pb.AllocateRequest(path=path, size=len(data), node_id=cluster.workers[0].node_id),
+                        timeout=5)
+    worker = pbg.WorkerStub(grpc.insecure_channel(a.worker.address))
+    res = worker.WriteBlock(Client._frames(a.block_id, path, memoryview(data), 0), timeout=5)
+    assert res.crc32c and len(find_block_files([cluster.workers[0].data_dir], data[1000:1064])) == 1
+    return master, a.block_id
+
+
+def _commit(master: pbg.MasterStub, cluster: Any, path: str, bid: str, size: int) -> grpc.StatusCode | None:
+    try:
+        master.Commit(pb.CommitRequest(path=path, block_id=bid, worker_id=cluster.workers[0].worker_id,
+                                       size=size), timeout=5)
+    except grpc.RpcError as e:
+        return e.code()
+    return None
+
+
+def test_sealed_uncommitted_block_never_surfaces_after_worker_restart(make_cluster: Any) -> None:
+    cluster = make_cluster(workers=1)
+    c = cluster.client(timeout=DEADLINE, short_circuit=False)
+    path, data = "/crash/sealed-only", payload(7, 256 << 10, "/crash/sealed-only")
+    master, bid = _sealed_uncommitted(cluster, path, data)
+    assert not c.exists(path)
+    cluster.kill_worker(0, signal.SIGKILL)
+    cluster.start_worker(0)
+    wait_until(lambda: all(w.alive for w in c.report().workers), 30)
+    assert not c.exists(path) and c.get(path) is None  # re-reported, refused, deleted
+    wait_until(lambda: not find_block_files([cluster.workers[0].data_dir], data[1000:1064]), 10)
+    assert _commit(master, cluster, path, bid, len(data)) == grpc.StatusCode.FAILED_PRECONDITION
+    assert c.put(path, data) is True and c.get(path) == data  # the path itself is fine
+
+
+@pytest.mark.parametrize("ttl", [2])
+def test_expired_allocation_is_deleted_and_its_late_commit_refused(make_cluster: Any, ttl: int) -> None:
+    cluster = make_cluster(workers=1, master_args=["--allocation-ttl", str(ttl)])
+    c = cluster.client(timeout=DEADLINE, short_circuit=False)
+    path, data = "/crash/late", payload(8, 256 << 10, "/crash/late")
+    master, bid = _sealed_uncommitted(cluster, path, data)
+    assert c.put("/crash/normal", data) is True  # a put that commits in time is untouched by the sweep
+    assert len(find_block_files([cluster.workers[0].data_dir], data[1000:1064])) == 2
+    wait_until(lambda: len(find_block_files([cluster.workers[0].data_dir], data[1000:1064])) == 1, ttl + 10)
+    assert _commit(master, cluster, path, bid, len(data)) == grpc.StatusCode.FAILED_PRECONDITION
+    assert not c.exists(path) and c.get("/crash/normal") == data

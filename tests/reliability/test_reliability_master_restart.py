@@ -77,7 +77,9 @@ def test_master_kill9_restart_rebuilds_namespace(make_cluster: Any, record_prope
     rebuild = wait_until(lambda: fresh.prefix_lookup(paths) == len(paths), 30)
     record_property("rebuild_s", round(rebuild, 2))
     print(f"master down {OUTAGE:.0f}s: namespace rebuilt {rebuild:.2f}s after restart")
-    assert rebuild <= 6.0, f"workers took {rebuild:.1f}s to re-register after the master came back"
+    # 1.3-4.7 s normally; 8.5 s once on a loaded box. The bound guards against gRPC's default reconnect
+    # backoff (13.6-15.3 s after this outage, 120 s after longer ones), not against a slow machine.
+    assert rebuild <= 10.0, f"workers took {rebuild:.1f}s to re-register after the master came back"
     record_property("kill_to_rebuilt_s", round(time.monotonic() - t_kill, 2))
 
     lost = 0

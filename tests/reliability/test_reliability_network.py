@@ -83,8 +83,13 @@ def test_client_master_partition(make_cluster: Any, mode: str) -> None:
         proxy.set_mode("pass")
         t0 = time.monotonic()
         data = c.get(k)
-        while data is None and time.monotonic() - t0 < 10:
+        while data is None and time.monotonic() - t0 < 30:  # generous: a loaded box once needed > 10 s
             time.sleep(0.1)
             data = c.get(k)
+        if data is None:  # say which side is stuck: this client, or the healed path itself
+            fresh = Client(proxy.address, timeout=DEADLINE)
+            raise AssertionError(f"still a miss 30 s after healing; a new client through the proxy: "
+                                 f"{'hit' if fresh.get(k) is not None else 'miss'}, direct stat: "
+                                 f"{cluster.client().stat(k)}")
         check_payload(data, SIZE, k)  # the object the healed path served, whole
         c.close()
