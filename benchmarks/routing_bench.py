@@ -12,12 +12,20 @@ Balance = max/mean over replicas of requests served and of prefill tokens actual
 Overhead: open-loop at --rate req/s, latency via each router minus latency straight to one replica.
 
     .venv/bin/python benchmarks/routing_bench.py [--users 20 --rounds 5 --replicas 4 --rate 200]
+
+--overhead (issue 5's router overhead at 200 req/s): only the kvtier strategies, each a fresh router
+process, open loop at --rate for --duration s, then the --sweep rates; per request the router's own time
+(X-Kvtier-Router-Ms), its tokenization (X-Kvtier-Tokenize-Ms) and end-to-end latency, next to the same
+requests sent straight to the replicas at the same rate. The load generator is this process (aiohttp).
+
+    .venv/bin/python benchmarks/routing_bench.py --overhead [--rate 200 --duration 25 --out docs/results-data]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import random
 import re
@@ -238,6 +246,220 @@ def hist_quantile(text: str, name: str, q: float) -> float:
     return next(le for le, c in buckets if c >= q * total)
 
 
+# -- overhead mode: open loop at a fixed rate, the router's own time per request, direct baseline --------
+def overhead_requests(args: argparse.Namespace, n: int, model: str, seed: int) -> list[tuple[str, bytes]]:
+    """n distinct multi-round chat requests (session id, JSON body). Users share args.systems system
+    prompts; blocks of 50 users take turns round by round, each round carrying the history, so every
+    prompt is new to the router's tokenizer cache (all tokenization is cold; it is reported separately)."""
+    rng = random.Random(seed)
+    systems = [text(rng, args.system_words) for _ in range(args.systems)]
+    answer = " ".join(f"t{i}" for i in range(args.max_tokens))
+    out: list[tuple[str, bytes]] = []
+    u0 = 0
+    while len(out) < n:
+        convs = [[{"role": "system", "content": systems[(u0 + k) % args.systems]}] for k in range(50)]
+        for _ in range(args.rounds):
+            for k, msgs in enumerate(convs):
+                user = f"user-{seed}-{u0 + k}"
+                msgs.append({"role": "user", "content": text(rng, args.question_words)})
+                out.append((user, json.dumps({"model": model, "messages": msgs, "max_tokens": args.max_tokens,
+                                              "user": user}).encode()))
+                msgs.append({"role": "assistant", "content": answer})
+        u0 += 50
+    return out[:n]
+
+
+async def open_loop_run(urls: list[str], reqs: list[tuple[str, bytes]], rate: float,
+                        warm: list[tuple[str, bytes]]) -> tuple[list[dict[str, Any]], float]:
+    """Send reqs on a fixed schedule (request i at start + i/rate, never waiting for earlier answers),
+    round-robin over urls. Latency counts from the scheduled time, so a late sender cannot hide queueing."""
+    import aiohttp
+
+    rows: list[dict[str, Any]] = []
+    conn = aiohttp.TCPConnector(limit=0, force_close=False, keepalive_timeout=60)
+    async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=30)) as http:
+        async def one(i: int, sid: str, body: bytes, t_sched: float, rec: bool) -> None:
+            t_send = time.perf_counter()
+            status, h = 0, {}
+            try:
+                async with http.post(urls[i % len(urls)] + "/v1/chat/completions", data=body, headers={
+                        "content-type": "application/json", "x-session-id": sid}) as r:
+                    await r.read()
+                    status, h = r.status, r.headers
+            except (TimeoutError, aiohttp.ClientError):
+                pass
+            t_done = time.perf_counter()
+            if rec:
+                rows.append({"i": i, "sched_s": t_sched - start, "lag_ms": (t_send - t_sched) * 1e3,
+                             "e2e_ms": (t_done - t_sched) * 1e3, "done_s": t_done - start, "status": status,
+                             "router_ms": float(h.get("x-kvtier-router-ms", "nan")),
+                             "tokenize_ms": float(h.get("x-kvtier-tokenize-ms", "nan")),
+                             "replica": h.get("x-kvtier-replica", urls[i % len(urls)])})
+
+        start = time.perf_counter()  # warm-up: connections, code paths (its prompts are not reused)
+        await asyncio.gather(*(one(i, sid, b, start, False) for i, (sid, b) in enumerate(warm)))
+        start = time.perf_counter() + 0.05
+        tasks = []
+        for i, (sid, body) in enumerate(reqs):
+            t = start + i / rate
+            delay = t - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(one(i, sid, body, t, True)))
+        sent_s = time.perf_counter() - start
+        await asyncio.gather(*tasks)
+    return rows, sent_s
+
+
+def overhead_summary(arm: str, rate: float, rows: list[dict[str, Any]], sent_s: float, load: float,
+                     sustain_p99_ms: float) -> dict[str, Any]:
+    ok = [r for r in rows if r["status"] == 200]
+    e2e = [r["e2e_ms"] for r in ok]
+    own = [r["router_ms"] for r in ok if r["router_ms"] == r["router_ms"]]
+    tok = [r["tokenize_ms"] for r in ok if r["tokenize_ms"] == r["tokenize_ms"]]
+    last = max((r["done_s"] for r in ok), default=float("nan"))
+    s = {"arm": arm, "target_rps": rate, "n": len(rows), "ok": len(ok), "errors": len(rows) - len(ok),
+         "sent_rps": len(rows) / sent_s if sent_s > 0 else float("nan"), "done_rps": len(ok) / last if ok else 0.0,
+         "lag_p99_ms": pct([r["lag_ms"] for r in rows], 0.99),
+         "router_p50_ms": pct(own, 0.5), "router_p99_ms": pct(own, 0.99), "router_max_ms": max(own, default=None),
+         "tok_p50_ms": pct(tok, 0.5), "tok_p99_ms": pct(tok, 0.99),
+         "e2e_p50_ms": pct(e2e, 0.5), "e2e_p99_ms": pct(e2e, 0.99), "load1": load,
+         "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    s["sustained"] = (s["errors"] == 0 and s["sent_rps"] >= 0.95 * rate and s["done_rps"] >= 0.95 * rate
+                      and s["e2e_p99_ms"] <= sustain_p99_ms)
+    return s
+
+
+def overhead(args: argparse.Namespace, tmp: Path, reps: list[P], model: str, procs: list[P]) -> int:
+    """--overhead: per strategy, a fresh `kvtier router` process in front of the replicas, open loop at
+    --rate for --duration s (then the --sweep rates for --sweep-duration s each); the same requests sent
+    straight to the replicas (client round-robin) are the baseline, rate for rate."""
+    from kvtier.bench.common import fmt, table, write_results
+
+    set_cost(reps, 0, 0)  # replicas answer at once: latency is transport + router
+    # ascending; above the first rate that overloads an arm only --rate itself is still run (no long drains)
+    rates = sorted({args.rate, *(float(x) for x in args.sweep.split(",") if x.strip())})
+    durs = [args.duration if r == args.rate else args.sweep_duration for r in rates]
+    pool = overhead_requests(args, sum(int(r * d) for r, d in zip(rates, durs, strict=True)), model, args.seed)
+    warm = overhead_requests(args, 100, model, args.seed + 10_000)
+    arms = ["direct"] + [s for s in args.strategies.split(",") if s]
+    summaries: list[dict[str, Any]] = []
+    with (tmp / "overhead-requests.csv").open("w") as raw_f:
+        raw_f.write("arm,target_rps,i,sched_s,lag_ms,e2e_ms,status,router_ms,tokenize_ms,replica\n")
+        for arm in arms:
+            rt = None
+            if arm != "direct":
+                # KV events only where the strategy reads them (a kvaware deployment's flags)
+                rt = start_kvtier(args, tmp, reps, arm, kv=arm == "kvaware" or args.kv_events_all)
+                procs.append(rt)
+            urls = [r.url for r in reps] if rt is None else [rt.url]
+            off = 0
+            failed = False
+            for k, (rate, dur) in enumerate(zip(rates, durs, strict=True)):
+                n = int(rate * dur)
+                if failed and rate != args.rate:
+                    off += n
+                    continue
+                reset(reps)
+                time.sleep(1.0)
+                load = os.getloadavg()[0]
+                c0 = [cpu_seconds(p.proc.pid) for p in ([rt] if rt else []) + reps]
+                t0, g0 = time.perf_counter(), time.process_time()
+                rows, sent_s = asyncio.run(open_loop_run(urls, pool[off:off + n], rate, warm if k == 0 else []))
+                cpu = [(cpu_seconds(p.proc.pid) - c) / (time.perf_counter() - t0) * 100
+                       for p, c in zip(([rt] if rt else []) + reps, c0, strict=True)]
+                off += n
+                s = overhead_summary(arm, rate, rows, sent_s, load, args.sustain_p99_ms)
+                s["router_cpu_pct"] = cpu[0] if rt else None
+                s["replicas_cpu_pct"] = sum(cpu[1:] if rt else cpu)
+                s["loadgen_cpu_pct"] = (time.process_time() - g0) / (time.perf_counter() - t0) * 100
+                summaries.append(s)
+                failed = failed or s["errors"] > 0 or s["done_rps"] < 0.9 * rate  # overloaded: stop climbing
+                print(f"# {arm} @ {rate:.0f}/s: sent {s['sent_rps']:.1f}/s done {s['done_rps']:.1f}/s "
+                      f"err {s['errors']} router p50/p99 {fmt(s['router_p50_ms'], 3)}/{fmt(s['router_p99_ms'], 3)} "
+                      f"ms e2e p50/p99 {s['e2e_p50_ms']:.2f}/{s['e2e_p99_ms']:.2f} ms load {load:.2f}", flush=True)
+                for r in rows:
+                    raw_f.write(f"{arm},{rate},{r['i']},{r['sched_s']:.6f},{r['lag_ms']:.3f},{r['e2e_ms']:.3f},"
+                                f"{r['status']},{r['router_ms']},{r['tokenize_ms']},{r['replica']}\n")
+            if rt is not None:
+                rt.stop()
+                procs.remove(rt)
+    direct = {s["target_rps"]: s for s in summaries if s["arm"] == "direct"}
+    for s in summaries:  # only where neither side lost requests (percentiles of survivors do not compare)
+        d = direct.get(s["target_rps"])
+        both = d is not None and d["errors"] == 0 and s["errors"] == 0
+        s["minus_direct_p50_ms"] = s["e2e_p50_ms"] - d["e2e_p50_ms"] if both else float("nan")
+        s["minus_direct_p99_ms"] = s["e2e_p99_ms"] - d["e2e_p99_ms"] if both else float("nan")
+    cols = [("arm", "arm"), ("target_rps", "target/s"), ("sent_rps", "sent/s"), ("done_rps", "done/s"),
+            ("ok", "ok"), ("errors", "err"), ("lag_p99_ms", "send lag p99"),
+            ("router_p50_ms", "router p50"), ("router_p99_ms", "router p99"), ("tok_p50_ms", "tok p50"),
+            ("tok_p99_ms", "tok p99"), ("e2e_p50_ms", "e2e p50"), ("e2e_p99_ms", "e2e p99"),
+            ("minus_direct_p50_ms", "-direct p50"), ("minus_direct_p99_ms", "-direct p99"),
+            ("router_cpu_pct", "router cpu%"), ("replicas_cpu_pct", "4 replicas cpu%"),
+            ("loadgen_cpu_pct", "loadgen cpu%"), ("load1", "load1"),
+            ("sustained", "sustained")]
+
+    def cell(k: str, v: Any) -> str:
+        if isinstance(v, bool):
+            return "yes" if v else "no"
+        if k in ("target_rps", "sent_rps", "done_rps", "load1") or k.endswith("pct"):
+            return fmt(v, 1)
+        return fmt(v, 3 if k.startswith(("router", "tok")) else 2)
+
+    order = sorted(summaries, key=lambda s: (s["target_rps"] != args.rate, s["target_rps"], arms.index(s["arm"])))
+    print(f"\n# router overhead, open loop, {args.replicas} zero-cost test replicas, chat requests "
+          f"({args.systems} shared system prompts of ~{args.system_words} words, {args.rounds} rounds, "
+          f"max_tokens {args.max_tokens}); all times ms; KV events fed to "
+          f"{'every router' if args.kv_events_all else 'the kvaware router only'}; cpu% of one core, over the run "
+          "(warm-up included on the first rate)")
+    print("# router = X-Kvtier-Router-Ms (the router's own time: body read to response headers, minus tokenization "
+          "and minus every wait on the replica); tok = X-Kvtier-Tokenize-Ms (cold: every prompt is new); "
+          "e2e from the scheduled send time; -direct = e2e minus the same requests sent straight to the replicas "
+          f"at the same rate (only where neither lost requests; e2e is over answered requests); sustained = no errors, sent and done >= 95% of target, e2e p99 <= "
+          f"{args.sustain_p99_ms:.0f} ms")
+    print(table([c[1] for c in cols], [[cell(k, s[k]) for k, _ in cols] for s in order]))
+    print("\n# highest rate sustained (of those tried)")
+    for arm in arms:
+        ok = [s["target_rps"] for s in summaries if s["arm"] == arm and s["sustained"]]
+        print(f"  {arm:<12} {max(ok):.0f} req/s" if ok else f"  {arm:<12} none of {sorted(rates)}")
+    if args.out:
+        for p in write_results(args.out, "routing-overhead", {"rows": summaries, "args": vars(args)}, summaries):
+            print(f"wrote {p}")
+    print(f"(logs and per-request rows in {tmp})")
+    return 0
+
+
+def start_replicas(args: argparse.Namespace, tmp: Path, model: str, procs: list[P]) -> list[P]:
+    """args.replicas test replicas with KV events + replay (appended to procs as they start)."""
+    reps = []
+    for i in range(args.replicas):
+        ev, rp = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
+        p = spawn([PY, "-m", "router.testreplica", "--port", "0", "--model", model, "--kv-events", ev,
+                   "--kv-replay", rp, "--block-size", str(args.block_size),
+                   "--capacity-blocks", str(args.capacity_blocks),
+                   "--prefill-us-per-token", str(args.prefill_us_per_token),
+                   "--decode-ms-per-token", str(args.decode_ms_per_token)],
+                  tmp / f"rep{i}.log", r"listening on (http://\S+)")
+        p.kv, p.replay = ev, rp
+        reps.append(p)
+        procs.append(p)
+    return reps
+
+
+def start_kvtier(args: argparse.Namespace, tmp: Path, reps: list[P], strategy: str, kv: bool = True) -> P:
+    """`kvtier router` (router.cli: the production uvicorn settings) in front of reps, fed their KV events."""
+    events = ["--kv-events", ",".join(r.kv for r in reps), "--kv-replay", ",".join(r.replay for r in reps)]
+    return spawn([PY, "-m", "router.cli", "--port", "0", "--replicas", ",".join(r.url for r in reps),
+                  "--strategy", strategy, "--block-size", str(args.block_size), *(events if kv else []),
+                  "--log-level", "warning"], tmp / f"kvtier-{strategy}.log", r"listening on (http://\S+)")
+
+
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of a process (Linux /proc)."""
+    f = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--users", type=int, default=20)
@@ -258,30 +480,28 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--skip-vllm-router", action="store_true")
     ap.add_argument("--only", default="", help="comma-separated subset of router configs to run")
     ap.add_argument("--skip-chat", action="store_true", help="overhead phase only")
+    ap.add_argument("--overhead", action="store_true",
+                    help="overhead mode only: open loop at --rate per strategy vs straight to the replicas")
+    ap.add_argument("--duration", type=float, default=25.0, help="--overhead: seconds at --rate")
+    ap.add_argument("--sweep", default="25,50,100,150,300", help="--overhead: further rates ('' for none)")
+    ap.add_argument("--sweep-duration", type=float, default=8.0)
+    ap.add_argument("--strategies", default="roundrobin,session,prefixaware,kvaware", help="--overhead arms")
+    ap.add_argument("--sustain-p99-ms", type=float, default=100.0,
+                    help="--overhead: a rate counts as sustained only with e2e p99 at most this")
+    ap.add_argument("--kv-events-all", action="store_true",
+                    help="--overhead: feed KV events to every strategy's router (default: kvaware only)")
+    ap.add_argument("--out", type=Path, default=None, help="--overhead: write routing-overhead.json/.csv here")
     args = ap.parse_args(argv)
     tmp = Path(tempfile.mkdtemp(prefix="routing-bench-"))
     model = "test-model"
     procs: list[P] = []
     try:
-        reps = []
-        for i in range(args.replicas):
-            ev, rp = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
-            p = spawn([PY, "-m", "router.testreplica", "--port", "0", "--model", model, "--kv-events", ev,
-                       "--kv-replay", rp, "--block-size", str(args.block_size),
-                       "--capacity-blocks", str(args.capacity_blocks),
-                       "--prefill-us-per-token", str(args.prefill_us_per_token),
-                       "--decode-ms-per-token", str(args.decode_ms_per_token)],
-                      tmp / f"rep{i}.log", r"listening on (http://\S+)")
-            p.kv, p.replay = ev, rp
-            reps.append(p)
-            procs.append(p)
-        urls = ",".join(r.url for r in reps)
+        reps = start_replicas(args, tmp, model, procs)
+        if args.overhead:
+            return overhead(args, tmp, reps, model, procs)
 
         def kvtier(strategy: str) -> P:
-            return spawn([PY, "-m", "router.cli", "--port", "0", "--replicas", urls, "--strategy", strategy,
-                          "--block-size", str(args.block_size), "--kv-events", ",".join(r.kv for r in reps),
-                          "--kv-replay", ",".join(r.replay for r in reps), "--log-level", "warning"],
-                         tmp / f"kvtier-{strategy}.log", r"listening on (http://\S+)")
+            return start_kvtier(args, tmp, reps, strategy)
 
         def vllm_router(policy: str) -> P:
             exe = shutil.which("vllm-router") or str(Path(PY).parent / "vllm-router")
