@@ -211,6 +211,9 @@ class Client:
         # already-located blocks keep working through a master restart (issue 8); any miss forgets it.
         self._located: OrderedDict[str, pb.FileStat] = OrderedDict()
         self._master_down_until = 0.0  # after a failed Stat, skip the master for a moment (fail fast)
+        # Locations from one locate_many (StatMany) for a batch about to be read: used once each, within the
+        # timeout, instead of a Stat per read; found and not-found alike (path -> (FileStat, expiry)).
+        self._prefetched: dict[str, tuple[pb.FileStat, float]] = {}
         self._touches: dict[str, set[str]] = {}
         self._toucher: threading.Thread | None = None
 
@@ -270,6 +273,7 @@ class Client:
         existed (if_absent) . order_hint = position of this object in a prefix chain (0 = first chunk);
         eviction prefers dropping the deepest chunks first."""
         path = _check(path)
+        self._forget(path)  # a location looked up before this put (locate_many) may be out of date after it
         mv = memoryview(data).cast("B")
         size = mv.nbytes
         deadline = time.monotonic() + max(self.timeout, size / 200e6)  # >= 200 MB/s before giving up
@@ -347,9 +351,12 @@ class Client:
     _LOCATED_MAX = 65536
 
     def _locate(self, path: str, deadline: float) -> pb.FileStat | None:
+        now = time.monotonic()
         with self._lock:
             cached = self._located.get(path)
-        now = time.monotonic()
+            pre = self._prefetched.pop(path, None)
+        if pre is not None and now < pre[1]:
+            return self._remember(path, pre[0])
         if now < self._master_down_until:
             return cached  # the master just failed: last known location, or a miss without waiting
         # With a fallback, leave most of the deadline for the read itself.
@@ -363,6 +370,10 @@ class Client:
             if isinstance(e, InvalidPath):
                 raise
             return None
+        return self._remember(path, st)
+
+    def _remember(self, path: str, st: pb.FileStat) -> pb.FileStat | None:
+        """A fresh Stat answer: keep a readable file's location (fallback cache), forget anything else."""
         if not st.exists or st.is_dir or not st.locations:
             self._forget(path)
             return None
@@ -373,11 +384,42 @@ class Client:
                 self._located.popitem(last=False)
         return st
 
+    def locate_many(self, paths: Sequence[str], *, _deadline: float | None = None) -> int:
+        """Look up where a batch of files lives in ONE master round trip (StatMany), so the next read of each
+        path (get / get_into, once, within `timeout`) skips its own Stat RPC. Returns how many exist.
+
+        A hint: any fault (master unreachable, deadline) returns 0 and the reads locate one by one as
+        before; invalid paths raise InvalidPath like the reads would. Measured on 31 chunks of 1 MiB: one
+        StatMany ~2 ms vs ~26 ms for 31 Stats (benchmarks/chunk_read_bench.py)."""
+        norm = [_check(p) for p in paths]
+        now = time.monotonic()
+        deadline = _deadline if _deadline is not None else now + self.timeout
+        if not norm or now < self._master_down_until or now >= deadline:
+            return 0
+        try:
+            resp = self._master("StatMany", pb.PathsRequest(paths=norm), deadline)
+        except Unavailable:
+            self._master_down_until = time.monotonic() + 1.0
+            return 0
+        except L2fsError:
+            return 0
+        if len(resp.stats) != len(norm):
+            return 0
+        expiry = time.monotonic() + self.timeout
+        with self._lock:
+            if len(self._prefetched) > self._LOCATED_MAX:  # batches that were never read
+                self._prefetched = {p: v for p, v in self._prefetched.items() if v[1] > now}
+            for p, st in zip(norm, resp.stats, strict=True):
+                self._prefetched[p] = (st, expiry)
+        return sum(1 for st in resp.stats if st.exists and not st.is_dir and st.locations)
+
     def _forget(self, *paths: str) -> None:
         with self._lock:
             for p in paths:
                 try:
-                    self._located.pop(norm_path(p), None)
+                    n = norm_path(p)
+                    self._located.pop(n, None)
+                    self._prefetched.pop(n, None)
                 except PathError:
                     pass  # an invalid path was never remembered
 
@@ -511,8 +553,9 @@ class Client:
     @staticmethod
     def _readinto_verified(f: Any, into: memoryview, st: pb.FileStat) -> bool:
         """Read piece by piece, checksumming each piece while the next one is read."""
-        pipe = CrcPipeline()
-        for start, end in crc_pieces(st.size):
+        pieces = crc_pieces(st.size)
+        pipe = CrcPipeline(len(pieces))
+        for start, end in pieces:
             view, got = into[start:end], 0
             while got < end - start:
                 n = f.readinto(view[got:])
@@ -549,9 +592,11 @@ class Client:
         return [f.result() for f in futs]
 
     def get_many(self, paths: Sequence[str]) -> list[bytes | None]:
-        """Parallel fetches; one None per miss."""
+        """Parallel fetches; one None per miss. Located in one master round trip (locate_many)."""
         for p in paths:
             _check(p)
+        if len(paths) > 1:
+            self.locate_many(paths)
         return list(self._executor().map(self.get, paths))
 
     # ---------- metadata ----------
@@ -629,7 +674,7 @@ def _chain(first: Any, rest: Any) -> Any:
 # 64 concurrent gets against a SIGSTOP'd worker took up to 8 s with a 2 s timeout (tests/reliability).
 # get_many is left out: the sync call has no overall deadline (each get has its own), so a big batch may
 # legitimately take longer than one timeout.
-_READS = ("get", "get_into")
+_READS = ("get", "get_into", "locate_many")  # a late locate_many is a no-op hint too: None
 _BOUNDED = (*_READS, "exists", "stat", "stat_many", "prefix_lookup", "ls", "report")
 
 
@@ -676,6 +721,7 @@ class AsyncClient:
     put = _async("put")
     get = _async("get")
     get_into = _async("get_into")
+    locate_many = _async("locate_many")
     put_many = _async("put_many")
     get_many = _async("get_many")
     exists = _async("exists")

@@ -321,17 +321,23 @@ class CrcPipeline:
     """Checksum pieces (from crc_pieces) on the pool while the caller reads/receives the next one, so
     verification overlaps I/O instead of following it."""
 
-    def __init__(self) -> None:
-        self._futs: list[Any] = []
+    def __init__(self, pieces: int = 0) -> None:
+        """pieces: how many add() calls will follow, when known. With one there is nothing to overlap: it is
+        checksummed inline (GIL released), which saves a pool hop per small object (~0.15 ms per 1 MiB chunk)."""
+        self._parts: list[Any] = []  # crc (inline) or a future of one
+        self._inline = pieces == 1
         self._op, self._pool = _crc_setup()
 
     def add(self, piece: memoryview) -> None:
         import crc32c
 
-        self._futs.append(self._pool.submit(crc32c.crc32c, piece, 0, 1))
+        if self._inline:
+            self._parts.append(crc32c.crc32c(piece, 0, 1))
+        else:
+            self._parts.append(self._pool.submit(crc32c.crc32c, piece, 0, 1))
 
     def result(self) -> int:
-        crcs = [f.result() for f in self._futs]
+        crcs = [p if isinstance(p, int) else p.result() for p in self._parts]
         if not crcs:
             return 0
         c = crcs[0]

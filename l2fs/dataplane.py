@@ -349,8 +349,9 @@ class DataClient:
             if into is not None:
                 if into.nbytes < size:
                     raise ValueError(f"buffer of {into.nbytes} bytes < block of {size}")
-                pipe = CrcPipeline()
-                for start, end in crc_pieces(size):
+                pieces = crc_pieces(size)
+                pipe = CrcPipeline(len(pieces))
+                for start, end in pieces:
                     self._fill(s, into[start:end], deadline)
                     pipe.add(into[start:end])
                 computed = pipe.result()
