@@ -14,7 +14,8 @@ Configure (what `kvtier lmcache-config` writes):
 Design (why):
 * File = LMCache fs-connector format (RemoteMetadata header + raw bytes) at a reversible name
   (connector.keys), published with put-if-absent: concurrent writers of one chunk cannot corrupt it.
-* `batched_contains` / `batched_async_contains` = one l2fs PrefixLookup RPC for the whole prompt.
+* `batched_contains` / `batched_async_contains` = one l2fs PrefixLookup RPC for the whole prompt; batched gets
+  locate all their chunks with one StatMany (`Client.locate_many`), not a Stat per chunk.
 * Every blocking l2fs call runs on our own thread pool; LMCache's event loop only awaits.
 * Any l2fs fault is a miss (None / 0 / no-op), never an exception into the engine. A circuit breaker
   stops calling an unreachable master for a back-off period (one warning per outage), so requests do not
@@ -133,6 +134,7 @@ class L2fsConnector(RemoteConnector):
         self.stats = {"get_hit": 0, "get_miss": 0, "corrupt": 0, "put": 0, "put_exists": 0, "put_fail": 0,
                       "bytes_read": 0, "read_s": 0.0}
         self._meta = local_cpu_backend.metadata
+        self._tls = threading.local()  # one reusable read buffer per pool thread
         self._closed = False
         log.info("kvtier l2fs connector: master=%s node=%s prefix=%s", self.master, self.node_id, self.prefix)
         # Start-up probe + key-compat fingerprint, off the caller's thread: never delays engine start.
@@ -206,7 +208,11 @@ class L2fsConnector(RemoteConnector):
         except L2Down:
             return None
         hdr = self.remote_metadata_bytes
-        buf = bytearray(hdr + self.full_chunk_size_bytes)
+        # Reused per thread: a fresh 1 MiB bytearray per chunk cost page faults on every read. Only this thread
+        # writes it (the sync client reads in the calling thread) and the body is copied out below.
+        buf = getattr(self._tls, "buf", None)
+        if buf is None or len(buf) != hdr + self.full_chunk_size_bytes:
+            buf = self._tls.buf = bytearray(hdr + self.full_chunk_size_bytes)
         t0 = time.perf_counter()
         try:
             n = self.client.get_into(self.path(key), buf)
@@ -255,11 +261,25 @@ class L2fsConnector(RemoteConnector):
     def support_batched_get(self) -> bool:
         return True
 
+    def _locate_sync(self, keys: list[Any]) -> None:
+        """Where the batch's chunks live, in one master round trip (StatMany) instead of one Stat per get.
+        A hint: on any fault the gets locate one by one (and still miss cleanly)."""
+        if self._closed or self.breaker.down or len(keys) < 2:
+            return
+        try:
+            self.client.locate_many([self.path(k) for k in keys])
+        except Exception as e:  # noqa: BLE001 - never an exception into the engine
+            log.debug("locate_many failed: %s", e)
+
     async def batched_get(self, keys: list[Any]) -> list[Any]:
-        """Parallel fetches on our pool; one None per miss."""
+        """One StatMany for the batch, then parallel fetches on our pool; one None per miss."""
+        await self._run(self._locate_sync, keys)
         return list(await asyncio.gather(*(self.get(k) for k in keys)))
 
-    # batched_get_non_blocking: the base class gathers get() (parallel) and keeps the hit prefix.
+    async def batched_get_non_blocking(self, lookup_id: str, keys: list[Any]) -> list[Any]:
+        """The base class's (parallel get(), keep the hit prefix), after one StatMany for the batch."""
+        await self._run(self._locate_sync, keys)
+        return await super().batched_get_non_blocking(lookup_id, keys)
 
     # ---- put -----------------------------------------------------------------------------------------
     def _put_sync(self, key: Any, memory_obj: Any) -> None:

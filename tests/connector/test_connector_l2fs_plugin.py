@@ -261,3 +261,35 @@ def test_key_mismatch_is_reported_loudly(cluster: LocalCluster, caplog: pytest.L
         assert msgs and "chunk_size" in msgs[0] and "python_hash_seed" in msgs[0]
     finally:
         client.close()
+
+
+def test_batched_get_one_statmany_and_per_chunk_misses(cluster: LocalCluster) -> None:
+    """LMCache's batched get: one StatMany for the batch (no Stat per chunk); a missing or corrupted chunk is a
+    miss for that chunk only, the others load intact."""
+    a = _manager(cluster.master, "node-1")
+    b = _manager(cluster.master, "node-2")
+    client = cluster.client()
+    try:
+        keys = [_key(h) for h in range(8100, 8106)]
+        datas = _put(a, keys, seed=11)
+        paths = [K.key_path(PREFIX, k) for k in keys]
+        _wait_exists(client, paths)
+        hdr = _conn(b).remote_metadata_bytes
+        good = client.get(paths[2])
+        client.put(paths[2], good[:hdr] + good[hdr:-8], if_absent=False)  # header/length mismatch: corrupt
+        assert client.rm(paths[4])  # missing
+        batch = [*keys, _key(8199)]  # and one that never existed
+        before = _rpc_counts(cluster)
+        objs = _remote(b).batched_get_blocking(batch)
+        after = _rpc_counts(cluster)
+        assert after.get("StatMany", 0) - before.get("StatMany", 0) == 1
+        assert after.get("Stat", 0) == before.get("Stat", 0)
+        assert [o is not None for o in objs] == [True, True, False, True, False, True, False]
+        for i in (0, 1, 3, 5):
+            assert torch.equal(objs[i].tensor, datas[i])
+            objs[i].ref_count_down()
+        assert _conn(b).stats["corrupt"] >= 1
+    finally:
+        a.close()
+        b.close()
+        client.close()
