@@ -19,6 +19,13 @@ class TokenizeError(ValueError):
     """The request cannot be turned into a prompt (bad messages/prompt shape)."""
 
 
+def _token_ids(ids: list[Any]) -> list[int]:
+    """A token-id prompt as vLLM accepts it: non-negative ints only (no floats, bools, nulls or strings)."""
+    if not all(type(t) is int and t >= 0 for t in ids):
+        raise TokenizeError("a token-id prompt must be a list of non-negative integers")
+    return list(ids)
+
+
 def _bytes_chat(messages: list[dict[str, Any]]) -> str:
     parts = []
     for m in messages:
@@ -73,9 +80,9 @@ class Tokenizer:
         if isinstance(prompt, list) and prompt:
             first = prompt[0]
             if isinstance(first, int):
-                return [int(t) for t in prompt]
+                return _token_ids(prompt)
             if isinstance(first, list):  # batch of token-id prompts: route by the first
-                return [int(t) for t in first]
+                return _token_ids(first)
             prompt = first  # batch of strings: route by the first
         if not isinstance(prompt, str):
             raise TokenizeError("'prompt' must be a string, a list of strings or a list of token ids")

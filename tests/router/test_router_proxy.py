@@ -30,6 +30,11 @@ def test_bad_input_gets_clear_errors(cluster):
     assert r.status_code == 400 and "messages" in r.json()["error"]["message"]
     r = rt.post("/v1/completions", json={"model": "m", "prompt": 42}, headers=auth)
     assert r.status_code == 400 and "prompt" in r.json()["error"]["message"]
+    # token-id prompts with nulls, strings, floats, bools or negatives (fuzzing found [[null]] -> 500)
+    for bad in ([[None]], [1, "a"], [[1, 2.5]], [1, True], [[-1]], [3, [4]]):
+        r = rt.post("/v1/completions", json={"model": "m", "prompt": bad},
+                    headers={**auth, "X-Kvtier-Strategy": "prefixaware"})
+        assert r.status_code == 400 and "non-negative integers" in r.json()["error"]["message"], (bad, r.text)
     # the router is still up and serves a good request; the client's key is not forwarded upstream
     r = complete(rt, "hello", headers=auth)
     assert r.status_code == 200, r.text
