@@ -21,7 +21,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-import httpx
+import aiohttp
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -105,7 +105,7 @@ class _Admission:
 
 class _Clock:
     """The router's own time for one request: since the body was read, minus tokenization and minus every
-    wait on a replica (from handing the request to httpx until its answer is in: headers, and the whole
+    wait on a replica (from handing the request to aiohttp until its answer is in: headers, and the whole
     body when not streaming). Sent back as X-Kvtier-Router-Ms (and X-Kvtier-Tokenize-Ms)."""
 
     __slots__ = ("t_in", "tok", "upstream")
@@ -136,7 +136,7 @@ class Router:
         self.replicas = ReplicaSet(health_interval=cfg.health_interval, health_timeout=cfg.health_timeout,
                                    api_key=cfg.upstream_api_key)
         self.subs: dict[str, KVEventSubscriber] = {}
-        self.client: httpx.AsyncClient | None = None
+        self.client: aiohttp.ClientSession | None = None
         self.replicas.on_added.append(self._added)
         self.replicas.on_removed.append(self._removed)
         self.replicas.on_down.append(self._down)
@@ -167,9 +167,16 @@ class Router:
         self.m.healthy.labels(r.url).set(0)
 
     async def start(self) -> None:
-        limits = httpx.Limits(max_connections=1000, max_keepalive_connections=200)
-        self.client = httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(
-            self.cfg.upstream_timeout, connect=self.cfg.connect_timeout, pool=self.cfg.connect_timeout))
+        # One pooled session for every upstream call (created here, inside the running loop). connect covers
+        # the wait for a pool slot too; sock_read bounds the wait for the first byte and between bytes. No
+        # Content-Type of our own: the client's passes through, or none (as sent). trust_env: proxy env vars
+        # apply as they did with httpx. Idle connections are dropped after 4 s, before uvicorn's (vLLM's) 5 s
+        # keep-alive closes them under us.
+        conn = aiohttp.TCPConnector(limit=1000, limit_per_host=0, keepalive_timeout=4.0)
+        timeout = aiohttp.ClientTimeout(total=None, connect=self.cfg.connect_timeout,
+                                        sock_connect=self.cfg.connect_timeout, sock_read=self.cfg.upstream_timeout)
+        self.client = aiohttp.ClientSession(connector=conn, timeout=timeout, skip_auto_headers=("Content-Type",),
+                                            trust_env=True)
         for i, url in enumerate(self.cfg.replicas):
             kv = self.cfg.kv_endpoints[i] if self.cfg.kv_endpoints else None
             rp = self.cfg.kv_replay_endpoints[i] if i < len(self.cfg.kv_replay_endpoints) else None
@@ -194,7 +201,7 @@ class Router:
             await sub.stop()
         await self.replicas.stop()
         if self.client:
-            await self.client.aclose()
+            await self.client.close()
         self.tok.close()
 
     # -- proxy ------------------------------------------------------------------------------------
@@ -206,9 +213,9 @@ class Router:
         return h
 
     @staticmethod
-    def _down_headers(resp: httpx.Response, rid: str, r: Replica, d: Decision, decoded: bool,
+    def _down_headers(resp: aiohttp.ClientResponse, rid: str, r: Replica, d: Decision, decoded: bool,
                       clock: _Clock) -> dict[str, str]:
-        h = {k: v for k, v in resp.headers.items() if k.lower() not in HOP}
+        h = {k.lower(): v for k, v in resp.headers.items() if k.lower() not in HOP}
         if decoded:
             h.pop("content-encoding", None)
         h["x-request-id"] = rid
@@ -315,9 +322,8 @@ class Router:
             adm = _Admission(r, d, len(tokens), self.m)
             if attempt == 0:
                 self.m.overhead.observe(clock.own_ms() / 1e3)
-            req = self.client.build_request("POST", r.url + path, content=body, headers=headers)
             t_send = time.perf_counter()
-            send = asyncio.ensure_future(self.client.send(req, stream=stream))
+            send = asyncio.ensure_future(self._send(r.url + path, body, headers, stream))
             disc = asyncio.ensure_future(_wait_disconnect(request))
             try:
                 await asyncio.wait({send, disc}, return_when=asyncio.FIRST_COMPLETED)
@@ -338,30 +344,34 @@ class Router:
                 return Response(status_code=499)
             disc.cancel()
             try:
-                resp = send.result()
-            except (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout, httpx.RemoteProtocolError,
-                    httpx.ReadError, httpx.WriteError) as e:
+                resp, content = send.result()
+            except (TimeoutError, aiohttp.ClientError) as e:
                 adm.finish()
-                if isinstance(e, httpx.ConnectError):
-                    self.replicas.mark_down(r, f"{type(e).__name__}: {e}")  # refused: nobody listens
-                else:
-                    self.replicas.soft_fail(r, type(e).__name__)
-                self.m.retries.labels("connect").inc()
-                last_err = _err(502, f"replica {r.url} failed: {type(e).__name__}", "upstream_error")
-                continue
-            except httpx.TimeoutException:
-                adm.finish()
+                if not isinstance(e, TimeoutError) or isinstance(e, aiohttp.ConnectionTimeoutError):
+                    # not connected (refused, pool or connect timeout) or the connection broke before an answer
+                    # (disconnect, bad HTTP, payload error): retry on another replica, nothing reached the client
+                    if isinstance(e, aiohttp.ClientConnectorError):
+                        self.replicas.mark_down(r, f"{type(e).__name__}: {e}")  # refused: nobody listens
+                    else:
+                        self.replicas.soft_fail(r, type(e).__name__)
+                    self.m.retries.labels("connect").inc()
+                    last_err = _err(502, f"replica {r.url} failed: {type(e).__name__}", "upstream_error")
+                    continue
+                # no byte within upstream_timeout (headers, or the body when not streaming)
                 self.replicas.soft_fail(r, "timeout")
                 self.m.requests.labels(r.url, strategy, "504").inc()
                 return _err(504, f"replica {r.url} did not answer within {self.cfg.upstream_timeout}s",
                             "upstream_timeout", **{"x-request-id": rid})
             self.m.ttfb.observe(time.perf_counter() - t_send)
-            code = resp.status_code
+            code = resp.status
             if code < 500:
                 self.replicas.ok(r)
             if code == 429 or code >= 500:
-                err_body = await resp.aread() if stream else resp.content
-                await resp.aclose()
+                try:
+                    err_body = await resp.read() if stream else content
+                except (TimeoutError, aiohttp.ClientError):
+                    err_body = b""
+                resp.close()
                 adm.finish()
                 if code >= 500:
                     self.replicas.mark_down(r, f"HTTP {code}")
@@ -369,10 +379,10 @@ class Router:
                 last_err = JSONResponse(_safe_json(err_body, code), status_code=code)
                 continue
             if not stream:
-                return self._finish_plain(resp, adm, rid, r, d, strategy, clock)
+                return self._finish_plain(resp, content, adm, rid, r, d, strategy, clock)
             ctype = resp.headers.get("content-type", "")
             if code == 200 and "text/event-stream" not in ctype:
-                await resp.aclose()
+                resp.close()
                 adm.finish()
                 self.replicas.mark_down(r, f"stream answered with {ctype!r}")
                 last_err = _err(502, f"replica {r.url} answered a stream with {ctype or 'no content type'}",
@@ -388,12 +398,24 @@ class Router:
         self.m.rejected.labels("no_replica").inc()
         return _err(503, "no healthy replica available", "service_unavailable", **{"x-request-id": rid})
 
-    def _finish_plain(self, resp: httpx.Response, adm: _Admission, rid: str, r: Replica, d: Decision,
-                      strategy: str, clock: _Clock) -> Response:
+    async def _send(self, url: str, body: bytes, headers: dict[str, str],
+                    stream: bool) -> tuple[aiohttp.ClientResponse, bytes]:
+        """POST upstream; returns at the headers when streaming (body left to _pump, undecoded), else with the
+        whole body read (content-encoding decoded). Cancelling it closes the connection, aborting the request."""
+        assert self.client is not None
+        resp = await self.client.post(url, data=body, headers=headers, auto_decompress=not stream)
+        if stream:
+            return resp, b""
+        try:
+            return resp, await resp.read()
+        finally:
+            resp.close()  # after a full read the connection is already back in the pool: no-op then
+
+    def _finish_plain(self, resp: aiohttp.ClientResponse, content: bytes, adm: _Admission, rid: str, r: Replica,
+                      d: Decision, strategy: str, clock: _Clock) -> Response:
         adm.first_byte()
         adm.finish()
-        content = resp.content
-        code = resp.status_code
+        code = resp.status
         if code == 200:
             try:
                 obj = json.loads(content)
@@ -420,19 +442,19 @@ class Router:
             if isinstance(usage.get("prompt_tokens"), int):
                 self.m.prompt_tokens.inc(usage["prompt_tokens"])
 
-    async def _pump(self, resp: httpx.Response, adm: _Admission) -> AsyncIterator[bytes]:
-        """Zero-buffer SSE passthrough; returning (client gone or done) closes the upstream connection."""
+    async def _pump(self, resp: aiohttp.ClientResponse, adm: _Admission) -> AsyncIterator[bytes]:
+        """Zero-buffer SSE passthrough; returning early (client gone) closes the upstream connection."""
         try:
-            async for chunk in resp.aiter_raw():
+            async for chunk in resp.content.iter_any():
                 adm.first_byte()
                 yield chunk
-        except httpx.HTTPError as e:  # upstream died mid-stream: nothing to retry, end the stream
+        except (TimeoutError, aiohttp.ClientError) as e:  # upstream died mid-stream: end the stream
             log.warning("upstream %s broke mid-stream: %s", adm.r.url, e)
         except (asyncio.CancelledError, GeneratorExit):
             self.m.cancelled.labels("streaming").inc()
             raise
         finally:
-            await resp.aclose()
+            resp.close()  # no-op once the body was read to the end (the connection is back in the pool)
             adm.finish()
 
     async def models(self, request: Request) -> Response:
@@ -441,11 +463,11 @@ class Router:
         assert self.client is not None
         for r in self.replicas.available():
             try:
-                resp = await self.client.get(r.url + "/v1/models", headers=self._upstream_headers(request, "models"),
-                                             timeout=self.cfg.health_timeout * 5)
-                if resp.status_code == 200:
-                    return Response(resp.content, media_type="application/json")
-            except httpx.HTTPError:
+                async with self.client.get(r.url + "/v1/models", headers=self._upstream_headers(request, "models"),
+                                           timeout=aiohttp.ClientTimeout(total=self.cfg.health_timeout * 5)) as resp:
+                    if resp.status == 200:
+                        return Response(await resp.read(), media_type="application/json")
+            except (TimeoutError, aiohttp.ClientError):
                 self.replicas.mark_down(r, "models failed")
         return _err(503, "no healthy replica available", "service_unavailable")
 
