@@ -349,6 +349,11 @@ class Client:
                                metadata=self._md, timeout=max(0.001, deadline - time.monotonic()))
 
     _LOCATED_MAX = 65536
+    _MASTER_PAUSE = 1.0  # seconds lookups skip the master after it was unreachable
+
+    def _pause_master(self) -> None:
+        """The master just failed a lookup: for a moment, answer lookups from what we know, without waiting."""
+        self._master_down_until = time.monotonic() + self._MASTER_PAUSE
 
     def _locate(self, path: str, deadline: float) -> pb.FileStat | None:
         now = time.monotonic()
@@ -364,7 +369,7 @@ class Client:
         try:
             st = self._master("Stat", pb.PathRequest(path=path), mdeadline)
         except Unavailable:
-            self._master_down_until = time.monotonic() + 1.0
+            self._pause_master()
             return cached
         except L2fsError as e:
             if isinstance(e, InvalidPath):
@@ -399,7 +404,7 @@ class Client:
         try:
             resp = self._master("StatMany", pb.PathsRequest(paths=norm), deadline)
         except Unavailable:
-            self._master_down_until = time.monotonic() + 1.0
+            self._pause_master()
             return 0
         except L2fsError:
             return 0

@@ -252,10 +252,14 @@ class MasterService(pbg.MasterServicer):
         else:
             self._bg.submit(send)
 
+    def _remember(self, memory: OrderedDict[str, Any], bid: str, value: Any) -> None:
+        """Add to a bounded block-id memory (allocations, abandoned): the oldest entry goes first."""
+        memory[bid] = value
+        if len(memory) > self.ALLOC_MEMORY:
+            memory.popitem(last=False)
+
     def _abandon(self, bid: str) -> None:
-        self.abandoned[bid] = None
-        if len(self.abandoned) > self.ALLOC_MEMORY:
-            self.abandoned.popitem(last=False)
+        self._remember(self.abandoned, bid, None)
 
     def _expire_allocations(self, now: float) -> dict[str, list[str]]:
         """Abandon allocations older than allocation_ttl (lock held); returns worker -> block ids to delete."""
@@ -408,9 +412,7 @@ class MasterService(pbg.MasterServicer):
             w = self._place(request.size, request.node_id, set(request.exclude_workers))
             w.pending += request.size  # until the next heartbeat: spreads concurrent writers
             bid = uuid.uuid4().hex
-            self.allocations[bid] = (w.worker_id, time.monotonic() + self.allocation_ttl)
-            if len(self.allocations) > self.ALLOC_MEMORY:
-                self.allocations.popitem(last=False)
+            self._remember(self.allocations, bid, (w.worker_id, time.monotonic() + self.allocation_ttl))
             return pb.AllocateResponse(block_id=bid, worker=pb.Location(
                 worker_id=w.worker_id, node_id=w.node_id, address=w.address, data_address=w.data_address))
 

@@ -123,6 +123,29 @@ class DataDir:
         return self.root / "tmp" / f"{bid}.part"
 
 
+class VerifiedFrames:
+    """A block file read FRAME by FRAME (at least one frame, possibly empty), checksummed on the way, so a
+    reader never holds the whole block. After the last frame, `ok` says whether size and CRC32C matched the
+    manifest and nothing followed; a read error ends the frames early (not ok)."""
+
+    def __init__(self, block: Block, f: Any) -> None:
+        self.block, self.f, self.ok = block, f, False
+
+    def __iter__(self) -> Iterator[bytes]:
+        size, off, crc = self.block.size, 0, 0
+        try:
+            while True:
+                data = self.f.read(min(FRAME, size - off))
+                crc = crc32c.crc32c(data, value=crc)
+                off += len(data)
+                yield data
+                if not data or off >= size:
+                    break  # the end, or shorter than the manifest says
+            self.ok = off == size and not self.f.read(1) and crc == self.block.crc32c
+        except OSError:
+            self.ok = False
+
+
 class Store:
     """Blocks over all data dirs; one lock; eviction (LRU by read, deepest order hint first)."""
 
@@ -387,22 +410,32 @@ class Store:
             self._delete(bid, "corrupt")
             return True
 
-    def verify(self, bid: str) -> bool:
-        """Re-check a block's checksum, one frame in memory at a time; drops it when bad."""
+    def open_block(self, bid: str) -> tuple[Block, Path, Any] | None:
+        """The block and its current file, opened; None when it is unknown, or gone behind our back (then
+        dropped). It can move to a slower tier between lookup and open: look again."""
         for _ in range(3):
             found = self.file_of(bid)
             if found is None:
-                return False
-            b, path = found
-            n, crc = 0, 0
+                return None
             try:
-                with open(path, "rb", buffering=0) as f:
-                    while piece := f.read(FRAME):
-                        crc = crc32c.crc32c(piece, value=crc)
-                        n += len(piece)
+                return found[0], found[1], open(found[1], "rb", buffering=0)  # noqa: SIM115 - caller closes
             except OSError:
-                n = -1
-            if n == b.size and crc == b.crc32c:
+                if self.drop_damaged(bid, found[1]):
+                    return None
+        return None
+
+    def verify(self, bid: str) -> bool:
+        """Re-check a block's checksum, one frame in memory at a time; drops it when bad."""
+        for _ in range(3):
+            opened = self.open_block(bid)
+            if opened is None:
+                return False
+            b, path, f = opened
+            with f:
+                frames = VerifiedFrames(b, f)
+                for _ in frames:
+                    pass
+            if frames.ok:
                 self.touch(bid)
                 return True
             if self.drop_damaged(bid, path):
@@ -468,36 +501,17 @@ class WorkerService(pbg.WorkerServicer):
             context.abort(e.code, str(e))
         # Stream frame by frame (memory per read = one frame, not the whole block), checksumming as we go; a
         # mismatch found at the end aborts the stream (the client discards what it got) and drops the block.
-        found, f = None, None
-        for _ in range(3):
-            found = self.store.file_of(bid)
-            if found is None:
-                break
-            try:
-                f = open(found[1], "rb", buffering=0)  # noqa: SIM115 - closed below, after streaming
-                break
-            except OSError:
-                if self.store.drop_damaged(bid, found[1]):  # gone behind our back: drop it
-                    found = None
-                    break
-                found = None  # moved to another tier meanwhile: look again
-        if found is None or f is None:
+        opened = self.store.open_block(bid)
+        if opened is None:
             READ_MISSES.inc()
             self._on_removed()
             context.abort(grpc.StatusCode.NOT_FOUND, f"block {bid} not found (missing or failed checksum)")
-        b, path = found
-        off, crc, first = 0, 0, True
+        b, path, f = opened
         with f:
-            while first or off < b.size:
-                data = f.read(min(FRAME, b.size - off))
-                crc = crc32c.crc32c(data, value=crc)
-                off += len(data)
-                yield pb.ReadChunk(size=b.size, crc32c=b.crc32c, data=data) if first else pb.ReadChunk(data=data)
-                first = False
-                if not data:
-                    break  # shorter than the manifest says
-            extra = f.read(1) if off == b.size else b""
-        if off != b.size or extra or crc != b.crc32c:
+            frames = VerifiedFrames(b, f)
+            for i, data in enumerate(frames):
+                yield pb.ReadChunk(size=b.size, crc32c=b.crc32c, data=data) if i == 0 else pb.ReadChunk(data=data)
+        if not frames.ok:
             READ_MISSES.inc()
             self.store.drop_damaged(bid, path)
             self._on_removed()
