@@ -243,13 +243,16 @@ def create_app(args: argparse.Namespace) -> FastAPI:
             tokens = eng.tok.encode(kind, body)
         except TokenizeError as e:
             return JSONResponse({"error": {"message": str(e)}}, status_code=400)
+        asked = [body[k] for k in ("max_tokens", "max_completion_tokens") if body.get(k) is not None]
+        if any(type(v) is not int or v < 1 for v in asked):  # as vLLM: a 400, not a crash (500)
+            return JSONResponse({"error": {"message": "max_tokens must be an integer >= 1"}}, status_code=400)
+        max_tokens = asked[0] if asked else args.max_tokens
         rid = request.headers.get("x-request-id", "")
         eng.request_ids.append(rid)
         s = eng.stats
         s["requests"] += 1
         s["inflight"] += 1
         s["max_inflight"] = max(s["max_inflight"], s["inflight"])
-        max_tokens = int(body.get("max_tokens") or body.get("max_completion_tokens") or args.max_tokens)
         stream = bool(body.get("stream"))
         created = int(time.time())
         cid = f"cmpl-{uuid.uuid4().hex}"

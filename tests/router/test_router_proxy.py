@@ -35,6 +35,10 @@ def test_bad_input_gets_clear_errors(cluster):
         r = rt.post("/v1/completions", json={"model": "m", "prompt": bad},
                     headers={**auth, "X-Kvtier-Strategy": "prefixaware"})
         assert r.status_code == 400 and "non-negative integers" in r.json()["error"]["message"], (bad, r.text)
+    # a replica's 400 passes through as a 400 (the test replica once crashed on these: fuzzing saw a 500)
+    for bad in ([None], "2", 0, 1.5):
+        r = rt.post("/v1/completions", json={"model": "m", "prompt": "x", "max_tokens": bad}, headers=auth)
+        assert r.status_code == 400 and "max_tokens" in r.text, (bad, r.text)
     # the router is still up and serves a good request; the client's key is not forwarded upstream
     r = complete(rt, "hello", headers=auth)
     assert r.status_code == 200, r.text
