@@ -38,7 +38,7 @@ from lmcache.v1.memory_management import MemoryFormat  # noqa: E402
 from lmcache.v1.metadata import LMCacheMetadata  # noqa: E402
 from lmcache.v1.storage_backend.storage_manager import StorageManager  # noqa: E402
 
-from connector import keys as K  # noqa: E402
+from connector import keys as ckeys  # noqa: E402
 from connector.config import lmcache_config  # noqa: E402
 from l2fs.local import LocalCluster  # noqa: E402
 
@@ -76,7 +76,7 @@ def _store(cluster: LocalCluster, keys: list[CacheEngineKey]) -> None:
         a.batched_put(keys, objs)
         c = cluster.client()
         try:
-            paths = [K.key_path(PREFIX, k) for k in keys]
+            paths = [ckeys.key_path(PREFIX, k) for k in keys]
             t0 = time.monotonic()
             while c.prefix_lookup(paths) < len(paths):
                 if time.monotonic() - t0 > 60:
@@ -101,7 +101,7 @@ def _time(fn: Callable[[], int], reps: int) -> tuple[float, int]:
 
 def run(chunks: int, reps: int, threads: list[int]) -> None:
     keys = [_key(1000 + i) for i in range(chunks)]
-    paths = [K.key_path(PREFIX, k) for k in keys]
+    paths = [ckeys.key_path(PREFIX, k) for k in keys]
     with tempfile.TemporaryDirectory(prefix="kvtier-chunk-bench-") as d, LocalCluster(Path(d), workers=2) as cluster:
         _store(cluster, keys)
         client = cluster.client(node_id="node-2")  # replica B's node: every block is on node-1 -> data plane

@@ -25,7 +25,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from connector import keys as K  # noqa: E402
+from connector import keys as ckeys  # noqa: E402
 from connector.replica import Replica, start_replica  # noqa: E402
 from l2fs.local import LocalCluster  # noqa: E402
 
@@ -43,7 +43,7 @@ def wait_files(cluster: LocalCluster, model: str, n: int, timeout: float = 120) 
         got = 0
         while time.monotonic() - t0 < timeout:
             try:
-                got = len([i for i in c.ls(K.model_dir("/kvtier/kv", model)) if i.path.endswith(".data")])
+                got = len([i for i in c.ls(ckeys.model_dir("/kvtier/kv", model)) if i.path.endswith(".data")])
             except Exception:  # noqa: BLE001
                 got = 0
             if got >= n:

@@ -78,7 +78,7 @@ def _client_loop(args: argparse.Namespace, master: str, node: str | None, seed: 
                         misses += 1
                 else:
                     c.prefix_lookup(keys)
-            except Exception as e:  # counted and sampled: the load must report, not die
+            except Exception as e:  # noqa: BLE001 - counted and sampled: the load must report, not die
                 errors[op] += 1
                 if len(samples) < 5:
                     samples.append(f"{op}: {e!r}")

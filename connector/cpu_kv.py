@@ -185,7 +185,7 @@ def _vllm_isa(dtype: torch.dtype, block_size: int, head_size: int) -> str:
         from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
         return _get_attn_isa(dtype, block_size, head_size)
-    except Exception:  # older/newer vLLM: the portable kernel
+    except Exception:  # noqa: BLE001 - older/newer vLLM: the portable kernel
         return "vec"
 
 
@@ -241,7 +241,7 @@ def _patch(module: ModuleType) -> None:
         if original is None or getattr(original, "_kvtier_cpu", False):
             return
 
-        def CreateGPUConnector(config: Any, metadata: Any, engine: Any, layout_hints: Any = None) -> Any:
+        def CreateGPUConnector(config: Any, metadata: Any, engine: Any, layout_hints: Any = None) -> Any:  # noqa: N802 - LMCache's factory name we replace
             from lmcache import torch_device_type
             from lmcache.utils import EngineType
 

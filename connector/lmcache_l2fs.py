@@ -39,7 +39,7 @@ from lmcache.v1.protocol import RemoteMetadata
 from lmcache.v1.storage_backend.connector import ConnectorAdapter, ConnectorContext, extract_plugin_type
 from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
 
-from connector import keys as K
+from connector import keys as ckeys
 from connector.fingerprint import record_and_check
 from connector.logs import ensure_log_handler
 
@@ -167,7 +167,7 @@ class L2fsConnector(RemoteConnector):
         return await self.loop.run_in_executor(self.pool, fn, *args)
 
     def path(self, key: Any) -> str:
-        return K.key_path(self.prefix, key)
+        return ckeys.key_path(self.prefix, key)
 
     # ---- contains ------------------------------------------------------------------------------------
     def exists_sync(self, key: Any) -> bool:
@@ -320,13 +320,13 @@ class L2fsConnector(RemoteConnector):
     async def list(self) -> list[str]:
         def _ls() -> list[str]:
             try:
-                infos = self._guard(lambda: self.client.ls(K.model_dir(self.prefix, self._meta.model_name)))
+                infos = self._guard(lambda: self.client.ls(ckeys.model_dir(self.prefix, self._meta.model_name)))
             except Exception:  # noqa: BLE001
                 return []
             out = []
             for i in infos:
                 try:
-                    out.append(K.name_to_key(i.path.rsplit("/", 1)[-1]).to_string())
+                    out.append(ckeys.name_to_key(i.path.rsplit("/", 1)[-1]).to_string())
                 except ValueError:
                     continue
             return out

@@ -26,7 +26,7 @@ from lmcache.v1.distributed.l2_adapters.base import L2AdapterInterface, L2TaskId
 from lmcache.v1.distributed.l2_adapters.config import L2AdapterConfigBase
 from lmcache.v1.platform import create_event_notifier
 
-from connector import keys as K
+from connector import keys as ckeys
 from connector.logs import ensure_log_handler
 
 log = logging.getLogger("kvtier.connector.mp_l2fs")
@@ -104,7 +104,7 @@ class L2fsL2Adapter(L2AdapterInterface):
             return tid
 
     def _path(self, key: Any) -> str:
-        return K.object_key_path(self.cfg.prefix, key)
+        return ckeys.object_key_path(self.cfg.prefix, key)
 
     # -- store ------------------------------------------------------------------------------------------
     def submit_store_task(self, keys: list[Any], objects: list[Any]) -> L2TaskId:

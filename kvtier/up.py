@@ -249,7 +249,7 @@ class Stack:
                     progress=False,
                 )
                 log(f"{name} healthy at http://127.0.0.1:{port}")
-            except BaseException as e:  # reported after all launches returned
+            except BaseException as e:  # noqa: BLE001 - reported after all launches returned
                 errors.append(e)
 
         threads = [threading.Thread(target=launch, args=(i,), daemon=True) for i in range(self.n_replicas)]
@@ -324,7 +324,7 @@ class Stack:
             log(f"stopping replica-{i + 1}")
             try:
                 rep.stop()
-            except Exception as e:  # keep stopping the rest
+            except Exception as e:  # noqa: BLE001 - keep stopping the rest
                 log(f"error stopping replica: {e!r}")
         if self.cluster is not None:
             log("stopping l2fs")
@@ -460,7 +460,7 @@ def main(argv: list[str] | None = None) -> int:
                     break
     except KeyboardInterrupt:
         pass
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001 - any failure here is reported, never fatal
         log(f"error: {e}")
         rc = 1
     finally:

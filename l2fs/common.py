@@ -233,7 +233,7 @@ def start_metrics_server(host: str, port: int, health: Callable[[], dict]) -> Th
                     info = health()
                     key = "ready" if path == "/readyz" else "ok"  # ready: e.g. worker registered
                     code = 200 if info.get(key, info.get("ok", True)) else 503
-                except Exception as e:  # health must answer, never crash the server
+                except Exception as e:  # noqa: BLE001 - health must answer, never crash the server
                     info, code = {"ok": False, "error": str(e)}, 503
                 body, ctype = json.dumps(info).encode(), "application/json"
             else:

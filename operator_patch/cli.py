@@ -71,7 +71,7 @@ class Kube:
                     config.load_incluster_config()
                 except config.ConfigException:
                     config.load_kube_config()
-        except Exception as e:  # the loaders raise several unrelated types
+        except Exception as e:  # noqa: BLE001 - the loaders raise several unrelated types
             raise CliError(f"cannot load Kubernetes credentials: {e}") from None
         api = client.ApiClient()
         return cls(client.AppsV1Api(api), client.CustomObjectsApi(api), client.ApiextensionsV1Api(api),
@@ -337,7 +337,7 @@ class Procedure:
                 self.merge(name, self.namespace, {"metadata": {"annotations": {REPLICAS_KEY: None}},
                                                   "spec": {"replicas": int(saved)}})
             self.resume(ctrl)
-        except Exception as e:  # report the original error, not this one
+        except Exception as e:  # noqa: BLE001 - report the original error, not this one
             self.say(f"rollback incomplete ({e}); re-run the command")
 
     def verify(self) -> int:
@@ -375,7 +375,7 @@ class Procedure:
     def warn_webhook(self) -> None:
         try:
             self.k.admission.read_mutating_webhook_configuration(WEBHOOK_CONFIG)
-        except Exception:
+        except Exception:  # noqa: BLE001 - any failure here is reported, never fatal
             self.say(f"warning: MutatingWebhookConfiguration {WEBHOOK_CONFIG} not found; the next operator "
                      "re-render (CRD edit, upgrade) will drop this patch. Deploy deploy/base/webhook.")
 

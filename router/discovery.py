@@ -160,7 +160,7 @@ class K8sDiscovery:
                         continue
                     gone = ev["type"] == "DELETED"
                     self._loop.call_soon_threadsafe(self._apply, name, None if gone else obj)
-            except Exception as e:  # API down or watch expired (410): back off, then list again
+            except Exception as e:  # noqa: BLE001 - API down or watch expired (410): back off, then list again
                 if self._stop.is_set():
                     break
                 log.warning("kubernetes discovery: %s; retrying", e)

@@ -99,7 +99,7 @@ class L2fsArm(Arm):
         for k in keys:
             try:
                 self.writer.rm(f"{self.prefix}/{k}")
-            except Exception:
+            except Exception:  # noqa: BLE001 - any failure here is reported, never fatal
                 pass
 
 
@@ -308,7 +308,7 @@ def main(argv: list[str] | None = None) -> int:
                 for arm in arms:
                     try:
                         arm.close()
-                    except Exception as e:
+                    except Exception as e:  # noqa: BLE001 - any failure here is reported, never fatal
                         log(f"closing {arm.name}: {e!r}")
                 c1.close()
                 c2.close()

@@ -239,7 +239,7 @@ def run_all(state: StackState, args: argparse.Namespace) -> tuple[list[dict[str,
         log(f"arm {name}: {args.users} users x {args.rounds} rounds over {len(state.replicas)} replicas")
         try:
             s, r = run_arm(name, kind, policy, state, args, args.seed * 1000 + i, logdir)
-        except Exception as e:  # an arm that cannot start is reported, the others still run
+        except Exception as e:  # noqa: BLE001 - an arm that cannot start is reported, the others still run
             log(f"arm {name} failed: {e!r}")
             s, r = {"arm": name, "requests": 0, "requests_ok": 0, "errors": [repr(e)]}, []
         summaries.append(s)

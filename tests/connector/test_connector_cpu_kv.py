@@ -44,45 +44,45 @@ def _alloc(n: int):
 
 def test_roundtrip_matches_vllm_kernel_layout() -> None:
     torch.manual_seed(0)
-    T = 300
-    slots = torch.randperm(NB * BS)[:T].to(torch.long)
-    k = torch.randn(L, T, H, D)
-    v = torch.randn(L, T, H, D)
+    n_tok = 300
+    slots = torch.randperm(NB * BS)[:n_tok].to(torch.long)
+    k = torch.randn(L, n_tok, H, D)
+    v = torch.randn(L, n_tok, H, D)
     src = _caches()
     _kernel_write(src, k, v, slots)
 
     conn = cpu_kv.connector_class().from_metadata(_Md())
-    assert conn.get_shape(T) == torch.Size([2, L, T, H * D])
-    obj = _alloc(T)
-    conn.from_gpu(obj, 0, T, kvcaches=src, slot_mapping=slots)
-    assert torch.equal(obj.tensor[0], k.reshape(L, T, H * D))
-    assert torch.equal(obj.tensor[1], v.reshape(L, T, H * D))
+    assert conn.get_shape(n_tok) == torch.Size([2, L, n_tok, H * D])
+    obj = _alloc(n_tok)
+    conn.from_gpu(obj, 0, n_tok, kvcaches=src, slot_mapping=slots)
+    assert torch.equal(obj.tensor[0], k.reshape(L, n_tok, H * D))
+    assert torch.equal(obj.tensor[1], v.reshape(L, n_tok, H * D))
 
     dst = _caches()
-    conn.to_gpu(obj, 0, T, kvcaches=dst, slot_mapping=slots)
+    conn.to_gpu(obj, 0, n_tok, kvcaches=dst, slot_mapping=slots)
     for a, b in zip(src, dst, strict=True):
         assert torch.equal(a, b)
 
 
 def test_load_skips_vllm_cached_prefix_and_padding() -> None:
     torch.manual_seed(1)
-    T = 256
-    slots = torch.arange(T, dtype=torch.long) + 3 * BS
+    n_tok = 256
+    slots = torch.arange(n_tok, dtype=torch.long) + 3 * BS
     slots[-5:] = -1  # padding
     conn = cpu_kv.connector_class().from_metadata(_Md())
-    obj = _alloc(T)
+    obj = _alloc(n_tok)
     obj.tensor.copy_(torch.randn_like(obj.tensor))
     dst = _caches()
-    conn.to_gpu(obj, 0, T, kvcaches=dst, slot_mapping=slots, vllm_cached_tokens=100)
-    # reference: vLLM's kernel writes only tokens [100, T-5) (the prefix is vLLM's own, the tail is padding)
+    conn.to_gpu(obj, 0, n_tok, kvcaches=dst, slot_mapping=slots, vllm_cached_tokens=100)
+    # reference: vLLM's kernel writes only tokens [100, n_tok-5) (the prefix is vLLM's own, the tail is padding)
     ref = _caches()
-    sel = slice(100, T - 5)
+    sel = slice(100, n_tok - 5)
     k = obj.tensor[0, :, sel].reshape(L, -1, H, D).contiguous()
     v = obj.tensor[1, :, sel].reshape(L, -1, H, D).contiguous()
     _kernel_write(ref, k, v, slots[sel])
     for a, b in zip(ref, dst, strict=True):
         assert torch.equal(a, b)
-    assert int(torch.count_nonzero(dst[0])) == 2 * (T - 105) * H * D
+    assert int(torch.count_nonzero(dst[0])) == 2 * (n_tok - 105) * H * D
 
 
 def test_rejects_unknown_layout() -> None:

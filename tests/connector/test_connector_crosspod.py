@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from connector import keys as K
+from connector import keys as ckeys
 from connector.replica import Replica, start_replica
 from l2fs.common import free_port
 from l2fs.local import LocalCluster
@@ -45,7 +45,7 @@ def wait_chunks(cluster: LocalCluster, model: str, n: int, timeout: float = 60) 
         t0 = time.monotonic()
         while time.monotonic() - t0 < timeout:
             try:
-                files = [i for i in c.ls(K.model_dir("/kvtier/kv", model)) if i.path.endswith(".data")]
+                files = [i for i in c.ls(ckeys.model_dir("/kvtier/kv", model)) if i.path.endswith(".data")]
             except Exception:  # noqa: BLE001 - directory not there yet
                 files = []
             if len(files) >= n:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from connector import keys as K
+from connector import keys as ckeys
 from connector.replica import start_replica
 from l2fs.common import free_port
 from l2fs.local import LocalCluster
@@ -65,7 +65,7 @@ def test_negative_control_zeroed_kv_changes_output(tmp_path: Path, tiny_model: P
             c = cluster.client()
             t0 = time.monotonic()
             while time.monotonic() - t0 < 60:
-                files = c.ls(K.model_dir("/kvtier/kv", str(tiny_model)))
+                files = c.ls(ckeys.model_dir("/kvtier/kv", str(tiny_model)))
                 if len([f for f in files if f.path.endswith(".data")]) >= FULL // 256:
                     break
                 time.sleep(0.2)

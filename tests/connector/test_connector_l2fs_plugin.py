@@ -23,7 +23,7 @@ from lmcache.v1.metadata import LMCacheMetadata  # noqa: E402
 from lmcache.v1.protocol import RemoteMetadata  # noqa: E402
 from lmcache.v1.storage_backend.storage_manager import StorageManager  # noqa: E402
 
-from connector import keys as K  # noqa: E402
+from connector import keys as ckeys  # noqa: E402
 from connector.config import lmcache_config  # noqa: E402
 from connector.fingerprint import record_and_check  # noqa: E402
 from l2fs.common import free_port  # noqa: E402
@@ -103,13 +103,13 @@ def _conn(sm: StorageManager):
 def test_key_names_are_reversible() -> None:
     for h in (0, 1, -1, 2**63 - 1, -(2**63), 0xDEADBEEF):
         k = _key(h)
-        name = K.key_to_name(k)
-        assert "/" not in name and K.name_to_key(name) == k
+        name = ckeys.key_to_name(k)
+        assert "/" not in name and ckeys.name_to_key(name) == k
     tagged = CacheEngineKey(model_name="a/b", world_size=2, worker_id=1, chunk_hash=-7, dtype=torch.bfloat16,
                             request_configs={"lmcache.tag.user": "x@y/z"})
-    assert K.name_to_key(K.key_to_name(tagged)) == tagged
+    assert ckeys.name_to_key(ckeys.key_to_name(tagged)) == tagged
     with pytest.raises(ValueError):
-        K.name_to_key("junk.data")
+        ckeys.name_to_key("junk.data")
 
 
 def test_cross_node_put_contains_get(cluster: LocalCluster) -> None:
@@ -119,11 +119,11 @@ def test_cross_node_put_contains_get(cluster: LocalCluster) -> None:
     try:
         keys = [_key(h) for h in (11, -22, 33)]
         datas = _put(a, keys, seed=1)
-        _wait_exists(client, [K.key_path(PREFIX, k) for k in keys])
+        _wait_exists(client, [ckeys.key_path(PREFIX, k) for k in keys])
         # files: reversible names, LMCache fs-connector header + raw bytes
-        infos = client.ls(K.model_dir(PREFIX, MODEL))
-        assert {K.name_to_key(i.path.rsplit("/", 1)[-1]) for i in infos} >= set(keys)
-        raw = client.get(K.key_path(PREFIX, keys[1]))
+        infos = client.ls(ckeys.model_dir(PREFIX, MODEL))
+        assert {ckeys.name_to_key(i.path.rsplit("/", 1)[-1]) for i in infos} >= set(keys)
+        raw = client.get(ckeys.key_path(PREFIX, keys[1]))
         conn = _conn(a)
         hdr = conn.remote_metadata_bytes
         md = RemoteMetadata.deserialize(raw[:hdr])
@@ -154,11 +154,11 @@ def test_put_if_absent_keeps_first_version(cluster: LocalCluster) -> None:
     try:
         k = _key(4242)
         first = _put(a, [k], seed=7)[0]
-        _wait_exists(client, [K.key_path(PREFIX, k)])
-        before = client.get(K.key_path(PREFIX, k))
+        _wait_exists(client, [ckeys.key_path(PREFIX, k)])
+        before = client.get(ckeys.key_path(PREFIX, k))
         _put(b, [k], seed=8)  # same key, other bytes (would be a bug upstream; must not clobber)
         time.sleep(1.0)
-        assert client.get(K.key_path(PREFIX, k)) == before
+        assert client.get(ckeys.key_path(PREFIX, k)) == before
         c = _manager(cluster.master, "node-2")
         try:
             obj = c.get(k)
@@ -183,7 +183,7 @@ def test_corrupted_chunks_are_misses(cluster: LocalCluster, tmp_path: Path) -> N
         a = _manager(cluster.master, "node-1")
         try:
             _put(a, [k3], seed=3)
-            _wait_exists(client, [K.key_path(PREFIX, k3)])
+            _wait_exists(client, [ckeys.key_path(PREFIX, k3)])
         finally:
             a.close()
         flipped = 0
@@ -198,10 +198,10 @@ def test_corrupted_chunks_are_misses(cluster: LocalCluster, tmp_path: Path) -> N
         # 1) header says more bytes than the file holds
         k1 = _key(5001)
         good = RemoteMetadata(SHAPE.numel() * 4, [SHAPE], [torch.float32], MemoryFormat.KV_2LTD).serialize()
-        client.put(K.key_path(PREFIX, k1), good + b"\0" * 100, if_absent=False)
+        client.put(ckeys.key_path(PREFIX, k1), good + b"\0" * 100, if_absent=False)
         # 2) garbage header
         k2 = _key(5002)
-        client.put(K.key_path(PREFIX, k2), b"\xff" * (hdr + SHAPE.numel() * 4), if_absent=False)
+        client.put(ckeys.key_path(PREFIX, k2), b"\xff" * (hdr + SHAPE.numel() * 4), if_absent=False)
         for k in (k1, k2, k3):
             assert sm.get(k) is None
         assert conn.stats["corrupt"] >= 2
@@ -272,7 +272,7 @@ def test_batched_get_one_statmany_and_per_chunk_misses(cluster: LocalCluster) ->
     try:
         keys = [_key(h) for h in range(8100, 8106)]
         datas = _put(a, keys, seed=11)
-        paths = [K.key_path(PREFIX, k) for k in keys]
+        paths = [ckeys.key_path(PREFIX, k) for k in keys]
         _wait_exists(client, paths)
         hdr = _conn(b).remote_metadata_bytes
         good = client.get(paths[2])

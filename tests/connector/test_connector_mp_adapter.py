@@ -22,7 +22,7 @@ from lmcache.v1.distributed.l2_adapters.factory import create_l2_adapter_from_re
 from lmcache.v1.memory_allocators.ad_hoc_memory_allocator import AdHocMemoryAllocator  # noqa: E402
 from lmcache.v1.memory_management import MemoryFormat  # noqa: E402
 
-from connector import keys as K  # noqa: E402
+from connector import keys as ckeys  # noqa: E402
 from connector.mp_l2fs import L2fsL2Adapter  # noqa: E402
 from l2fs.common import free_port  # noqa: E402
 from l2fs.local import LocalCluster  # noqa: E402
@@ -75,8 +75,8 @@ def _poll(fn, fd: int, timeout: float = 10.0):
 def test_object_key_names_are_reversible() -> None:
     for k in (_key(1), ObjectKey(chunk_hash=b"\x00\xff" * 16, model_name="a/b%c", kv_rank=7, object_group_id=3,
                                  cache_salt="user-1")):
-        name = K.object_key_name(k)
-        assert "/" not in name and K.name_to_object_key(name) == k
+        name = ckeys.object_key_name(k)
+        assert "/" not in name and ckeys.name_to_object_key(name) == k
 
 
 def test_l2_adapter_contract(cluster: LocalCluster) -> None:

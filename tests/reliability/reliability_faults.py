@@ -91,7 +91,7 @@ def wait_until(pred: Callable[[], Any], timeout: float, interval: float = 0.05) 
     while True:
         try:
             last = pred()
-        except Exception as exc:  # a poll that raises is "not yet"; keep the reason for the error text
+        except Exception as exc:  # noqa: BLE001 - a poll that raises is "not yet"; keep the reason for the error text
             last = exc
         else:
             if last:

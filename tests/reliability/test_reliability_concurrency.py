@@ -27,7 +27,7 @@ def _proc_writer(master: str, node: str, ids: list[int], key: str, out: Any) -> 
         for i in ids:
             try:
                 out.put((i, c.put(key, payload(i, SIZE, key)), None))
-            except Exception as e:  # reported to the parent, which fails the test on it
+            except Exception as e:  # noqa: BLE001 - reported to the parent, which fails the test on it
                 out.put((i, None, repr(e)))
 
 
@@ -48,7 +48,7 @@ def test_32_writers_one_key_exactly_one_version(make_cluster: Any, record_proper
         start.wait()
         try:
             results[i] = clients[i % 4].put(key, payload(i, SIZE, key))
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - any failure here is reported, never fatal
             errors.append(f"writer {i}: {e!r}")
 
     def read(r: int) -> None:
@@ -130,7 +130,7 @@ def test_concurrent_overwrite_renames_never_tear(make_cluster: Any) -> None:
         try:
             assert c.put(tmp, payload(i, 256 * 1024, key)) is True
             c.rename(tmp, key, overwrite=True)
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - any failure here is reported, never fatal
             errors.append(f"publisher {i}: {e!r}")
 
     def read() -> None:

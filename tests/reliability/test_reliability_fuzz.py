@@ -11,7 +11,7 @@ from typing import Any
 
 import grpc
 import pytest
-from google.protobuf.descriptor import FieldDescriptor as FD
+from google.protobuf.descriptor import FieldDescriptor
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from reliability_faults import DEADLINE, dir_bytes, payload, proc_pid, rss_bytes
@@ -40,22 +40,22 @@ _FLOATS = st.floats(allow_nan=True, allow_infinity=True)
 
 def _field(f: Any) -> st.SearchStrategy:
     """A strategy for one proto field (scalars biased to the edge values that break servers)."""
-    if f.type == FD.TYPE_MESSAGE:
+    if f.type == FieldDescriptor.TYPE_MESSAGE:
         inner = _message(f.message_type._concrete_class)
         return st.lists(inner, max_size=3) if _repeated(f) else inner
     base = {
-        FD.TYPE_STRING: _PATHS,
-        FD.TYPE_BYTES: st.binary(max_size=256),
-        FD.TYPE_BOOL: st.booleans(),
-        FD.TYPE_UINT64: _U64, FD.TYPE_UINT32: st.integers(0, (1 << 32) - 1),
-        FD.TYPE_INT64: _I64, FD.TYPE_INT32: st.integers(-(1 << 31), (1 << 31) - 1),
-        FD.TYPE_DOUBLE: _FLOATS, FD.TYPE_FLOAT: _FLOATS,
+        FieldDescriptor.TYPE_STRING: _PATHS,
+        FieldDescriptor.TYPE_BYTES: st.binary(max_size=256),
+        FieldDescriptor.TYPE_BOOL: st.booleans(),
+        FieldDescriptor.TYPE_UINT64: _U64, FieldDescriptor.TYPE_UINT32: st.integers(0, (1 << 32) - 1),
+        FieldDescriptor.TYPE_INT64: _I64, FieldDescriptor.TYPE_INT32: st.integers(-(1 << 31), (1 << 31) - 1),
+        FieldDescriptor.TYPE_DOUBLE: _FLOATS, FieldDescriptor.TYPE_FLOAT: _FLOATS,
     }[f.type]
     return st.lists(base, max_size=5) if _repeated(f) else base
 
 
 def _repeated(f: Any) -> bool:
-    return getattr(f, "is_repeated", None) if hasattr(f, "is_repeated") else f.label == FD.LABEL_REPEATED
+    return getattr(f, "is_repeated", None) if hasattr(f, "is_repeated") else f.label == FieldDescriptor.LABEL_REPEATED
 
 
 def _message(cls: Any) -> st.SearchStrategy:
