@@ -17,7 +17,6 @@ worker keeps its data dir (and so its blocks and worker id) but may get a new po
 from __future__ import annotations
 
 import atexit
-import json
 import os
 import signal
 import subprocess
@@ -26,8 +25,9 @@ import time
 import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
+from l2fs import procs
 from l2fs.client import Client, L2fsError
 
 
@@ -80,7 +80,6 @@ class LocalCluster:
         self.master_proc: subprocess.Popen | None = None
         self.workers = [LocalWorker(i, f"node-{i + 1}", self.base / f"worker-{i + 1}", capacity,
                                     extra_args=list(worker_args or [])) for i in range(workers)]
-        self._logs: list[IO[Any]] = []
         _LIVE.add(self)
 
     @property
@@ -111,9 +110,6 @@ class LocalCluster:
         for i in range(len(self.workers)):
             self.kill_worker(i, signal.SIGTERM)
         self.kill_master(signal.SIGTERM)
-        for f in self._logs:
-            f.close()
-        self._logs.clear()
 
     def _security_args(self) -> list[str]:
         args = []
@@ -125,23 +121,20 @@ class LocalCluster:
             args += ["--tls-ca", self.tls_ca]
         return args
 
-    def _spawn(self, name: str, args: list[str], port_file: Path) -> tuple[subprocess.Popen, dict]:
-        port_file.unlink(missing_ok=True)
-        log = open(self.base / "logs" / f"{name}.log", "ab")  # noqa: SIM115 - closed in stop()
-        self._logs.append(log)
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
+    def _spawn(self, name: str, args: list[str], port_path: Path) -> tuple[subprocess.Popen, dict]:
+        port_path.unlink(missing_ok=True)
+        log_path = self.base / "logs" / f"{name}.log"
+        env = dict(os.environ)
         env.pop("L2FS_TOKEN", None)  # only what this cluster was told
-        proc = subprocess.Popen([sys.executable, "-m", "l2fs.cli", *args, "--port-file", str(port_file)],
-                                stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        deadline = time.monotonic() + self.start_timeout
-        while time.monotonic() < deadline:
-            if port_file.exists():
-                return proc, json.loads(port_file.read_text())
-            if proc.poll() is not None:
-                raise RuntimeError(f"l2fs {name} exited with {proc.returncode}; see {log.name}")
-            time.sleep(0.05)
-        proc.kill()
-        raise TimeoutError(f"l2fs {name} did not start in {self.start_timeout}s; see {log.name}")
+        proc = procs.spawn([sys.executable, "-m", "l2fs.cli", *args, "--port-file", str(port_path)], log_path,
+                           env=env)
+        try:
+            info = procs.wait_ready(proc, procs.port_file(port_path), timeout=self.start_timeout,
+                                    what=f"l2fs {name}", log_path=log_path, interval=0.05)
+        except procs.ProcessError:
+            procs.stop(proc, sig=signal.SIGKILL)
+            raise
+        return proc, info
 
     def start_master(self) -> None:
         """(Re)start the master on its previous port (a free one the first time)."""
@@ -154,7 +147,7 @@ class LocalCluster:
         self.master_metrics_port = info.get("metrics_port")
 
     def kill_master(self, sig: int = signal.SIGKILL) -> None:
-        _kill(self.master_proc, sig)
+        procs.stop(self.master_proc, sig=sig, grace=10)
         self.master_proc = None
 
     def start_worker(self, i: int, *, wait: bool = True) -> None:
@@ -173,7 +166,7 @@ class LocalCluster:
 
     def kill_worker(self, i: int, sig: int = signal.SIGKILL) -> None:
         w = self.workers[i]
-        _kill(w.proc, sig)
+        procs.stop(w.proc, sig=sig, grace=10)
         w.proc = None
 
     def wait_workers(self, n: int | None = None, *, ids: list[str] | None = None,
@@ -215,17 +208,6 @@ def _stop_all() -> None:
             cluster.stop()
         except Exception:  # noqa: BLE001 - best effort at exit
             pass
-
-
-def _kill(proc: subprocess.Popen | None, sig: int) -> None:
-    if proc is None or proc.poll() is not None:
-        return
-    proc.send_signal(sig)
-    try:
-        proc.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
 
 
 def main(argv: list[str] | None = None) -> int:
