@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from connector import keys as ckeys  # noqa: E402
-from connector.replica import Replica, start_replica  # noqa: E402
+from kvtier.devstack.replica import Replica, start_replica  # noqa: E402
 from l2fs.local import LocalCluster  # noqa: E402
 
 
@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     lengths = [int(x) for x in a.lengths.split(",")]
     if not (Path(a.model) / "config.json").exists():
-        from connector.tiny_model import build
+        from kvtier.devstack.tiny_model import build
 
         build(Path(a.model))
     with tempfile.TemporaryDirectory(prefix="kvtier-connector-bench-") as d:

@@ -1,7 +1,7 @@
 """Routing benchmark: cache hit rate vs an oracle, load balance and router overhead, side by side.
 
 Workload: U users x R rounds of multi-round chat; every user shares one of S system prompts; users run
-concurrently, each user's rounds in order. Replicas: N `router.testreplica` processes (block LRU prefix
+concurrently, each user's rounds in order. Replicas: N `kvtier.devstack.testreplica` processes (block LRU prefix
 cache, serialized prefill at a per-token cost, real vLLM-wire KV events), so that 4 "engines" fit on a
 small CPU box. Routers compared on the same workload: kvtier (roundrobin, session, prefixaware, kvaware)
 and `vllm-router` (Rust; cache_aware, round_robin and kv_aware fed with the same KV events).
@@ -434,7 +434,7 @@ def start_replicas(args: argparse.Namespace, tmp: Path, model: str, procs: list[
     reps = []
     for i in range(args.replicas):
         ev, rp = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
-        p = spawn([PY, "-m", "router.testreplica", "--port", "0", "--model", model, "--kv-events", ev,
+        p = spawn([PY, "-m", "kvtier.devstack.testreplica", "--port", "0", "--model", model, "--kv-events", ev,
                    "--kv-replay", rp, "--block-size", str(args.block_size),
                    "--capacity-blocks", str(args.capacity_blocks),
                    "--prefill-us-per-token", str(args.prefill_us_per_token),

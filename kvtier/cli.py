@@ -14,7 +14,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("kvtier.bench", "benchmarks: cross-pod | l2 | routing"),
     "router": ("router.cli", "cache-aware OpenAI-compatible router"),
     "lmcache-config": ("connector.config", "print/write LMCache YAML + vLLM args/env for a replica"),
-    "model": ("connector.tiny_model", "build a tiny local test model (no download)"),
+    "model": ("kvtier.devstack.tiny_model", "build a tiny local test model (no download)"),
     "operator-patch": ("operator_patch.cli", "apply|verify|revert the HyperPod inference-operator patch"),
     "webhook": ("operator_patch.webhook", "serve the mutating admission webhook (TLS)"),
 }

@@ -81,7 +81,7 @@ def default_model(base: Path) -> Path:
     """The tiny local model, built on first use (no download)."""
     out = base / "models" / "tiny-llama"
     if not (out / "config.json").exists():
-        from connector.tiny_model import build
+        from kvtier.devstack.tiny_model import build
 
         log(f"building the tiny local model under {out} (first run only)")
         build(out)
@@ -204,7 +204,7 @@ class Stack:
 
     # --- start ---
     def start(self) -> StackState:
-        from connector.replica import start_replica
+        from kvtier.devstack.replica import start_replica
         from l2fs.local import LocalCluster
 
         self.base.mkdir(parents=True, exist_ok=True)

@@ -15,7 +15,7 @@ CACHE = Path(os.environ.get("KVTIER_TEST_CACHE", ROOT / ".kvtier" / "test-cache"
 @pytest.fixture(scope="session")
 def tiny_model() -> Path:
     """Path of the locally built tiny Llama (built once, cached under .kvtier/test-cache)."""
-    from connector.tiny_model import build
+    from kvtier.devstack.tiny_model import build
 
     out = CACHE / "tiny-llama"
     if not (out / "config.json").exists():

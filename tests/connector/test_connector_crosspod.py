@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from connector import keys as ckeys
-from connector.replica import Replica, start_replica
+from kvtier.devstack.replica import Replica, start_replica
 from l2fs.common import free_port
 from l2fs.local import LocalCluster
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from connector import keys as ckeys
-from connector.replica import start_replica
+from kvtier.devstack.replica import start_replica
 from l2fs.common import free_port
 from l2fs.local import LocalCluster
 

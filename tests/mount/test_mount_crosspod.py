@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from mount_helpers import Mount, start_mount
 
-from connector.replica import Replica, start_replica
+from kvtier.devstack.replica import Replica, start_replica
 from l2fs.local import LocalCluster
 
 pytestmark = [pytest.mark.vllm, pytest.mark.fuse, pytest.mark.timeout(1500)]

@@ -215,7 +215,7 @@ def test_router_command_discovers_the_pods_the_webhook_labels(cluster: Any, tmp_
     core = client.CoreV1Api(cluster.api)
     core.create_namespaced_pod("team-a", pod("qwen2-7b-patched", patched["spec"]["template"], "127.0.0.1"))
     core.create_namespaced_pod("team-a", pod("qwen2-7b-unpatched", rendered["spec"]["template"], "127.0.0.2"))
-    replica = subprocess.Popen([sys.executable, "-m", "router.testreplica", "--port", str(engine_port)], cwd=ROOT,
+    replica = subprocess.Popen([sys.executable, "-m", "kvtier.devstack.testreplica", "--port", str(engine_port)], cwd=ROOT,
                                stdout=open(tmp_path / "replica.log", "wb"), stderr=subprocess.STDOUT)
     env.procs.append(replica)
     try:

@@ -70,7 +70,7 @@ class Cluster:
 
     def replica(self, *args: str, kv: bool = True, replay: bool = True) -> Proc:
         self.n += 1
-        cmd = [PY, "-m", "router.testreplica", "--port", "0", *args]
+        cmd = [PY, "-m", "kvtier.devstack.testreplica", "--port", "0", *args]
         kv_ep = replay_ep = None
         if kv:
             kv_ep = f"tcp://127.0.0.1:{free_port()}"

@@ -16,7 +16,7 @@ from router_helpers import Cluster, Proc, free_port, metric, wait_for
 
 pytestmark = pytest.mark.vllm
 
-replica_mod = pytest.importorskip("connector.replica")
+replica_mod = pytest.importorskip("kvtier.devstack.replica")
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,7 @@ configurable cost per uncached token, and publishes real vLLM-wire KV events (PU
 ZmqEventPublisher protocol) in either the newer map or the older array msgpack encoding. Admin
 endpoints inject faults (500/429/garbage/hang), sequence gaps and cache resets.
 
-    python -m router.testreplica --port 0 --kv-events tcp://127.0.0.1:5557 --kv-replay tcp://127.0.0.1:5558
+    python -m kvtier.devstack.testreplica --port 0 --kv-events tcp://127.0.0.1:5557 --kv-replay tcp://127.0.0.1:5558
 """
 
 from __future__ import annotations
@@ -338,7 +338,7 @@ def create_app(args: argparse.Namespace) -> FastAPI:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m router.testreplica")
+    p = argparse.ArgumentParser(prog="python -m kvtier.devstack.testreplica")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--model", default="test-model")
