@@ -12,7 +12,7 @@ import torch
 
 vllm_ops = pytest.importorskip("vllm._custom_ops")
 
-from connector import cpu_kv  # noqa: E402
+from connector.cpu_kv_connector import CPUPagedKVConnector  # noqa: E402 - after vLLM, like the hook
 
 L, H, D, BS, NB = 3, 2, 64, 128, 8
 
@@ -51,7 +51,7 @@ def test_roundtrip_matches_vllm_kernel_layout() -> None:
     src = _caches()
     _kernel_write(src, k, v, slots)
 
-    conn = cpu_kv.connector_class().from_metadata(_Md())
+    conn = CPUPagedKVConnector.from_metadata(_Md())
     assert conn.get_shape(n_tok) == torch.Size([2, L, n_tok, H * D])
     obj = _alloc(n_tok)
     conn.from_gpu(obj, 0, n_tok, kvcaches=src, slot_mapping=slots)
@@ -69,7 +69,7 @@ def test_load_skips_vllm_cached_prefix_and_padding() -> None:
     n_tok = 256
     slots = torch.arange(n_tok, dtype=torch.long) + 3 * BS
     slots[-5:] = -1  # padding
-    conn = cpu_kv.connector_class().from_metadata(_Md())
+    conn = CPUPagedKVConnector.from_metadata(_Md())
     obj = _alloc(n_tok)
     obj.tensor.copy_(torch.randn_like(obj.tensor))
     dst = _caches()
@@ -86,7 +86,7 @@ def test_load_skips_vllm_cached_prefix_and_padding() -> None:
 
 
 def test_rejects_unknown_layout() -> None:
-    conn = cpu_kv.connector_class().from_metadata(_Md())
+    conn = CPUPagedKVConnector.from_metadata(_Md())
     obj = _alloc(4)
     with pytest.raises(RuntimeError, match="unexpected vLLM CPU KV cache layout"):
         conn.from_gpu(obj, 0, 4, kvcaches=[torch.zeros(2, NB, BS, H, D)] * L, slot_mapping=torch.arange(4))
@@ -98,8 +98,10 @@ def test_hook_patches_create_gpu_connector_lazily() -> None:
 
     code = (
         "import sys; from connector import cpu_kv; cpu_kv.install();"
-        "assert 'lmcache.v1.gpu_connector' not in sys.modules;"
-        "import lmcache.v1.gpu_connector as g; assert g.CreateGPUConnector._kvtier_cpu; print('ok')"
+        "assert not [m for m in sys.modules if m.startswith('lmcache')], 'install() imported LMCache';"
+        "import lmcache.v1.gpu_connector as g; assert g.CreateGPUConnector._kvtier_cpu;"
+        "assert 'connector.cpu_kv_connector' not in sys.modules, 'class module imported before first use';"
+        "print('ok')"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]
