@@ -31,6 +31,7 @@ import crc32c
 import grpc
 
 from l2fs.common import (
+    ERROR_KIND_KEY,
     FRAME,
     CrcPipeline,
     PathError,
@@ -108,17 +109,22 @@ class ClusterReport:
 _TRANSIENT = {grpc.StatusCode.UNAVAILABLE}
 
 
-def _errno(e: grpc.RpcError) -> int | None:
-    """The errno the server attached as trailing metadata `l2fs-errno` (e.g. ENOTEMPTY), if any."""
+def _trailer(e: grpc.RpcError, name: str) -> str | None:
+    """A trailing metadata value the server attached to an error (`l2fs-errno`, `l2fs-error`), if any."""
     try:
         md = e.trailing_metadata() or ()
     except Exception:  # noqa: BLE001 - not every RpcError carries a call
         return None
     for key, value in md:
-        if key == "l2fs-errno":
-            code = getattr(errno, str(value), None)
-            return code if isinstance(code, int) else None
+        if key == name:
+            return str(value)
     return None
+
+
+def _errno(e: grpc.RpcError) -> int | None:
+    """The errno the server named in trailing metadata `l2fs-errno` (e.g. ENOTEMPTY), if any."""
+    code = getattr(errno, _trailer(e, "l2fs-errno") or "", None)
+    return code if isinstance(code, int) else None
 
 
 def _error(e: grpc.RpcError) -> L2fsError:
@@ -134,7 +140,7 @@ def _error(e: grpc.RpcError) -> L2fsError:
 def _error_type(e: grpc.RpcError) -> L2fsError:
     code, msg = e.code(), e.details() or str(e.code())
     if code == grpc.StatusCode.INVALID_ARGUMENT:
-        return InvalidPath(msg) if "path" in msg else InvalidArgument(msg)
+        return InvalidPath(msg) if _trailer(e, ERROR_KIND_KEY) == "path" else InvalidArgument(msg)
     if code == grpc.StatusCode.NOT_FOUND:
         return NotFound(msg)
     if code == grpc.StatusCode.ALREADY_EXISTS:

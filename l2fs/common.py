@@ -12,6 +12,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable
+from concurrent import futures
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -38,6 +39,17 @@ CLIENT_OPTIONS = [
     ("grpc.min_reconnect_backoff_ms", 200),
     ("grpc.max_reconnect_backoff_ms", 1000),
 ]
+
+
+BLOCK_ID = re.compile(r"^[0-9a-f]{32}$")  # block ids are uuid4 hex: also what makes them safe file names
+ERROR_KIND_KEY = "l2fs-error"  # trailing metadata naming the error kind (e.g. "path"), so clients need no text
+
+
+def check_block_id(bid: str) -> str:
+    """`bid` when it is a well-formed block id, else INVALID_ARGUMENT (it becomes a file name on workers)."""
+    if not BLOCK_ID.match(bid or ""):
+        raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, f"malformed block id {bid[:80]!r}")
+    return bid
 
 
 class PathError(ValueError):
@@ -70,6 +82,7 @@ def rpc_handler(latency: Any, errors: Any | None = None) -> Callable[[Callable],
             except PathError as e:
                 if errors is not None:
                     errors.labels(name, "INVALID_ARGUMENT").inc()
+                context.set_trailing_metadata(((ERROR_KIND_KEY, "path"),))
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
             except RpcError as e:
                 if errors is not None:
@@ -207,6 +220,23 @@ def server_credentials(cert: str | None, key: str | None) -> grpc.ServerCredenti
     if not (cert and key):
         raise ValueError("--tls-cert and --tls-key go together")
     return grpc.ssl_server_credentials([(Path(key).read_bytes(), Path(cert).read_bytes())])
+
+
+def grpc_server(host: str, port: int, add_servicer: Callable[[grpc.Server], None], *, name: str,
+                token: str | None = None, tls_cert: str | None = None, tls_key: str | None = None,
+                threads: int = 32) -> tuple[grpc.Server, int, bool]:
+    """A bound, not yet started gRPC server for master or worker: thread pool, message limits, bearer-token
+    check when a token is set, TLS when cert and key are given. Returns (server, bound port, TLS on)."""
+    interceptors = [TokenInterceptor(token)] if token else []
+    server = grpc.server(futures.ThreadPoolExecutor(threads, thread_name_prefix=name),
+                         interceptors=interceptors, options=GRPC_OPTIONS)
+    add_servicer(server)
+    creds = server_credentials(tls_cert, tls_key)
+    addr = f"{host}:{port}"
+    bound = server.add_secure_port(addr, creds) if creds else server.add_insecure_port(addr)
+    if bound == 0:
+        raise OSError(f"could not bind {addr}")
+    return server, bound, creds is not None
 
 
 def make_channel(address: str, tls_ca: str | None) -> grpc.Channel:

@@ -9,13 +9,11 @@ from __future__ import annotations
 
 import argparse
 import logging
-import re
 import sys
 import threading
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Iterable
 from concurrent import futures
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,18 +22,18 @@ import grpc
 from prometheus_client import Counter, Gauge, Histogram
 
 from l2fs.common import (
+    BLOCK_ID,
     DEFAULT_MAX_FILE_SIZE,
-    GRPC_OPTIONS,
     PathError,
     RpcError,
-    TokenInterceptor,
     auth_metadata,
+    check_block_id,
+    grpc_server,
     make_channel,
     norm_path,
     parent_of,
     parse_size,
     rpc_handler,
-    server_credentials,
     start_metrics_server,
     valid_address,
     wait_for_stop_signal,
@@ -45,7 +43,6 @@ from l2fs.proto import l2fs_pb2 as pb
 from l2fs.proto import l2fs_pb2_grpc as pbg
 
 log = logging.getLogger("l2fs.master")
-BLOCK_ID = re.compile(r"^[0-9a-f]{32}$")
 
 RPC_LATENCY = Histogram("l2fs_master_rpc_seconds", "Master RPC latency", ["method"],
                         buckets=(.0001, .00025, .0005, .001, .0025, .005, .01, .025, .05, .1, .5, 1, 5))
@@ -438,8 +435,7 @@ class MasterService(pbg.MasterServicer):
         path = norm_path(request.path)
         if path == "/":
             raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, "cannot write to '/'")
-        if not BLOCK_ID.match(request.block_id):
-            raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, f"malformed block id {request.block_id[:80]!r}")
+        check_block_id(request.block_id)
         orphan: tuple[str, str] | None = None
         with self.lock:
             w = self.workers.get(request.worker_id)
@@ -643,15 +639,9 @@ class MasterService(pbg.MasterServicer):
 def serve(host: str, port: int, service: MasterService, *, token: str | None = None,
           tls_cert: str | None = None, tls_key: str | None = None, threads: int = 32) -> tuple[grpc.Server, int]:
     """Start the master gRPC server; returns it and the bound port."""
-    interceptors: Iterable[grpc.ServerInterceptor] = [TokenInterceptor(token)] if token else []
-    server = grpc.server(futures.ThreadPoolExecutor(threads, thread_name_prefix="l2fs-master"),
-                         interceptors=interceptors, options=GRPC_OPTIONS)
-    pbg.add_MasterServicer_to_server(service, server)
-    creds = server_credentials(tls_cert, tls_key)
-    addr = f"{host}:{port}"
-    bound = server.add_secure_port(addr, creds) if creds else server.add_insecure_port(addr)
-    if bound == 0:
-        raise OSError(f"could not bind {addr}")
+    server, bound, _ = grpc_server(host, port, lambda s: pbg.add_MasterServicer_to_server(service, s),
+                                   name="l2fs-master", token=token, tls_cert=tls_cert, tls_key=tls_key,
+                                   threads=threads)
     server.start()
     return server, bound
 
