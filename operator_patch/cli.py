@@ -29,6 +29,7 @@ from .patch import (
     PatchError,
     check,
     diff,
+    l2_choice,
     mutate,
     restore,
     snapshot,
@@ -58,6 +59,7 @@ class Kube:
     custom: Any
     ext: Any
     admission: Any
+    core: Any
 
     @classmethod
     def connect(cls, kubeconfig: str | None, context: str | None) -> Kube:
@@ -75,7 +77,7 @@ class Kube:
             raise CliError(f"cannot load Kubernetes credentials: {e}") from None
         api = client.ApiClient()
         return cls(client.AppsV1Api(api), client.CustomObjectsApi(api), client.ApiextensionsV1Api(api),
-                   client.AdmissionregistrationV1Api(api))
+                   client.AdmissionregistrationV1Api(api), client.CoreV1Api(api))
 
 
 def _status(e: Exception) -> int | None:
@@ -128,6 +130,11 @@ class Procedure:
                                    f"{e.reason}") from None
         if iec is None:
             raise CliError(f"{IEC_KIND} {self.namespace}/{self.endpoint} not found")
+        allowed, why = l2_choice(iec)
+        if not allowed and self.ns.action == "apply":
+            raise CliError(f"{IEC_KIND} {self.namespace}/{self.endpoint}: not taking over its L2: {why}. kvtier "
+                           "provides L2 only for kvCacheSpec {enableL2Cache: true, l2CacheSpec: {l2CacheBackend: "
+                           "tieredstorage}}; edit the endpoint first if that is what you want")
         dep = self.find_deployment(iec)
         ctrl = None if self.ns.no_pause else self.find_controller()
         return dep, ctrl
@@ -167,6 +174,39 @@ class Procedure:
                     return d
         raise CliError(f"operator controller not found in namespace {cns} (tried {names}); pass --controller NAME, "
                        "or --no-pause if the operator is not running")
+
+    def reflect_token(self) -> None:
+        """Plugin mode: copy the l2fs token Secret from the l2fs namespace into the workload namespace
+        (a pod can only reference Secrets of its own namespace). Only the token key is copied."""
+        from kubernetes.client.exceptions import ApiException
+
+        name, key, src_ns = self.cfg.token_secret, self.cfg.token_key, self.ns.token_namespace
+        if self.cfg.mode != "plugin" or not name or src_ns == self.namespace:
+            return
+        try:
+            src = _plain(self.k.core.read_namespaced_secret(name, src_ns))
+        except ApiException as e:
+            raise CliError(f"Secret {src_ns}/{name} (the l2fs token) not readable: HTTP {e.status} {e.reason}; "
+                           f"create it (docs/deploy.md) or pass --token-secret '' on an insecure dev cluster") from None
+        value = (src.get("data") or {}).get(key)
+        if not value:
+            raise CliError(f"Secret {src_ns}/{name} has no key {key!r}")
+        body = {"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
+                "metadata": {"name": name, "namespace": self.namespace,
+                             "labels": {"app.kubernetes.io/managed-by": "kvtier-operator-patch"},
+                             "annotations": {"kvtier.io/reflected-from": f"{src_ns}/{name}"}},
+                "data": {key: value}}
+        try:
+            cur = _plain(self.k.core.read_namespaced_secret(name, self.namespace))
+        except ApiException as e:
+            if e.status != 404:
+                raise CliError(f"reading Secret {self.namespace}/{name}: HTTP {e.status} {e.reason}") from None
+            self.say(f"copying the l2fs token Secret {src_ns}/{name} to {self.namespace}/{name}")
+            self.k.core.create_namespaced_secret(self.namespace, body)
+            return
+        if (cur.get("data") or {}).get(key) != value:
+            self.say(f"updating the l2fs token in Secret {self.namespace}/{name} from {src_ns}/{name}")
+            self.k.core.patch_namespaced_secret(name, self.namespace, {"data": {key: value}})
 
     def read(self, name: str, namespace: str) -> dict[str, Any]:
         return _plain(self.k.apps.read_namespaced_deployment(name, namespace))
@@ -287,6 +327,7 @@ class Procedure:
         dep, ctrl = self.preflight()
         name = dep["metadata"]["name"]
         mutate(dep, self.cfg)  # PatchError (e.g. no vLLM container) before any write
+        self.reflect_token()  # before the pods that reference it start
         ctrl_paused = ctrl is not None and PAUSED_KEY in (ctrl["metadata"].get("annotations") or {})
         if not self.todo(dep) and not ctrl_paused and self.rolled_out(dep):
             self.say(f"{self.namespace}/{name} is already patched and rolled out; nothing to do")
@@ -396,6 +437,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="patch in place (rolling update) instead of scaling the model to 0 first")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds to wait for each scale/rollout")
     p.add_argument("--poll", type=float, default=2.0, help=argparse.SUPPRESS)
+    p.add_argument("--token-namespace", default="kvtier",
+                   help="plugin mode: namespace of the l2fs token Secret that `apply` copies into --namespace")
     p.add_argument("--kubeconfig", default=None)
     p.add_argument("--context", default=None)
     add_config_args(p)

@@ -31,6 +31,15 @@ _FLAGS: dict[str, tuple[str, str]] = {
     "--master": ("master", "plugin mode: l2fs master HOST:PORT"),
     "--data-path": ("data_path", "plugin mode: l2fs worker data dir on the node ('' = no short-circuit)"),
     "--node-env": ("node_env", "plugin mode: env var carrying the node name"),
+    "--kv-load-failure-policy": ("kv_load_failure_policy",
+                                 "vLLM kv_load_failure_policy set in --kv-transfer-config (recompute|fail; "
+                                 "'' = leave the operator's); needs vLLM >= 0.11.1"),
+    "--token-secret": ("token_secret", "plugin mode: Secret in the workload namespace with the l2fs token "
+                                       "(env L2FS_TOKEN); '' = no token, insecure dev clusters only"),
+    "--token-key": ("token_key", "key of the token in --token-secret"),
+    "--kv-events-port": ("kv_events_port", "vLLM KV-events ZMQ PUB port, named container port 'kv-events' "
+                                           "(0 = no --kv-events-config)"),
+    "--kv-replay-port": ("kv_replay_port", "vLLM KV-events replay port, named 'kv-replay' (0 = none)"),
 }
 
 

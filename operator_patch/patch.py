@@ -26,6 +26,13 @@ IEC_PLURAL = "inferenceendpointconfigs"
 ROUTER_FLAG = "--routing-logic"  # vLLM production-stack router flag the HyperPod router uses
 ROUTER_STRATEGIES = ("prefixaware", "kvaware", "session", "roundrobin")
 URL_VAR = "LMCACHE_REMOTE_URL"
+TOKEN_VAR = "L2FS_TOKEN"  # the l2fs client (connector.lmcache_l2fs) reads its bearer token from here
+KV_TRANSFER_FLAG = "--kv-transfer-config"
+KV_EVENTS_FLAG = "--kv-events-config"
+# Container port names the webhook adds and the router resolves (kvtier router --k8s-kv-events-port ...)
+KV_EVENTS_PORT_NAME = "kv-events"
+KV_REPLAY_PORT_NAME = "kv-replay"
+FAILURE_POLICIES = ("recompute", "fail", "")
 
 
 class PatchError(ValueError):
@@ -53,6 +60,19 @@ class PatchConfig:
     master: str = "l2fs-master.kvtier.svc.cluster.local:8995"
     data_path: str = "/opt/dlami/nvme/l2fs"  # plugin mode: worker data dir, mounted for short-circuit I/O
     node_env: str = "L2FS_NODE_ID"  # plugin mode: env the plugin reads its node id from (local-first)
+    # vLLM's kv_transfer_config.kv_load_failure_policy (vLLM >= 0.11.1; its default "fail" turns a lost or
+    # corrupt L2 chunk into a failed request; "recompute" makes it a miss). "" leaves the operator's value.
+    kv_load_failure_policy: str = "recompute"
+    # plugin mode: Secret (in the workload namespace) holding the l2fs token, read into L2FS_TOKEN;
+    # "" = no token (insecure dev clusters only). Mount mode needs none: the mount pod holds it.
+    token_secret: str = "l2fs-token"
+    token_key: str = "token"
+    # vLLM KV events for the kvtier router: ZMQ PUB + replay ports, exposed as named container ports
+    # (kv-events / kv-replay); 0 = do not add --kv-events-config
+    kv_events_port: int = 5557
+    kv_replay_port: int = 5558
+    # an InferenceEndpointConfig with l2CacheBackend "tieredstorage" is taken over only when opted in
+    # (label/annotation kvtier.io/l2fs on it or its Deployment); "redis" and L2-disabled ones never are
 
     def __post_init__(self) -> None:
         if self.mode not in ("mount", "plugin"):
@@ -72,6 +92,16 @@ class PatchConfig:
             raise ValueError(f"hash_seed must be a non-negative integer, not {self.hash_seed!r}")
         if ":" not in self.master:
             raise ValueError(f"master must be HOST:PORT, not {self.master!r}")
+        if self.kv_load_failure_policy not in FAILURE_POLICIES:
+            raise ValueError(f"kv_load_failure_policy must be one of {FAILURE_POLICIES}, "
+                             f"not {self.kv_load_failure_policy!r}")
+        for name in ("kv_events_port", "kv_replay_port"):
+            port = int(getattr(self, name))
+            if not 0 <= port < 65536:
+                raise ValueError(f"{name} must be a port number (0 = off), not {port}")
+            object.__setattr__(self, name, port)  # flags/env arrive as strings
+        if self.kv_events_port and self.kv_events_port == self.kv_replay_port:
+            raise ValueError("kv_events_port and kv_replay_port must differ")
 
     @property
     def remote_url(self) -> str:
@@ -105,6 +135,30 @@ def opted_in(obj: dict[str, Any]) -> bool:
         if str(source.get(OPT_IN_KEY, "")).lower() in ("enabled", "true"):
             return True
     return False
+
+
+def l2_choice(iec: dict[str, Any]) -> tuple[bool, str]:
+    """(may kvtier provide this endpoint's L2, why) from the InferenceEndpointConfig's own L2 setting.
+
+    The IEC is the user's statement of intent: an endpoint without L2 stays without it, a Redis L2 stays
+    Redis; only "tieredstorage" (the CRD cannot name an fs L2, so it is the placeholder) is taken over."""
+    kv = (iec.get("spec") or {}).get("kvCacheSpec") or {}
+    if kv.get("enableL2Cache") is not True:
+        return False, "its InferenceEndpointConfig has L2 disabled (kvCacheSpec.enableL2Cache is not true)"
+    backend = str((kv.get("l2CacheSpec") or {}).get("l2CacheBackend") or "tieredstorage").lower()
+    if backend != "tieredstorage":
+        return False, f"its InferenceEndpointConfig chose l2CacheBackend {backend!r}"
+    return True, "l2CacheBackend tieredstorage"
+
+
+def _rendered_l2_is_redis(dep: dict[str, Any]) -> bool:
+    """Without the IEC: the operator rendered a Redis L2 URL (the endpoint chose Redis)."""
+    try:
+        containers = _containers(dep)
+    except PatchError:
+        return False
+    return any(str(e.get("value") or "").startswith(("redis://", "rediss://"))
+               for c in containers for e in c.get("env") or [] if e.get("name") == URL_VAR)
 
 
 def _containers(dep: dict[str, Any]) -> list[dict[str, Any]]:
@@ -227,9 +281,86 @@ def _extra_config(env: list[dict[str, Any]], cfg: PatchConfig) -> str:
     return json.dumps(extra, sort_keys=True, separators=(",", ":"))
 
 
+def _flag_value(words: list[Any], flag: str) -> str | None:
+    for i, w in enumerate(words):
+        w = str(w)
+        if w == flag and i + 1 < len(words):
+            return str(words[i + 1])
+        if w.startswith(flag + "="):
+            return w[len(flag) + 1:]
+    return None
+
+
+def _argv(c: dict[str, Any]) -> list[Any] | None:
+    """The list vLLM's flags go in: args, or command when the container has only a command. None when it
+    has neither: adding args would replace the image's CMD, whatever it holds."""
+    for key in ("args", "command"):
+        if isinstance(c.get(key), list) and c[key]:
+            return c[key]
+    return None
+
+
+def _json_flag(c: dict[str, Any], flag: str) -> dict[str, Any] | None:
+    """The JSON object a flag carries (in args or command), None when absent or not a JSON object."""
+    for key in ("args", "command"):
+        words = c.get(key)
+        if isinstance(words, list) and (raw := _flag_value(words, flag)) is not None:
+            try:
+                value = json.loads(raw)
+            except json.JSONDecodeError:
+                return None
+            return value if isinstance(value, dict) else None
+    return None
+
+
+def _put_json_flag(c: dict[str, Any], flag: str, value: dict[str, Any]) -> None:
+    text = json.dumps(value, sort_keys=True, separators=(",", ":"))
+    for key in ("args", "command"):
+        words = c.get(key)
+        if isinstance(words, list) and _set_flag(words, flag, text):
+            return
+    argv = _argv(c)
+    if argv is not None:
+        argv.extend([flag, text])
+
+
+def kv_events_config(cfg: PatchConfig) -> dict[str, Any]:
+    """vLLM --kv-events-config: ZMQ PUB (+ replay) bound on every pod interface, for the kvtier router."""
+    out: dict[str, Any] = {"enable_kv_cache_events": True, "publisher": "zmq",
+                           "endpoint": f"tcp://*:{cfg.kv_events_port}"}
+    if cfg.kv_replay_port:
+        out["replay_endpoint"] = f"tcp://*:{cfg.kv_replay_port}"
+    return out
+
+
+def _named_ports(cfg: PatchConfig) -> list[dict[str, Any]]:
+    ports = [{"name": KV_EVENTS_PORT_NAME, "containerPort": cfg.kv_events_port, "protocol": "TCP"}]
+    if cfg.kv_replay_port:
+        ports.append({"name": KV_REPLAY_PORT_NAME, "containerPort": cfg.kv_replay_port, "protocol": "TCP"})
+    return ports
+
+
+def _patch_vllm_flags(c: dict[str, Any], cfg: PatchConfig) -> None:
+    """kv_load_failure_policy into the operator's --kv-transfer-config; --kv-events-config + named ports."""
+    if cfg.kv_load_failure_policy:
+        transfer = _json_flag(c, KV_TRANSFER_FLAG)
+        if transfer is not None:  # absent: LMCache is not wired into this vLLM at all; nothing to recompute
+            transfer["kv_load_failure_policy"] = cfg.kv_load_failure_policy
+            _put_json_flag(c, KV_TRANSFER_FLAG, transfer)
+    if cfg.kv_events_port and _argv(c) is not None:
+        events = _json_flag(c, KV_EVENTS_FLAG) or {}
+        events.update(kv_events_config(cfg))
+        _put_json_flag(c, KV_EVENTS_FLAG, events)
+        ports: list[dict[str, Any]] = c.setdefault("ports", [])
+        for port in _named_ports(cfg):
+            _upsert(ports, port, lambda p, port=port: p.get("name") == port["name"]
+                    or p.get("containerPort") == port["containerPort"])
+
+
 def _patch_worker(dep: dict[str, Any], cfg: PatchConfig) -> None:
     c = _containers(dep)[select_container(dep)]
     env: list[dict[str, Any]] = c.setdefault("env", [])
+    _patch_vllm_flags(c, cfg)
     if cfg.mode == "mount":
         _set_env(env, URL_VAR, cfg.remote_url)
     else:
@@ -237,6 +368,11 @@ def _patch_worker(dep: dict[str, Any], cfg: PatchConfig) -> None:
         _set_env(env, cfg.node_env, value_from={"fieldRef": {"fieldPath": "spec.nodeName"}})
         _set_env(env, "LMCACHE_REMOTE_STORAGE_PLUGINS", json.dumps([cfg.plugin_name]))
         _set_env(env, "LMCACHE_EXTRA_CONFIG", _extra_config(env, cfg))
+        if cfg.token_secret:
+            # not optional: a pod without the token would only ever miss; better it does not start
+            _set_env(env, TOKEN_VAR, value_from={"secretKeyRef": {"name": cfg.token_secret, "key": cfg.token_key}})
+        else:
+            _drop_env(env, TOKEN_VAR)
     _set_env(env, "LMCACHE_REMOTE_SERDE", cfg.serde)
     _set_env(env, "PYTHONHASHSEED", cfg.hash_seed)
 
@@ -275,16 +411,26 @@ def _patch_router(dep: dict[str, Any], cfg: PatchConfig) -> None:
                 break
 
 
-def wants_patch(obj: dict[str, Any], all_owned: bool = False) -> bool:
-    """Webhook gate: a Deployment owned by an InferenceEndpointConfig (or a router) that opted in.
-    `all_owned` patches every IEC-owned Deployment and every router Deployment without the marker (the
-    webhook's namespaceSelector does the opting in; the operator's router is not IEC-owned, and a
-    re-render would drop a hand-added marker)."""
+def wants_patch(obj: dict[str, Any], all_owned: bool = False, iec: dict[str, Any] | None = None) -> bool:
+    """Webhook gate: a router Deployment that opted in, or an IEC-owned Deployment whose endpoint lets
+    kvtier provide its L2 (`l2_choice`) and that opted in on the Deployment or on the owning IEC.
+
+    `iec` is the owning InferenceEndpointConfig when the caller could read it; without it only the
+    Deployment is seen (a rendered redis:// URL still keeps it out). `all_owned` replaces the per-object
+    opt-in (the webhook's namespaceSelector does the opting in; the operator's router is not IEC-owned,
+    and a re-render would drop a hand-added marker), never the endpoint's own L2 choice."""
     if obj.get("kind") not in (None, "Deployment"):
         return False
-    if opted_in(obj) or all_owned:
-        return owner_endpoint(obj) is not None or is_router(obj)
-    return False
+    if is_router(obj):
+        return opted_in(obj) or all_owned
+    if owner_endpoint(obj) is None:
+        return False
+    if iec is not None:
+        if not l2_choice(iec)[0]:
+            return False
+    elif _rendered_l2_is_redis(obj):
+        return False
+    return opted_in(obj) or all_owned or (iec is not None and opted_in(iec))
 
 
 def mutate(dep: dict[str, Any], cfg: PatchConfig) -> dict[str, Any]:
@@ -367,8 +513,26 @@ def check(dep: dict[str, Any], cfg: PatchConfig) -> list[str]:
         if urls:
             problems.append(f"env {URL_VAR}: plugin mode wants none, have {urls}")
         want("LMCACHE_REMOTE_STORAGE_PLUGINS", json.dumps([cfg.plugin_name]))
+        if cfg.token_secret:
+            tokens = [e for e in env if e.get("name") == TOKEN_VAR]
+            ref = {"name": cfg.token_secret, "key": cfg.token_key}
+            if len(tokens) != 1 or (tokens[0].get("valueFrom") or {}).get("secretKeyRef") != ref:
+                problems.append(f"env {TOKEN_VAR}: want exactly one entry from secret {ref}, have {tokens}")
     want("LMCACHE_REMOTE_SERDE", cfg.serde)
     want("PYTHONHASHSEED", cfg.hash_seed)
+    transfer = _json_flag(c, KV_TRANSFER_FLAG)
+    if cfg.kv_load_failure_policy and transfer is not None \
+            and transfer.get("kv_load_failure_policy") != cfg.kv_load_failure_policy:
+        problems.append(f"{KV_TRANSFER_FLAG}: want kv_load_failure_policy={cfg.kv_load_failure_policy!r}, "
+                        f"have {transfer}")
+    if cfg.kv_events_port and _argv(c) is not None:
+        events = _json_flag(c, KV_EVENTS_FLAG) or {}
+        if {k: events.get(k) for k in kv_events_config(cfg)} != kv_events_config(cfg):
+            problems.append(f"{KV_EVENTS_FLAG}: want {kv_events_config(cfg)}, have {events or None}")
+        have = {(p.get("name"), p.get("containerPort")) for p in c.get("ports") or []}
+        for port in _named_ports(cfg):
+            if (port["name"], port["containerPort"]) not in have:
+                problems.append(f"container {c.get('name')!r}: want port {port['name']}={port['containerPort']}")
     return problems
 
 
@@ -383,8 +547,8 @@ def snapshot(dep: dict[str, Any]) -> str:
         "volumes": pod["spec"].get("volumes"),
         "podLabels": (pod.get("metadata") or {}).get("labels"),
         "podAnnotations": (pod.get("metadata") or {}).get("annotations"),
-        "containers": [{"name": x.get("name"), "args": x.get("args"), "command": x.get("command")}
-                       for x in _containers(dep)],
+        "containers": [{"name": x.get("name"), "args": x.get("args"), "command": x.get("command"),
+                        "ports": x.get("ports")} for x in _containers(dep)],
     }, sort_keys=True)
 
 
@@ -420,6 +584,8 @@ def restore(dep: dict[str, Any]) -> dict[str, Any]:
         if item.get("name") in by_name:
             put(by_name[item["name"]], "args", item.get("args"))
             put(by_name[item["name"]], "command", item.get("command"))
+            if "ports" in item:  # snapshots taken before ports were patched have no key: leave them
+                put(by_name[item["name"]], "ports", item.get("ports"))
     pod.setdefault("metadata", {})
     put(pod["metadata"], "labels", snap.get("podLabels"))
     put(pod["metadata"], "annotations", snap.get("podAnnotations"))

@@ -6,11 +6,16 @@ Deployment; for opted-in, InferenceEndpointConfig-owned ones it answers with a J
 (operator_patch.patch), for everything else with an empty "allowed". It never denies: a Deployment
 it cannot patch is admitted unchanged with a warning, so a webhook problem costs cache hits, not
 deployments. Served over TLS only (the API server requires it).
+
+The owning InferenceEndpointConfig is read (get only) for two decisions the Deployment cannot tell:
+the endpoint's own L2 choice (redis / L2 disabled are left alone) and an opt-in written on the IEC.
+When it cannot be read the Deployment alone decides, as before.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import base64
 import json
 import logging
@@ -22,7 +27,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
 
 from .options import add_config_args, config_from_args
-from .patch import PatchConfig, PatchError, plan, wants_patch
+from .patch import IEC_GROUP, IEC_KIND, IEC_PLURAL, PatchConfig, PatchError, l2_choice, plan, wants_patch
 
 log = logging.getLogger("kvtier.webhook")
 REVIEW_API = "admission.k8s.io/v1"
@@ -54,16 +59,76 @@ def parse_review(body: bytes) -> dict[str, Any]:
     return req
 
 
-def review_response(req: dict[str, Any], cfg: PatchConfig, all_owned: bool = False) -> dict[str, Any]:
-    """The AdmissionReview v1 answer for one request: always allowed, with a JSON patch when wanted."""
+class IecReader:
+    """Reads the InferenceEndpointConfig that owns a Deployment (RBAC: get on inferenceendpointconfigs)."""
+
+    def __init__(self, api: Any, timeout: float = 2.0) -> None:
+        from kubernetes import client
+
+        self.custom = client.CustomObjectsApi(api)
+        self.timeout = timeout  # the API server gives the whole webhook call 5 s (timeoutSeconds)
+
+    @classmethod
+    def connect(cls, api_url: str | None) -> IecReader | None:
+        """In-cluster credentials (or `api_url`, tests), else kubeconfig; None when there are none."""
+        from kubernetes import client, config
+
+        if api_url:
+            conf = client.Configuration()
+            conf.host = api_url
+            return cls(client.ApiClient(conf))
+        try:
+            config.load_incluster_config()
+        except config.ConfigException:
+            try:
+                config.load_kube_config()
+            except Exception as e:  # noqa: BLE001 - no usable kubeconfig in any of its several ways
+                log.warning("no Kubernetes credentials (%s): InferenceEndpointConfigs are not read; "
+                            "the Deployment alone decides", e)
+                return None
+        return cls(client.ApiClient())
+
+    def get(self, obj: dict[str, Any], namespace: str) -> tuple[dict[str, Any] | None, str]:
+        """(owning IEC or None, result label: ok | not_found | error | not_owned)."""
+        from kubernetes.client.exceptions import ApiException
+
+        ref = next((r for r in (obj.get("metadata") or {}).get("ownerReferences") or []
+                    if r.get("kind") == IEC_KIND and str(r.get("apiVersion", "")).startswith(IEC_GROUP + "/")), None)
+        if ref is None or not namespace:
+            return None, "not_owned"
+        version = str(ref["apiVersion"]).split("/", 1)[1]
+        try:
+            iec = self.custom.get_namespaced_custom_object(IEC_GROUP, version, namespace, IEC_PLURAL, ref.get("name"),
+                                                           _request_timeout=self.timeout)
+        except ApiException as e:
+            if e.status == 404:
+                return None, "not_found"
+            log.warning("reading %s %s/%s: HTTP %s; the Deployment alone decides", IEC_KIND, namespace,
+                        ref.get("name"), e.status)
+            return None, "error"
+        except Exception as e:  # noqa: BLE001 - connection errors come in several types; never block admission
+            log.warning("reading %s %s/%s: %s; the Deployment alone decides", IEC_KIND, namespace, ref.get("name"), e)
+            return None, "error"
+        return (iec if isinstance(iec, dict) else None), "ok"
+
+
+def review_response(req: dict[str, Any], cfg: PatchConfig, all_owned: bool = False,
+                    iec: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The AdmissionReview v1 answer for one request: always allowed, with a JSON patch when wanted.
+    `iec` is the owning InferenceEndpointConfig when it could be read."""
     resp: dict[str, Any] = {"uid": req["uid"], "allowed": True}
     kind = req.get("kind") or {}
     obj = req.get("object")
-    if (req.get("operation") in ("CREATE", "UPDATE") and isinstance(obj, dict)
-            and kind.get("group") == "apps" and kind.get("kind") == "Deployment"
-            and wants_patch(obj, all_owned)):
-        name = f"{req.get('namespace') or (obj.get('metadata') or {}).get('namespace')}/" \
-               f"{(obj.get('metadata') or {}).get('name') or req.get('name')}"
+    if not (req.get("operation") in ("CREATE", "UPDATE") and isinstance(obj, dict)
+            and kind.get("group") == "apps" and kind.get("kind") == "Deployment"):
+        return resp
+    name = f"{req.get('namespace') or (obj.get('metadata') or {}).get('namespace')}/" \
+           f"{(obj.get('metadata') or {}).get('name') or req.get('name')}"
+    if iec is not None and not l2_choice(iec)[0]:
+        log.info("leaving %s alone: %s", name, l2_choice(iec)[1])
+        resp["_outcome"] = "left_alone"
+        return resp
+    if wants_patch(obj, all_owned, iec):
         try:
             ops = plan(obj, cfg)
         except PatchError as e:
@@ -81,12 +146,23 @@ def review_response(req: dict[str, Any], cfg: PatchConfig, all_owned: bool = Fal
     return resp
 
 
-def create_app(cfg: PatchConfig, all_owned: bool = False) -> FastAPI:
+def create_app(cfg: PatchConfig, all_owned: bool = False, iec_reader: IecReader | None = None) -> FastAPI:
     """FastAPI app with POST /mutate, GET /healthz and GET /metrics."""
     app = FastAPI(title="kvtier operator-patch webhook", docs_url=None, redoc_url=None, openapi_url=None)
     registry = CollectorRegistry()
     reviews = Counter("kvtier_webhook_reviews", "AdmissionReviews answered, by outcome",
                       ["outcome"], registry=registry)
+    lookups = Counter("kvtier_webhook_iec_lookups", "Owning InferenceEndpointConfig reads, by result",
+                      ["result"], registry=registry)
+
+    def answer(req: dict[str, Any]) -> dict[str, Any]:
+        iec = None
+        obj = req.get("object")
+        if iec_reader is not None and isinstance(obj, dict) and (req.get("kind") or {}).get("kind") == "Deployment" \
+                and req.get("operation") in ("CREATE", "UPDATE"):
+            iec, result = iec_reader.get(obj, req.get("namespace") or (obj.get("metadata") or {}).get("namespace"))
+            lookups.labels(result).inc()
+        return review_response(req, cfg, all_owned, iec)
 
     @app.post("/mutate")
     async def mutate(request: Request) -> Response:
@@ -95,7 +171,7 @@ def create_app(cfg: PatchConfig, all_owned: bool = False) -> FastAPI:
         except BadReview as e:
             reviews.labels("bad_request").inc()
             return JSONResponse({"error": f"malformed AdmissionReview: {e}"}, status_code=400)
-        resp = review_response(req, cfg, all_owned)
+        resp = await asyncio.to_thread(answer, req)  # the IEC read is a blocking client call
         reviews.labels(resp.pop("_outcome", "ignored")).inc()
         return JSONResponse({"apiVersion": REVIEW_API, "kind": "AdmissionReview", "response": resp})
 
@@ -119,6 +195,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tls-key", required=True, help="PEM private key")
     p.add_argument("--all-owned", action="store_true",
                    help="patch every InferenceEndpointConfig-owned Deployment, not only opted-in ones")
+    p.add_argument("--k8s-api", default=None, help="API server URL for IEC reads (default: in-cluster, then "
+                   "kubeconfig)")
+    p.add_argument("--no-iec-lookup", action="store_true",
+                   help="do not read the owning InferenceEndpointConfig (the Deployment alone decides)")
     p.add_argument("--log-level", default="info")
     add_config_args(p)
     ns = p.parse_args(argv)
@@ -136,7 +216,8 @@ def main(argv: list[str] | None = None) -> int:
     import uvicorn
 
     log.info("serving https://%s:%d/mutate mode=%s fingerprint=%s", ns.host, ns.port, cfg.mode, cfg.fingerprint())
-    uvicorn.run(create_app(cfg, ns.all_owned), host=ns.host, port=ns.port, ssl_certfile=ns.tls_cert,
+    reader = None if ns.no_iec_lookup else IecReader.connect(ns.k8s_api)
+    uvicorn.run(create_app(cfg, ns.all_owned, reader), host=ns.host, port=ns.port, ssl_certfile=ns.tls_cert,
                 ssl_keyfile=ns.tls_key, log_level=ns.log_level.lower(), timeout_graceful_shutdown=5)
     return 0
 

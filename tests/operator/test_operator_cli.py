@@ -6,6 +6,7 @@ controller there moves each Deployment's status to its spec, so every wait in th
 
 from __future__ import annotations
 
+import base64
 import copy
 import subprocess
 import sys
@@ -35,6 +36,10 @@ CRD = {
 }
 
 
+# what kvtier takes over: an endpoint with L2 on and the tieredstorage placeholder backend
+L2_SPEC: dict[str, Any] = {"enableL2Cache": True, "l2CacheSpec": {"l2CacheBackend": "tieredstorage"}}
+
+
 def controller() -> dict[str, Any]:
     return {"apiVersion": "apps/v1", "kind": "Deployment",
             "metadata": {"name": CTRL, "namespace": CTRL_NS, "labels": {"control-plane": "controller-manager"}},
@@ -45,7 +50,7 @@ def controller() -> dict[str, Any]:
 
 
 def setup(cluster: Cluster, shape: str = "rendered-v3.2-stripped.yaml", crd: bool = True,
-          ctrl: bool = True) -> dict[str, Any]:
+          ctrl: bool = True, kv_cache: dict[str, Any] | None = None) -> dict[str, Any]:
     """CRD + IEC + operator controller + the operator's rendered Deployment, rolled out."""
     dep = load_yaml(shape)
     ns, name = dep["metadata"]["namespace"], dep["metadata"]["name"]
@@ -55,7 +60,8 @@ def setup(cluster: Cluster, shape: str = "rendered-v3.2-stripped.yaml", crd: boo
     cluster.custom.create_namespaced_custom_object(
         group, "v1", ns, plural,
         {"apiVersion": f"{group}/v1", "kind": "InferenceEndpointConfig", "metadata": {"name": name, "namespace": ns},
-         "spec": {"modelName": name, "worker": {"image": "vllm"}}})
+         "spec": {"modelName": name, "worker": {"image": "vllm"},
+                  "kvCacheSpec": L2_SPEC if kv_cache is None else kv_cache}})
     iec = cluster.custom.get_namespaced_custom_object(group, "v1", ns, plural, name)
     dep["metadata"]["ownerReferences"][0]["uid"] = iec["metadata"]["uid"]
     dep["metadata"].pop("annotations", None)  # the CLI opts it in itself
@@ -146,6 +152,7 @@ def test_revert_restores_the_rendering(cluster: Cluster) -> None:
 def test_other_shapes_and_plugin_mode(cluster: Cluster, shape: str) -> None:
     dep = setup(cluster, shape)
     ns, name = dep["metadata"]["namespace"], dep["metadata"]["name"]
+    token_secret(cluster)
     flags = ("--mode", "plugin", "--master", "l2fs-master.kvtier:8995")
     assert run(cluster, "apply", ns, name, *flags) == 0
     assert check(cluster.deployment(ns, name), PatchConfig(mode="plugin", master="l2fs-master.kvtier:8995")) == []
@@ -153,6 +160,54 @@ def test_other_shapes_and_plugin_mode(cluster: Cluster, shape: str) -> None:
     assert run(cluster, "verify", ns, name) == 1  # mount-mode expectations are not met
     assert run(cluster, "apply", ns, name) == 0  # switching modes is another apply
     assert check(cluster.deployment(ns, name), PatchConfig()) == []
+
+
+def token_secret(cluster: Cluster, value: str = "s3cret") -> None:
+    from kubernetes import client
+
+    client.CoreV1Api(cluster.api).create_namespaced_secret("kvtier", {
+        "apiVersion": "v1", "kind": "Secret", "metadata": {"name": "l2fs-token", "namespace": "kvtier"},
+        "data": {"token": base64.b64encode(value.encode()).decode()}})
+
+
+def read_secret(cluster: Cluster, ns: str) -> dict[str, Any]:
+    from kubernetes import client
+
+    return cluster.api.sanitize_for_serialization(client.CoreV1Api(cluster.api).read_namespaced_secret("l2fs-token", ns))
+
+
+def test_plugin_mode_reflects_the_token_and_requires_it(cluster: Cluster, capsys: pytest.CaptureFixture[str]) -> None:
+    """The pod reads L2FS_TOKEN from a Secret of its own namespace; apply copies it from kvtier, and
+    without a token Secret it stops before any write (no tokenless pods), unless --token-secret ''."""
+    setup(cluster)
+    flags = ("--mode", "plugin")
+    assert run(cluster, "apply", "team-a", "qwen2-7b", *flags) == 2
+    assert "l2fs token" in capsys.readouterr().err
+    assert replicas_seen(cluster, CTRL_NS, CTRL) == [1]
+    assert len({str(v["spec"]) for v in cluster.history("apps/v1/deployments", "team-a", "qwen2-7b")}) == 1
+    token_secret(cluster)
+    assert run(cluster, "apply", "team-a", "qwen2-7b", *flags) == 0
+    assert base64.b64decode(read_secret(cluster, "team-a")["data"]["token"]) == b"s3cret"
+    c = cluster.deployment("team-a", "qwen2-7b")["spec"]["template"]["spec"]["containers"][0]
+    assert [e["valueFrom"]["secretKeyRef"] for e in c["env"] if e["name"] == "L2FS_TOKEN"] == [
+        {"name": "l2fs-token", "key": "token"}]  # not optional: a tokenless pod does not start
+    assert run(cluster, "apply", "team-a", "qwen2-7b", "--mode", "plugin", "--token-secret", "") == 0
+    c = cluster.deployment("team-a", "qwen2-7b")["spec"]["template"]["spec"]["containers"][0]
+    assert not [e for e in c["env"] if e["name"] == "L2FS_TOKEN"]
+
+
+@pytest.mark.parametrize("kv_cache, why", [
+    ({"enableL2Cache": True, "l2CacheSpec": {"l2CacheBackend": "redis"}}, "l2CacheBackend 'redis'"),
+    ({"enableL1Cache": True, "enableL2Cache": False}, "L2 disabled"),
+    ({}, "L2 disabled"),
+])
+def test_endpoint_l2_choice_is_honoured(cluster: Cluster, capsys: pytest.CaptureFixture[str],
+                                        kv_cache: dict[str, Any], why: str) -> None:
+    setup(cluster, kv_cache=kv_cache)
+    assert run(cluster, "apply") == 2
+    assert why in capsys.readouterr().err
+    assert replicas_seen(cluster, CTRL_NS, CTRL) == [1]
+    assert len({str(v["spec"]) for v in cluster.history("apps/v1/deployments", "team-a", "qwen2-7b")}) == 1
 
 
 def test_missing_crd(cluster: Cluster, capsys: pytest.CaptureFixture[str]) -> None:
@@ -170,7 +225,7 @@ def test_missing_endpoint_and_deployment(cluster: Cluster, capsys: pytest.Captur
     cluster.custom.create_namespaced_custom_object(
         "inference.sagemaker.aws.amazon.com", "v1", "team-a", "inferenceendpointconfigs",
         {"apiVersion": "inference.sagemaker.aws.amazon.com/v1", "kind": "InferenceEndpointConfig",
-         "metadata": {"name": "pending", "namespace": "team-a"}, "spec": {}})
+         "metadata": {"name": "pending", "namespace": "team-a"}, "spec": {"kvCacheSpec": L2_SPEC}})
     assert run(cluster, "apply", "team-a", "pending") == 2
     assert "has no rendered Deployment yet" in capsys.readouterr().err
     assert replicas_seen(cluster, CTRL_NS, CTRL) == [1]

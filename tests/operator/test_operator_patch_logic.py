@@ -23,6 +23,7 @@ from operator_patch.patch import (
     PatchError,
     check,
     diff,
+    l2_choice,
     mutate,
     plan,
     restore,
@@ -175,6 +176,97 @@ def test_not_opted_in_or_not_owned_is_left_alone() -> None:
     assert wants_patch(router, all_owned=True)
 
 
+def iec(kv_cache: dict | None, annotations: dict | None = None) -> dict:
+    return {"apiVersion": "inference.sagemaker.aws.amazon.com/v1", "kind": "InferenceEndpointConfig",
+            "metadata": {"name": "qwen2-7b", "annotations": annotations or {}},
+            "spec": {"kvCacheSpec": kv_cache} if kv_cache is not None else {}}
+
+
+TIERED = {"enableL2Cache": True, "l2CacheSpec": {"l2CacheBackend": "tieredstorage"}}
+
+
+def test_endpoint_l2_choice_and_iec_opt_in() -> None:
+    """redis and L2-disabled endpoints are never taken over; tieredstorage only with an opt-in, which may
+    sit on the IEC (where users write it) or on the Deployment."""
+    dep = load_yaml("rendered-v3.2-stripped.yaml")
+    plain = copy.deepcopy(dep)
+    del plain["metadata"]["annotations"]
+    assert wants_patch(dep, iec=iec(TIERED)) and wants_patch(dep, iec=iec({"enableL2Cache": True}))
+    assert not wants_patch(plain, iec=iec(TIERED))
+    assert wants_patch(plain, iec=iec(TIERED, {"kvtier.io/l2fs": "enabled"}))
+    assert wants_patch(plain, all_owned=True, iec=iec(TIERED))
+    redis = {"enableL2Cache": True, "l2CacheSpec": {"l2CacheBackend": "Redis"}}
+    for kv in (redis, {"enableL1Cache": True, "enableL2Cache": False}, None):
+        assert not l2_choice(iec(kv))[0]
+        for obj in (dep, plain):
+            assert not wants_patch(obj, iec=iec(kv, {"kvtier.io/l2fs": "enabled"}))
+            assert not wants_patch(obj, all_owned=True, iec=iec(kv))
+    # without the IEC, a rendered Redis URL still tells the endpoint chose Redis
+    rendered_redis = copy.deepcopy(dep)
+    for e in vllm(rendered_redis)["env"]:
+        if e["name"] == "LMCACHE_REMOTE_URL":
+            e["value"] = "redis://redis.team-a:6379"
+    assert wants_patch(dep) and not wants_patch(rendered_redis) and not wants_patch(rendered_redis, all_owned=True)
+
+
+def flag_json(c: dict, flag: str) -> dict:
+    args = c["args"]
+    return json.loads(args[args.index(flag) + 1])
+
+
+@pytest.mark.parametrize("mode", ["mount", "plugin"])
+def test_vllm_flags_failure_policy_and_kv_events(mode: str) -> None:
+    """kv_load_failure_policy=recompute lands in the operator's own --kv-transfer-config (keys kept);
+    --kv-events-config publishes on the named ports the router resolves."""
+    dep = load_yaml("rendered-v3.2-stripped.yaml")
+    cfg = PatchConfig(mode=mode)  # type: ignore[arg-type]
+    out = jsonpatch.apply_patch(dep, plan(dep, cfg))
+    validate(out)
+    c = vllm(out)
+    assert flag_json(c, "--kv-transfer-config") == {"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both",
+                                                    "kv_load_failure_policy": "recompute"}
+    assert c["args"].count("--kv-transfer-config") == 1 and c["args"].count("--kv-events-config") == 1
+    events = flag_json(c, "--kv-events-config")
+    assert events == {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": "tcp://*:5557",
+                      "replay_endpoint": "tcp://*:5558"}
+    ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+    assert ports == {"http": 8080, "kv-events": 5557, "kv-replay": 5558}
+    assert plan(out, cfg) == [] and check(out, cfg) == []
+    # the operator's re-render drops them: check() notices, a second patch restores them
+    rerender = copy.deepcopy(out)
+    vllm(rerender)["args"] = vllm(dep)["args"]
+    assert any("kv_load_failure_policy" in p for p in check(rerender, cfg))
+    assert any("--kv-events-config" in p for p in check(rerender, cfg))
+    # '--flag=value' form is edited in place; policy "" and port 0 leave vLLM as rendered
+    eq = copy.deepcopy(dep)
+    a = vllm(eq)["args"]
+    i = a.index("--kv-transfer-config")
+    a[i:i + 2] = ["--kv-transfer-config=" + a[i + 1]]
+    c = vllm(mutate(eq, cfg))
+    assert [json.loads(w.split("=", 1)[1]) for w in c["args"] if w.startswith("--kv-transfer-config=")] == [
+        {"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both", "kv_load_failure_policy": "recompute"}]
+    off = PatchConfig(mode=mode, kv_load_failure_policy="", kv_events_port=0)  # type: ignore[arg-type]
+    c = vllm(mutate(dep, off))
+    assert c["args"] == vllm(dep)["args"] and c["ports"] == vllm(dep)["ports"]
+    # a container without args/command runs the image's CMD: adding args would replace it
+    bare = load_yaml("rendered-no-env.yaml")
+    c = vllm(mutate(bare, cfg))
+    assert "args" not in c and "ports" not in c and check(mutate(bare, cfg), cfg) == []
+
+
+def test_plugin_token_from_secret() -> None:
+    dep = load_yaml("rendered-v3.2-stripped.yaml")
+    cfg = PatchConfig(mode="plugin")
+    out = mutate(dep, cfg)
+    assert env_entries(out, "L2FS_TOKEN") == [
+        {"name": "L2FS_TOKEN", "valueFrom": {"secretKeyRef": {"name": "l2fs-token", "key": "token"}}}]
+    assert check(out, cfg) == []
+    insecure = PatchConfig(mode="plugin", token_secret="")
+    assert env_entries(mutate(out, insecure), "L2FS_TOKEN") == []
+    assert check(mutate(dep, PatchConfig(mode="plugin", token_secret="")), cfg) != []
+    assert env_entries(mutate(dep, PatchConfig()), "L2FS_TOKEN") == []  # mount mode: the mount pod holds it
+
+
 def test_missing_container_is_a_clear_error_and_no_change() -> None:
     dep = load_yaml("no-vllm-container.yaml")
     before = copy.deepcopy(dep)
@@ -193,7 +285,9 @@ def test_missing_container_is_a_clear_error_and_no_change() -> None:
 def test_bad_config_is_rejected() -> None:
     for kwargs in ({"mode": "nfs"}, {"mount_path": "relative"}, {"mount_path": "/a,/b"},
                    {"router_strategy": "random"}, {"hash_seed": "x"}, {"master": "nohostport"},
-                   {"prefix": "rel/path"}, {"prefix": "/"}, {"prefix": "/a/../b"}):
+                   {"prefix": "rel/path"}, {"prefix": "/"}, {"prefix": "/a/../b"},
+                   {"kv_load_failure_policy": "retry"}, {"kv_events_port": 70000},
+                   {"kv_events_port": 5557, "kv_replay_port": 5557}):
         with pytest.raises(ValueError):
             PatchConfig(**kwargs)
 

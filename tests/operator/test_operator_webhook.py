@@ -132,3 +132,45 @@ def test_bad_flags_fail_fast(tmp_path: Path) -> None:
     r = subprocess.run([sys.executable, "-m", "kvtier.cli", "webhook"], cwd=ROOT, capture_output=True,
                        text=True, timeout=60)
     assert r.returncode == 2 and "--tls-cert" in r.stderr
+
+
+def test_owning_iec_decides_l2_choice_and_opt_in(cluster, tmp_path: Path) -> None:  # noqa: ANN001 - fixture
+    """The webhook reads the owning InferenceEndpointConfig from the API server (kmock): an opt-in on the
+    IEC is enough, a Redis or L2-disabled endpoint is left alone even when the Deployment opted in, and
+    an IEC it cannot find leaves the Deployment to decide."""
+    group, plural = "inference.sagemaker.aws.amazon.com", "inferenceendpointconfigs"
+
+    def make_iec(name: str, kv_cache: dict, annotations: dict | None = None) -> None:
+        cluster.custom.create_namespaced_custom_object(group, "v1", "team-a", plural, {
+            "apiVersion": f"{group}/v1", "kind": "InferenceEndpointConfig",
+            "metadata": {"name": name, "namespace": "team-a", "annotations": annotations or {}},
+            "spec": {"modelName": name, "kvCacheSpec": kv_cache}})
+
+    def deployment(name: str, opted_in: bool) -> dict:
+        dep = load_yaml("rendered-v3.2-stripped.yaml")
+        dep["metadata"]["name"] = dep["metadata"]["ownerReferences"][0]["name"] = name
+        dep["spec"]["template"]["spec"]["containers"][0]["name"] = name
+        if not opted_in:
+            del dep["metadata"]["annotations"]
+        return dep
+
+    tiered = {"enableL2Cache": True, "l2CacheSpec": {"l2CacheBackend": "tieredstorage"}}
+    make_iec("on-iec", tiered, {"kvtier.io/l2fs": "enabled"})
+    make_iec("not-opted", tiered)
+    make_iec("redis", {"enableL2Cache": True, "l2CacheSpec": {"l2CacheBackend": "redis"}})
+    make_iec("l1-only", {"enableL1Cache": True, "enableL2Cache": False})
+    hook = start_webhook(tmp_path, "--k8s-api", cluster.url)
+    try:
+        dep = deployment("on-iec", opted_in=False)
+        assert check(apply(hook.review(dep, "CREATE"), dep), PatchConfig()) == []
+        assert "patch" not in hook.review(deployment("not-opted", opted_in=False), "CREATE")
+        for name in ("redis", "l1-only"):
+            assert "patch" not in hook.review(deployment(name, opted_in=True), "CREATE"), name
+        dep = deployment("gone", opted_in=True)  # no such IEC (404): the Deployment's own opt-in decides
+        assert check(apply(hook.review(dep, "CREATE"), dep), PatchConfig()) == []
+        text = hook.client.get(hook.url + "/metrics").text
+        assert 'kvtier_webhook_reviews_total{outcome="left_alone"} 2.0' in text
+        assert 'kvtier_webhook_iec_lookups_total{result="ok"} 4.0' in text
+        assert 'kvtier_webhook_iec_lookups_total{result="not_found"} 1.0' in text
+    finally:
+        hook.stop()
