@@ -44,6 +44,7 @@ from l2fs.client import (
     NotFound,
     PermissionDenied,
 )
+from l2fs.common import DEFAULT_MAX_FILE_SIZE, crc32c_fast, parse_size
 
 log = logging.getLogger("l2fs.fuse")
 
@@ -82,7 +83,7 @@ class _Node:
     """One inode this mount has handed to the kernel."""
 
     __slots__ = ("ino", "path", "is_dir", "size", "mtime", "lookups", "opens", "writers", "unpublished",
-                 "detached")
+                 "detached", "snap", "snap_ident", "readers", "lock")
 
     def __init__(self, ino: int, path: str, is_dir: bool, size: int = 0, mtime: float = 0.0) -> None:
         self.ino = ino
@@ -95,6 +96,12 @@ class _Node:
         self.writers: list[_Handle] = []  # open-for-write handles, most recently written last
         self.unpublished = False  # created on this mount and not yet published
         self.detached = False  # unlinked / renamed over: never publish again
+        # The read snapshot shared by every read-only open of this inode (one copy, not one per open), and
+        # the (size, crc32c) it holds, computed lazily the first time a second open has to compare it.
+        self.snap: memoryview | None = None
+        self.snap_ident: tuple[int, int] | None = None
+        self.readers = 0  # open read-only handles; the snapshot is dropped when the last one closes
+        self.lock: trio.Lock | None = None  # serialises snapshot loads of this inode
 
     @property
     def local(self) -> bool:
@@ -120,7 +127,8 @@ class _Handle:
         self.lent = False  # buf is being published: copy it before the next change (copy-on-write)
 
     def own_buf(self) -> bytearray:
-        """The write buffer, safe to change (a copy if a publish still holds the current one)."""
+        """The write buffer, safe to change (a copy if a publish still holds the current one; the caller
+        has reserved the copy's bytes, see L2Operations.reserve)."""
         if self.lent:
             self.buf = bytearray(self.buf)
             self.lent = False
@@ -134,15 +142,28 @@ class L2Operations(pyfuse3.Operations):
     enable_writeback_cache = False
 
     def __init__(self, client: Client, *, root: str = "/", read_only: bool = False, timeout: float = 1.0,
-                 direct_io: bool = True, threads: int = 16) -> None:
+                 direct_io: bool = True, threads: int = 16, max_file_size: int = DEFAULT_MAX_FILE_SIZE,
+                 write_buffer: int = 2 * DEFAULT_MAX_FILE_SIZE, uid: int | None = None, gid: int | None = None,
+                 umask: int = 0o022) -> None:
         super().__init__()
+        # Memory bounds: no file grows past max_file_size (EFBIG before anything is allocated), and the
+        # bytes buffered for unpublished writes across the whole mount stay under write_buffer (ENOSPC).
+        self.max_file_size = max_file_size
+        self.write_buffer = write_buffer
+        self.buffered = 0
         self.client = client
         self.root = root.rstrip("/") or "/"
         self.read_only = read_only
         self.timeout = min(float(timeout), 1.0)
         self.direct_io = direct_io
         self.limiter = trio.CapacityLimiter(threads)
-        self.uid, self.gid = os.getuid(), os.getgid()
+        # Owner and modes every entry shows (l2fs stores none). The kernel enforces them (default_permissions),
+        # so --uid/--gid/--umask decide which non-root users (a vLLM container's) may write.
+        self.uid = os.getuid() if uid is None else uid
+        self.gid = os.getgid() if gid is None else gid
+        wmask = 0o555 if read_only else 0o777
+        self.dir_mode = 0o777 & ~umask & wmask
+        self.file_mode = 0o666 & ~umask & wmask
         self.nodes: dict[int, _Node] = {}
         self.by_path: dict[str, _Node] = {}
         self.handles: dict[int, _Handle] = {}
@@ -200,6 +221,19 @@ class L2Operations(pyfuse3.Operations):
         if self.read_only:
             raise pyfuse3.FUSEError(errno.EROFS)
 
+    def reserve(self, h: _Handle | None, new_len: int, *, extra: int = 0) -> None:
+        """Account for h's buffer becoming new_len bytes (plus `extra` transient bytes) BEFORE it is
+        allocated: EFBIG past the max file size, ENOSPC past the mount's write-buffer cap."""
+        if new_len > self.max_file_size:
+            raise pyfuse3.FUSEError(errno.EFBIG)
+        cur = len(h.buf) if h is not None else 0
+        copy = cur if h is not None and h.lent else 0  # own_buf will copy a buffer a publish still holds
+        grow = max(0, new_len - cur) + copy + extra
+        if grow and self.buffered + grow > self.write_buffer:
+            log.warning("write buffers full (%d of %d bytes): ENOSPC", self.buffered, self.write_buffer)
+            raise pyfuse3.FUSEError(errno.ENOSPC)
+        self.buffered += copy + extra + (new_len - cur)
+
     def node_for(self, path: str, info: FileInfo) -> _Node:
         """The node for path, created or refreshed from l2fs metadata (lookup count unchanged)."""
         n = self.by_path.get(path)
@@ -255,13 +289,12 @@ class L2Operations(pyfuse3.Operations):
         a.generation = 0
         a.entry_timeout = self.timeout
         a.attr_timeout = self.timeout
-        wbit = 0 if self.read_only else 0o200
         if n.is_dir:
-            a.st_mode = st.S_IFDIR | 0o555 | wbit
+            a.st_mode = st.S_IFDIR | self.dir_mode
             a.st_nlink = 2
             a.st_size = 0
         else:
-            a.st_mode = st.S_IFREG | 0o444 | wbit
+            a.st_mode = st.S_IFREG | self.file_mode
             a.st_nlink = 1
             a.st_size = n.view_size
         a.st_uid, a.st_gid = self.uid, self.gid
@@ -300,6 +333,8 @@ class L2Operations(pyfuse3.Operations):
         finally:
             if h.buf is data:
                 h.lent = False
+            else:  # a write copied the buffer meanwhile (own_buf): the lent one is freed now
+                self.buffered -= len(data)
         n.unpublished = False
         n.size, n.mtime = len(data), time.time()
 
@@ -340,15 +375,22 @@ class L2Operations(pyfuse3.Operations):
             if h is None and n.writers:
                 h = n.writers[-1]
             if h is not None and h.writable:  # ftruncate: changes that handle's buffer
+                self.reserve(h, size)
                 self._resize(h.own_buf(), size)
                 h.dirty = True
-            else:  # truncate(path): read-modify-publish
-                data = b"" if size == 0 else await self.call(self.client.get, self.l2(n.path))
-                if data is None:
-                    raise pyfuse3.FUSEError(errno.ENOENT)
-                buf = bytearray(data)
-                self._resize(buf, size)
-                await self.call(self.client.put, self.l2(n.path), bytes(buf), if_absent=False)
+            else:  # truncate(path): read-modify-publish, with the file's old and new bytes reserved
+                held = size + (0 if size == 0 else n.size)
+                self.reserve(None, held)
+                try:
+                    data = b"" if size == 0 else await self.call(self.client.get, self.l2(n.path))
+                    if data is None:
+                        raise pyfuse3.FUSEError(errno.ENOENT)
+                    buf = bytearray(data)
+                    del data
+                    self._resize(buf, size)
+                    await self.call(self.client.put, self.l2(n.path), buf, if_absent=False)
+                finally:
+                    self.buffered -= held
                 n.size, n.mtime = size, time.time()
         # mode/owner/times are not stored by l2fs; accept them so tools like cp -p and touch work.
         return self.attrs(n)
@@ -489,9 +531,9 @@ class L2Operations(pyfuse3.Operations):
             h.node.writers.append(h)
         return pyfuse3.FileInfo(fh=fh, direct_io=self.direct_io, keep_cache=False)
 
-    def _unpublished_data(self, n: _Node) -> bytes | None:
+    def _unpublished_data(self, n: _Node) -> memoryview | None:
         """Content of a file created on this mount and not yet closed (only this mount can see it)."""
-        return bytes(n.writers[-1].buf) if n.unpublished and n.writers else None
+        return memoryview(bytes(n.writers[-1].buf)) if n.unpublished and n.writers else None
 
     async def open(self, inode: int, flags: int, ctx: pyfuse3.RequestContext) -> pyfuse3.FileInfo:
         n = self.node(inode)
@@ -502,16 +544,43 @@ class L2Operations(pyfuse3.Operations):
             self.check_writable()
         if flags & os.O_TRUNC:
             return self._new_handle(_Handle(n, buf=bytearray(), append=bool(flags & os.O_APPEND), dirty=True))
+        if not writable:
+            view = self._unpublished_data(n) if n.unpublished else await self.snapshot(n)
+            if view is None:
+                raise pyfuse3.FUSEError(errno.ENOENT)
+            n.readers += 1
+            return self._new_handle(_Handle(n, data=view))
         data = await self.call(self.client.get, self.l2(n.path)) if not n.unpublished else None
         if data is None:
-            data = self._unpublished_data(n)
+            view = self._unpublished_data(n)
+            data = bytes(view) if view is not None else None
         if data is None:  # miss: gone, evicted, or its worker is down
             raise pyfuse3.FUSEError(errno.ENOENT)
-        if not writable:
+        self.reserve(None, len(data))
+        return self._new_handle(_Handle(n, buf=bytearray(data), append=bool(flags & os.O_APPEND)))
+
+    async def snapshot(self, n: _Node) -> memoryview:
+        """The current published content of n, shared by all read-only opens: reused while l2fs still
+        holds the same (size, crc32c), fetched once (CRC-verified by the client) when it changed."""
+        if n.lock is None:
+            n.lock = trio.Lock()
+        async with n.lock:  # concurrent opens of one inode wait for one fetch instead of making N copies
+            if n.snap is not None:
+                info = await self.call(self.client.stat, self.l2(n.path))
+                if info is None or info.is_dir:
+                    raise pyfuse3.FUSEError(errno.ENOENT)
+                if n.snap_ident is None:
+                    snap = n.snap
+                    n.snap_ident = (len(snap), await trio.to_thread.run_sync(crc32c_fast, snap))
+                if (info.size, info.crc32c) == n.snap_ident:
+                    return n.snap
+            data = await self.call(self.client.get, self.l2(n.path))
+            if data is None:  # miss: gone, evicted, or its worker is down
+                raise pyfuse3.FUSEError(errno.ENOENT)
+            n.snap, n.snap_ident = memoryview(data), None  # handles on the old snapshot keep their own ref
             if not n.local:
                 n.size = len(data)
-            return self._new_handle(_Handle(n, data=memoryview(data)))
-        return self._new_handle(_Handle(n, buf=bytearray(data), append=bool(flags & os.O_APPEND)))
+            return n.snap
 
     async def create(self, parent_inode: int, name: bytes, mode: int, flags: int,
                      ctx: pyfuse3.RequestContext) -> tuple[pyfuse3.FileInfo, pyfuse3.EntryAttributes]:
@@ -538,9 +607,10 @@ class L2Operations(pyfuse3.Operations):
         h = self.handles.get(fh)
         if h is None or not h.writable:
             raise pyfuse3.FUSEError(errno.EBADF)
-        b = h.own_buf()
         if h.append:
-            off = len(b)
+            off = len(h.buf)
+        self.reserve(h, max(len(h.buf), off + len(buf)))
+        b = h.own_buf()
         if off == len(b):
             b += buf
         else:
@@ -568,12 +638,19 @@ class L2Operations(pyfuse3.Operations):
             return
         n = h.node
         n.opens -= 1
-        if h.writable:
+        if not h.writable:
+            n.readers -= 1
+            h.data = None
+            if n.readers <= 0:  # the last reader: free the snapshot (the kernel page cache may keep pages)
+                n.snap, n.snap_ident = None, None
+        else:
             try:
                 await self.publish(h)
             except pyfuse3.FUSEError as e:
                 log.warning("publish of %s at release failed: errno %d", n.path, e.errno)
             n.writers.remove(h)
+            self.buffered -= len(h.buf)
+            h.buf = bytearray()
             if n.unpublished and not n.writers:  # never published: it is gone
                 self.drop_unpublished(n)
         self.maybe_drop(n)
@@ -675,7 +752,18 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--page-cache", action="store_true",
                    help="use the kernel page cache instead of direct_io (faster re-reads, staler views)")
     p.add_argument("--threads", type=int, default=16, help="concurrent RPCs (default 16)")
+    p.add_argument("--max-file-size", default=str(DEFAULT_MAX_FILE_SIZE),
+                   help="largest file a write or truncate may make, EFBIG beyond (default 1G, as the master)")
+    p.add_argument("--write-buffer", default=None,
+                   help="cap on the bytes buffered for unfinished writes across the mount, ENOSPC beyond "
+                        "(default 2x --max-file-size)")
     p.add_argument("--allow-other", action="store_true", help="let other users use the mount")
+    p.add_argument("--uid", type=int, default=None,
+                   help="owner of every file and directory (default: the mounting user); implies --allow-other")
+    p.add_argument("--gid", type=int, default=None,
+                   help="group of every file and directory (default: the mounting group); implies --allow-other")
+    p.add_argument("--umask", type=lambda v: int(v, 8), default=0o022,
+                   help="octal umask applied to 0777 (dirs) and 0666 (files), enforced by the kernel (default 022)")
     p.add_argument("-o", dest="options", action="append", default=[], help="extra FUSE mount option")
     p.add_argument("--debug", action="store_true")
     a = p.parse_args(argv)
@@ -685,6 +773,15 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         p.error("--cache-timeout must be within 0..1 s (cross-node visibility)")
     if a.threads < 1:
         p.error("--threads must be >= 1")
+    try:
+        a.max_file_size = parse_size(a.max_file_size)
+        a.write_buffer = 2 * a.max_file_size if a.write_buffer is None else parse_size(a.write_buffer)
+    except ValueError as e:
+        p.error(f"bad size: {e}")
+    if not 0 <= a.umask <= 0o777:
+        p.error("--umask must be an octal mode within 000..777")
+    if a.max_file_size < 1 or a.write_buffer < 1:
+        p.error("--max-file-size and --write-buffer must be positive")
     try:
         kind = mount_type(a.mountpoint)  # a volume mount (k8s emptyDir, hostPath) is fine to mount over
         if kind and kind.startswith("fuse"):
@@ -728,12 +825,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         except L2fsError as e:
             log.warning("could not create --root %s now (%s); it must exist for the mount to work", root, e)
     ops = L2Operations(client, root=root, read_only=a.read_only, timeout=a.cache_timeout,
-                       direct_io=not a.page_cache, threads=a.threads)
+                       direct_io=not a.page_cache, threads=a.threads, max_file_size=a.max_file_size,
+                       write_buffer=a.write_buffer, uid=a.uid, gid=a.gid, umask=a.umask)
     opts = set(pyfuse3.default_options)
     opts |= {f"fsname=l2fs:{a.master.split(',')[0]}{root}", "subtype=l2fs", "noatime"}
     if a.read_only:
         opts.add("ro")
-    if a.allow_other:
+    if a.allow_other or a.uid is not None or a.gid is not None:  # another owner must be let in
         opts.add("allow_other")
     opts.update(a.options)
     mp = os.path.abspath(a.mountpoint)
