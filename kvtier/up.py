@@ -20,13 +20,13 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import httpx
 
+from l2fs import procs
 from l2fs.common import free_port
 
 DEFAULT_DIR = Path(".kvtier")
@@ -36,6 +36,16 @@ STATE_NAME = "up.json"
 def log(msg: str) -> None:
     """Progress line on stderr (stdout stays for endpoints and results)."""
     print(f"[kvtier {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+@dataclass
+class _Planned:
+    """One replica to start: its name, port, l2fs node and log file."""
+
+    name: str
+    port: int
+    node: str
+    log_path: Path
 
 
 @dataclass
@@ -88,67 +98,13 @@ def default_model(base: Path) -> Path:
     return out
 
 
-def wait_http(url: str, timeout: float, proc: subprocess.Popen[Any] | None = None) -> None:
-    """Poll url until it answers 200; fail early if proc died."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"process for {url} exited with rc={proc.returncode}")
-        try:
-            if httpx.get(url, timeout=2.0).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise TimeoutError(f"{url} not healthy after {timeout:.0f}s")
-
-
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
 def _last_line(path: Path, width: int = 110) -> str:
     """Last non-empty line of a log (what an engine is doing while it starts)."""
-    try:
-        with open(path, "rb") as f:
-            f.seek(max(0, f.seek(0, 2) - 4096))
-            lines = [ln for ln in f.read().decode("utf-8", "replace").splitlines() if ln.strip()]
-    except OSError:
-        return "-"
+    lines = [ln for ln in procs.tail(path, 20).splitlines() if ln.strip()]
     return _ANSI.sub("", lines[-1])[:width] if lines else "-"
-
-
-def _die_with_parent() -> None:
-    """preexec_fn: the child gets SIGTERM if `kvtier up` dies without cleaning up (Linux)."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-
-
-def stop_process(proc: subprocess.Popen[Any], name: str, grace: float = 15.0) -> None:
-    """SIGTERM, then SIGKILL after grace seconds; the whole process group when it has its own."""
-    if proc.poll() is not None:
-        return
-    try:
-        pgid = os.getpgid(proc.pid)
-    except ProcessLookupError:
-        return
-    own_group = pgid == proc.pid
-    send: Callable[[int], None] = (lambda s: os.killpg(pgid, s)) if own_group else proc.send_signal
-    try:
-        send(signal.SIGTERM)
-        proc.wait(timeout=grace)
-    except subprocess.TimeoutExpired:
-        log(f"{name} did not stop in {grace:.0f}s; killing")
-        try:
-            send(signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.wait(timeout=5)
-    except ProcessLookupError:
-        pass
 
 
 class Stack:
@@ -204,55 +160,65 @@ class Stack:
 
     # --- start ---
     def start(self) -> StackState:
-        from kvtier.devstack.replica import start_replica
-        from l2fs.local import LocalCluster
-
+        """l2fs, then the replicas (in parallel unless --sequential), then the router; writes up.json."""
         self.base.mkdir(parents=True, exist_ok=True)
         (self.base / "logs").mkdir(exist_ok=True)
         self.model = self.model_arg or str(default_model(self.base))
+        nodes = self._start_l2fs()
+        plan = self._plan_replicas(nodes)
+        self._start_replicas(plan)
+        if self.strategy:
+            self._start_router()
+        state = StackState(dir=str(self.base), model=self.model, l2fs_master=self.cluster.master, nodes=nodes,
+                           replicas=self.infos, kv_events=self.kv_events, router_url=self.router_url,
+                           strategy=self.strategy)
+        state.save(self.state_path)
+        return state
+
+    def _start_l2fs(self) -> list[str]:
+        """Master + workers on loopback; returns the node ids (one per worker)."""
+        from l2fs.local import LocalCluster
 
         log(f"starting l2fs: master + {self.n_workers} workers (data under {self.base / 'l2fs'})")
         self.cluster = LocalCluster(self.base / "l2fs", workers=self.n_workers)
         self.cluster.__enter__()
         nodes = [w.node_id for w in self.cluster.workers]
         log(f"l2fs master at {self.cluster.master}, nodes {', '.join(nodes)}")
+        return nodes
 
+    def _plan_replicas(self, nodes: list[str]) -> list[_Planned]:
+        """Name, port, node (round-robin over the l2fs nodes) and log of each replica; KV event endpoints."""
         plan = []
         for i in range(self.n_replicas):
-            node = nodes[i % len(nodes)]
-            plan.append((f"replica-{i + 1}", free_port(), node, self.base / "logs" / f"replica-{i + 1}.log"))
+            name = f"replica-{i + 1}"
+            plan.append(_Planned(name, free_port(), nodes[i % len(nodes)], self.base / "logs" / f"{name}.log"))
             if self.prefix_caching:  # vLLM emits KV events only for prefix-cached blocks
                 self.kv_events.append(f"tcp://127.0.0.1:{free_port()}")
-        results = self._launched
+        return plan
+
+    def _launch(self, i: int, p: _Planned, errors: list[BaseException]) -> None:
+        """Thread body: start replica i; a failure is collected, reported once all launches returned."""
+        from kvtier.devstack.replica import start_replica
+
+        log(f"starting {p.name} on {p.node}, port {p.port} (vLLM CPU engine, ~1 min; log {p.log_path})")
+        extra = ["--enable-prompt-tokens-details"]  # usage.cached_tokens: per-request hit evidence
+        if self.kv_events:
+            extra += ["--kv-events-config", json.dumps({
+                "enable_kv_cache_events": True, "publisher": "zmq", "endpoint": self.kv_events[i]})]
+        try:
+            self._launched[i] = start_replica(
+                self.model, p.port, l2fs_master=self.cluster.master, node_id=p.node, l1_gb=self.l1_gb,
+                log_path=p.log_path, max_model_len=self.max_model_len, prefix_caching=self.prefix_caching,
+                kv_cache_gb=self.kv_cache_gb, extra_args=extra, config_dir=self.base / "config", progress=False)
+            log(f"{p.name} healthy at http://127.0.0.1:{p.port}")
+        except BaseException as e:  # noqa: BLE001 - reported after all launches returned
+            errors.append(e)
+
+    def _start_replicas(self, plan: list[_Planned]) -> None:
+        """Launch every replica in its own thread and report progress until all are healthy (or one failed)."""
         errors: list[BaseException] = []
-
-        def launch(i: int) -> None:
-            name, port, node, log_path = plan[i]
-            log(f"starting {name} on {node}, port {port} (vLLM CPU engine, ~1 min; log {log_path})")
-            extra = ["--enable-prompt-tokens-details"]  # usage.cached_tokens: per-request hit evidence
-            if self.kv_events:
-                extra += ["--kv-events-config", json.dumps({
-                    "enable_kv_cache_events": True, "publisher": "zmq", "endpoint": self.kv_events[i]})]
-            try:
-                results[i] = start_replica(
-                    self.model,
-                    port,
-                    l2fs_master=self.cluster.master,
-                    node_id=node,
-                    l1_gb=self.l1_gb,
-                    log_path=log_path,
-                    max_model_len=self.max_model_len,
-                    prefix_caching=self.prefix_caching,
-                    kv_cache_gb=self.kv_cache_gb,
-                    extra_args=extra,
-                    config_dir=self.base / "config",
-                    progress=False,
-                )
-                log(f"{name} healthy at http://127.0.0.1:{port}")
-            except BaseException as e:  # noqa: BLE001 - reported after all launches returned
-                errors.append(e)
-
-        threads = [threading.Thread(target=launch, args=(i,), daemon=True) for i in range(self.n_replicas)]
+        threads = [threading.Thread(target=self._launch, args=(i, p, errors), daemon=True)
+                   for i, p in enumerate(plan)]
         self._threads = threads
         t0 = time.monotonic()
         for th in threads:
@@ -263,32 +229,16 @@ class Stack:
             for th in threads:
                 th.join(timeout=10)
             if any(th.is_alive() for th in threads):
-                log(f"waiting for engines ({time.monotonic() - t0:.0f}s, {len(results)}/{len(plan)} up)")
-                for i, (name, _, _, log_path) in enumerate(plan):
-                    if i not in results:
-                        log(f"  {name}: {_last_line(log_path)}")
-        self.replicas = [results[i] for i in sorted(results)]
+                log(f"waiting for engines ({time.monotonic() - t0:.0f}s, {len(self._launched)}/{len(plan)} up)")
+                for i, p in enumerate(plan):
+                    if i not in self._launched:
+                        log(f"  {p.name}: {_last_line(p.log_path)}")
+        self.replicas = [self._launched[i] for i in sorted(self._launched)]
         if errors:
             raise RuntimeError(f"replica start failed: {errors[0]!r}") from errors[0]
-        for i, (name, port, node, log_path) in enumerate(plan):
-            rep = results[i]
-            pid = getattr(getattr(rep, "proc", None), "pid", None)
-            self.infos.append(ReplicaInfo(name, f"http://127.0.0.1:{port}", node, str(log_path), pid))
-
-        if self.strategy:
-            self._start_router()
-        state = StackState(
-            dir=str(self.base),
-            model=self.model,
-            l2fs_master=self.cluster.master,
-            nodes=nodes,
-            replicas=self.infos,
-            kv_events=self.kv_events,
-            router_url=self.router_url,
-            strategy=self.strategy,
-        )
-        state.save(self.state_path)
-        return state
+        for i, p in enumerate(plan):
+            pid = getattr(getattr(self._launched[i], "proc", None), "pid", None)
+            self.infos.append(ReplicaInfo(p.name, f"http://127.0.0.1:{p.port}", p.node, str(p.log_path), pid))
 
     def _start_router(self) -> None:
         port = self.router_port or free_port()
@@ -296,14 +246,10 @@ class Stack:
         cmd = router_command(urls, str(self.strategy), port, self.model, self.cluster.master, self.kv_events)
         log_path = self.base / "logs" / "router.log"
         log(f"starting router ({self.strategy}) on port {port}; log {log_path}")
-        with open(log_path, "ab") as out:
-            self.router = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
-                                           start_new_session=True, preexec_fn=_die_with_parent)
+        self.router = procs.spawn(cmd, log_path, die_with_parent=True)
         self.router_url = f"http://127.0.0.1:{port}"
-        try:
-            wait_http(f"{self.router_url}/health", 300, self.router)
-        except (RuntimeError, TimeoutError) as e:
-            raise RuntimeError(f"router did not start: {e}; log {log_path}:\n{_last_line(log_path, 300)}") from e
+        procs.wait_ready(self.router, lambda: procs.http_ok(f"{self.router_url}/health"), timeout=300,
+                         what="router", log_path=log_path, interval=0.5)
         log(f"router healthy at {self.router_url}")
 
     # --- stop ---
@@ -313,7 +259,7 @@ class Stack:
         self._stopped = True
         if self.router is not None:
             log("stopping router")
-            stop_process(self.router, "router")
+            procs.stop(self.router)
         if any(th.is_alive() for th in self._threads):
             # Interrupted while engines start: let the launches finish, so that none is left behind.
             log("waiting for engines that are still starting, to stop them")

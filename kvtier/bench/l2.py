@@ -22,7 +22,9 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.bench.common import fmt, pct, table, write_results
-from kvtier.up import free_port, log, stop_process
+from kvtier.up import log
+from l2fs import procs
+from l2fs.common import free_port
 
 MIB = 1 << 20
 DEFAULT_SIZES = [int(14.7 * MIB), 32 * MIB]
@@ -118,20 +120,16 @@ class MountArm(LocalDir):
     def setup(self) -> None:
         cmd = [sys.executable, "-m", "l2fs.cli", "mount", str(self.mountpoint), "--master", self.master,
                "--node-id", self.node_id]
-        with open(self.log_path, "ab") as out:
-            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-        deadline = time.monotonic() + 30
-        while not os.path.ismount(self.mountpoint):
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"l2fs mount did not come up (see {self.log_path})")
-            time.sleep(0.2)
+        self.proc = procs.spawn(cmd, self.log_path)
+        procs.wait_ready(self.proc, lambda: os.path.ismount(self.mountpoint), timeout=30, what="l2fs mount",
+                         log_path=self.log_path, interval=0.2)
         self.root.mkdir(exist_ok=True)
 
     def close(self) -> None:
         if self.proc is None:
             return
         subprocess.run(["fusermount3", "-u", str(self.mountpoint)], capture_output=True)
-        stop_process(self.proc, "l2fs mount", grace=10)
+        procs.stop(self.proc, grace=10)
         if os.path.ismount(self.mountpoint):
             subprocess.run(["fusermount3", "-uz", str(self.mountpoint)], capture_output=True)
 
@@ -152,20 +150,18 @@ class RedisArm(Arm):
             raise RuntimeError("redis-server not found (Debian package redis-server; .ci/install installs it)")
         port = free_port()
         self.workdir.mkdir(parents=True, exist_ok=True)
-        self.proc = subprocess.Popen(
-            [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-             "--dir", str(self.workdir), "--protected-mode", "yes"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        log_path = self.workdir / "redis.log"
+        self.proc = procs.spawn([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly",
+                                 "no", "--dir", str(self.workdir), "--protected-mode", "yes"], log_path)
         self.client = redis.Redis(host="127.0.0.1", port=port)
-        deadline = time.monotonic() + 15
-        while True:
+
+        def answers() -> bool:
             try:
-                self.client.ping()
-                break
+                return bool(self.client.ping())
             except redis.ConnectionError:
-                if self.proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError("redis-server did not start") from None
-                time.sleep(0.1)
+                return False
+
+        procs.wait_ready(self.proc, answers, timeout=15, what="redis-server", log_path=log_path)
 
     def write(self, key: str, data: bytes) -> None:
         self.client.set(key, data)
@@ -185,7 +181,7 @@ class RedisArm(Arm):
         if self.client is not None:
             self.client.close()
         if self.proc is not None:
-            stop_process(self.proc, "redis-server", grace=5)
+            procs.stop(self.proc, grace=5)
 
 
 def tcp_stream_gbps(nbytes: int, reps: int) -> list[float]:

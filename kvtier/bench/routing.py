@@ -24,7 +24,9 @@ import httpx
 
 from kvtier.bench.common import fmt, pct, table, write_results
 from kvtier.bench.cross_pod import metric_sum
-from kvtier.up import Stack, StackState, free_port, log, router_command, stop_process, wait_http
+from kvtier.up import Stack, StackState, log, router_command
+from l2fs import procs
+from l2fs.common import free_port
 
 OURS = ["roundrobin", "session", "prefixaware", "kvaware"]
 VLLM_ROUTER = ["cache_aware", "round_robin"]
@@ -106,10 +108,15 @@ def start_router(kind: str, policy: str, state: StackState, logdir: Path) -> tup
         exe = Path(sys.executable).with_name("vllm-router")
         cmd = [str(exe), "--worker-urls", *urls, "--policy", policy, "--host", "127.0.0.1", "--port", str(port),
                "--log-level", "warning"]
-    with open(logdir / f"router-{kind}-{policy}.log", "ab") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    log_path = logdir / f"router-{kind}-{policy}.log"
+    proc = procs.spawn(cmd, log_path)
     url = f"http://127.0.0.1:{port}"
-    wait_http(f"{url}/health", 300, proc)  # kvaware imports LMCache + vLLM hashing: slow on a busy box
+    try:  # kvaware imports LMCache + vLLM hashing: slow on a busy box
+        procs.wait_ready(proc, lambda: procs.http_ok(f"{url}/health"), timeout=300, what=f"router {kind} {policy}",
+                         log_path=log_path, interval=0.5)
+    except BaseException:
+        procs.stop(proc)
+        raise
     return proc, url
 
 
@@ -135,7 +142,7 @@ def run_arm(name: str, kind: str, policy: str, state: StackState, args: argparse
         time.sleep(1.0)  # counters are updated after the response
         after = counters(urls)
     finally:
-        stop_process(proc, f"router {name}", grace=10)
+        procs.stop(proc, grace=10)
 
     def delta(i: int, k: str) -> float:
         a, b = after[i][k], before[i][k]

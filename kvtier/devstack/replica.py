@@ -17,11 +17,9 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 import time
-import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,6 +28,7 @@ from typing import Any
 import yaml
 
 from connector.config import lmcache_config, replica_env, vllm_args
+from l2fs import procs
 
 
 class ReplicaError(RuntimeError):
@@ -132,39 +131,13 @@ class Replica:
 
     def stop(self, timeout: float = 20.0) -> None:
         """Terminate the whole process group (API server, engine core, workers); idempotent."""
-        if self.proc.poll() is not None:
-            return
-        for sig, wait in ((signal.SIGTERM, timeout), (signal.SIGKILL, 10.0)):
-            try:
-                os.killpg(self.proc.pid, sig)
-            except ProcessLookupError:
-                return
-            try:
-                self.proc.wait(wait)
-                return
-            except subprocess.TimeoutExpired:
-                continue
+        procs.stop(self.proc, grace=timeout)
 
     def __enter__(self) -> Replica:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
-
-
-def _healthy(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url + "/health", timeout=2) as r:
-            return r.status == 200
-    except (urllib.error.URLError, OSError):
-        return False
-
-
-def _tail(path: Path, n: int = 40) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
-    except OSError:
-        return "(no log)"
 
 
 def start_replica(model: str | Path, port: int, *, l2fs_master: str | None = None, mount_path: str | None = None,
@@ -199,37 +172,29 @@ def start_replica(model: str | Path, port: int, *, l2fs_master: str | None = Non
     env.update(extra_env or {})
     args = vllm_args(model, port=port, max_model_len=max_model_len, served_model_name=served_model_name,
                      lmcache=lmcache, prefix_caching=prefix_caching, extra=extra_args)
-    logf = open(log_path, "ab", buffering=0)  # noqa: SIM115 - owned by the child after Popen
-    logf.write(f"\n=== kvtier replica {node_id} port {port}: {' '.join(args)}\n".encode())
-    proc = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server", *args], env=env,
-                            stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                            start_new_session=True)
-    logf.close()
+    header = f"kvtier replica {node_id} port {port}: {' '.join(args)}"
+    proc = procs.spawn([sys.executable, "-m", "vllm.entrypoints.openai.api_server", *args], log_path, env=env,
+                       header=header)
     rep = Replica(proc=proc, port=port, model=model, served_model_name=served, node_id=node_id,
                   log_path=log_path, config_path=cfg_path, env={k: env[k] for k in env if k not in os.environ
                                                                 or os.environ[k] != env[k]})
+
+    def report(elapsed: float) -> None:
+        print(f"[kvtier] waiting for replica {node_id}:{port} ({elapsed:.0f}s): {procs.tail(log_path, 1)[:160]}",
+              file=sys.stderr, flush=True)
+
     t0 = time.monotonic()
-    last = 0.0
     try:
-        while True:
-            if proc.poll() is not None:
-                raise ReplicaError(f"replica on port {port} exited with {proc.returncode}; log {log_path}:\n"
-                                   f"{_tail(log_path)}")
-            if _healthy(rep.url):
-                if progress:
-                    print(f"[kvtier] replica {node_id}:{port} healthy after {time.monotonic() - t0:.0f}s",
-                          file=sys.stderr, flush=True)
-                return rep
-            el = time.monotonic() - t0
-            if el > startup_timeout:
-                raise ReplicaError(f"replica on port {port} not healthy after {startup_timeout:.0f}s; "
-                                   f"log {log_path}:\n{_tail(log_path)}")
-            if progress and el - last >= 15:
-                last = el
-                line = _tail(log_path, 1)[:160]
-                print(f"[kvtier] waiting for replica {node_id}:{port} ({el:.0f}s): {line}", file=sys.stderr,
-                      flush=True)
-            time.sleep(0.5)
-    except BaseException:
+        procs.wait_ready(proc, lambda: procs.http_ok(rep.url + "/health"), timeout=startup_timeout,
+                         what=f"replica on port {port}", log_path=log_path, interval=0.5,
+                         progress=report if progress else None)
+    except procs.ProcessError as e:
+        rep.stop()
+        raise ReplicaError(str(e)) from e
+    except BaseException:  # Ctrl-C while the engine starts: never leave it behind
         rep.stop()
         raise
+    if progress:
+        print(f"[kvtier] replica {node_id}:{port} healthy after {time.monotonic() - t0:.0f}s", file=sys.stderr,
+              flush=True)
+    return rep

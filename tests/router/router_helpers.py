@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import re
 import subprocess
 import sys
 import time
@@ -12,6 +11,7 @@ from pathlib import Path
 
 import httpx
 
+from l2fs import procs
 from l2fs.common import free_port
 
 PY = sys.executable
@@ -28,13 +28,7 @@ class Proc:
     extra: dict = field(default_factory=dict)
 
     def stop(self) -> None:
-        if self.p.poll() is None:
-            self.p.terminate()
-            try:
-                self.p.wait(5)
-            except subprocess.TimeoutExpired:
-                self.p.kill()
-                self.p.wait(5)
+        procs.stop(self.p, grace=5)
 
     def get(self, path: str, **kw) -> httpx.Response:
         return httpx.get(self.url + path, timeout=10, **kw)
@@ -44,20 +38,14 @@ class Proc:
 
 
 def _spawn(args: list[str], log: Path, pattern: str, timeout: float = 60.0) -> tuple[subprocess.Popen, str]:
-    env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
-    f = open(log, "w")  # noqa: SIM115 - closed by the OS when the child exits
-    p = subprocess.Popen(args, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        text = log.read_text(errors="replace")
-        m = re.search(pattern, text)
-        if m:
-            return p, m.group(1)
-        if p.poll() is not None:
-            raise RuntimeError(f"{args[:4]} exited rc={p.returncode}:\n{text[-3000:]}")
-        time.sleep(0.1)
-    p.kill()
-    raise RuntimeError(f"{args[:4]} did not start:\n{log.read_text(errors='replace')[-3000:]}")
+    """Start a replica or router and return it with the URL it prints once it listens."""
+    p = procs.spawn(args, log, env=dict(os.environ, PYTHONPATH=str(ROOT)), cwd=ROOT, append=False)
+    try:
+        return p, procs.wait_ready(p, procs.log_match(log, pattern), timeout=timeout, what=" ".join(args[:4]),
+                                   log_path=log)
+    except BaseException:
+        procs.stop(p, grace=5)
+        raise
 
 
 class Cluster:
