@@ -10,7 +10,6 @@ TTFT is measured at the client, streamed, through the router.
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import random
 import subprocess
@@ -22,6 +21,7 @@ from typing import Any
 
 import httpx
 
+from kvtier.bench import routing_sim
 from kvtier.bench.common import fmt, pct, table, write_results
 from kvtier.bench.cross_pod import metric_sum
 from kvtier.up import Stack, StackState, log, router_command
@@ -43,8 +43,8 @@ COUNTERS = {
 def workload(users: int, rounds: int, groups: int, sys_words: int, turn_words: int, nonce: str,
              seed: int) -> list[dict[str, Any]]:
     """users x rounds chat turns; users share one of `groups` system prompts (the reusable prefix).
-    Text comes from routing_bench.text(); the nonce makes each arm's prompts new to every cache."""
-    text = _routing_bench().text
+    Text comes from routing_sim.text(); the nonce makes each arm's prompts new to every cache."""
+    text = routing_sim.text
     rng = random.Random(seed)
     systems = [f"[{nonce} group {g}] " + text(rng, sys_words) for g in range(groups)]
     return [{"user": u, "session": f"{nonce}-user-{u}", "system": systems[u % groups],
@@ -181,28 +181,13 @@ def run_arm(name: str, kind: str, policy: str, state: StackState, args: argparse
     return summary, results
 
 
-@functools.cache
-def _routing_bench() -> Any:
-    """The router engineer's benchmarks/routing_bench.py (workload text and oracle): reused, not copied."""
-    import importlib.util
-
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "routing_bench.py"
-    spec = importlib.util.spec_from_file_location("kvtier_routing_bench", path)
-    if spec is None or spec.loader is None or not path.exists():
-        raise SystemExit(f"kvtier bench routing: needs {path} (run from a kvtier checkout)")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # its dataclasses look their module up there
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def oracle_hit_rate(model: str, results: list[dict[str, Any]], block: int) -> float | None:
-    """Best possible cached fraction (routing_bench.Oracle: an infinite cache shared by all replicas), over
+    """Best possible cached fraction (routing_sim.Oracle: an infinite cache shared by all replicas), over
     the prompts in the order they were sent, tokenized with the model's own chat template."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model)
-    oracle = _routing_bench().Oracle(block)
+    oracle = routing_sim.Oracle(block)
     total = reusable = 0
     for r in sorted((r for r in results if r["ok"]), key=lambda r: r["sent_at"]):
         text = tok.apply_chat_template(r["messages"], add_generation_prompt=True, tokenize=False)

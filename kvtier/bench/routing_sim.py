@@ -1,0 +1,610 @@
+"""Routing benchmark: cache hit rate vs an oracle, load balance and router overhead, side by side.
+
+Workload: U users x R rounds of multi-round chat; every user shares one of S system prompts; users run
+concurrently, each user's rounds in order. Replicas: N `kvtier.devstack.testreplica` processes (block LRU prefix
+cache, serialized prefill at a per-token cost, real vLLM-wire KV events), so that 4 "engines" fit on a
+small CPU box. Routers compared on the same workload: kvtier (roundrobin, session, prefixaware, kvaware)
+and `vllm-router` (Rust; cache_aware, round_robin and kv_aware fed with the same KV events).
+
+Hit rate = sum(cached_tokens reported by the replicas) / sum(prompt tokens). Oracle = an infinite cache
+shared by all replicas, i.e. every block any earlier request produced counts as a hit (upper bound).
+Balance = max/mean over replicas of requests served and of prefill tokens actually computed.
+Overhead: open-loop at --rate req/s, latency via each router minus latency straight to one replica.
+
+    .venv/bin/python benchmarks/routing_bench.py [--users 20 --rounds 5 --replicas 4 --rate 200]
+
+--overhead (issue 5's router overhead at 200 req/s): only the kvtier strategies, each a fresh router
+process, open loop at --rate for --duration s, then the --sweep rates; per request the router's own time
+(X-Kvtier-Router-Ms), its tokenization (X-Kvtier-Tokenize-Ms) and end-to-end latency, next to the same
+requests sent straight to the replicas at the same rate. The load generator is this process (aiohttp).
+
+    .venv/bin/python benchmarks/routing_bench.py --overhead [--rate 200 --duration 25 --out docs/results-data]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import re
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+PY = sys.executable
+sys.path.insert(0, str(ROOT))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class P:
+    proc: subprocess.Popen
+    url: str
+    kv: str | None = None
+    replay: str | None = None
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+
+def spawn(cmd: list[str], log: Path, pattern: str | None, url: str | None = None, timeout: float = 60) -> P:
+    f = open(log, "w")  # noqa: SIM115
+    p = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT,
+                         env=dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1"))
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        if p.poll() is not None:
+            raise RuntimeError(f"{cmd[:3]} exited: {log.read_text()[-2000:]}")
+        if pattern:
+            m = re.search(pattern, log.read_text(errors="replace"))
+            if m:
+                url = m.group(1)
+        if url:
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    return P(p, url)
+            except httpx.HTTPError:
+                pass
+        time.sleep(0.2)
+    p.kill()
+    raise RuntimeError(f"{cmd[:3]} did not start: {log.read_text()[-2000:]}")
+
+
+# -- workload -------------------------------------------------------------------------------------
+WORDS = ("cache token model prefix node replica router block engine memory tier storage latency the a of "
+         "and to in is for with on at by from").split()
+
+
+def text(rng: random.Random, n_words: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(n_words))
+
+
+def render(messages: list[dict[str, str]]) -> list[int]:
+    """Exactly what router.tokens('bytes') and the test replica tokenize for a chat request."""
+    from router.tokens import _bytes_chat
+
+    return list(_bytes_chat(messages).encode())
+
+
+class Oracle:
+    """Infinite cache shared by every replica: the best hit any routing could get."""
+
+    def __init__(self, bs: int) -> None:
+        self.bs, self.seen = bs, set()
+
+    def hit(self, tokens: list[int]) -> int:
+        from router.index import block_keys
+
+        keys = block_keys(tokens, self.bs)
+        n = 0
+        for k in keys:
+            if k not in self.seen:
+                break
+            n += 1
+        self.seen.update(keys)
+        cached = n * self.bs
+        return max(0, cached - self.bs) if cached >= len(tokens) else cached
+
+
+async def run_chat(url: str, args: argparse.Namespace, model: str) -> dict[str, Any]:
+    rng = random.Random(args.seed)
+    systems = [text(rng, args.system_words) for _ in range(args.systems)]
+    oracle = Oracle(args.block_size)
+    stats = {"prompt": 0, "cached": 0, "oracle": 0, "lat": [], "errors": 0, "n": 0}
+    lock = asyncio.Lock()
+
+    async def user(u: int, client: httpx.AsyncClient) -> None:
+        urng = random.Random(args.seed * 1000 + u)
+        msgs = [{"role": "system", "content": systems[u % args.systems]}]
+        await asyncio.sleep(urng.random() * 0.5)
+        for _ in range(args.rounds):
+            msgs.append({"role": "user", "content": text(urng, args.question_words)})
+            async with lock:
+                stats["oracle"] += oracle.hit(render(msgs))
+            t0 = time.perf_counter()
+            try:
+                r = await client.post(url + "/v1/chat/completions", json={
+                    "model": model, "messages": msgs, "max_tokens": args.max_tokens, "user": f"user-{u}"},
+                    headers={"x-session-id": f"user-{u}"})
+            except httpx.HTTPError:
+                r = None
+            stats["lat"].append(time.perf_counter() - t0)
+            stats["n"] += 1
+            if r is None or r.status_code != 200:
+                stats["errors"] += 1
+                msgs.pop()
+                continue
+            body = r.json()
+            usage = body["usage"]
+            stats["prompt"] += usage["prompt_tokens"]
+            stats["cached"] += usage["prompt_tokens_details"]["cached_tokens"]
+            msgs.append({"role": "assistant", "content": body["choices"][0]["message"]["content"]})
+
+    async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=200)) as client:
+        t0 = time.perf_counter()
+        await asyncio.gather(*(user(u, client) for u in range(args.users)))
+        stats["wall"] = time.perf_counter() - t0
+    return stats
+
+
+async def run_open_loop(urls: list[str], n: int, rate: float, model: str, prompts: list[str]) -> list[float]:
+    """Open loop at `rate` req/s; with several URLs the client itself round-robins (the no-router baseline)."""
+    lat: list[float] = []
+    async with httpx.AsyncClient(timeout=30, limits=httpx.Limits(max_connections=400)) as client:
+        async def one(i: int) -> None:
+            t0 = time.perf_counter()
+            url = urls[i % len(urls)]
+            try:
+                r = await client.post(url + "/v1/completions",
+                                      json={"model": model, "prompt": prompts[i % len(prompts)], "max_tokens": 1})
+            except httpx.HTTPError:
+                return
+            if r.status_code == 200:
+                lat.append(time.perf_counter() - t0)
+
+        # warm-up: connections and the tokenizer cache ("excluding cold tokenization")
+        await asyncio.gather(*(one(i) for i in range(len(prompts))))
+        lat.clear()
+        tasks = []
+        start = time.perf_counter()
+        for i in range(n):
+            delay = start + i / rate - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(one(i)))
+        await asyncio.gather(*tasks)
+    return lat
+
+
+async def run_serial(urls: list[str], n: int, model: str, prompts: list[str]) -> list[float]:
+    """One request at a time: the latency a router adds when nothing queues."""
+    lat: list[float] = []
+    async with httpx.AsyncClient(timeout=30) as client:
+        for i in range(n + 20):
+            t0 = time.perf_counter()
+            r = await client.post(urls[i % len(urls)] + "/v1/completions",
+                                  json={"model": model, "prompt": prompts[i % len(prompts)], "max_tokens": 1})
+            if r.status_code == 200 and i >= 20:  # the first 20 warm connections and caches
+                lat.append(time.perf_counter() - t0)
+    return lat
+
+
+def pct(xs: list[float], q: float) -> float:
+    if not xs:
+        return float("nan")
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+def replica_stats(reps: list[P]) -> list[dict[str, Any]]:
+    return [httpx.get(r.url + "/admin/stats", timeout=5).json() for r in reps]
+
+
+def reset(reps: list[P]) -> None:
+    for r in reps:
+        httpx.post(r.url + "/reset_prefix_cache", timeout=5)
+
+
+def set_cost(reps: list[P], prefill_us: float, decode_ms: float) -> None:
+    for r in reps:
+        httpx.post(r.url + "/admin/config", json={"prefill_us_per_token": prefill_us,
+                                                  "decode_ms_per_token": decode_ms}, timeout=5)
+
+
+def hist_quantile(text: str, name: str, q: float) -> float:
+    """Upper bucket bound of quantile q from a Prometheus histogram exposition (seconds)."""
+    buckets = []
+    for line in text.splitlines():
+        if line.startswith(name + "_bucket{"):
+            le = line.split('le="', 1)[1].split('"', 1)[0]
+            buckets.append((float("inf") if le == "+Inf" else float(le), float(line.rsplit(" ", 1)[1])))
+    if not buckets or buckets[-1][1] == 0:
+        return float("nan")
+    total = buckets[-1][1]
+    return next(le for le, c in buckets if c >= q * total)
+
+
+# -- overhead mode: open loop at a fixed rate, the router's own time per request, direct baseline --------
+def overhead_requests(args: argparse.Namespace, n: int, model: str, seed: int) -> list[tuple[str, bytes]]:
+    """n distinct multi-round chat requests (session id, JSON body). Users share args.systems system
+    prompts; blocks of 50 users take turns round by round, each round carrying the history, so every
+    prompt is new to the router's tokenizer cache (all tokenization is cold; it is reported separately)."""
+    rng = random.Random(seed)
+    systems = [text(rng, args.system_words) for _ in range(args.systems)]
+    answer = " ".join(f"t{i}" for i in range(args.max_tokens))
+    out: list[tuple[str, bytes]] = []
+    u0 = 0
+    while len(out) < n:
+        convs = [[{"role": "system", "content": systems[(u0 + k) % args.systems]}] for k in range(50)]
+        for _ in range(args.rounds):
+            for k, msgs in enumerate(convs):
+                user = f"user-{seed}-{u0 + k}"
+                msgs.append({"role": "user", "content": text(rng, args.question_words)})
+                out.append((user, json.dumps({"model": model, "messages": msgs, "max_tokens": args.max_tokens,
+                                              "user": user}).encode()))
+                msgs.append({"role": "assistant", "content": answer})
+        u0 += 50
+    return out[:n]
+
+
+async def open_loop_run(urls: list[str], reqs: list[tuple[str, bytes]], rate: float,
+                        warm: list[tuple[str, bytes]]) -> tuple[list[dict[str, Any]], float]:
+    """Send reqs on a fixed schedule (request i at start + i/rate, never waiting for earlier answers),
+    round-robin over urls. Latency counts from the scheduled time, so a late sender cannot hide queueing."""
+    import aiohttp
+
+    rows: list[dict[str, Any]] = []
+    conn = aiohttp.TCPConnector(limit=0, force_close=False, keepalive_timeout=60)
+    async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=30)) as http:
+        async def one(i: int, sid: str, body: bytes, t_sched: float, rec: bool) -> None:
+            t_send = time.perf_counter()
+            status, h = 0, {}
+            try:
+                async with http.post(urls[i % len(urls)] + "/v1/chat/completions", data=body, headers={
+                        "content-type": "application/json", "x-session-id": sid}) as r:
+                    await r.read()
+                    status, h = r.status, r.headers
+            except (TimeoutError, aiohttp.ClientError):
+                pass
+            t_done = time.perf_counter()
+            if rec:
+                rows.append({"i": i, "sched_s": t_sched - start, "lag_ms": (t_send - t_sched) * 1e3,
+                             "e2e_ms": (t_done - t_sched) * 1e3, "done_s": t_done - start, "status": status,
+                             "router_ms": float(h.get("x-kvtier-router-ms", "nan")),
+                             "tokenize_ms": float(h.get("x-kvtier-tokenize-ms", "nan")),
+                             "replica": h.get("x-kvtier-replica", urls[i % len(urls)])})
+
+        start = time.perf_counter()  # warm-up: connections, code paths (its prompts are not reused)
+        await asyncio.gather(*(one(i, sid, b, start, False) for i, (sid, b) in enumerate(warm)))
+        start = time.perf_counter() + 0.05
+        tasks = []
+        for i, (sid, body) in enumerate(reqs):
+            t = start + i / rate
+            delay = t - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(one(i, sid, body, t, True)))
+        sent_s = time.perf_counter() - start
+        await asyncio.gather(*tasks)
+    return rows, sent_s
+
+
+def overhead_summary(arm: str, rate: float, rows: list[dict[str, Any]], sent_s: float, load: float,
+                     sustain_p99_ms: float) -> dict[str, Any]:
+    ok = [r for r in rows if r["status"] == 200]
+    e2e = [r["e2e_ms"] for r in ok]
+    own = [r["router_ms"] for r in ok if r["router_ms"] == r["router_ms"]]
+    tok = [r["tokenize_ms"] for r in ok if r["tokenize_ms"] == r["tokenize_ms"]]
+    last = max((r["done_s"] for r in ok), default=float("nan"))
+    s = {"arm": arm, "target_rps": rate, "n": len(rows), "ok": len(ok), "errors": len(rows) - len(ok),
+         "sent_rps": len(rows) / sent_s if sent_s > 0 else float("nan"), "done_rps": len(ok) / last if ok else 0.0,
+         "lag_p99_ms": pct([r["lag_ms"] for r in rows], 0.99),
+         "router_p50_ms": pct(own, 0.5), "router_p99_ms": pct(own, 0.99), "router_max_ms": max(own, default=None),
+         "tok_p50_ms": pct(tok, 0.5), "tok_p99_ms": pct(tok, 0.99),
+         "e2e_p50_ms": pct(e2e, 0.5), "e2e_p99_ms": pct(e2e, 0.99), "load1": load,
+         "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    s["sustained"] = (s["errors"] == 0 and s["sent_rps"] >= 0.95 * rate and s["done_rps"] >= 0.95 * rate
+                      and s["e2e_p99_ms"] <= sustain_p99_ms)
+    return s
+
+
+def overhead(args: argparse.Namespace, tmp: Path, reps: list[P], model: str, procs: list[P]) -> int:
+    """--overhead: per strategy, a fresh `kvtier router` process in front of the replicas, open loop at
+    --rate for --duration s (then the --sweep rates for --sweep-duration s each); the same requests sent
+    straight to the replicas (client round-robin) are the baseline, rate for rate."""
+    from kvtier.bench.common import fmt, table, write_results
+
+    set_cost(reps, 0, 0)  # replicas answer at once: latency is transport + router
+    # ascending; above the first rate that overloads an arm only --rate itself is still run (no long drains)
+    rates = sorted({args.rate, *(float(x) for x in args.sweep.split(",") if x.strip())})
+    durs = [args.duration if r == args.rate else args.sweep_duration for r in rates]
+    pool = overhead_requests(args, sum(int(r * d) for r, d in zip(rates, durs, strict=True)), model, args.seed)
+    warm = overhead_requests(args, 100, model, args.seed + 10_000)
+    arms = ["direct"] + [s for s in args.strategies.split(",") if s]
+    summaries: list[dict[str, Any]] = []
+    with (tmp / "overhead-requests.csv").open("w") as raw_f:
+        raw_f.write("arm,target_rps,i,sched_s,lag_ms,e2e_ms,status,router_ms,tokenize_ms,replica\n")
+        for arm in arms:
+            rt = None
+            if arm != "direct":
+                # KV events only where the strategy reads them (a kvaware deployment's flags)
+                rt = start_kvtier(args, tmp, reps, arm, kv=arm == "kvaware" or args.kv_events_all)
+                procs.append(rt)
+            urls = [r.url for r in reps] if rt is None else [rt.url]
+            off = 0
+            failed = False
+            for k, (rate, dur) in enumerate(zip(rates, durs, strict=True)):
+                n = int(rate * dur)
+                if failed and rate != args.rate:
+                    off += n
+                    continue
+                reset(reps)
+                time.sleep(1.0)
+                load = os.getloadavg()[0]
+                c0 = [cpu_seconds(p.proc.pid) for p in ([rt] if rt else []) + reps]
+                t0, g0 = time.perf_counter(), time.process_time()
+                rows, sent_s = asyncio.run(open_loop_run(urls, pool[off:off + n], rate, warm if k == 0 else []))
+                cpu = [(cpu_seconds(p.proc.pid) - c) / (time.perf_counter() - t0) * 100
+                       for p, c in zip(([rt] if rt else []) + reps, c0, strict=True)]
+                off += n
+                s = overhead_summary(arm, rate, rows, sent_s, load, args.sustain_p99_ms)
+                s["router_cpu_pct"] = cpu[0] if rt else None
+                s["replicas_cpu_pct"] = sum(cpu[1:] if rt else cpu)
+                s["loadgen_cpu_pct"] = (time.process_time() - g0) / (time.perf_counter() - t0) * 100
+                summaries.append(s)
+                failed = failed or s["errors"] > 0 or s["done_rps"] < 0.9 * rate  # overloaded: stop climbing
+                print(f"# {arm} @ {rate:.0f}/s: sent {s['sent_rps']:.1f}/s done {s['done_rps']:.1f}/s "
+                      f"err {s['errors']} router p50/p99 {fmt(s['router_p50_ms'], 3)}/{fmt(s['router_p99_ms'], 3)} "
+                      f"ms e2e p50/p99 {s['e2e_p50_ms']:.2f}/{s['e2e_p99_ms']:.2f} ms load {load:.2f}", flush=True)
+                for r in rows:
+                    raw_f.write(f"{arm},{rate},{r['i']},{r['sched_s']:.6f},{r['lag_ms']:.3f},{r['e2e_ms']:.3f},"
+                                f"{r['status']},{r['router_ms']},{r['tokenize_ms']},{r['replica']}\n")
+            if rt is not None:
+                rt.stop()
+                procs.remove(rt)
+    direct = {s["target_rps"]: s for s in summaries if s["arm"] == "direct"}
+    for s in summaries:  # only where neither side lost requests (percentiles of survivors do not compare)
+        d = direct.get(s["target_rps"])
+        both = d is not None and d["errors"] == 0 and s["errors"] == 0
+        s["minus_direct_p50_ms"] = s["e2e_p50_ms"] - d["e2e_p50_ms"] if both else float("nan")
+        s["minus_direct_p99_ms"] = s["e2e_p99_ms"] - d["e2e_p99_ms"] if both else float("nan")
+    cols = [("arm", "arm"), ("target_rps", "target/s"), ("sent_rps", "sent/s"), ("done_rps", "done/s"),
+            ("ok", "ok"), ("errors", "err"), ("lag_p99_ms", "send lag p99"),
+            ("router_p50_ms", "router p50"), ("router_p99_ms", "router p99"), ("tok_p50_ms", "tok p50"),
+            ("tok_p99_ms", "tok p99"), ("e2e_p50_ms", "e2e p50"), ("e2e_p99_ms", "e2e p99"),
+            ("minus_direct_p50_ms", "-direct p50"), ("minus_direct_p99_ms", "-direct p99"),
+            ("router_cpu_pct", "router cpu%"), ("replicas_cpu_pct", "4 replicas cpu%"),
+            ("loadgen_cpu_pct", "loadgen cpu%"), ("load1", "load1"),
+            ("sustained", "sustained")]
+
+    def cell(k: str, v: Any) -> str:
+        if isinstance(v, bool):
+            return "yes" if v else "no"
+        if k in ("target_rps", "sent_rps", "done_rps", "load1") or k.endswith("pct"):
+            return fmt(v, 1)
+        return fmt(v, 3 if k.startswith(("router", "tok")) else 2)
+
+    order = sorted(summaries, key=lambda s: (s["target_rps"] != args.rate, s["target_rps"], arms.index(s["arm"])))
+    print(f"\n# router overhead, open loop, {args.replicas} zero-cost test replicas, chat requests "
+          f"({args.systems} shared system prompts of ~{args.system_words} words, {args.rounds} rounds, "
+          f"max_tokens {args.max_tokens}); all times ms; KV events fed to "
+          f"{'every router' if args.kv_events_all else 'the kvaware router only'}; cpu% of one core, over the run "
+          "(warm-up included on the first rate)")
+    print("# router = X-Kvtier-Router-Ms (the router's own time: body read to response headers, minus tokenization "
+          "and minus every wait on the replica); tok = X-Kvtier-Tokenize-Ms (cold: every prompt is new); "
+          "e2e from the scheduled send time; -direct = e2e minus the same requests sent straight to the replicas "
+          f"at the same rate (only where neither lost requests; e2e is over answered requests); sustained = no errors, sent and done >= 95% of target, e2e p99 <= "
+          f"{args.sustain_p99_ms:.0f} ms")
+    print(table([c[1] for c in cols], [[cell(k, s[k]) for k, _ in cols] for s in order]))
+    print("\n# highest rate sustained (of those tried)")
+    for arm in arms:
+        ok = [s["target_rps"] for s in summaries if s["arm"] == arm and s["sustained"]]
+        print(f"  {arm:<12} {max(ok):.0f} req/s" if ok else f"  {arm:<12} none of {sorted(rates)}")
+    if args.out:
+        for p in write_results(args.out, "routing-overhead", {"rows": summaries, "args": vars(args)}, summaries):
+            print(f"wrote {p}")
+    print(f"(logs and per-request rows in {tmp})")
+    return 0
+
+
+def start_replicas(args: argparse.Namespace, tmp: Path, model: str, procs: list[P]) -> list[P]:
+    """args.replicas test replicas with KV events + replay (appended to procs as they start)."""
+    reps = []
+    for i in range(args.replicas):
+        ev, rp = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
+        p = spawn([PY, "-m", "kvtier.devstack.testreplica", "--port", "0", "--model", model, "--kv-events", ev,
+                   "--kv-replay", rp, "--block-size", str(args.block_size),
+                   "--capacity-blocks", str(args.capacity_blocks),
+                   "--prefill-us-per-token", str(args.prefill_us_per_token),
+                   "--decode-ms-per-token", str(args.decode_ms_per_token)],
+                  tmp / f"rep{i}.log", r"listening on (http://\S+)")
+        p.kv, p.replay = ev, rp
+        reps.append(p)
+        procs.append(p)
+    return reps
+
+
+def start_kvtier(args: argparse.Namespace, tmp: Path, reps: list[P], strategy: str, kv: bool = True) -> P:
+    """`kvtier router` (router.cli: the production uvicorn settings) in front of reps, fed their KV events."""
+    events = ["--kv-events", ",".join(r.kv for r in reps), "--kv-replay", ",".join(r.replay for r in reps)]
+    return spawn([PY, "-m", "router.cli", "--port", "0", "--replicas", ",".join(r.url for r in reps),
+                  "--strategy", strategy, "--block-size", str(args.block_size), *(events if kv else []),
+                  "--log-level", "warning"], tmp / f"kvtier-{strategy}.log", r"listening on (http://\S+)")
+
+
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of a process (Linux /proc)."""
+    f = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--users", type=int, default=20)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--systems", type=int, default=4, help="distinct shared system prompts")
+    ap.add_argument("--system-words", type=int, default=300)
+    ap.add_argument("--question-words", type=int, default=30)
+    ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--replicas", type=int, default=4)
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--capacity-blocks", type=int, default=4096)
+    ap.add_argument("--prefill-us-per-token", type=float, default=20.0)
+    ap.add_argument("--decode-ms-per-token", type=float, default=1.0)
+    ap.add_argument("--rate", type=float, default=200.0)
+    ap.add_argument("--overhead-requests", type=int, default=1000)
+    ap.add_argument("--serial-requests", type=int, default=300)
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--skip-vllm-router", action="store_true")
+    ap.add_argument("--only", default="", help="comma-separated subset of router configs to run")
+    ap.add_argument("--skip-chat", action="store_true", help="overhead phase only")
+    ap.add_argument("--overhead", action="store_true",
+                    help="overhead mode only: open loop at --rate per strategy vs straight to the replicas")
+    ap.add_argument("--duration", type=float, default=25.0, help="--overhead: seconds at --rate")
+    ap.add_argument("--sweep", default="25,50,100,150,300", help="--overhead: further rates ('' for none)")
+    ap.add_argument("--sweep-duration", type=float, default=8.0)
+    ap.add_argument("--strategies", default="roundrobin,session,prefixaware,kvaware", help="--overhead arms")
+    ap.add_argument("--sustain-p99-ms", type=float, default=100.0,
+                    help="--overhead: a rate counts as sustained only with e2e p99 at most this")
+    ap.add_argument("--kv-events-all", action="store_true",
+                    help="--overhead: feed KV events to every strategy's router (default: kvaware only)")
+    ap.add_argument("--out", type=Path, default=None, help="--overhead: write routing-overhead.json/.csv here")
+    args = ap.parse_args(argv)
+    tmp = Path(tempfile.mkdtemp(prefix="routing-bench-"))
+    model = "test-model"
+    procs: list[P] = []
+    try:
+        reps = start_replicas(args, tmp, model, procs)
+        if args.overhead:
+            return overhead(args, tmp, reps, model, procs)
+
+        def kvtier(strategy: str) -> P:
+            return start_kvtier(args, tmp, reps, strategy)
+
+        def vllm_router(policy: str) -> P:
+            exe = shutil.which("vllm-router") or str(Path(PY).parent / "vllm-router")
+            port = free_port()
+            cmd = [exe, "--host", "127.0.0.1", "--port", str(port), "--policy", policy, "--worker-urls",
+                   *[r.url for r in reps], "--log-level", "warning", "--prometheus-port", str(free_port())]
+            if policy == "kv_aware":
+                for r in reps:
+                    cmd += ["--kv-event-source", f"{r.url}={r.kv}", "--kv-event-replay-source", f"{r.url}={r.replay}"]
+                cmd += ["--kv-event-block-size", str(args.block_size), "--kv-event-model", model]
+            return spawn(cmd, tmp / f"vllm-router-{policy}.log", None, url=f"http://127.0.0.1:{port}")
+
+        configs: list[tuple[str, Any]] = [
+            ("kvtier roundrobin", lambda: kvtier("roundrobin")),
+            ("kvtier session", lambda: kvtier("session")),
+            ("kvtier prefixaware", lambda: kvtier("prefixaware")),
+            ("kvtier kvaware", lambda: kvtier("kvaware")),
+        ]
+        if not args.skip_vllm_router:
+            configs += [("vllm-router round_robin", lambda: vllm_router("round_robin")),
+                        ("vllm-router cache_aware", lambda: vllm_router("cache_aware")),
+                        ("vllm-router kv_aware", lambda: vllm_router("kv_aware"))]
+        if args.only:
+            keep = {x.strip() for x in args.only.split(",")}
+            configs = [c for c in configs if c[0] in keep]
+
+        rows = []
+        prompts = [text(random.Random(i), 60) for i in range(50)]
+        set_cost(reps, 0, 0)  # overhead phase: replicas answer at once, so latency is transport + router
+        direct_lat = asyncio.run(run_open_loop([r.url for r in reps], args.overhead_requests, args.rate, model,
+                                               prompts))
+        direct_serial = asyncio.run(run_serial([r.url for r in reps], args.serial_requests, model, prompts))
+        set_cost(reps, args.prefill_us_per_token, args.decode_ms_per_token)
+        for name, make in configs:
+            reset(reps)
+            try:
+                rt = make()
+            except RuntimeError as e:
+                print(f"# {name}: could not start ({str(e).splitlines()[0][:200]})")
+                continue
+            procs.append(rt)
+            before = replica_stats(reps)
+            res = asyncio.run(run_chat(rt.url, args if not args.skip_chat else argparse.Namespace(
+                **{**vars(args), "users": 1, "rounds": 1}), model))
+            after = replica_stats(reps)
+            served = [a["requests"] - b["requests"] for a, b in zip(after, before, strict=True)]
+            computed = [(a["prompt_tokens"] - b["prompt_tokens"]) - (a["cached_tokens"] - b["cached_tokens"])
+                        for a, b in zip(after, before, strict=True)]
+            reset(reps)
+            set_cost(reps, 0, 0)
+            ol = asyncio.run(run_open_loop([rt.url], args.overhead_requests, args.rate, model, prompts))
+            ser = asyncio.run(run_serial([rt.url], args.serial_requests, model, prompts))
+            set_cost(reps, args.prefill_us_per_token, args.decode_ms_per_token)
+            internal = (float("nan"), float("nan"))
+            if name.startswith("kvtier"):
+                mtext = httpx.get(rt.url + "/metrics", timeout=5).text
+                internal = tuple(hist_quantile(mtext, "kvtier_router_overhead_seconds", q) * 1e3 for q in (.5, .99))
+            rt.stop()
+            procs.remove(rt)
+            hit = res["cached"] / max(1, res["prompt"])
+            orc = res["oracle"] / max(1, res["prompt"])
+            rows.append({
+                "router": name, "reqs": res["n"], "err": res["errors"], "hit": hit, "oracle": orc,
+                "hit/oracle": hit / orc if orc else float("nan"),
+                "req max/mean": max(served) / statistics.mean(served) if sum(served) else float("nan"),
+                "prefill max/mean": max(computed) / statistics.mean(computed) if sum(computed) else float("nan"),
+                "lat p50 ms": pct(res["lat"], 0.5) * 1e3, "lat p99 ms": pct(res["lat"], 0.99) * 1e3,
+                "wall s": res["wall"], "served": "/".join(map(str, served)),
+                "ovh p50 ms": (pct(ol, 0.5) - pct(direct_lat, 0.5)) * 1e3,
+                "ovh p99 ms": (pct(ol, 0.99) - pct(direct_lat, 0.99)) * 1e3,
+                "via p50 ms": pct(ol, 0.5) * 1e3, "via p99 ms": pct(ol, 0.99) * 1e3, "ol n": len(ol),
+                "int p50 ms<=": internal[0], "int p99 ms<=": internal[1],
+                "serial +p50 ms": (pct(ser, .5) - pct(direct_serial, .5)) * 1e3,
+                "serial +p99 ms": (pct(ser, .99) - pct(direct_serial, .99)) * 1e3,
+            })
+        print(f"\n# routing bench: {args.users} users x {args.rounds} rounds, {args.systems} shared system prompts "
+              f"(~{args.system_words} words), {args.replicas} test replicas, block {args.block_size}, "
+              f"prefill {args.prefill_us_per_token} us/token, decode {args.decode_ms_per_token} ms/token")
+        print("# overhead: open loop, zero-cost replicas; 'via' = through the router, 'ovh' = via minus the "
+              "client round-robining the replicas itself; 'int' = kvtier's own pre-send histogram (bucket bound)")
+        print(f"# serial (one at a time, zero-cost replicas) direct: p50 {pct(direct_serial, .5)*1e3:.2f} ms, "
+              f"p99 {pct(direct_serial, .99)*1e3:.2f} ms; 'serial +' = added by the router")
+        print(f"# direct (client round-robin) at {args.rate:.0f} req/s: p50 {pct(direct_lat, .5)*1e3:.2f} ms, "
+              f"p99 {pct(direct_lat, .99)*1e3:.2f} ms (n={len(direct_lat)})")
+        cols = ["router", "reqs", "err", "hit", "oracle", "hit/oracle", "req max/mean", "prefill max/mean",
+                "lat p50 ms", "lat p99 ms", "wall s", "served", "via p50 ms", "via p99 ms", "ovh p50 ms",
+                "ovh p99 ms", "ol n", "int p50 ms<=", "int p99 ms<=", "serial +p50 ms", "serial +p99 ms"]
+        print("| " + " | ".join(cols) + " |")
+        print("|" + "---|" * len(cols))
+        for r in rows:
+            print("| " + " | ".join(f"{r[c]:.3f}" if isinstance(r[c], float) else str(r[c]) for c in cols) + " |")
+        base = next((r for r in rows if r["router"] == "kvtier roundrobin"), None)
+        if base:
+            print("\n# vs kvtier roundrobin (hit-rate ratio, p50 latency ratio)")
+            for r in rows:
+                print(f"  {r['router']:<26} hit x{r['hit'] / max(base['hit'], 1e-9):.2f}  "
+                      f"lat p50 x{r['lat p50 ms'] / base['lat p50 ms']:.2f}")
+        print(f"\n(logs in {tmp})")
+    finally:
+        for p in procs:
+            p.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
