@@ -13,7 +13,7 @@ Overhead: open-loop at --rate req/s, latency via each router minus latency strai
 
     .venv/bin/python benchmarks/routing_bench.py [--users 20 --rounds 5 --replicas 4 --rate 200]
 
---overhead (issue 5's router overhead at 200 req/s): only the kvtier strategies, each a fresh router
+--overhead (router overhead at 200 req/s): only the kvtier strategies, each a fresh router
 process, open loop at --rate for --duration s, then the --sweep rates; per request the router's own time
 (X-Kvtier-Router-Ms), its tokenization (X-Kvtier-Tokenize-Ms) and end-to-end latency, next to the same
 requests sent straight to the replicas at the same rate. The load generator is this process (aiohttp).
@@ -28,9 +28,7 @@ import asyncio
 import json
 import os
 import random
-import re
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -42,54 +40,43 @@ from typing import Any
 
 import httpx
 
-ROOT = Path(__file__).resolve().parent.parent
+from kvtier.bench.common import fmt, pct, table, write_results
+from l2fs import procs
+from l2fs.common import free_port
+
+# Where the kvtier package lives (a checkout or site-packages): the children's PYTHONPATH and cwd.
+ROOT = Path(__file__).resolve().parents[2]
 PY = sys.executable
-sys.path.insert(0, str(ROOT))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
 class P:
+    """A started test replica or router."""
+
     proc: subprocess.Popen
     url: str
     kv: str | None = None
     replay: str | None = None
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(5)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
+        procs.stop(self.proc, grace=5)
 
 
 def spawn(cmd: list[str], log: Path, pattern: str | None, url: str | None = None, timeout: float = 60) -> P:
-    f = open(log, "w")  # noqa: SIM115
-    p = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT,
-                         env=dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1"))
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < timeout:
-        if p.poll() is not None:
-            raise RuntimeError(f"{cmd[:3]} exited: {log.read_text()[-2000:]}")
-        if pattern:
-            m = re.search(pattern, log.read_text(errors="replace"))
-            if m:
-                url = m.group(1)
-        if url:
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    return P(p, url)
-            except httpx.HTTPError:
-                pass
-        time.sleep(0.2)
-    p.kill()
-    raise RuntimeError(f"{cmd[:3]} did not start: {log.read_text()[-2000:]}")
+    """Start a replica or router; ready once it printed its URL (pattern group 1, else url) and /health is 200."""
+    proc = procs.spawn(cmd, log, env=dict(os.environ, PYTHONPATH=str(ROOT)), cwd=ROOT, append=False)
+    found = procs.log_match(log, pattern) if pattern else (lambda: url)
+
+    def ready() -> str | None:
+        u = found()
+        return u if u and procs.http_ok(u + "/health", timeout=1) else None
+
+    try:
+        return P(proc, procs.wait_ready(proc, ready, timeout=timeout, what=" ".join(cmd[:3]), log_path=log,
+                                        interval=0.2))
+    except BaseException:
+        procs.stop(proc, grace=5)
+        raise
 
 
 # -- workload -------------------------------------------------------------------------------------
@@ -211,13 +198,6 @@ async def run_serial(urls: list[str], n: int, model: str, prompts: list[str]) ->
     return lat
 
 
-def pct(xs: list[float], q: float) -> float:
-    if not xs:
-        return float("nan")
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))]
-
-
 def replica_stats(reps: list[P]) -> list[dict[str, Any]]:
     return [httpx.get(r.url + "/admin/stats", timeout=5).json() for r in reps]
 
@@ -320,22 +300,20 @@ def overhead_summary(arm: str, rate: float, rows: list[dict[str, Any]], sent_s: 
     last = max((r["done_s"] for r in ok), default=float("nan"))
     s = {"arm": arm, "target_rps": rate, "n": len(rows), "ok": len(ok), "errors": len(rows) - len(ok),
          "sent_rps": len(rows) / sent_s if sent_s > 0 else float("nan"), "done_rps": len(ok) / last if ok else 0.0,
-         "lag_p99_ms": pct([r["lag_ms"] for r in rows], 0.99),
-         "router_p50_ms": pct(own, 0.5), "router_p99_ms": pct(own, 0.99), "router_max_ms": max(own, default=None),
-         "tok_p50_ms": pct(tok, 0.5), "tok_p99_ms": pct(tok, 0.99),
-         "e2e_p50_ms": pct(e2e, 0.5), "e2e_p99_ms": pct(e2e, 0.99), "load1": load,
+         "lag_p99_ms": pct([r["lag_ms"] for r in rows], 99),
+         "router_p50_ms": pct(own, 50), "router_p99_ms": pct(own, 99), "router_max_ms": max(own, default=None),
+         "tok_p50_ms": pct(tok, 50), "tok_p99_ms": pct(tok, 99),
+         "e2e_p50_ms": pct(e2e, 50), "e2e_p99_ms": pct(e2e, 99), "load1": load,
          "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     s["sustained"] = (s["errors"] == 0 and s["sent_rps"] >= 0.95 * rate and s["done_rps"] >= 0.95 * rate
                       and s["e2e_p99_ms"] <= sustain_p99_ms)
     return s
 
 
-def overhead(args: argparse.Namespace, tmp: Path, reps: list[P], model: str, procs: list[P]) -> int:
+def overhead(args: argparse.Namespace, tmp: Path, reps: list[P], model: str, running: list[P]) -> int:
     """--overhead: per strategy, a fresh `kvtier router` process in front of the replicas, open loop at
     --rate for --duration s (then the --sweep rates for --sweep-duration s each); the same requests sent
     straight to the replicas (client round-robin) are the baseline, rate for rate."""
-    from kvtier.bench.common import fmt, table, write_results
-
     set_cost(reps, 0, 0)  # replicas answer at once: latency is transport + router
     # ascending; above the first rate that overloads an arm only --rate itself is still run (no long drains)
     rates = sorted({args.rate, *(float(x) for x in args.sweep.split(",") if x.strip())})
@@ -351,7 +329,7 @@ def overhead(args: argparse.Namespace, tmp: Path, reps: list[P], model: str, pro
             if arm != "direct":
                 # KV events only where the strategy reads them (a kvaware deployment's flags)
                 rt = start_kvtier(args, tmp, reps, arm, kv=arm == "kvaware" or args.kv_events_all)
-                procs.append(rt)
+                running.append(rt)
             urls = [r.url for r in reps] if rt is None else [rt.url]
             off = 0
             failed = False
@@ -383,7 +361,7 @@ def overhead(args: argparse.Namespace, tmp: Path, reps: list[P], model: str, pro
                                 f"{r['status']},{r['router_ms']},{r['tokenize_ms']},{r['replica']}\n")
             if rt is not None:
                 rt.stop()
-                procs.remove(rt)
+                running.remove(rt)
     direct = {s["target_rps"]: s for s in summaries if s["arm"] == "direct"}
     for s in summaries:  # only where neither side lost requests (percentiles of survivors do not compare)
         d = direct.get(s["target_rps"])
@@ -429,8 +407,8 @@ def overhead(args: argparse.Namespace, tmp: Path, reps: list[P], model: str, pro
     return 0
 
 
-def start_replicas(args: argparse.Namespace, tmp: Path, model: str, procs: list[P]) -> list[P]:
-    """args.replicas test replicas with KV events + replay (appended to procs as they start)."""
+def start_replicas(args: argparse.Namespace, tmp: Path, model: str, running: list[P]) -> list[P]:
+    """args.replicas test replicas with KV events + replay (appended to running as they start)."""
     reps = []
     for i in range(args.replicas):
         ev, rp = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
@@ -442,7 +420,7 @@ def start_replicas(args: argparse.Namespace, tmp: Path, model: str, procs: list[
                   tmp / f"rep{i}.log", r"listening on (http://\S+)")
         p.kv, p.replay = ev, rp
         reps.append(p)
-        procs.append(p)
+        running.append(p)
     return reps
 
 
@@ -460,7 +438,7 @@ def cpu_seconds(pid: int) -> float:
     return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--users", type=int, default=20)
     ap.add_argument("--rounds", type=int, default=5)
@@ -491,117 +469,132 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kv-events-all", action="store_true",
                     help="--overhead: feed KV events to every strategy's router (default: kvaware only)")
     ap.add_argument("--out", type=Path, default=None, help="--overhead: write routing-overhead.json/.csv here")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def router_configs(args: argparse.Namespace, tmp: Path, reps: list[P], model: str) -> list[tuple[str, Any]]:
+    """(name, start function) of every router compared: the kvtier strategies, then vllm-router's policies."""
+
+    def kvtier(strategy: str) -> P:
+        return start_kvtier(args, tmp, reps, strategy)
+
+    def vllm_router(policy: str) -> P:
+        exe = shutil.which("vllm-router") or str(Path(PY).parent / "vllm-router")
+        port = free_port()
+        cmd = [exe, "--host", "127.0.0.1", "--port", str(port), "--policy", policy, "--worker-urls",
+               *[r.url for r in reps], "--log-level", "warning", "--prometheus-port", str(free_port())]
+        if policy == "kv_aware":
+            for r in reps:
+                cmd += ["--kv-event-source", f"{r.url}={r.kv}", "--kv-event-replay-source", f"{r.url}={r.replay}"]
+            cmd += ["--kv-event-block-size", str(args.block_size), "--kv-event-model", model]
+        return spawn(cmd, tmp / f"vllm-router-{policy}.log", None, url=f"http://127.0.0.1:{port}")
+
+    configs: list[tuple[str, Any]] = [(f"kvtier {s}", lambda s=s: kvtier(s))
+                                      for s in ("roundrobin", "session", "prefixaware", "kvaware")]
+    if not args.skip_vllm_router:
+        configs += [(f"vllm-router {p}", lambda p=p: vllm_router(p))
+                    for p in ("round_robin", "cache_aware", "kv_aware")]
+    if args.only:
+        keep = {x.strip() for x in args.only.split(",")}
+        configs = [c for c in configs if c[0] in keep]
+    return configs
+
+
+def measure_router(name: str, rt: P, reps: list[P], args: argparse.Namespace, model: str, prompts: list[str],
+                   direct_lat: list[float], direct_serial: list[float]) -> dict[str, Any]:
+    """One router's row: the chat workload (hit rate, balance), then open-loop and serial overhead."""
+    before = replica_stats(reps)
+    res = asyncio.run(run_chat(rt.url, args if not args.skip_chat else argparse.Namespace(
+        **{**vars(args), "users": 1, "rounds": 1}), model))
+    after = replica_stats(reps)
+    served = [a["requests"] - b["requests"] for a, b in zip(after, before, strict=True)]
+    computed = [(a["prompt_tokens"] - b["prompt_tokens"]) - (a["cached_tokens"] - b["cached_tokens"])
+                for a, b in zip(after, before, strict=True)]
+    reset(reps)
+    set_cost(reps, 0, 0)
+    ol = asyncio.run(run_open_loop([rt.url], args.overhead_requests, args.rate, model, prompts))
+    ser = asyncio.run(run_serial([rt.url], args.serial_requests, model, prompts))
+    set_cost(reps, args.prefill_us_per_token, args.decode_ms_per_token)
+    internal = (float("nan"), float("nan"))
+    if name.startswith("kvtier"):
+        mtext = httpx.get(rt.url + "/metrics", timeout=5).text
+        internal = tuple(hist_quantile(mtext, "kvtier_router_overhead_seconds", q) * 1e3 for q in (.5, .99))
+    hit = res["cached"] / max(1, res["prompt"])
+    orc = res["oracle"] / max(1, res["prompt"])
+    return {
+        "router": name, "reqs": res["n"], "err": res["errors"], "hit": hit, "oracle": orc,
+        "hit/oracle": hit / orc if orc else float("nan"),
+        "req max/mean": max(served) / statistics.mean(served) if sum(served) else float("nan"),
+        "prefill max/mean": max(computed) / statistics.mean(computed) if sum(computed) else float("nan"),
+        "lat p50 ms": pct(res["lat"], 50) * 1e3, "lat p99 ms": pct(res["lat"], 99) * 1e3,
+        "wall s": res["wall"], "served": "/".join(map(str, served)),
+        "ovh p50 ms": (pct(ol, 50) - pct(direct_lat, 50)) * 1e3,
+        "ovh p99 ms": (pct(ol, 99) - pct(direct_lat, 99)) * 1e3,
+        "via p50 ms": pct(ol, 50) * 1e3, "via p99 ms": pct(ol, 99) * 1e3, "ol n": len(ol),
+        "int p50 ms<=": internal[0], "int p99 ms<=": internal[1],
+        "serial +p50 ms": (pct(ser, 50) - pct(direct_serial, 50)) * 1e3,
+        "serial +p99 ms": (pct(ser, 99) - pct(direct_serial, 99)) * 1e3,
+    }
+
+
+def print_report(args: argparse.Namespace, rows: list[dict[str, Any]], direct_lat: list[float],
+                 direct_serial: list[float], tmp: Path) -> None:
+    """The comparison table (markdown) and each router's ratios against kvtier roundrobin."""
+    print(f"\n# routing bench: {args.users} users x {args.rounds} rounds, {args.systems} shared system prompts "
+          f"(~{args.system_words} words), {args.replicas} test replicas, block {args.block_size}, "
+          f"prefill {args.prefill_us_per_token} us/token, decode {args.decode_ms_per_token} ms/token")
+    print("# overhead: open loop, zero-cost replicas; 'via' = through the router, 'ovh' = via minus the "
+          "client round-robining the replicas itself; 'int' = kvtier's own pre-send histogram (bucket bound)")
+    print(f"# serial (one at a time, zero-cost replicas) direct: p50 {pct(direct_serial, 50)*1e3:.2f} ms, "
+          f"p99 {pct(direct_serial, 99)*1e3:.2f} ms; 'serial +' = added by the router")
+    print(f"# direct (client round-robin) at {args.rate:.0f} req/s: p50 {pct(direct_lat, 50)*1e3:.2f} ms, "
+          f"p99 {pct(direct_lat, 99)*1e3:.2f} ms (n={len(direct_lat)})")
+    cols = ["router", "reqs", "err", "hit", "oracle", "hit/oracle", "req max/mean", "prefill max/mean",
+            "lat p50 ms", "lat p99 ms", "wall s", "served", "via p50 ms", "via p99 ms", "ovh p50 ms",
+            "ovh p99 ms", "ol n", "int p50 ms<=", "int p99 ms<=", "serial +p50 ms", "serial +p99 ms"]
+    print("| " + " | ".join(cols) + " |")
+    print("|" + "---|" * len(cols))
+    for r in rows:
+        print("| " + " | ".join(f"{r[c]:.3f}" if isinstance(r[c], float) else str(r[c]) for c in cols) + " |")
+    base = next((r for r in rows if r["router"] == "kvtier roundrobin"), None)
+    if base:
+        print("\n# vs kvtier roundrobin (hit-rate ratio, p50 latency ratio)")
+        for r in rows:
+            print(f"  {r['router']:<26} hit x{r['hit'] / max(base['hit'], 1e-9):.2f}  "
+                  f"lat p50 x{r['lat p50 ms'] / base['lat p50 ms']:.2f}")
+    print(f"\n(logs in {tmp})")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     tmp = Path(tempfile.mkdtemp(prefix="routing-bench-"))
     model = "test-model"
-    procs: list[P] = []
+    running: list[P] = []
     try:
-        reps = start_replicas(args, tmp, model, procs)
+        reps = start_replicas(args, tmp, model, running)
         if args.overhead:
-            return overhead(args, tmp, reps, model, procs)
-
-        def kvtier(strategy: str) -> P:
-            return start_kvtier(args, tmp, reps, strategy)
-
-        def vllm_router(policy: str) -> P:
-            exe = shutil.which("vllm-router") or str(Path(PY).parent / "vllm-router")
-            port = free_port()
-            cmd = [exe, "--host", "127.0.0.1", "--port", str(port), "--policy", policy, "--worker-urls",
-                   *[r.url for r in reps], "--log-level", "warning", "--prometheus-port", str(free_port())]
-            if policy == "kv_aware":
-                for r in reps:
-                    cmd += ["--kv-event-source", f"{r.url}={r.kv}", "--kv-event-replay-source", f"{r.url}={r.replay}"]
-                cmd += ["--kv-event-block-size", str(args.block_size), "--kv-event-model", model]
-            return spawn(cmd, tmp / f"vllm-router-{policy}.log", None, url=f"http://127.0.0.1:{port}")
-
-        configs: list[tuple[str, Any]] = [
-            ("kvtier roundrobin", lambda: kvtier("roundrobin")),
-            ("kvtier session", lambda: kvtier("session")),
-            ("kvtier prefixaware", lambda: kvtier("prefixaware")),
-            ("kvtier kvaware", lambda: kvtier("kvaware")),
-        ]
-        if not args.skip_vllm_router:
-            configs += [("vllm-router round_robin", lambda: vllm_router("round_robin")),
-                        ("vllm-router cache_aware", lambda: vllm_router("cache_aware")),
-                        ("vllm-router kv_aware", lambda: vllm_router("kv_aware"))]
-        if args.only:
-            keep = {x.strip() for x in args.only.split(",")}
-            configs = [c for c in configs if c[0] in keep]
-
-        rows = []
+            return overhead(args, tmp, reps, model, running)
         prompts = [text(random.Random(i), 60) for i in range(50)]
         set_cost(reps, 0, 0)  # overhead phase: replicas answer at once, so latency is transport + router
         direct_lat = asyncio.run(run_open_loop([r.url for r in reps], args.overhead_requests, args.rate, model,
                                                prompts))
         direct_serial = asyncio.run(run_serial([r.url for r in reps], args.serial_requests, model, prompts))
         set_cost(reps, args.prefill_us_per_token, args.decode_ms_per_token)
-        for name, make in configs:
+        rows = []
+        for name, make in router_configs(args, tmp, reps, model):
             reset(reps)
             try:
                 rt = make()
             except RuntimeError as e:
                 print(f"# {name}: could not start ({str(e).splitlines()[0][:200]})")
                 continue
-            procs.append(rt)
-            before = replica_stats(reps)
-            res = asyncio.run(run_chat(rt.url, args if not args.skip_chat else argparse.Namespace(
-                **{**vars(args), "users": 1, "rounds": 1}), model))
-            after = replica_stats(reps)
-            served = [a["requests"] - b["requests"] for a, b in zip(after, before, strict=True)]
-            computed = [(a["prompt_tokens"] - b["prompt_tokens"]) - (a["cached_tokens"] - b["cached_tokens"])
-                        for a, b in zip(after, before, strict=True)]
-            reset(reps)
-            set_cost(reps, 0, 0)
-            ol = asyncio.run(run_open_loop([rt.url], args.overhead_requests, args.rate, model, prompts))
-            ser = asyncio.run(run_serial([rt.url], args.serial_requests, model, prompts))
-            set_cost(reps, args.prefill_us_per_token, args.decode_ms_per_token)
-            internal = (float("nan"), float("nan"))
-            if name.startswith("kvtier"):
-                mtext = httpx.get(rt.url + "/metrics", timeout=5).text
-                internal = tuple(hist_quantile(mtext, "kvtier_router_overhead_seconds", q) * 1e3 for q in (.5, .99))
+            running.append(rt)
+            rows.append(measure_router(name, rt, reps, args, model, prompts, direct_lat, direct_serial))
             rt.stop()
-            procs.remove(rt)
-            hit = res["cached"] / max(1, res["prompt"])
-            orc = res["oracle"] / max(1, res["prompt"])
-            rows.append({
-                "router": name, "reqs": res["n"], "err": res["errors"], "hit": hit, "oracle": orc,
-                "hit/oracle": hit / orc if orc else float("nan"),
-                "req max/mean": max(served) / statistics.mean(served) if sum(served) else float("nan"),
-                "prefill max/mean": max(computed) / statistics.mean(computed) if sum(computed) else float("nan"),
-                "lat p50 ms": pct(res["lat"], 0.5) * 1e3, "lat p99 ms": pct(res["lat"], 0.99) * 1e3,
-                "wall s": res["wall"], "served": "/".join(map(str, served)),
-                "ovh p50 ms": (pct(ol, 0.5) - pct(direct_lat, 0.5)) * 1e3,
-                "ovh p99 ms": (pct(ol, 0.99) - pct(direct_lat, 0.99)) * 1e3,
-                "via p50 ms": pct(ol, 0.5) * 1e3, "via p99 ms": pct(ol, 0.99) * 1e3, "ol n": len(ol),
-                "int p50 ms<=": internal[0], "int p99 ms<=": internal[1],
-                "serial +p50 ms": (pct(ser, .5) - pct(direct_serial, .5)) * 1e3,
-                "serial +p99 ms": (pct(ser, .99) - pct(direct_serial, .99)) * 1e3,
-            })
-        print(f"\n# routing bench: {args.users} users x {args.rounds} rounds, {args.systems} shared system prompts "
-              f"(~{args.system_words} words), {args.replicas} test replicas, block {args.block_size}, "
-              f"prefill {args.prefill_us_per_token} us/token, decode {args.decode_ms_per_token} ms/token")
-        print("# overhead: open loop, zero-cost replicas; 'via' = through the router, 'ovh' = via minus the "
-              "client round-robining the replicas itself; 'int' = kvtier's own pre-send histogram (bucket bound)")
-        print(f"# serial (one at a time, zero-cost replicas) direct: p50 {pct(direct_serial, .5)*1e3:.2f} ms, "
-              f"p99 {pct(direct_serial, .99)*1e3:.2f} ms; 'serial +' = added by the router")
-        print(f"# direct (client round-robin) at {args.rate:.0f} req/s: p50 {pct(direct_lat, .5)*1e3:.2f} ms, "
-              f"p99 {pct(direct_lat, .99)*1e3:.2f} ms (n={len(direct_lat)})")
-        cols = ["router", "reqs", "err", "hit", "oracle", "hit/oracle", "req max/mean", "prefill max/mean",
-                "lat p50 ms", "lat p99 ms", "wall s", "served", "via p50 ms", "via p99 ms", "ovh p50 ms",
-                "ovh p99 ms", "ol n", "int p50 ms<=", "int p99 ms<=", "serial +p50 ms", "serial +p99 ms"]
-        print("| " + " | ".join(cols) + " |")
-        print("|" + "---|" * len(cols))
-        for r in rows:
-            print("| " + " | ".join(f"{r[c]:.3f}" if isinstance(r[c], float) else str(r[c]) for c in cols) + " |")
-        base = next((r for r in rows if r["router"] == "kvtier roundrobin"), None)
-        if base:
-            print("\n# vs kvtier roundrobin (hit-rate ratio, p50 latency ratio)")
-            for r in rows:
-                print(f"  {r['router']:<26} hit x{r['hit'] / max(base['hit'], 1e-9):.2f}  "
-                      f"lat p50 x{r['lat p50 ms'] / base['lat p50 ms']:.2f}")
-        print(f"\n(logs in {tmp})")
+            running.remove(rt)
+        print_report(args, rows, direct_lat, direct_serial, tmp)
     finally:
-        for p in procs:
+        for p in running:
             p.stop()
     return 0
 
