@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import socket
 import statistics
 import sys
 import tempfile
@@ -27,13 +26,8 @@ sys.path.insert(0, str(ROOT))
 
 from connector import keys as ckeys  # noqa: E402
 from kvtier.devstack.replica import Replica, start_replica  # noqa: E402
+from l2fs.common import free_port  # noqa: E402
 from l2fs.local import LocalCluster  # noqa: E402
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_files(cluster: LocalCluster, model: str, n: int, timeout: float = 120) -> int:

@@ -29,7 +29,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "reliability"))
 
-from reliability_faults import percentile, proc_pid, rss_bytes  # noqa: E402
+from reliability_faults import percentile, proc_pid, rss_bytes
 
 OPS = ("put", "get", "prefix")
 

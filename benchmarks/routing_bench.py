@@ -8,7 +8,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 
-from kvtier.bench.routing_sim import main  # noqa: E402
+from kvtier.bench.routing_sim import main
 
 if __name__ == "__main__":
     sys.exit(main())

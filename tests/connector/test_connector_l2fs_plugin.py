@@ -15,19 +15,19 @@ import torch
 
 pytest.importorskip("lmcache")
 
-from lmcache.utils import CacheEngineKey  # noqa: E402
-from lmcache.v1.config import LMCacheEngineConfig  # noqa: E402
-from lmcache.v1.event_manager import EventManager  # noqa: E402
-from lmcache.v1.memory_management import MemoryFormat  # noqa: E402
-from lmcache.v1.metadata import LMCacheMetadata  # noqa: E402
-from lmcache.v1.protocol import RemoteMetadata  # noqa: E402
-from lmcache.v1.storage_backend.storage_manager import StorageManager  # noqa: E402
+from lmcache.utils import CacheEngineKey
+from lmcache.v1.config import LMCacheEngineConfig
+from lmcache.v1.event_manager import EventManager
+from lmcache.v1.memory_management import MemoryFormat
+from lmcache.v1.metadata import LMCacheMetadata
+from lmcache.v1.protocol import RemoteMetadata
+from lmcache.v1.storage_backend.storage_manager import StorageManager
 
-from connector import keys as ckeys  # noqa: E402
-from connector.config import lmcache_config  # noqa: E402
-from connector.fingerprint import record_and_check  # noqa: E402
-from l2fs.common import free_port  # noqa: E402
-from l2fs.local import LocalCluster  # noqa: E402
+from connector import keys as ckeys
+from connector.config import lmcache_config
+from connector.fingerprint import record_and_check
+from l2fs.common import free_port
+from l2fs.local import LocalCluster
 
 MODEL = "org/tiny@v1%x"  # '/', '@' and '%' must all survive the file name
 SHAPE = torch.Size([2, 4, 256, 128])

@@ -16,16 +16,16 @@ import torch
 
 pytest.importorskip("lmcache")
 
-from lmcache.v1.distributed.api import ObjectKey  # noqa: E402
-from lmcache.v1.distributed.l2_adapters.config import parse_args_to_l2_adapters_config  # noqa: E402
-from lmcache.v1.distributed.l2_adapters.factory import create_l2_adapter_from_registry  # noqa: E402
-from lmcache.v1.memory_allocators.ad_hoc_memory_allocator import AdHocMemoryAllocator  # noqa: E402
-from lmcache.v1.memory_management import MemoryFormat  # noqa: E402
+from lmcache.v1.distributed.api import ObjectKey
+from lmcache.v1.distributed.l2_adapters.config import parse_args_to_l2_adapters_config
+from lmcache.v1.distributed.l2_adapters.factory import create_l2_adapter_from_registry
+from lmcache.v1.memory_allocators.ad_hoc_memory_allocator import AdHocMemoryAllocator
+from lmcache.v1.memory_management import MemoryFormat
 
-from connector import keys as ckeys  # noqa: E402
-from connector.mp_l2fs import L2fsL2Adapter  # noqa: E402
-from l2fs.common import free_port  # noqa: E402
-from l2fs.local import LocalCluster  # noqa: E402
+from connector import keys as ckeys
+from connector.mp_l2fs import L2fsL2Adapter
+from l2fs.common import free_port
+from l2fs.local import LocalCluster
 
 SHAPE = torch.Size([2, 2, 256, 64])
 

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TypeVar
+
 import pytest
 
 from l2fs.local import LocalCluster
 
+T = TypeVar("T")
 
-def wait_until(cond, timeout: float = 10.0, interval: float = 0.05):  # noqa: ANN001, ANN201
+
+def wait_until(cond: Callable[[], T], timeout: float = 10.0, interval: float = 0.05) -> T:
     """Poll cond() until truthy; returns its value or fails the test after timeout."""
     import time
 
