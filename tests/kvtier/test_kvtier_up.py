@@ -8,7 +8,6 @@ import json
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -17,37 +16,46 @@ import httpx
 import psutil
 import pytest
 
+from l2fs import procs
+
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.vllm
 
 
 class Up:
-    def __init__(self, proc: subprocess.Popen[str], state: dict[str, Any], dir: Path) -> None:
+    def __init__(self, proc: subprocess.Popen[bytes], state: dict[str, Any], dir: Path) -> None:
         self.proc, self.state, self.dir = proc, state, dir
 
 
 @pytest.fixture(scope="module")
 def up(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Iterator[Up]:
     d = tmp_path_factory.mktemp("up")
-    log = open(d / "up.out", "w+")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "kvtier.cli", "up", "--dir", str(d), "--port", "0", "--model", str(tiny_model),
-         "--l1-gb", "0.5"], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, text=True)
+    out = d / "up.out"
+    # its own process group, as from a terminal; the SIGTERM test signals only `kvtier up` itself
+    proc = procs.spawn([sys.executable, "-m", "kvtier.cli", "up", "--dir", str(d), "--port", "0", "--model",
+                        str(tiny_model), "--l1-gb", "0.5"], out, cwd=ROOT)
     state_file = d / "up.json"
-    deadline = time.monotonic() + 600
-    while not (state_file.exists() and "Ctrl-C stops everything" in (d / "up.out").read_text()):
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            log.seek(0)
-            pytest.fail(f"kvtier up did not come up (rc={proc.poll()}):\n{log.read()[-4000:]}")
-        time.sleep(1)
+    try:
+        procs.wait_ready(proc, lambda: state_file.exists() and "Ctrl-C stops everything" in out.read_text(),
+                         timeout=600, what="kvtier up", log_path=out, interval=1)
+    except procs.ProcessError as e:
+        _kill_tree(proc)
+        pytest.fail(str(e))
     u = Up(proc, json.loads(state_file.read_text()), d)
     yield u
     if proc.poll() is None:  # a test failed before the shutdown test: do not leave engines behind
+        _kill_tree(proc)
+
+
+def _kill_tree(proc: subprocess.Popen[bytes]) -> None:
+    """`kvtier up` starts each child in its own group, so a group kill would miss them: walk the tree."""
+    try:
         for c in psutil.Process(proc.pid).children(recursive=True):
             c.kill()
-        proc.kill()
-    log.close()
+    except psutil.NoSuchProcess:
+        pass
+    proc.kill()
+    proc.wait()
 
 
 def test_up_prints_endpoints_and_serves_through_router(up: Up) -> None:

@@ -13,11 +13,11 @@ from __future__ import annotations
 import asyncio
 import copy
 import json
+import signal
 import ssl
 import subprocess
 import sys
 import threading
-import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -32,6 +32,7 @@ import trustme
 import yaml
 from kmock._internal import k8s, rendering
 
+from l2fs import procs
 from l2fs.common import free_port
 
 DATA = Path(__file__).parent / "data"
@@ -247,8 +248,7 @@ class Webhook:
 
     def stop(self) -> None:
         self.client.close()
-        self.proc.terminate()
-        self.proc.wait(20)
+        procs.stop(self.proc, grace=20)
 
     def review(self, obj: dict | None, operation: str = "UPDATE", kind: str = "Deployment",
                old: dict | None = None) -> dict:
@@ -284,21 +284,23 @@ def start_webhook(tmp: Path, *args: str) -> Webhook:
     cert.cert_chain_pems[0].write_to_path(str(tmp / "tls.crt"))
     ca.cert_pem.write_to_path(str(tmp / "ca.crt"))
     port = free_port()
-    proc = subprocess.Popen(
+    log = tmp / "webhook.log"
+    proc = procs.spawn(
         [sys.executable, "-m", "kvtier.cli", "webhook", "--host", "127.0.0.1", "--port", str(port),
          "--tls-cert", str(tmp / "tls.crt"), "--tls-key", str(tmp / "tls.key"), "--log-level", "warning", *args],
-        cwd=ROOT)
+        log, cwd=ROOT)
     url = f"https://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while True:
+    ctx = ssl.create_default_context(cafile=str(tmp / "ca.crt"))
+
+    def healthy() -> bool:
         try:
-            ctx = ssl.create_default_context(cafile=str(tmp / "ca.crt"))
-            if httpx.get(url + "/healthz", verify=ctx, timeout=2).status_code == 200:
-                break
+            return httpx.get(url + "/healthz", verify=ctx, timeout=2).status_code == 200
         except httpx.HTTPError:
-            pass
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            raise RuntimeError(f"webhook did not start (rc={proc.poll()})")
-        time.sleep(0.2)
+            return False
+
+    try:
+        procs.wait_ready(proc, healthy, timeout=60, what="kvtier webhook", log_path=log, interval=0.2)
+    except BaseException:
+        procs.stop(proc, sig=signal.SIGKILL)
+        raise
     return Webhook(url, str(tmp / "ca.crt"), proc)
