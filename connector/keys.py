@@ -4,31 +4,25 @@ Why: model names contain '/' (and may contain '@' or '%'), chunk hashes can be n
 fs connector mangling ("/" -> "-SEP-") is neither safe nor reversible. Every field is percent-escaped on
 its own, joined by '@', so `name_to_key(key_to_name(k)) == k` for any key, and each name is one l2fs path
 component. Layout: <prefix>/<escaped model>/<name>.data (one directory per model, for listing/eviction).
+The naming is the L2 key contract (kvtier.contract, shared with the router); parsing names back into
+LMCache keys needs LMCache and stays here.
 """
 
 from __future__ import annotations
 
 from typing import Any
-from urllib.parse import quote, unquote
+from urllib.parse import unquote
 
-SUFFIX = ".data"
-_SAFE = "-_.+"  # everything else (incl. '/', '@', '%', '=') is %-escaped
+from kvtier.contract import SUFFIX, esc, model_dir, plugin_name
 
-
-def esc(s: str) -> str:
-    return quote(str(s), safe=_SAFE)
-
-
-def model_dir(prefix: str, model_name: str) -> str:
-    return f"{prefix.rstrip('/')}/{esc(model_name)}"
+__all__ = ["SUFFIX", "esc", "key_path", "key_to_name", "model_dir", "name_to_key", "name_to_object_key",
+           "object_key_name", "object_key_path"]
 
 
 def key_to_name(key: Any) -> str:
-    """CacheEngineKey -> file name (no directory)."""
-    fields = [esc(key.model_name), str(int(key.world_size)), str(int(key.worker_id)),
-              format(int(key.chunk_hash), "x"), esc(key._dtype_str)]
-    fields += [f"{esc(k)}={esc(v)}" for k, v in (key.tags or ())]
-    return "@".join(fields) + SUFFIX
+    """CacheEngineKey -> file name (no directory); the naming itself is kvtier.contract.plugin_name."""
+    return plugin_name(key.model_name, key.world_size, key.worker_id, key.chunk_hash, key._dtype_str,
+                       tuple(key.tags or ()))
 
 
 def name_to_key(name: str) -> Any:

@@ -14,6 +14,8 @@ import json
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
+from kvtier import contract
+
 OPT_IN_KEY = "kvtier.io/l2fs"  # label or annotation on the Deployment; value "enabled" or "true"
 CONTAINER_KEY = "kvtier.io/container"  # optional annotation: which container runs vLLM
 SNAPSHOT_KEY = "kvtier.io/original"  # CLI: pre-patch copy of what we change, for `revert`
@@ -24,7 +26,7 @@ IEC_GROUP = "inference.sagemaker.aws.amazon.com"
 IEC_KIND = "InferenceEndpointConfig"
 IEC_PLURAL = "inferenceendpointconfigs"
 ROUTER_FLAG = "--routing-logic"  # vLLM production-stack router flag the HyperPod router uses
-ROUTER_STRATEGIES = ("prefixaware", "kvaware", "session", "roundrobin")
+ROUTER_STRATEGIES = contract.STRATEGIES
 URL_VAR = "LMCACHE_REMOTE_URL"
 TOKEN_VAR = "L2FS_TOKEN"  # the l2fs client (connector.lmcache_l2fs) reads its bearer token from here
 KV_TRANSFER_FLAG = "--kv-transfer-config"
@@ -47,16 +49,16 @@ class PatchConfig:
     mount_path: str = "/mnt/l2fs"  # where pods see the FUSE mount
     # l2fs directory of the KV chunks, shared by both modes (= connector.config.DEFAULT_PREFIX and the
     # router's --l2fs-prefix), so mount-mode and plugin-mode pods and the router see the same chunks
-    prefix: str = "/kvtier/kv"
+    prefix: str = contract.KV_PREFIX
     host_path: str = "/mnt/l2fs"  # the node path the l2fs-mount DaemonSet mounts on
     pvc_name: str = ""  # use a PVC instead of the hostPath (e.g. a CSI RWX volume)
     volume_name: str = "kvtier-l2fs"
     serde: str = "naive"  # cachegen serde breaks under fs (zip bug); naive is safe
-    hash_seed: str = "0"  # LMCache's builtin chunk hash needs the same seed in every pod
-    router_strategy: str = "prefixaware"
-    plugin_name: str = "l2fs"
-    plugin_module: str = "connector.lmcache_l2fs"
-    plugin_class: str = "L2fsConnectorAdapter"
+    hash_seed: str = contract.HASH_SEED  # LMCache's builtin chunk hash needs the same seed in every pod
+    router_strategy: str = contract.DEFAULT_STRATEGY
+    plugin_name: str = contract.PLUGIN_NAME
+    plugin_module: str = contract.PLUGIN_MODULE
+    plugin_class: str = contract.PLUGIN_CLASS
     master: str = "l2fs-master.kvtier.svc.cluster.local:8995"
     data_path: str = "/opt/dlami/nvme/l2fs"  # plugin mode: worker data dir, mounted for short-circuit I/O
     node_env: str = "L2FS_NODE_ID"  # plugin mode: env the plugin reads its node id from (local-first)

@@ -1,0 +1,201 @@
+"""The L2 key contract: what every kvtier process must agree on for replicas to share KV chunks in l2fs.
+
+Why one module: replicas (connector), the router (L2 presence lookup) and the operator patch (pod env and
+LMCache config) each need the prefix, the key -> file naming, the chunk size, the hash algorithm and seed,
+the plugin module path and the strategy names. A copy that drifts means silent L2 misses, so they live here,
+at the bottom of the import graph: stdlib only, importing nothing of kvtier's packages.
+
+Chunk hashes: LMCache 0.5.6's ChunkedTokenDatabase with `pre_caching_hash_algorithm: builtin` uses Python's
+builtin `hash` (vLLM 0.32 has no "builtin" in `get_hash_fn_by_name`, so LMCache falls back to `hash`), chained
+as h_i = hash((h_{i-1}, tuple(chunk_i), ())), starting from vLLM's NONE_HASH = hash(str(seed)) where seed is
+the replicas' PYTHONHASHSEED (`vllm.v1.core.kv_cache_utils.init_none_hash`). Hashes of ints and tuples are
+not randomized in CPython (>= 3.8, 64-bit), so only hash(str(seed)) depends on the seed: we compute it with
+SipHash-1-3 (CPython >= 3.11's string hash) keyed the way CPython derives its key from PYTHONHASHSEED. The
+router therefore needs neither LMCache nor the env var. tests/router/test_contract_hash.py checks this
+against real LMCache + vLLM keys and fails loudly when the versions below change.
+"""
+
+from __future__ import annotations
+
+import struct
+import sys
+from collections.abc import Iterator, Sequence
+from urllib.parse import quote
+
+# -- versions the chunk-hash reimplementation is verified against (tests assert them) ------------------
+LMCACHE_VERSION = "0.5.6"
+VLLM_VERSION = "0.32.0"
+PYTHON_STR_HASH = "siphash13"  # the replicas' sys.hash_info.algorithm (CPython >= 3.11)
+
+# -- layout ---------------------------------------------------------------------------------------------
+KV_PREFIX = "/kvtier/kv"  # l2fs directory of KV chunks, both modes
+MP_PREFIX = "/kvtier/mp"  # LMCache multi-process (MP) server chunks
+META_PREFIX = "/kvtier/meta"  # key-compat fingerprints (connector.fingerprint)
+SUFFIX = ".data"
+L2_MODES = ("plugin", "mount")  # plugin: connector.lmcache_l2fs; mount: LMCache fs:// on an l2fs mount
+
+# -- LMCache / replica settings -------------------------------------------------------------------------
+CHUNK_SIZE = 256
+HASH_ALGORITHM = "builtin"
+HASH_SEED = "0"  # the replicas' PYTHONHASHSEED
+PLUGIN_NAME = "l2fs"
+PLUGIN_MODULE = "connector.lmcache_l2fs"
+PLUGIN_CLASS = "L2fsConnectorAdapter"
+
+# -- router ---------------------------------------------------------------------------------------------
+STRATEGIES = ("roundrobin", "session", "prefixaware", "kvaware")
+DEFAULT_STRATEGY = "prefixaware"
+
+# ======================================================================================================
+# Plugin-mode names (connector.lmcache_l2fs): reversible, one directory per model.
+# Every field is percent-escaped on its own and joined by '@', so a name always parses back
+# (connector.keys.name_to_key) and is one l2fs path component: <prefix>/<escaped model>/<name>.data
+# ======================================================================================================
+_SAFE = "-_.+"  # everything else (incl. '/', '@', '%', '=') is %-escaped
+
+
+def esc(s: object) -> str:
+    return quote(str(s), safe=_SAFE)
+
+
+def model_dir(prefix: str, model_name: str) -> str:
+    return f"{prefix.rstrip('/')}/{esc(model_name)}"
+
+
+def plugin_name(model_name: str, world_size: int, worker_id: int, chunk_hash: int, dtype: str,
+                tags: Sequence[tuple[str, str]] = ()) -> str:
+    """File name (no directory) of one LMCache chunk in plugin mode."""
+    fields = [esc(model_name), str(int(world_size)), str(int(worker_id)), format(int(chunk_hash), "x"), esc(dtype)]
+    fields += [f"{esc(k)}={esc(v)}" for k, v in tags]
+    return "@".join(fields) + SUFFIX
+
+
+def plugin_path(prefix: str, model_name: str, world_size: int, worker_id: int, chunk_hash: int, dtype: str,
+                tags: Sequence[tuple[str, str]] = ()) -> str:
+    return f"{model_dir(prefix, model_name)}/{plugin_name(model_name, world_size, worker_id, chunk_hash, dtype, tags)}"
+
+
+# ======================================================================================================
+# Mount-mode names: what stock LMCache 0.5.6's fs connector (FSConnector._get_file_name) writes under
+# base_path = <mount>/<prefix>: CacheEngineKey.to_string() with '/' replaced by "-SEP-", plus ".data",
+# all in one flat directory. Not reversible (a model name may contain "-SEP-" or '@'); we only build them.
+# ======================================================================================================
+def mount_name(model_name: str, world_size: int, worker_id: int, chunk_hash: int, dtype: str,
+               tags: Sequence[tuple[str, str]] = ()) -> str:
+    s = f"{model_name}@{int(world_size)}@{int(worker_id)}@{int(chunk_hash):x}@{dtype}"
+    if tags:
+        s += "@" + "@".join(f"{k}%{v}" for k, v in tags)
+    return s.replace("/", "-SEP-") + SUFFIX
+
+
+def mount_path(prefix: str, model_name: str, world_size: int, worker_id: int, chunk_hash: int, dtype: str,
+               tags: Sequence[tuple[str, str]] = ()) -> str:
+    """l2fs path (not the local mount path) of a chunk LMCache's fs connector wrote on the mount."""
+    return f"{prefix.rstrip('/')}/{mount_name(model_name, world_size, worker_id, chunk_hash, dtype, tags)}"
+
+
+def chunk_path(mode: str, prefix: str, model_name: str, world_size: int, worker_id: int, chunk_hash: int,
+               dtype: str) -> str:
+    if mode == "plugin":
+        return plugin_path(prefix, model_name, world_size, worker_id, chunk_hash, dtype)
+    if mode == "mount":
+        return mount_path(prefix, model_name, world_size, worker_id, chunk_hash, dtype)
+    raise ValueError(f"unknown l2fs mode {mode!r}; choose one of {', '.join(L2_MODES)}")
+
+
+# ======================================================================================================
+# LMCache builtin chunk hashes (see the module docstring for why this matches)
+# ======================================================================================================
+_M64 = (1 << 64) - 1
+
+
+def _rotl(x: int, b: int) -> int:
+    return ((x << b) | (x >> (64 - b))) & _M64
+
+
+def _siphash13(k0: int, k1: int, data: bytes) -> int:
+    """SipHash-1-3 as CPython's Python/pyhash.c computes it (unsigned 64-bit result)."""
+    v0 = k0 ^ 0x736F6D6570736575
+    v1 = k1 ^ 0x646F72616E646F6D
+    v2 = k0 ^ 0x6C7967656E657261
+    v3 = k1 ^ 0x7465646279746573
+
+    def rnd() -> None:
+        nonlocal v0, v1, v2, v3
+        v0 = (v0 + v1) & _M64
+        v2 = (v2 + v3) & _M64
+        v1 = _rotl(v1, 13) ^ v0
+        v3 = _rotl(v3, 16) ^ v2
+        v0 = _rotl(v0, 32)
+        v2 = (v2 + v1) & _M64
+        v0 = (v0 + v3) & _M64
+        v1 = _rotl(v1, 17) ^ v2
+        v3 = _rotl(v3, 21) ^ v0
+        v2 = _rotl(v2, 32)
+
+    n = len(data)
+    end = n - n % 8
+    for i in range(0, end, 8):
+        (m,) = struct.unpack_from("<Q", data, i)
+        v3 ^= m
+        rnd()
+        v0 ^= m
+    b = ((n & 0xFF) << 56) | int.from_bytes(data[end:], "little")
+    v3 ^= b
+    rnd()
+    v0 ^= b
+    v2 ^= 0xFF
+    rnd()
+    rnd()
+    rnd()
+    return (v0 ^ v1) ^ (v2 ^ v3)
+
+
+def _hash_key(seed: int) -> tuple[int, int]:
+    """CPython's SipHash key for PYTHONHASHSEED=seed: zero for 0, else its LCG bytes (lcg_urandom)."""
+    if seed == 0:
+        return 0, 0
+    x, buf = seed, bytearray(16)
+    for i in range(16):
+        x = (x * 214013 + 2531011) & 0xFFFFFFFF
+        buf[i] = (x >> 16) & 0xFF
+    return int.from_bytes(buf[:8], "little"), int.from_bytes(buf[8:], "little")
+
+
+def str_hash(s: str, seed: int) -> int:
+    """hash(s) in a CPython >= 3.11 (64-bit) process started with PYTHONHASHSEED=seed."""
+    if not s:
+        return 0
+    m = max(map(ord, s))
+    data = s.encode("latin-1") if m < 256 else s.encode("utf-16-le") if m < 65536 else s.encode("utf-32-le")
+    h = _siphash13(*_hash_key(seed), data)
+    h = h - (1 << 64) if h >> 63 else h
+    return -2 if h == -1 else h
+
+
+def none_hash(seed: str | int = HASH_SEED) -> int:
+    """vLLM's NONE_HASH for the builtin hash: hash(PYTHONHASHSEED string) (init_none_hash)."""
+    text = str(seed)
+    if not text.isdigit() or int(text) > 0xFFFFFFFF:
+        raise ValueError(f"PYTHONHASHSEED must be an integer in [0, 4294967295], not {seed!r}")
+    return str_hash(text, int(text))
+
+
+def _check_interpreter() -> None:
+    # int/tuple hashing is seed-free but is CPython's 64-bit xxHash-style tuple hash (3.8+)
+    if sys.implementation.name != "cpython" or sys.hash_info.width != 64 or sys.version_info < (3, 8):
+        raise RuntimeError("kvtier's chunk hashes need 64-bit CPython >= 3.8")
+
+
+def iter_chunk_hashes(tokens: Sequence[int], chunk_size: int = CHUNK_SIZE,
+                      seed: str | int = HASH_SEED) -> Iterator[int]:
+    """LMCache's prefix-chained builtin chunk hashes of the FULL chunks of `tokens` (save_unfull_chunk off)."""
+    _check_interpreter()
+    h = none_hash(seed)
+    for i in range(0, len(tokens) - len(tokens) % chunk_size, chunk_size):
+        h = hash((h, tuple(int(t) for t in tokens[i:i + chunk_size]), ()))
+        yield h
+
+
+def chunk_hashes(tokens: Sequence[int], chunk_size: int = CHUNK_SIZE, seed: str | int = HASH_SEED) -> list[int]:
+    return list(iter_chunk_hashes(tokens, chunk_size, seed))
