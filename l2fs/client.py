@@ -42,6 +42,7 @@ from l2fs.common import (
     norm_path,
 )
 from l2fs.dataplane import DataClient, DataPlaneError, enabled_by_default
+from l2fs.dataplane.wire import BAD
 from l2fs.proto import l2fs_pb2 as pb
 from l2fs.proto import l2fs_pb2_grpc as pbg
 
@@ -50,6 +51,8 @@ log = logging.getLogger("l2fs.client")
 
 class L2fsError(Exception):
     """Base class of l2fs client errors."""
+
+    errno: int | None  # set when the server named one (annotation only: OSError subclasses have their own)
 
 
 class InvalidArgument(L2fsError, ValueError):
@@ -214,7 +217,7 @@ class Client:
         self._data = DataClient(self.token)
         self._inflight: set[Any] = set()
         # Last known location of recently read paths, used only while the master is unreachable so reads of
-        # already-located blocks keep working through a master restart (issue 8); any miss forgets it.
+        # already-located blocks keep working through a master restart; any miss forgets it.
         self._located: OrderedDict[str, pb.FileStat] = OrderedDict()
         self._master_down_until = 0.0  # after a failed Stat, skip the master for a moment (fail fast)
         # Locations from one locate_many (StatMany) for a batch about to be read: used once each, within the
@@ -323,7 +326,7 @@ class Client:
         except grpc.RpcError as e:
             raise _error(e) from None
         except DataPlaneError as e:
-            raise InvalidArgument(str(e)) if "max file size" in str(e) else L2fsError(str(e)) from None
+            raise InvalidArgument(str(e)) if e.status == BAD else L2fsError(str(e)) from None
         except OSError as e:
             raise Unavailable(f"worker {loc.address}: {e}") from None
 
@@ -497,6 +500,7 @@ class Client:
             return None
         n = got if isinstance(got, int) else len(got)
         if computed is None:
+            assert not isinstance(got, int)  # the client computes the checksum only when it got the bytes
             computed = crc32c_fast(got)
         if n != st.size or crc != st.crc32c or computed != crc:
             self._report_corrupt(loc)
@@ -546,8 +550,9 @@ class Client:
     def _read_local(self, loc: pb.Location, st: pb.FileStat, into: memoryview | None) -> bytes | int | None:
         try:
             with open(loc.local_path, "rb", buffering=0) as f:
+                result: bytes | int | None = None
                 if os.fstat(f.fileno()).st_size != st.size:
-                    ok, result = False, None  # truncated or extended behind the worker's back
+                    ok = False  # truncated or extended behind the worker's back
                 elif into is not None:
                     ok, result = self._readinto_verified(f, into, st), st.size
                 else:

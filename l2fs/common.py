@@ -140,7 +140,7 @@ _HOSTPORT = re.compile(r"^(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9](?:[A-Za-z0-9.\-]{0,252
 def valid_address(addr: str) -> bool:
     """host:port with a DNS name, IPv4 or [IPv6] host and a port in 1..65535."""
     m = _HOSTPORT.match(addr or "")
-    return bool(m) and 0 < int(m.group(2)) < 65536
+    return m is not None and 0 < int(m.group(2)) < 65536
 
 
 def parent_of(path: str) -> str:

@@ -1,0 +1,169 @@
+"""Data-plane client: pooled raw-TCP connections per worker data address; every call bounded by a deadline."""
+
+from __future__ import annotations
+
+import socket
+import struct
+import threading
+import time
+
+from l2fs.common import CrcPipeline, crc_pieces
+from l2fs.dataplane.wire import (
+    BUSY,
+    HDR,
+    MAGIC,
+    OK,
+    READ_OK,
+    WRITE_HDR,
+    DataPlaneBusy,
+    DataPlaneError,
+    recv_exact,
+)
+
+
+def _alive(s: socket.socket) -> bool:
+    """A pooled socket is reusable when the peer has not closed it and sent nothing unasked."""
+    try:
+        s.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)  # b"": closed; bytes: out of step
+        return False
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
+
+
+class DataClient:
+    """Pooled connections per worker data address; every call bounded by a deadline."""
+
+    def __init__(self, token: str | None) -> None:
+        self.token = (token or "").encode()
+        self._idle: dict[str, list[socket.socket]] = {}
+        self._lock = threading.Lock()
+
+    def close(self) -> None:
+        with self._lock:
+            socks = [s for lst in self._idle.values() for s in lst]
+            self._idle.clear()
+        for s in socks:
+            s.close()
+
+    def _get(self, address: str, deadline: float) -> socket.socket:
+        while True:
+            with self._lock:
+                lst = self._idle.get(address)
+                s = lst.pop() if lst else None
+            if s is None:
+                break
+            if _alive(s):
+                return s
+            s.close()  # the worker closed it (idle timeout, restart): not worth a miss
+        host, _, port = address.rpartition(":")
+        s = socket.create_connection((host, int(port)), timeout=max(0.001, deadline - time.monotonic()))
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return s
+
+    def _put_back(self, address: str, s: socket.socket) -> None:
+        with self._lock:
+            lst = self._idle.setdefault(address, [])
+            if len(lst) < 8:
+                lst.append(s)
+                return
+        s.close()
+
+    @staticmethod
+    def _arm(s: socket.socket, deadline: float) -> None:
+        """Blocking socket with kernel timeouts, so recv(MSG_WAITALL) fills whole buffers."""
+        left = max(0.001, deadline - time.monotonic())
+        s.settimeout(None)
+        tv = struct.pack("ll", int(left), int((left % 1) * 1e6))
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
+
+    def _header(self, op: bytes, bid: str) -> bytes:
+        return HDR.pack(MAGIC, op, len(self.token)) + self.token + bid.encode("ascii")
+
+    @staticmethod
+    def _error(s: socket.socket, status: int) -> DataPlaneError | DataPlaneBusy:
+        (n,) = struct.unpack("<H", recv_exact(s, 2))
+        msg = recv_exact(s, n).decode(errors="replace")
+        return DataPlaneBusy(msg) if status == BUSY else DataPlaneError(status, msg)
+
+    def read(self, address: str, bid: str, deadline: float, into: memoryview | None = None
+             ) -> tuple[bytes | int, int, int | None]:
+        """(data or byte count, crc32c the worker recorded, crc32c of what arrived when `into` was given:
+        computed piece by piece while the next piece is received). Raises on any fault (callers: miss)."""
+        s = self._get(address, deadline)
+        computed: int | None = None
+        try:
+            self._arm(s, deadline)
+            s.sendall(self._header(b"R", bid))
+            status = recv_exact(s, 1)[0]
+            if status != OK:
+                err = self._error(s, status)
+                s.close()
+                raise err
+            size, crc = READ_OK.unpack(recv_exact(s, READ_OK.size))
+            if into is not None:
+                if into.nbytes < size:
+                    raise ValueError(f"buffer of {into.nbytes} bytes < block of {size}")
+                pieces = crc_pieces(size)
+                pipe = CrcPipeline(len(pieces))
+                for start, end in pieces:
+                    self._fill(s, into[start:end], deadline)
+                    pipe.add(into[start:end])
+                computed = pipe.result()
+                result: bytes | int = size
+            else:
+                data = s.recv(size, socket.MSG_WAITALL) if size else b""
+                if len(data) < size:
+                    if not data:
+                        raise ConnectionError("worker closed mid-read")
+                    rest = bytearray(size - len(data))
+                    self._fill(s, memoryview(rest), deadline)
+                    data += rest
+                result = data
+        except BaseException:
+            s.close()
+            raise
+        self._put_back(address, s)
+        return result, crc, computed
+
+    @staticmethod
+    def _fill(s: socket.socket, mv: memoryview, deadline: float) -> None:
+        got = 0
+        while got < mv.nbytes:
+            if time.monotonic() > deadline:
+                raise TimeoutError("data-plane read deadline")
+            n = s.recv_into(mv[got:], mv.nbytes - got, socket.MSG_WAITALL)
+            if not n:
+                raise ConnectionError("worker closed mid-read")
+            got += n
+
+    def write(self, address: str, bid: str, path: str, mv: memoryview, hint: int, deadline: float
+              ) -> tuple[int, str]:
+        """Stream a block to the worker; returns (crc32c, local_path). Raises on any fault."""
+        s = self._get(address, deadline)
+        try:
+            self._arm(s, deadline)
+            p = path.encode()
+            s.sendall(self._header(b"W", bid) + struct.pack("<H", len(p)) + p
+                      + WRITE_HDR.pack(mv.nbytes, hint))
+            status = recv_exact(s, 1)[0]
+            if status != OK:
+                err = self._error(s, status)
+                s.close()
+                raise err
+            if mv.nbytes:
+                s.sendall(mv)
+            status = recv_exact(s, 1)[0]
+            if status != OK:
+                err = self._error(s, status)
+                s.close()
+                raise err
+            crc, n = struct.unpack("<IH", recv_exact(s, 6))
+            local_path = recv_exact(s, n).decode()
+        except BaseException:
+            s.close()
+            raise
+        self._put_back(address, s)
+        return crc, local_path

@@ -1,0 +1,119 @@
+"""The worker's link to the master: register (re-report every sealed block), heartbeat, and report blocks
+the store removed or moved. A master that restarted or dropped the worker asks it to re-register, which
+is how the master's soft-state namespace is rebuilt."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import grpc
+
+from l2fs.common import auth_metadata, make_channel
+from l2fs.proto import l2fs_pb2 as pb
+from l2fs.proto import l2fs_pb2_grpc as pbg
+from l2fs.store import Store
+
+log = logging.getLogger("l2fs.worker")
+
+
+class MasterLink:
+    """Heartbeat/registration loop on its own thread; setting `wake` (or calling `wake()`) sends pending
+    removals/moves now instead of at the next heartbeat."""
+
+    def __init__(self, store: Store, *, master: str, tls_ca: str | None, token: str | None, worker_id: str,
+                 node_id: str, address: str, data_address: str, heartbeat_interval: float,
+                 wake: threading.Event | None = None) -> None:
+        self.store = store
+        self.worker_id, self.node_id = worker_id, node_id
+        self.address, self.data_address = address, data_address
+        self.heartbeat_interval = heartbeat_interval
+        self._md = auth_metadata(token)
+        self._wake = wake or threading.Event()
+        self._stop = threading.Event()
+        self.master = pbg.MasterStub(make_channel(master, tls_ca))
+        self.registered = False
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    def start(self) -> None:
+        threading.Thread(target=self._loop, name="l2fs-heartbeat", daemon=True).start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+
+    def _register(self) -> None:
+        reports = self.store.reports()
+        resp = self.master.RegisterWorker(pb.RegisterRequest(
+            worker_id=self.worker_id, node_id=self.node_id, address=self.address,
+            capacity=self.store.capacity, used=self.store.used, blocks=reports, data_address=self.data_address),
+            timeout=30, metadata=self._md)
+        for bid in resp.delete_blocks:
+            self.store.delete(bid)
+        with self.store.lock:
+            self.store.removed.clear()  # the full report supersedes pending removals and moves
+            self.store.moved.clear()
+        self.registered = True
+        log.info("registered with master as %s (%d blocks reported)", self.worker_id, len(reports))
+
+    def _report_removed(self) -> None:
+        with self.store.lock:
+            pending, self.store.removed = self.store.removed, []
+        by_reason: dict[str, list[str]] = {}
+        for bid, reason in pending:
+            by_reason.setdefault(reason, []).append(bid)
+        for reason, ids in by_reason.items():
+            try:
+                self.master.RemoveBlocks(pb.BlocksRemoved(worker_id=self.worker_id, block_ids=ids,
+                                                          reason=reason),
+                                         timeout=5, metadata=self._md)
+            except grpc.RpcError:
+                with self.store.lock:
+                    self.store.removed.extend((b, reason) for b in ids)
+                raise
+
+    def _report_moved(self) -> None:
+        with self.store.lock:
+            pending, self.store.moved = self.store.moved, []
+        try:
+            self.master.MoveBlocks(pb.BlocksMoved(worker_id=self.worker_id, block_ids=[b for b, _ in pending],
+                                                  local_paths=[p for _, p in pending]),
+                                   timeout=5, metadata=self._md)
+        except grpc.RpcError:
+            with self.store.lock:
+                self.store.moved[:0] = pending
+            raise
+
+    def _loop(self) -> None:
+        """Heartbeat every interval; re-register when the master asks (it restarted or dropped us)."""
+        next_hb = 0.0
+        while not self._stop.is_set():
+            try:
+                if not self.registered:
+                    self._register()
+                if self.store.removed:
+                    self._report_removed()
+                if self.store.moved:
+                    self._report_moved()
+                now = time.monotonic()
+                if now >= next_hb:
+                    next_hb = now + self.heartbeat_interval
+                    self.store.maybe_evict()
+                    self.store.flush_access()
+                    resp = self.master.Heartbeat(pb.HeartbeatRequest(
+                        worker_id=self.worker_id, capacity=self.store.capacity, used=self.store.used,
+                        blocks=len(self.store.blocks), interval=self.heartbeat_interval),
+                        timeout=5, metadata=self._md)
+                    if resp.reregister:
+                        self.registered = False
+                        continue
+            except grpc.RpcError as e:
+                log.warning("master unreachable (%s); retrying", e.code())
+                self.registered = self.registered and e.code() != grpc.StatusCode.UNAVAILABLE
+                self._stop.wait(min(1.0, self.heartbeat_interval))
+                continue
+            self._wake.wait(max(0.0, next_hb - time.monotonic()))
+            self._wake.clear()

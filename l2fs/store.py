@@ -1,0 +1,470 @@
+"""l2fs block store: the worker's data dirs, their SQLite manifests, space accounting and eviction.
+
+Each data dir holds `blocks/<id[:2]>/<id>` files, a `tmp/` folder for in-flight writes and a SQLite
+manifest (block id, file path, size, crc32c, sealed, last access, order hint). The manifest is what
+lets a restarted master rebuild its namespace: on (re)registration the worker re-reports every sealed
+block. CRC32C is computed on write and verified on read; a mismatch deletes the block and the read is a
+miss. Both transports (gRPC, raw-TCP data plane) write through `Store.receive` and open blocks through
+`Store.open_block`, so the write and damage rules live here once.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import sqlite3
+import threading
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO
+
+import crc32c
+import grpc
+from prometheus_client import Counter, Gauge
+
+from l2fs.common import DEFAULT_MAX_FILE_SIZE, FRAME, RpcError
+from l2fs.proto import l2fs_pb2 as pb
+
+log = logging.getLogger("l2fs.worker")
+
+READ_HITS = Counter("l2fs_worker_read_hits_total", "Block reads served (gRPC) or touched (short-circuit)")
+READ_MISSES = Counter("l2fs_worker_read_misses_total", "Block reads of unknown or corrupt blocks")
+BYTES_READ = Counter("l2fs_worker_bytes_read_total", "Bytes served over gRPC")
+BYTES_WRITTEN = Counter("l2fs_worker_bytes_written_total", "Bytes sealed (gRPC and short-circuit)")
+EVICTIONS = Counter("l2fs_worker_evictions_total", "Blocks evicted to stay under the watermark")
+DEMOTIONS = Counter("l2fs_worker_demotions_total", "Blocks moved to a slower tier instead of evicted")
+EVICTED_BYTES = Counter("l2fs_worker_evicted_bytes_total", "Bytes evicted")
+RESERVE_REJECTS = Counter("l2fs_worker_reserve_rejects_total",
+                          "Writes refused because too many bytes were promised to unfinished writes")
+RESERVED_FRACTION = 0.25  # unsealed bytes a data dir admits, as a fraction of its capacity
+RESERVATION_TTL = 30.0  # seconds an unadopted short-circuit reservation is held
+CORRUPT = Counter("l2fs_worker_corrupt_blocks_total", "Blocks dropped after a checksum mismatch")
+CAPACITY = Gauge("l2fs_worker_capacity_bytes", "Capacity over all data dirs")
+USED = Gauge("l2fs_worker_used_bytes", "Used bytes over all data dirs (sealed + reserved)")
+BLOCKS = Gauge("l2fs_worker_blocks", "Sealed blocks held")
+
+
+@dataclass(slots=True)
+class Block:
+    block_id: str
+    dir_idx: int
+    path: str
+    size: int
+    crc32c: int
+    mtime: float
+    last_access: float
+    order_hint: int
+
+
+TIERS = {"MEM": 0, "SSD": 1, "DISK": 1, "HDD": 2}
+
+
+class DataDir:
+    """One storage directory with a capacity, a tier rank (0 = fastest) and its own manifest."""
+
+    def __init__(self, root: Path, capacity: int, tier: int = 1) -> None:
+        self.root = root
+        self.capacity = capacity
+        self.tier = tier
+        self.used = 0  # sealed + reserved bytes
+        self.reserved = 0  # bytes promised to writes not yet sealed (part of `used`)
+        (root / "blocks").mkdir(parents=True, exist_ok=True)
+        (root / "tmp").mkdir(parents=True, exist_ok=True)
+        self.db = sqlite3.connect(root / "manifest.sqlite3", check_same_thread=False, isolation_level=None)
+        self.db.execute("PRAGMA journal_mode=WAL")
+        self.db.execute("PRAGMA synchronous=NORMAL")
+        # Keep the WAL small (it sits outside the block capacity): checkpoint every 1 MiB, truncate to 1 MiB.
+        self.db.execute("PRAGMA wal_autocheckpoint=256")
+        self.db.execute("PRAGMA journal_size_limit=1048576")
+        self.db.execute("""CREATE TABLE IF NOT EXISTS blocks (
+            block_id TEXT PRIMARY KEY, path TEXT NOT NULL, size INTEGER NOT NULL, crc32c INTEGER NOT NULL,
+            sealed INTEGER NOT NULL, mtime REAL NOT NULL, last_access REAL NOT NULL,
+            order_hint INTEGER NOT NULL)""")
+
+    def block_file(self, bid: str) -> Path:
+        return self.root / "blocks" / bid[:2] / bid
+
+    def tmp_file(self, bid: str) -> Path:
+        return self.root / "tmp" / f"{bid}.part"
+
+
+class VerifiedFrames:
+    """A block file read FRAME by FRAME (at least one frame, possibly empty), checksummed on the way, so a
+    reader never holds the whole block. After the last frame, `ok` says whether size and CRC32C matched the
+    manifest and nothing followed; a read error ends the frames early (not ok)."""
+
+    def __init__(self, block: Block, f: IO[bytes]) -> None:
+        self.block, self.f, self.ok = block, f, False
+
+    def __iter__(self) -> Iterator[bytes]:
+        size, off, crc = self.block.size, 0, 0
+        try:
+            while True:
+                data = self.f.read(min(FRAME, size - off))
+                crc = crc32c.crc32c(data, value=crc)
+                off += len(data)
+                yield data
+                if not data or off >= size:
+                    break  # the end, or shorter than the manifest says
+            self.ok = off == size and not self.f.read(1) and crc == self.block.crc32c
+        except OSError:
+            self.ok = False
+
+
+class Store:
+    """Blocks over all data dirs; one lock; eviction (LRU by read, deepest order hint first)."""
+
+    def __init__(self, dirs: list[tuple[Path, int]] | list[tuple[Path, int, int]], *, high: float = 0.9,
+                 low: float = 0.8, max_file_size: int = DEFAULT_MAX_FILE_SIZE,
+                 evict_granularity: float = 1.0, max_reserved: float = RESERVED_FRACTION,
+                 reservation_ttl: float = RESERVATION_TTL) -> None:
+        self.lock = threading.RLock()
+        self.dirs = [DataDir(*d) for d in dirs]
+        self.high, self.low = high, low
+        self.max_file_size = max_file_size
+        self.evict_granularity = evict_granularity
+        self.max_reserved = max_reserved
+        self.reservation_ttl = reservation_ttl
+        self.blocks: dict[str, Block] = {}
+        # bid -> (dir, size, since, expires): short-circuit reservations expire, streamed ones are
+        # released by the thread that receives the bytes
+        self.reservations: dict[str, tuple[int, int, float, bool]] = {}
+        self.removed: list[tuple[str, str]] = []  # (block_id, reason) not yet reported to the master
+        self.moved: list[tuple[str, str]] = []  # (block_id, new local path) not yet reported
+        self._dirty_access: set[str] = set()
+        self._load()
+
+    def _load(self) -> None:
+        """Rebuild from the manifests; drop rows whose file is gone and files with no row."""
+        for i, d in enumerate(self.dirs):
+            for f in (d.root / "tmp").iterdir():
+                f.unlink(missing_ok=True)
+            rows = d.db.execute("SELECT block_id, path, size, crc32c, sealed, mtime, last_access, order_hint"
+                                " FROM blocks").fetchall()
+            known = set()
+            for bid, path, size, crc, sealed, mtime, la, oh in rows:
+                f = d.block_file(bid)
+                if not sealed or not f.exists() or f.stat().st_size != size or bid in self.blocks:
+                    # unsealed, missing, damaged, or a second copy left by a demotion cut short
+                    d.db.execute("DELETE FROM blocks WHERE block_id=?", (bid,))
+                    f.unlink(missing_ok=True)
+                    continue
+                self.blocks[bid] = Block(bid, i, path, size, crc, mtime, la, oh)
+                d.used += size
+                known.add(bid)
+            for sub in (d.root / "blocks").iterdir():
+                for f in sub.iterdir():
+                    if f.name not in known:
+                        f.unlink(missing_ok=True)
+        self._gauges()
+
+    def _gauges(self) -> None:
+        CAPACITY.set(sum(d.capacity for d in self.dirs))
+        USED.set(sum(d.used for d in self.dirs))
+        BLOCKS.set(len(self.blocks))
+
+    @property
+    def capacity(self) -> int:
+        return sum(d.capacity for d in self.dirs)
+
+    @property
+    def used(self) -> int:
+        return sum(d.used for d in self.dirs)
+
+    def local_path(self, b: Block) -> str:
+        return str(self.dirs[b.dir_idx].block_file(b.block_id))
+
+    # ---------- space ----------
+
+    def reserve(self, bid: str, size: int, *, expires: bool = False) -> int:
+        """Pick a dir and promise `size` bytes to a write; returns the dir index.
+
+        Why no eviction here: a promise is not data, and evicting for it let any client flush the cache
+        with empty reservations. Live blocks are evicted when bytes are sealed (`seal`); here only when the
+        dir would otherwise go past its capacity (a single reservation larger than the headroom above the
+        high watermark). Unsealed bytes per dir are capped at `max_reserved` x capacity (one reservation is
+        always admitted, so a single large write works): beyond it RESOURCE_EXHAUSTED, a write miss."""
+        if size < 0 or size > self.max_file_size:
+            raise RpcError(grpc.StatusCode.INVALID_ARGUMENT,
+                           f"block of {size} bytes exceeds the max file size {self.max_file_size}")
+        with self.lock:
+            if bid in self.blocks or bid in self.reservations:
+                raise RpcError(grpc.StatusCode.ALREADY_EXISTS, f"block {bid} already exists")
+            fits = [i for i, d in enumerate(self.dirs) if d.capacity * self.low >= size]
+            if not fits:
+                raise RpcError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                               f"block of {size} bytes is larger than {self.low:.0%} of every data dir")
+            free = [j for j in fits if self.dirs[j].reserved == 0
+                    or self.dirs[j].reserved + size <= self.dirs[j].capacity * self.max_reserved]
+            if not free:
+                RESERVE_REJECTS.inc()
+                pending = sum(self.dirs[j].reserved for j in fits)
+                raise RpcError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                               f"too many bytes promised to unfinished writes ({pending} reserved; each data dir "
+                               f"admits {self.max_reserved:.0%} of its capacity): retry after they complete")
+            # new data goes to the fastest tier; its coldest blocks move down (or out) when it is sealed
+            fastest = min(self.dirs[j].tier for j in free)
+            i = max((j for j in free if self.dirs[j].tier == fastest),
+                    key=lambda j: self.dirs[j].capacity - self.dirs[j].used)
+            d = self.dirs[i]
+            if d.used + size > d.capacity:  # the bytes would not fit at all: make room now
+                self._evict(i, d.capacity - size)
+            d.used += size
+            d.reserved += size
+            self.reservations[bid] = (i, size, time.monotonic(), expires)
+            self._gauges()
+            return i
+
+    def release(self, bid: str) -> None:
+        """Give back a reservation of a write that did not complete."""
+        with self.lock:
+            r = self.reservations.pop(bid, None)
+            if r is not None:
+                self.dirs[r[0]].used -= r[1]
+                self.dirs[r[0]].reserved -= r[1]
+                self.dirs[r[0]].tmp_file(bid).unlink(missing_ok=True)
+                self._gauges()
+
+    def _evict(self, i: int, target: float, keep: str | None = None) -> None:
+        """Free dir i down to `target` used bytes (sealed + reserved): coldest read first, deepest chain position first. A victim
+        moves to a slower tier when there is one (which makes room the same way), else it is deleted."""
+        d = self.dirs[i]
+        g = self.evict_granularity
+        victims = sorted((b for b in self.blocks.values() if b.dir_idx == i and b.block_id != keep),
+                         key=lambda b: (int(b.last_access / g), -b.order_hint, b.last_access))
+        for b in victims:
+            if d.used <= target:
+                break
+            slower = [j for j, dj in enumerate(self.dirs) if dj.tier > d.tier and dj.capacity * self.low >= b.size]
+            if slower:
+                j = min(slower, key=lambda j: (self.dirs[j].tier, self.dirs[j].used - self.dirs[j].capacity))
+                dj = self.dirs[j]
+                if dj.used - dj.reserved + b.size > dj.capacity * self.high:
+                    self._evict(j, dj.capacity * self.low - b.size + dj.reserved)
+                if self._move(b, j):
+                    continue
+            self._delete(b.block_id, "evicted")
+            EVICTIONS.inc()
+            EVICTED_BYTES.inc(b.size)
+
+    def _move(self, b: Block, j: int) -> bool:
+        """Demote block b into dir j (copy, then switch manifests); False if the copy failed."""
+        src_dir, dst_dir = self.dirs[b.dir_idx], self.dirs[j]
+        src, dst, tmp = src_dir.block_file(b.block_id), dst_dir.block_file(b.block_id), dst_dir.tmp_file(b.block_id)
+        try:
+            dst.parent.mkdir(exist_ok=True)
+            shutil.copyfile(src, tmp)
+            os.replace(tmp, dst)
+        except OSError as e:
+            log.warning("demoting block %s to %s failed: %s", b.block_id, dst_dir.root, e)
+            tmp.unlink(missing_ok=True)
+            return False
+        dst_dir.db.execute("INSERT OR REPLACE INTO blocks VALUES (?,?,?,?,1,?,?,?)",
+                           (b.block_id, b.path, b.size, b.crc32c, b.mtime, b.last_access, b.order_hint))
+        src_dir.db.execute("DELETE FROM blocks WHERE block_id=?", (b.block_id,))
+        src.unlink(missing_ok=True)
+        src_dir.used -= b.size
+        dst_dir.used += b.size
+        b.dir_idx = j
+        self.moved.append((b.block_id, str(dst)))
+        DEMOTIONS.inc()
+        self._gauges()
+        return True
+
+    def _over_high(self, i: int, keep: str | None = None) -> None:
+        """Sealed bytes of dir i above the high watermark: evict them down to the low one (promised bytes
+        do not count, so pending reservations never push live blocks out)."""
+        d = self.dirs[i]
+        if d.used - d.reserved > d.capacity * self.high:
+            self._evict(i, d.capacity * self.low + d.reserved, keep)
+
+    def maybe_evict(self) -> None:
+        """Background check: bring any dir above the high watermark down to the low one, and drop
+        short-circuit reservations whose writer went away."""
+        with self.lock:
+            for i in range(len(self.dirs)):
+                self._over_high(i)
+            now = time.monotonic()
+            for bid, (_, _, since, expires) in list(self.reservations.items()):
+                if expires and now - since > self.reservation_ttl:
+                    self.release(bid)
+
+    # ---------- blocks ----------
+
+    def seal(self, bid: str, path: str, size: int, crc: int, order_hint: int, src: Path) -> Block:
+        """Move a fully written temp file into place and record it in the manifest."""
+        with self.lock:
+            r = self.reservations.pop(bid, None)
+            if r is None:
+                raise RpcError(grpc.StatusCode.FAILED_PRECONDITION, f"block {bid} has no reservation")
+            i, reserved = r[0], r[1]
+            d = self.dirs[i]
+            dst = d.block_file(bid)
+            dst.parent.mkdir(exist_ok=True)
+            os.replace(src, dst)
+            d.used += size - reserved
+            d.reserved -= reserved
+            now = time.time()
+            b = Block(bid, i, path, size, crc, now, now, order_hint)
+            self.blocks[bid] = b
+            d.db.execute("INSERT OR REPLACE INTO blocks VALUES (?,?,?,?,1,?,?,?)",
+                         (bid, path, size, crc, now, now, order_hint))
+            self._over_high(i, keep=bid)  # the bytes are here now: make room for them (never by dropping them)
+            self._gauges()
+        BYTES_WRITTEN.inc(size)
+        return b
+
+    def receive(self, bid: str, path: str, size: int, order_hint: int,
+                chunks: Iterable[bytes | memoryview]) -> Block:
+        """The one write path of both transports: reserve `size` bytes, write `chunks` to a temp file
+        while checksumming them, seal; on any failure the reservation is released. `chunks` is consumed
+        only after the reservation succeeded, so a transport can acknowledge inside its first step."""
+        i = self.reserve(bid, size)
+        tmp = self.dirs[i].tmp_file(bid)
+        ok = False
+        try:
+            crc, n = 0, 0
+            with open(tmp, "wb", buffering=0) as f:
+                for data in chunks:
+                    n += len(data)
+                    if n > size:
+                        raise RpcError(grpc.StatusCode.INVALID_ARGUMENT,
+                                       f"stream carries more than the declared {size} bytes")
+                    f.write(data)
+                    crc = crc32c.crc32c(data, value=crc)
+            if n != size:
+                raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, f"stream ended after {n} of {size} bytes")
+            b = self.seal(bid, path, size, crc, order_hint, tmp)
+            ok = True
+        finally:
+            if not ok:
+                self.release(bid)
+        return b
+
+    def adopt(self, bid: str, path: str, size: int, crc: int, order_hint: int) -> Block:
+        """Seal a short-circuit write: the client wrote the reserved temp file itself and names its CRC
+        (it computed it); a file of the wrong size is refused and the reservation released."""
+        with self.lock:
+            r = self.reservations.get(bid)
+        if r is None:
+            raise RpcError(grpc.StatusCode.FAILED_PRECONDITION, f"block {bid} was not reserved")
+        tmp = self.dirs[r[0]].tmp_file(bid)
+        try:
+            actual = tmp.stat().st_size
+        except OSError:
+            actual = -1
+        if actual != size:
+            self.release(bid)
+            raise RpcError(grpc.StatusCode.INVALID_ARGUMENT,
+                           f"local block file has {actual} bytes, expected {size}")
+        return self.seal(bid, path, size, crc, order_hint, tmp)
+
+    def _delete(self, bid: str, reason: str) -> bool:
+        with self.lock:
+            b = self.blocks.pop(bid, None)
+            if b is None:
+                return False
+            d = self.dirs[b.dir_idx]
+            d.block_file(bid).unlink(missing_ok=True)
+            d.used -= b.size
+            d.db.execute("DELETE FROM blocks WHERE block_id=?", (bid,))
+            self._dirty_access.discard(bid)
+            if reason != "deleted":
+                self.removed.append((bid, reason))
+            self._gauges()
+            return True
+
+    def delete(self, bid: str, reason: str = "deleted") -> bool:
+        return self._delete(bid, reason)
+
+    def touch(self, bid: str) -> None:
+        with self.lock:
+            b = self.blocks.get(bid)
+            if b is not None:
+                b.last_access = time.time()
+                self._dirty_access.add(bid)
+
+    def set_path(self, bid: str, path: str) -> None:
+        with self.lock:
+            b = self.blocks.get(bid)
+            if b is not None:
+                b.path = path
+                self.dirs[b.dir_idx].db.execute("UPDATE blocks SET path=? WHERE block_id=?", (path, bid))
+
+    def flush_access(self) -> None:
+        """Persist read times in batches (a read must not cost a SQLite write)."""
+        with self.lock:
+            for bid in self._dirty_access:
+                b = self.blocks.get(bid)
+                if b is not None:
+                    self.dirs[b.dir_idx].db.execute("UPDATE blocks SET last_access=? WHERE block_id=?",
+                                                    (b.last_access, bid))
+            self._dirty_access.clear()
+
+    def file_of(self, bid: str) -> tuple[Block, Path] | None:
+        """The block and its current file (it can move to a slower tier at any time)."""
+        with self.lock:
+            b = self.blocks.get(bid)
+            return (b, self.dirs[b.dir_idx].block_file(bid)) if b is not None else None
+
+    def drop_damaged(self, bid: str, path: Path) -> bool:
+        """Drop a block found damaged at `path`; False if it has moved meanwhile (the caller retries)."""
+        with self.lock:
+            b = self.blocks.get(bid)
+            if b is None:
+                return True
+            if self.dirs[b.dir_idx].block_file(bid) != path:
+                return False
+            log.warning("block %s (%s) failed verification: dropping it", bid, b.path)
+            CORRUPT.inc()
+            self._delete(bid, "corrupt")
+            return True
+
+    def open_block(self, bid: str) -> tuple[Block, Path, IO[bytes]] | None:
+        """The block and its current file, opened; None when it is unknown, or found damaged (gone, or not
+        the manifest's size: truncated or extended behind our back), then dropped. The one opener for the
+        gRPC read, the data-plane read and the re-check: a block can move to a slower tier between lookup
+        and open, so a vanished file that was moved is looked up again."""
+        for _ in range(3):
+            found = self.file_of(bid)
+            if found is None:
+                return None
+            b, path = found
+            try:
+                f = open(path, "rb", buffering=0)  # the caller closes it
+            except OSError:
+                pass
+            else:
+                if os.fstat(f.fileno()).st_size == b.size:
+                    return b, path, f
+                f.close()
+            if self.drop_damaged(bid, path):
+                return None
+        return None
+
+    def verify(self, bid: str) -> bool:
+        """Re-check a block's checksum, one frame in memory at a time; drops it when bad."""
+        for _ in range(3):
+            opened = self.open_block(bid)
+            if opened is None:
+                return False
+            b, path, f = opened
+            with f:
+                frames = VerifiedFrames(b, f)
+                for _ in frames:
+                    pass
+            if frames.ok:
+                self.touch(bid)
+                return True
+            if self.drop_damaged(bid, path):
+                return False
+        return False
+
+    def reports(self) -> list[pb.BlockReport]:
+        with self.lock:
+            return [pb.BlockReport(block_id=b.block_id, path=b.path, size=b.size, crc32c=b.crc32c,
+                                   mtime=b.mtime, order_hint=b.order_hint, local_path=self.local_path(b))
+                    for b in self.blocks.values()]

@@ -1,0 +1,118 @@
+"""The worker's gRPC service: block writes and reads (streamed), short-circuit reserve/adopt, and the
+master's maintenance calls. Storage rules live in `l2fs.store`; this module maps them onto RPCs."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import grpc
+from prometheus_client import Histogram
+
+from l2fs.common import RpcError, check_block_id, norm_path, rpc_handler
+from l2fs.proto import l2fs_pb2 as pb
+from l2fs.proto import l2fs_pb2_grpc as pbg
+from l2fs.store import BYTES_READ, READ_HITS, READ_MISSES, Store, VerifiedFrames
+
+RPC_LATENCY = Histogram("l2fs_worker_rpc_seconds", "Worker RPC latency", ["method"],
+                        buckets=(.0001, .0005, .001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 5))
+
+_rpc = rpc_handler(RPC_LATENCY)
+
+
+class WorkerService(pbg.WorkerServicer):
+    """`report_now` wakes the registration loop, so blocks a call removed (evicted, corrupt) or moved reach
+    the master at once instead of at the next heartbeat."""
+
+    def __init__(self, store: Store, report_now: Callable[[], None]) -> None:
+        self.store = store
+        self._report_now = report_now
+
+    @_rpc
+    def WriteBlock(self, request_iterator: Iterator[pb.WriteChunk], context: Any) -> pb.WriteResult:  # noqa: N802
+        it = iter(request_iterator)
+        first = next(it, None)
+        if first is None:
+            raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, "empty write stream")
+        bid = check_block_id(first.block_id)
+        path = norm_path(first.path)
+        try:
+            b = self.store.receive(bid, path, first.size, first.order_hint,
+                                   (m.data for m in itertools.chain([first], it) if m.data))
+        finally:
+            self._report_now()  # reserving or sealing may have evicted
+        return pb.WriteResult(block_id=bid, size=b.size, crc32c=b.crc32c, local_path=self.store.local_path(b))
+
+    def ReadBlock(self, request: pb.ReadRequest, context: Any) -> Iterator[pb.ReadChunk]:  # noqa: N802
+        t0 = time.perf_counter()
+        try:
+            bid = check_block_id(request.block_id)
+        except RpcError as e:
+            context.abort(e.code, str(e))
+        # Stream frame by frame (memory per read = one frame, not the whole block), checksumming as we go; a
+        # mismatch found at the end aborts the stream (the client discards what it got) and drops the block.
+        opened = self.store.open_block(bid)
+        if opened is None:
+            READ_MISSES.inc()
+            self._report_now()
+            context.abort(grpc.StatusCode.NOT_FOUND, f"block {bid} not found (missing or failed checksum)")
+            return  # abort raises; this tells the type checker
+        b, path, f = opened
+        with f:
+            frames = VerifiedFrames(b, f)
+            for i, data in enumerate(frames):
+                yield pb.ReadChunk(size=b.size, crc32c=b.crc32c, data=data) if i == 0 else pb.ReadChunk(data=data)
+        if not frames.ok:
+            READ_MISSES.inc()
+            self.store.drop_damaged(bid, path)
+            self._report_now()
+            context.abort(grpc.StatusCode.DATA_LOSS, f"block {bid} failed verification while streaming")
+        self.store.touch(bid)
+        READ_HITS.inc()
+        BYTES_READ.inc(b.size)
+        RPC_LATENCY.labels("ReadBlock").observe(time.perf_counter() - t0)
+
+    @_rpc
+    def ReserveLocal(self, request: pb.ReserveRequest, context: Any) -> pb.ReserveResponse:  # noqa: N802
+        bid = check_block_id(request.block_id)
+        i = self.store.reserve(bid, request.size, expires=True)
+        self._report_now()
+        return pb.ReserveResponse(tmp_path=str(self.store.dirs[i].tmp_file(bid)))
+
+    @_rpc
+    def AdoptLocal(self, request: pb.AdoptRequest, context: Any) -> pb.WriteResult:  # noqa: N802
+        bid = check_block_id(request.block_id)
+        path = norm_path(request.path)
+        b = self.store.adopt(bid, path, request.size, request.crc32c, request.order_hint)
+        self._report_now()  # sealing may have evicted
+        return pb.WriteResult(block_id=bid, size=b.size, crc32c=b.crc32c, local_path=self.store.local_path(b))
+
+    @_rpc
+    def Touch(self, request: pb.BlockIds, context: Any) -> pb.Empty:  # noqa: N802
+        for bid in request.block_ids:
+            self.store.touch(bid)
+            READ_HITS.inc()
+        return pb.Empty()
+
+    @_rpc
+    def ReportCorrupt(self, request: pb.BlockIds, context: Any) -> pb.Empty:  # noqa: N802
+        for bid in request.block_ids:
+            self.store.verify(check_block_id(bid))  # re-checked here: a client alone cannot get data deleted
+        self._report_now()
+        return pb.Empty()
+
+    @_rpc
+    def DeleteBlocks(self, request: pb.BlockIds, context: Any) -> pb.Empty:  # noqa: N802
+        for bid in request.block_ids:
+            self.store.delete(check_block_id(bid))
+        return pb.Empty()
+
+    @_rpc
+    def SetPaths(self, request: pb.SetPathsRequest, context: Any) -> pb.Empty:  # noqa: N802
+        if len(request.block_ids) != len(request.paths):
+            raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, "block_ids and paths differ in length")
+        for bid, path in zip(request.block_ids, request.paths, strict=True):
+            self.store.set_path(check_block_id(bid), norm_path(path))
+        return pb.Empty()
