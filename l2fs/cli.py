@@ -9,6 +9,7 @@ import os
 import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 USAGE = """usage: l2fs <command> [args]
 
@@ -79,7 +80,7 @@ def _run(c: object, cmd: str, args: argparse.Namespace) -> int:
 
     assert isinstance(c, Client)
     if cmd == "put":
-        data = sys.stdin.buffer.read() if args.src == "-" else open(args.src, "rb").read()  # noqa: SIM115
+        data = sys.stdin.buffer.read() if args.src == "-" else Path(args.src).read_bytes()
         published = c.put(args.path, data, if_absent=not args.overwrite, order_hint=args.order_hint)
         print(f"{args.path}: {'published' if published else 'already exists (kept)'} ({len(data)} bytes)")
         return 0

@@ -102,7 +102,7 @@ def test_proto_regenerates_identically(tmp_path: Path) -> None:
     code = ("import importlib.util, sys; spec = importlib.util.spec_from_file_location('b', sys.argv[1]);"
             "m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m); sys.exit(m.main())")
     subprocess.run([sys.executable, "-c", code, str(dst / "build.py")], check=True)
-    for name in ("l2fs_pb2.py", "l2fs_pb2_grpc.py"):
+    for name in ("l2fs_pb2.py", "l2fs_pb2_grpc.py", "l2fs_pb2.pyi"):
         assert (dst / name).read_text() == (src / name).read_text(), f"{name} is stale: run python -m l2fs.proto.build"
 
 
