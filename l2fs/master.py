@@ -125,9 +125,6 @@ class MasterService(pbg.MasterServicer):
 
     # ---------- helpers (call with lock held unless noted) ----------
 
-    def _is_dir(self, path: str) -> bool:
-        return path in self.children
-
     def _ensure_dirs(self, path: str) -> None:
         """Create path and its missing parents as directories."""
         missing = []

@@ -246,7 +246,7 @@ class Store:
                     self._evict(j, dj.capacity * self.low - b.size + dj.reserved)
                 if self._move(b, j):
                     continue
-            self._delete(b.block_id, "evicted")
+            self.delete(b.block_id, "evicted")
             EVICTIONS.inc()
             EVICTED_BYTES.inc(b.size)
 
@@ -362,7 +362,8 @@ class Store:
                            f"local block file has {actual} bytes, expected {size}")
         return self.seal(bid, path, size, crc, order_hint, tmp)
 
-    def _delete(self, bid: str, reason: str) -> bool:
+    def delete(self, bid: str, reason: str = "deleted") -> bool:
+        """Drop a block and its file; any reason but "deleted" (the master asked) is reported to the master."""
         with self.lock:
             b = self.blocks.pop(bid, None)
             if b is None:
@@ -376,9 +377,6 @@ class Store:
                 self.removed.append((bid, reason))
             self._gauges()
             return True
-
-    def delete(self, bid: str, reason: str = "deleted") -> bool:
-        return self._delete(bid, reason)
 
     def touch(self, bid: str) -> None:
         with self.lock:
@@ -420,7 +418,7 @@ class Store:
                 return False
             log.warning("block %s (%s) failed verification: dropping it", bid, b.path)
             CORRUPT.inc()
-            self._delete(bid, "corrupt")
+            self.delete(bid, "corrupt")
             return True
 
     def open_block(self, bid: str) -> tuple[Block, Path, IO[bytes]] | None:
