@@ -9,7 +9,8 @@ Object size defaults to one 256-token KV chunk of a 7B model (14.7 MB). Every nu
   write+rename     LMCache's pattern: key.tmp, then os.replace to key.data (mount) | put() | local file + replace
   read same-node   open/readinto on node-1's mount | get_into(), node-1 (short-circuit) | local file readinto
   read cross-node  open/readinto on node-2's mount | get_into(), node-2 (streamed from worker 1) | -
-Goal: mount >= 0.5x native on reads.
+  re-read cross-node  the same objects again on node-2 | get_into() again | local file readinto
+Goal (issue 14.2): mount >= 0.8x native on reads.
 """
 
 from __future__ import annotations
@@ -60,6 +61,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--size", type=int, default=CHUNK)
     p.add_argument("--dir", default=None, help="work dir (default: a temp dir, removed afterwards)")
+    p.add_argument("--mount-arg", action="append", default=[],
+                   help="extra `l2fs mount` argument for both mounts (repeatable), e.g. --mount-arg=--page-cache")
     a = p.parse_args(argv)
     if a.iters < 1 or a.size < 1:
         p.error("--iters and --size must be positive")
@@ -73,8 +76,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with LocalCluster(base / "cluster", workers=2, capacity=f"{max(2, 8 * n_obj * a.size >> 30)}G") as c:
             m1, m2 = base / "mnt1", base / "mnt2"
-            procs.append((fuse.spawn(m1, c.master, "--node-id", "node-1", log=base / "mnt1.log"), m1))
-            procs.append((fuse.spawn(m2, c.master, "--node-id", "node-2", log=base / "mnt2.log"), m2))
+            procs.append((fuse.spawn(m1, c.master, "--node-id", "node-1", *a.mount_arg, log=base / "mnt1.log"), m1))
+            procs.append((fuse.spawn(m2, c.master, "--node-id", "node-2", *a.mount_arg, log=base / "mnt2.log"), m2))
             local = base / "local"
             local.mkdir()
             c1, c2 = c.client(node_id="node-1"), c.client(node_id="node-2")
@@ -115,6 +118,12 @@ def main(argv: list[str] | None = None) -> int:
             check(len(buf))
             rx_native = median_gbps(a.size, lambda i: check(c2.get_into(f"/bench/n{k(i)}", buf)), a.iters)
             rows.append(("read cross-node (node-2)", rx_mount, rx_native, None))
+            # the same objects again: with --page-cache the kernel keeps the pages of an unchanged file
+            rr_mount = median_gbps(a.size, lambda i: read_file(m2 / "bench" / ("w" + k(i)), buf), a.iters)
+            check(len(buf))
+            rr_native = median_gbps(a.size, lambda i: check(c2.get_into(f"/bench/n{k(i)}", buf)), a.iters)
+            rr_local = median_gbps(a.size, lambda i: read_file(local / ("w" + k(i)), buf), a.iters)
+            rows.append(("re-read cross-node (node-2)", rr_mount, rr_native, rr_local))
             c1.close()
             c2.close()
     finally:
@@ -132,9 +141,9 @@ def main(argv: list[str] | None = None) -> int:
         ls = f"{loc:6.2f}" if loc is not None else f"{'-':>6}"
         lr = f"{mount / loc:10.2f}x" if loc else f"{'-':>11}"
         print(f"| {name:<26} | {mount:6.2f} | {native:6.2f} | {ls} | {mount / native:11.2f}x | {lr} |")
-    reads = [r for r in rows if r[0].startswith("read")]
-    ok = all(m / n >= 0.5 for _, m, n, _ in reads)
-    print(f"goal mount >= 0.5x native on reads: {'met' if ok else 'NOT met'}")
+    reads = [r for r in rows if r[0].startswith(("read", "re-read"))]
+    for name, m, n, _ in reads:
+        print(f"goal mount >= 0.8x native, {name}: {'met' if m / n >= 0.8 else 'NOT met'} ({m / n:.2f}x)")
     return 0
 
 

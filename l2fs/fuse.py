@@ -52,6 +52,11 @@ NAME_MAX = 255
 T = TypeVar("T")
 RENAME_NOREPLACE = getattr(pyfuse3, "RENAME_NOREPLACE", 1)
 RENAME_EXCHANGE = getattr(pyfuse3, "RENAME_EXCHANGE", 2)
+# How an open may use the kernel page cache, as (direct_io, keep_cache) of the open reply:
+DIRECT = (True, False)  # no page cache (direct_io mounts, writers, files not yet published)
+BYPASS = (True, True)  # page-cache mount, but handles on another version are open: neither use nor drop pages
+FRESH = (False, False)  # page cache, dropping the pages the inode held (another version)
+KEEP = (False, True)  # page cache, keeping the pages: they hold this same version
 
 
 def errno_of(exc: BaseException) -> int:
@@ -83,7 +88,7 @@ class _Node:
     """One inode this mount has handed to the kernel."""
 
     __slots__ = ("ino", "path", "is_dir", "size", "mtime", "lookups", "opens", "writers", "unpublished",
-                 "detached", "snap", "snap_ident", "readers", "lock")
+                 "detached", "snap", "snap_ident", "readers", "lock", "kident", "snap_direct")
 
     def __init__(self, ino: int, path: str, is_dir: bool, size: int = 0, mtime: float = 0.0) -> None:
         self.ino = ino
@@ -102,6 +107,10 @@ class _Node:
         self.snap_ident: tuple[int, int] | None = None
         self.readers = 0  # open read-only handles; the snapshot is dropped when the last one closes
         self.lock: trio.Lock | None = None  # serialises snapshot loads of this inode
+        # page-cache mode: the (size, crc32c) of the version whose pages the kernel may hold for this inode,
+        # so an open of that same version keeps them (FOPEN_KEEP_CACHE) and any other open drops them
+        self.kident: tuple[int, int] | None = None
+        self.snap_direct = False  # the snapshot's opens bypass the page cache (see snapshot())
 
     @property
     def local(self) -> bool:
@@ -114,7 +123,7 @@ class _Node:
 
 
 class _Handle:
-    __slots__ = ("node", "writable", "append", "data", "buf", "dirty", "lent")
+    __slots__ = ("node", "writable", "append", "data", "buf", "dirty", "lent", "want")
 
     def __init__(self, node: _Node, *, data: memoryview | None = None, buf: bytearray | None = None,
                  append: bool = False, dirty: bool = False) -> None:
@@ -125,6 +134,7 @@ class _Handle:
         self.buf = buf if buf is not None else bytearray()  # this handle's private write buffer
         self.dirty = dirty  # buf differs from what l2fs holds
         self.lent = False  # buf is being published: copy it before the next change (copy-on-write)
+        self.want: tuple[int, int] | None = None  # lazy snapshot: the version the kernel's kept pages hold
 
     def own_buf(self) -> bytearray:
         """The write buffer, safe to change (a copy if a publish still holds the current one; the caller
@@ -133,6 +143,36 @@ class _Handle:
             self.buf = bytearray(self.buf)
             self.lent = False
         return self.buf
+
+
+class _BufferPool:
+    """Freed read snapshots kept for reuse (bounded bytes). A fresh 32 MiB buffer costs 8,192 page faults
+    on first touch, which was a third of a cold open; a reused one is already mapped."""
+
+    def __init__(self, cap: int) -> None:
+        self.cap = cap
+        self.bufs: list[bytearray] = []
+        self.held = 0
+
+    def take(self, size: int) -> bytearray:
+        for i, b in enumerate(self.bufs):
+            if size <= len(b) <= size + (size >> 3) + 4096:  # little waste: KV chunks are mostly one size
+                self.held -= len(b)
+                return self.bufs.pop(i)
+        return bytearray(size)
+
+    def give(self, view: memoryview) -> None:
+        """Return a snapshot's buffer, once nothing references it any more."""
+        b = view.obj
+        try:
+            view.release()
+        except BufferError:  # still exported somewhere: let it be garbage collected instead
+            return
+        if isinstance(b, bytearray) and self.held + len(b) <= self.cap:
+            self.bufs.append(b)
+            self.held += len(b)
+        while self.held > self.cap // 2 and len(self.bufs) > 8:  # many sizes: keep the recent ones
+            self.held -= len(self.bufs.pop(0))
 
 
 class L2Operations(pyfuse3.Operations):
@@ -151,6 +191,7 @@ class L2Operations(pyfuse3.Operations):
         self.max_file_size = max_file_size
         self.write_buffer = write_buffer
         self.buffered = 0
+        self.pool = _BufferPool(128 << 20)
         self.client = client
         self.root = root.rstrip("/") or "/"
         self.read_only = read_only
@@ -522,14 +563,15 @@ class L2Operations(pyfuse3.Operations):
         self.dirs.pop(fh, None)
 
     # ---------------------------------------------------------------- files
-    def _new_handle(self, h: _Handle) -> pyfuse3.FileInfo:
+    def _new_handle(self, h: _Handle, how: tuple[bool, bool] = DIRECT) -> pyfuse3.FileInfo:
+        """how: (direct_io, keep_cache), see DIRECT, BYPASS, FRESH, KEEP."""
         fh = self.next_fh
         self.next_fh += 1
         self.handles[fh] = h
         h.node.opens += 1
         if h.writable:
             h.node.writers.append(h)
-        return pyfuse3.FileInfo(fh=fh, direct_io=self.direct_io, keep_cache=False)
+        return pyfuse3.FileInfo(fh=fh, direct_io=how[0], keep_cache=how[1])
 
     def _unpublished_data(self, n: _Node) -> memoryview | None:
         """Content of a file created on this mount and not yet closed (only this mount can see it)."""
@@ -545,11 +587,18 @@ class L2Operations(pyfuse3.Operations):
         if flags & os.O_TRUNC:
             return self._new_handle(_Handle(n, buf=bytearray(), append=bool(flags & os.O_APPEND), dirty=True))
         if not writable:
-            view = self._unpublished_data(n) if n.unpublished else await self.snapshot(n)
+            how = DIRECT
+            if n.unpublished:
+                view = self._unpublished_data(n)
+                if view is None:
+                    raise pyfuse3.FUSEError(errno.ENOENT)
+            else:
+                view, how = await self.snapshot(n)
+            h = _Handle(n, data=view)
             if view is None:
-                raise pyfuse3.FUSEError(errno.ENOENT)
+                h.want = n.kident
             n.readers += 1
-            return self._new_handle(_Handle(n, data=view))
+            return self._new_handle(h, how)
         data = await self.call(self.client.get, self.l2(n.path)) if not n.unpublished else None
         if data is None:
             view = self._unpublished_data(n)
@@ -559,28 +608,71 @@ class L2Operations(pyfuse3.Operations):
         self.reserve(None, len(data))
         return self._new_handle(_Handle(n, buf=bytearray(data), append=bool(flags & os.O_APPEND)))
 
-    async def snapshot(self, n: _Node) -> memoryview:
+    async def snapshot(self, n: _Node) -> tuple[memoryview | None, tuple[bool, bool]]:
         """The current published content of n, shared by all read-only opens: reused while l2fs still
-        holds the same (size, crc32c), fetched once (CRC-verified by the client) when it changed."""
+        holds the same (size, crc32c), fetched once (CRC-verified by the client) when it changed.
+        Also says how the kernel may cache it (DIRECT, BYPASS, FRESH or KEEP; with KEEP no snapshot is
+        fetched until a read misses the kept pages)."""
         if n.lock is None:
             n.lock = trio.Lock()
         async with n.lock:  # concurrent opens of one inode wait for one fetch instead of making N copies
-            if n.snap is not None:
+            ident: tuple[int, int] | None = None
+            # The identity costs a Stat RPC; it is worth it when there is something to reuse: a shared
+            # snapshot, or (page-cache mode) kernel pages of a version served before.
+            if n.snap is not None or not self.direct_io:
                 info = await self.call(self.client.stat, self.l2(n.path))
                 if info is None or info.is_dir:
                     raise pyfuse3.FUSEError(errno.ENOENT)
-                if n.snap_ident is None:
+                ident = (info.size, info.crc32c)
+                if n.snap is not None and n.snap_ident is None:
                     snap = n.snap
                     n.snap_ident = (len(snap), await trio.to_thread.run_sync(crc32c_fast, snap))
-                if (info.size, info.crc32c) == n.snap_ident:
-                    return n.snap
-            data = await self.call(self.client.get, self.l2(n.path))
-            if data is None:  # miss: gone, evicted, or its worker is down
-                raise pyfuse3.FUSEError(errno.ENOENT)
-            n.snap, n.snap_ident = memoryview(data), None  # handles on the old snapshot keep their own ref
-            if not n.local:
-                n.size = len(data)
-            return n.snap
+                if n.snap is None and n.kident == ident and not n.local and not self.direct_io:
+                    return None, KEEP  # the kernel holds this version's pages: fetch only if it asks
+            shared_cache = True
+            if n.snap is None or n.snap_ident != ident:
+                # Handles still open on an older snapshot would fill the inode's page cache with old bytes:
+                # while they live, opens of the new version bypass the page cache.
+                shared_cache = n.readers == 0
+                n.snap = await self.fetch(n)  # handles on an older snapshot keep their own reference
+                # the client checked the bytes against the CRC of the version it located, which is the one
+                # stat saw or a newer one: a newer one leaves ident unknown (no reuse, no kept pages)
+                n.snap_ident = ident if ident is not None and len(n.snap) == ident[0] else None
+                if not n.local:
+                    n.size = len(n.snap)
+            if self.direct_io:
+                return n.snap, DIRECT
+            if not shared_cache or n.snap_direct or n.local:  # n.local: the size shown is a writer's
+                n.snap_direct = True
+                n.kident = None  # pages of two versions may end up cached: never keep them later
+                return n.snap, BYPASS
+            keep = n.kident is not None and n.kident == n.snap_ident
+            if n.kident is not None and not keep:  # another version: the kernel's size of n is stale too
+                pyfuse3.invalidate_inode(n.ino, attr_only=True)
+            n.kident = n.snap_ident
+            return n.snap, KEEP if keep else FRESH
+
+    async def fetch(self, n: _Node) -> memoryview:
+        """Whole published file into a pooled buffer (sized from the last stat; a grown file falls back)."""
+        path = self.l2(n.path)
+        if n.size > 0:
+            buf = self.pool.take(n.size)
+
+            def get_into() -> int | None:
+                try:
+                    return self.client.get_into(path, buf)
+                except ValueError:  # the buffer is too small: the file grew since the last stat
+                    return -1
+
+            got = await self.call(get_into)
+            if got is None:
+                raise pyfuse3.FUSEError(errno.ENOENT)  # miss: gone, evicted, or its worker is down
+            if got >= 0:
+                return memoryview(buf)[:got]
+        data = await self.call(self.client.get, path)
+        if data is None:  # miss: gone, evicted, or its worker is down
+            raise pyfuse3.FUSEError(errno.ENOENT)
+        return memoryview(data)
 
     async def create(self, parent_inode: int, name: bytes, mode: int, flags: int,
                      ctx: pyfuse3.RequestContext) -> tuple[pyfuse3.FileInfo, pyfuse3.EntryAttributes]:
@@ -595,13 +687,32 @@ class L2Operations(pyfuse3.Operations):
         fi = self._new_handle(_Handle(n, buf=bytearray(), append=bool(flags & os.O_APPEND), dirty=True))
         return fi, self.attrs(n)
 
-    async def read(self, fh: int, off: int, size: int) -> bytes | memoryview:
+    # pyfuse3 replies with any buffer; its stub says bytes, but a memoryview slice saves a copy per read
+    async def read(self, fh: int, off: int, size: int) -> bytes | memoryview:  # type: ignore[override]
         h = self.handles.get(fh)
         if h is None:
             raise pyfuse3.FUSEError(errno.EBADF)
+        if h.data is None and h.want is not None:
+            h.data = await self.lazy_snapshot(h.node, h.want)
         if h.data is not None:
             return h.data[off:off + size]
         return bytes(h.buf[off:off + size])
+
+    async def lazy_snapshot(self, n: _Node, want: tuple[int, int]) -> memoryview:
+        """The snapshot of a handle opened on kept pages, fetched when the kernel lacks one of them. The
+        bytes must be the very version those pages hold (size and CRC32C), or the file would be torn: EIO."""
+        assert n.lock is not None
+        async with n.lock:
+            if n.snap is not None and n.snap_ident == want:
+                return n.snap
+            view = await self.fetch(n)
+            if len(view) != want[0] or await trio.to_thread.run_sync(crc32c_fast, view) != want[1]:
+                log.warning("%s changed while its kept pages were read: EIO", n.path)
+                n.kident = None
+                raise pyfuse3.FUSEError(errno.EIO)
+            if n.snap is None:
+                n.snap, n.snap_ident = view, want
+            return view
 
     async def write(self, fh: int, off: int, buf: bytes) -> int:
         h = self.handles.get(fh)
@@ -642,7 +753,9 @@ class L2Operations(pyfuse3.Operations):
             n.readers -= 1
             h.data = None
             if n.readers <= 0:  # the last reader: free the snapshot (the kernel page cache may keep pages)
-                n.snap, n.snap_ident = None, None
+                if n.snap is not None:
+                    self.pool.give(n.snap)
+                n.snap, n.snap_ident, n.snap_direct = None, None, False
         else:
             try:
                 await self.publish(h)
@@ -670,13 +783,12 @@ def spawn(mountpoint: str | os.PathLike[str], master: str, *args: str, log: str 
     if mount_type(mp) == "fuse.l2fs":
         raise RuntimeError(f"{mp} already has an l2fs mount; unmount it first: fusermount3 -u {mp}")
     os.makedirs(mp, exist_ok=True)
-    out = open(log, "ab") if log else subprocess.DEVNULL  # noqa: SIM115 - handed to the child
-    try:
-        proc = subprocess.Popen([sys.executable, "-m", "l2fs.cli", "mount", mp, "--master", master, *args],
-                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    finally:
-        if log:
-            out.close()
+    cmd = [sys.executable, "-m", "l2fs.cli", "mount", mp, "--master", master, *args]
+    if log:
+        with open(log, "ab") as out:  # the child keeps its own copy of the descriptor
+            proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    else:
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True)
     deadline = time.monotonic() + timeout
     while mount_type(mp) != "fuse.l2fs":
         if proc.poll() is not None or time.monotonic() > deadline:
