@@ -23,11 +23,13 @@ from typing import Any
 
 import yaml
 
-HASH_SEED = "0"
-DEFAULT_PREFIX = "/kvtier/kv"
+from kvtier import contract
+
+HASH_SEED = contract.HASH_SEED
+DEFAULT_PREFIX = contract.KV_PREFIX
 
 
-def lmcache_config(*, chunk_size: int = 256, l1_gb: float = 2.0, l2fs_master: str | None = None,
+def lmcache_config(*, chunk_size: int = contract.CHUNK_SIZE, l1_gb: float = 2.0, l2fs_master: str | None = None,
                    mount_path: str | None = None, node_id: str | None = None, prefix: str = DEFAULT_PREFIX,
                    l2_timeout: float = 1.0, extra: dict[str, Any] | None = None) -> dict[str, Any]:
     """The LMCache (in-process, LMCacheConnectorV1) config as a dict (dump it as YAML)."""
@@ -40,23 +42,24 @@ def lmcache_config(*, chunk_size: int = 256, l1_gb: float = 2.0, l2fs_master: st
         "local_cpu": True,
         "max_local_cpu_size": l1_gb,
         "save_unfull_chunk": False,
-        "pre_caching_hash_algorithm": "builtin",
+        "pre_caching_hash_algorithm": contract.HASH_ALGORITHM,
         "remote_serde": "naive",
         "blocking_timeout_secs": 10,
         "extra_config": {},
     }
     ex = cfg["extra_config"]
     if l2fs_master:
-        cfg["remote_storage_plugins"] = ["l2fs"]
+        plug = f"remote_storage_plugin.{contract.PLUGIN_NAME}"
+        cfg["remote_storage_plugins"] = [contract.PLUGIN_NAME]
         ex.update({
-            "remote_storage_plugin.l2fs.module_path": "connector.lmcache_l2fs",
-            "remote_storage_plugin.l2fs.class_name": "L2fsConnectorAdapter",
-            "remote_storage_plugin.l2fs.master": l2fs_master,
-            "remote_storage_plugin.l2fs.prefix": prefix,
-            "remote_storage_plugin.l2fs.timeout": l2_timeout,
+            f"{plug}.module_path": contract.PLUGIN_MODULE,
+            f"{plug}.class_name": contract.PLUGIN_CLASS,
+            f"{plug}.master": l2fs_master,
+            f"{plug}.prefix": prefix,
+            f"{plug}.timeout": l2_timeout,
         })
         if node_id:
-            ex["remote_storage_plugin.l2fs.node_id"] = node_id
+            ex[f"{plug}.node_id"] = node_id
     elif mount_path:
         cfg["remote_storage_plugins"] = ["fs"]
         ex["remote_storage_plugin.fs.base_path"] = str(Path(mount_path) / prefix.strip("/"))
@@ -149,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     l2.add_argument("--mount", help="l2fs FUSE mount path (LMCache's fs connector)")
     p.add_argument("--node-id", help="this replica's node (l2fs local-first placement)")
     p.add_argument("--l1-gb", type=float, default=2.0, help="LMCache L1 (host memory) size, GB")
-    p.add_argument("--chunk-size", type=int, default=256)
+    p.add_argument("--chunk-size", type=int, default=contract.CHUNK_SIZE)
     p.add_argument("--prefix", default=DEFAULT_PREFIX, help="l2fs directory for chunks")
     p.add_argument("--kv-cache-gb", type=float, default=2.0, help="vLLM CPU KV cache (L0), GB")
     p.add_argument("--port", type=int, default=8000)

@@ -17,10 +17,9 @@ import socket
 import time
 from typing import Any
 
-from connector.keys import esc
+from kvtier.contract import META_PREFIX, esc
 
 log = logging.getLogger("kvtier.connector.fingerprint")
-META_PREFIX = "/kvtier/meta"
 KEY_FIELDS = ("model_name", "kv_dtype", "chunk_size", "hash_algorithm", "python_hash_seed", "world_size")
 
 try:  # optional: a counter in whatever registry this process exports

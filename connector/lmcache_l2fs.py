@@ -42,10 +42,11 @@ from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
 from connector import keys as ckeys
 from connector.fingerprint import record_and_check
 from connector.logs import ensure_log_handler
+from kvtier import contract
 
 log = logging.getLogger("kvtier.connector.l2fs")
 ensure_log_handler()
-PLUGIN_TYPE = "l2fs"
+PLUGIN_TYPE = contract.PLUGIN_NAME
 T = TypeVar("T")
 
 
@@ -125,7 +126,7 @@ class L2fsConnector(RemoteConnector):
         if not self.master:
             raise ValueError(f"l2fs plugin: set remote_storage_plugin.{plugin}.master or $L2FS_MASTER")
         self.node_id = _opt(cfg, plugin, "node_id") or os.environ.get("L2FS_NODE_ID", "")
-        self.prefix = str(_opt(cfg, plugin, "prefix", "/kvtier/kv")).rstrip("/") or "/kvtier/kv"
+        self.prefix = str(_opt(cfg, plugin, "prefix", contract.KV_PREFIX)).rstrip("/") or contract.KV_PREFIX
         timeout = float(_opt(cfg, plugin, "timeout", 1.0))
         self.client = Client(self.master, node_id=self.node_id, timeout=timeout,
                              token=_opt(cfg, plugin, "token"))

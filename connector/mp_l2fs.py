@@ -28,6 +28,7 @@ from lmcache.v1.platform import create_event_notifier
 
 from connector import keys as ckeys
 from connector.logs import ensure_log_handler
+from kvtier import contract
 
 log = logging.getLogger("kvtier.connector.mp_l2fs")
 ensure_log_handler()
@@ -36,9 +37,9 @@ ensure_log_handler()
 class L2fsL2AdapterConfig(L2AdapterConfigBase):
     """adapter_params: master (or $L2FS_MASTER), node_id, prefix (/kvtier/mp), timeout (s), threads."""
 
-    def __init__(self, master: str, node_id: str = "", prefix: str = "/kvtier/mp", timeout: float = 2.0,
+    def __init__(self, master: str, node_id: str = "", prefix: str = contract.MP_PREFIX, timeout: float = 2.0,
                  threads: int = 8) -> None:
-        self.master, self.node_id, self.prefix = master, node_id, prefix.rstrip("/") or "/kvtier/mp"
+        self.master, self.node_id, self.prefix = master, node_id, prefix.rstrip("/") or contract.MP_PREFIX
         self.timeout, self.threads = timeout, threads
 
     @classmethod
@@ -51,7 +52,7 @@ class L2fsL2AdapterConfig(L2AdapterConfigBase):
         if timeout <= 0 or threads <= 0:
             raise ValueError("l2fs L2 adapter: timeout and threads must be positive")
         return cls(master, str(d.get("node_id") or os.environ.get("L2FS_NODE_ID", "")),
-                   str(d.get("prefix", "/kvtier/mp")), timeout, threads)
+                   str(d.get("prefix", contract.MP_PREFIX)), timeout, threads)
 
     @classmethod
     def help(cls) -> str:
