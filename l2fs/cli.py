@@ -18,6 +18,7 @@ servers:
   worker   --master HOST:PORT --data-dir PATH[:CAP] [--data-dir ...] --node-id NAME [--port 8997]
   local    --workers 2 --dir ./.l2fs            (master + N workers on loopback until Ctrl-C)
   mount    see `l2fs mount --help`              (FUSE mount)
+  netns    up|cleanup|exec|list                 (network-namespace nodes, see docs/netns.md)
 files (--master HOST:PORT or $L2FS_MASTER):
   put LOCAL_FILE|- PATH [--overwrite]   get PATH [LOCAL_FILE]   cat PATH
   ls [PATH] [--json]   stat PATH [--json]   rm PATH   mkdir PATH   mv SRC DST   report [--json]
@@ -155,6 +156,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         from l2fs.local import main as run
     elif cmd == "mount":
         from l2fs.fuse import main as run
+    elif cmd == "netns":
+        from l2fs.netns import main as run
     elif cmd in ("put", "get", "cat", "ls", "stat", "rm", "mkdir", "mv", "report"):
         return _files(cmd, rest)
     else:
