@@ -9,7 +9,8 @@ import os
 import socket
 import sys
 
-from router.policy import STRATEGIES
+from kvtier import contract
+from kvtier.contract import STRATEGIES
 
 
 def _split(v: str | None) -> list[str]:
@@ -20,7 +21,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvtier router", description=__doc__)
     p.add_argument("--replicas", default=os.environ.get("KVTIER_REPLICAS", ""),
                    help="comma-separated replica base URLs (http://host:8000,...)")
-    p.add_argument("--strategy", default="prefixaware", help=f"default strategy: {', '.join(STRATEGIES)} "
+    p.add_argument("--strategy", default=contract.DEFAULT_STRATEGY, help=f"default strategy: {', '.join(STRATEGIES)} "
                    "(per request: header X-Kvtier-Strategy)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8080, help="0 picks a free port (printed on stdout)")
@@ -55,12 +56,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--k8s-kv-replay-port", default=None, help="KV events replay port (number or port name)")
     p.add_argument("--k8s-api", default=None, help="API server URL (default: in-cluster config, then kubeconfig)")
     p.add_argument("--l2fs-master", default=None, help="host:port of the l2fs master (kvaware L2 presence)")
-    p.add_argument("--l2fs-prefix", default="/kvtier/kv", help="l2fs directory the connector writes chunks under")
-    p.add_argument("--l2fs-chunk-size", type=int, default=256, help="LMCache chunk size in tokens")
+    p.add_argument("--l2fs-mode", default="plugin", choices=contract.L2_MODES,
+                   help="how the replicas write L2 chunks: plugin (connector.lmcache_l2fs) or mount "
+                        "(LMCache fs:// on an l2fs mount); decides the file names looked up")
+    p.add_argument("--l2fs-prefix", default=contract.KV_PREFIX,
+                   help="l2fs directory the replicas write chunks under")
+    p.add_argument("--l2fs-chunk-size", type=int, default=contract.CHUNK_SIZE, help="LMCache chunk size in tokens")
     p.add_argument("--l2fs-model-name", default=None,
                    help="model name in LMCache keys (the replicas' --model; default: the request's model)")
     p.add_argument("--l2fs-dtype", default="float", help="LMCache dtype string of the KV (float, half, bfloat16)")
-    p.add_argument("--l2fs-hash-seed", default="0",
+    p.add_argument("--l2fs-hash-seed", default=contract.HASH_SEED,
                    help="the replicas' PYTHONHASHSEED (LMCache's builtin chunk hash depends on it)")
     p.add_argument("--log-level", default="info")
     return p
@@ -107,15 +112,15 @@ def main(argv: list[str] | None = None) -> int:
                                  api_url=args.k8s_api)
     l2_lookup = None
     if args.l2fs_master:
-        if os.environ.get("PYTHONHASHSEED") != args.l2fs_hash_seed:
-            # the interpreter's str-hash seed feeds LMCache's chunk hashes: restart with the replicas' seed
-            env = dict(os.environ, PYTHONHASHSEED=args.l2fs_hash_seed)
-            os.execve(sys.executable, [sys.executable, "-m", "router.cli", *(sys.argv[1:] if argv is None
-                                                                             else argv)], env)
         from router.l2 import L2Lookup
 
-        l2_lookup = L2Lookup(args.l2fs_master, prefix=args.l2fs_prefix, chunk_size=args.l2fs_chunk_size,
-                             model_name=args.l2fs_model_name, dtype=args.l2fs_dtype)
+        try:
+            l2_lookup = L2Lookup(args.l2fs_master, mode=args.l2fs_mode, prefix=args.l2fs_prefix,
+                                 chunk_size=args.l2fs_chunk_size, hash_seed=args.l2fs_hash_seed,
+                                 model_name=args.l2fs_model_name, dtype=args.l2fs_dtype)
+        except ValueError as e:
+            print(f"kvtier router: {e}", file=sys.stderr)
+            return 2
     cfg = RouterConfig(
         replicas=replicas, strategy=args.strategy, tokenizer=args.tokenizer, block_size=args.block_size,
         api_key=args.api_key, upstream_api_key=args.upstream_api_key, max_body_bytes=args.max_body_bytes,

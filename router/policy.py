@@ -17,10 +17,9 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from kvtier.contract import STRATEGIES  # re-exported: router.policy.STRATEGIES stays importable
 from router.index import KVIndex, PrefixTree, block_keys, root_key
 from router.replicas import Replica
-
-STRATEGIES = ("roundrobin", "session", "prefixaware", "kvaware")
 
 
 class UnknownStrategy(ValueError):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -12,27 +13,54 @@ import pytest
 from router_helpers import PY, ROOT, Proc, _spawn
 
 LocalCluster = pytest.importorskip("l2fs.local").LocalCluster
-pytest.importorskip("lmcache")
+if importlib.util.find_spec("lmcache") is None:  # the reference side needs it; this process never imports it
+    pytest.skip("lmcache not installed", allow_module_level=True)
 
-# The connector's side, in a process with the replicas' hash seed: LMCache's own CacheEngineKeys for the
-# prompt (ChunkedTokenDatabase + metadata, as in the engine) named by connector.keys, as the connector does.
+# The replicas' side, in a process with their hash seed: LMCache's own CacheEngineKeys for the prompt
+# (ChunkedTokenDatabase + metadata, as in the engine), named as each L2 mode names them: plugin mode by
+# connector.keys (the connector), mount mode by LMCache's FSConnector under base_path <mount>/kvtier/kv
+# (its l2fs path is that relative to the mount root).
 CONNECTOR_PATHS = r"""
 import json, sys, types, torch
+from pathlib import PurePosixPath
 from lmcache.v1.token_database import ChunkedTokenDatabase
+from lmcache.v1.storage_backend.connector.fs_connector import FSConnector
 from connector.keys import key_path
-meta = types.SimpleNamespace(model_name="tiny-model", world_size=1, worker_id=0, kv_dtype=torch.float32,
+meta = types.SimpleNamespace(model_name=sys.argv[2], world_size=1, worker_id=0, kv_dtype=torch.float32,
                              use_mla=False)
 db = ChunkedTokenDatabase(None, meta)
 tokens = json.loads(sys.argv[1])
-print(json.dumps([key_path("/kvtier/kv", k) for _s, _e, k in db.process_tokens(tokens=tokens)]))
+fs = object.__new__(FSConnector)  # _get_file_name reads only the key
+keys = [k for _s, _e, k in db.process_tokens(tokens=tokens)]
+print(json.dumps({"plugin": [key_path("/kvtier/kv", k) for k in keys],
+                  "mount": [str(PurePosixPath("/kvtier/kv") / fs._get_file_name(k)) for k in keys]}))
 """
 
 
-def connector_paths(tokens: list[int]) -> list[str]:
-    out = subprocess.run([sys.executable, "-c", CONNECTOR_PATHS, json.dumps(tokens)], capture_output=True,
+def connector_paths(tokens: list[int], mode: str = "plugin", model: str = "tiny-model") -> list[str]:
+    out = subprocess.run([sys.executable, "-c", CONNECTOR_PATHS, json.dumps(tokens), model], capture_output=True,
                          text=True, cwd=ROOT, env=dict(os.environ, PYTHONHASHSEED="0", PYTHONPATH=str(ROOT)),
                          timeout=300, check=True)
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return json.loads(out.stdout.strip().splitlines()[-1])[mode]
+
+
+@pytest.mark.parametrize("mode", ["plugin", "mount"])
+def test_l2_lookup_finds_chunks_as_each_mode_writes_them(mode: str, tmp_path: Path) -> None:
+    """In-process L2Lookup (no LMCache in this process) against a real l2fs holding a chunk gap."""
+    from l2fs.client import Client
+    from router.l2 import L2Lookup
+
+    tokens = [(i * 37) % 32000 for i in range(5 * 256 + 10)]
+    paths = connector_paths(tokens, mode, "org/Model-7B")[:5]
+    with LocalCluster(tmp_path / "l2", workers=1) as l2, Client(l2.master) as c:
+        for p in paths[:3] + paths[4:]:  # chunk 3 missing: only the first three count
+            c.put(p, b"kv-bytes")
+        lk = L2Lookup(l2.master, mode=mode, model_name="org/Model-7B")
+        assert lk.paths(tokens, "ignored") == paths
+        assert lk.lookup(tokens, "ignored") == 3 * 256
+        assert lk.errors == 0
+        other = "plugin" if mode == "mount" else "mount"
+        assert L2Lookup(l2.master, mode=other, model_name="org/Model-7B").lookup(tokens, "x") == 0
 
 
 def test_router_sees_l2_prefix_and_treats_l2_failure_as_miss(cluster, tmp_path: Path):
@@ -66,3 +94,12 @@ def test_router_sees_l2_prefix_and_treats_l2_failure_as_miss(cluster, tmp_path: 
         r = rt.post("/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 1})
         assert r.status_code == 200 and "x-kvtier-l2-tokens" not in r.headers
         c.close()
+
+
+@pytest.mark.unit
+def test_router_imports_no_connector_lmcache_or_vllm() -> None:
+    code = ("import sys, router.cli, router.app, router.l2, router.policy; "
+            "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('connector', 'lmcache', 'vllm', 'torch')); "
+            "print(bad); sys.exit(1 if bad else 0)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
