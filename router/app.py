@@ -27,7 +27,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.requests import ClientDisconnect
 
-from router.kvevents import KVEventSubscriber
+from router.kvevents import DROPPED, KVEventSubscriber
 from router.metrics import Metrics
 from router.policy import STRATEGIES, Decision, Policy, UnknownStrategy
 from router.replicas import Replica, ReplicaSet
@@ -143,7 +143,10 @@ class Router:
 
     # -- membership -------------------------------------------------------------------------------
     def _kv_change(self, replica: str, what: str, n: int) -> None:
-        self.m.kv_events.labels(replica, what).inc(n)
+        if what == DROPPED:
+            self.m.kv_dropped.labels(replica).inc(n)
+        else:
+            self.m.kv_events.labels(replica, what).inc(n)
 
     def _added(self, r: Replica) -> None:
         self.m.healthy.labels(r.url).set(1)

@@ -71,22 +71,40 @@ def decode_batch(payload: bytes) -> tuple[float, list[dict[str, Any]], int | Non
     return float(ts or 0.0), [decode_event(e) for e in events], dp
 
 
+DROPPED = "dropped"  # count key of events that were skipped as malformed
+# What a well-typed-but-malformed event raises in the index (missing field, wrong type or shape).
+MALFORMED = (KeyError, TypeError, ValueError, IndexError, AttributeError)
+
+
+def _apply_one(index: KVIndex, replica: str, ev: dict[str, Any]) -> None:
+    kind = ev["type"]
+    if kind == "BlockStored":
+        spec = ev.get("kv_cache_spec_kind")
+        if spec not in (None, "full_attention") or ev.get("kv_cache_spec_sliding_window"):
+            return  # sliding-window / mamba groups do not make a reusable prefix
+        index.stored(replica, ev["block_hashes"], ev.get("parent_block_hash"), ev["token_ids"],
+                     int(ev["block_size"]), ev.get("medium"), ev.get("lora_name"), ev.get("extra_keys"))
+    elif kind == "BlockRemoved":
+        index.removed(replica, ev["block_hashes"], ev.get("medium"))
+    else:
+        index.clear(replica)
+
+
 def apply_events(index: KVIndex, replica: str, events: list[dict[str, Any]]) -> dict[str, int]:
-    """Fold decoded events into the index; returns counts per event type."""
+    """Fold decoded events into the index; returns counts per event type (and DROPPED).
+
+    One malformed event (e.g. BlockStored without token_ids) is skipped and counted: the rest of the batch
+    and of the stream is still good, and dropping the subscriber for it would blind kvaware to the replica.
+    """
     counts: dict[str, int] = {}
     for ev in events:
-        kind = ev["type"]
-        counts[kind] = counts.get(kind, 0) + 1
-        if kind == "BlockStored":
-            spec = ev.get("kv_cache_spec_kind")
-            if spec not in (None, "full_attention") or ev.get("kv_cache_spec_sliding_window"):
-                continue  # sliding-window / mamba groups do not make a reusable prefix
-            index.stored(replica, ev["block_hashes"], ev.get("parent_block_hash"), ev["token_ids"],
-                         int(ev["block_size"]), ev.get("medium"), ev.get("lora_name"), ev.get("extra_keys"))
-        elif kind == "BlockRemoved":
-            index.removed(replica, ev["block_hashes"], ev.get("medium"))
-        else:
-            index.clear(replica)
+        try:
+            _apply_one(index, replica, ev)
+        except MALFORMED as e:
+            counts[DROPPED] = counts.get(DROPPED, 0) + 1
+            log.warning("replica %s: dropped malformed KV event %.120r: %r", replica, ev, e)
+            continue
+        counts[ev["type"]] = counts.get(ev["type"], 0) + 1
     return counts
 
 
@@ -98,6 +116,7 @@ class SubscriberStats:
     replays: int = 0
     purges: int = 0
     decode_errors: int = 0
+    restarts: int = 0  # times the subscriber loop died and was restarted
     last_seq: int | None = None
     lag_s: list[float] = field(default_factory=list)  # recent event-to-index lags (ts -> applied)
 
@@ -107,7 +126,7 @@ class KVEventSubscriber:
 
     def __init__(self, replica: str, endpoint: str, index: KVIndex, *, replay_endpoint: str | None = None,
                  topic: str = "", on_change: Callable[[str, str, int], None] | None = None,
-                 replay_timeout: float = 2.0) -> None:
+                 replay_timeout: float = 2.0, backoff: float = 0.2, max_backoff: float = 10.0) -> None:
         self.replica = replica
         self.endpoint = endpoint
         self.replay_endpoint = replay_endpoint
@@ -116,12 +135,13 @@ class KVEventSubscriber:
         self.stats = SubscriberStats()
         self._on_change = on_change or (lambda replica, what, n: None)
         self._replay_timeout = replay_timeout
+        self._backoff, self._max_backoff = backoff, max_backoff
         self._ctx = zmq.asyncio.Context.instance()
         self._task: asyncio.Task[None] | None = None
         self.ready = asyncio.Event()  # set once connected and caught up
 
     def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._run(), name=f"kvevents:{self.replica}")
+        self._task = asyncio.get_running_loop().create_task(self._supervise(), name=f"kvevents:{self.replica}")
 
     async def stop(self) -> None:
         if self._task:
@@ -199,6 +219,26 @@ class KVEventSubscriber:
             self.stats.replays += 1
             self._on_change(self.replica, "replay", 1)
 
+    async def _supervise(self) -> None:
+        """Run the subscriber loop forever: if it dies, purge (we lost track), back off and reconnect."""
+        delay = self._backoff
+        while True:
+            started = time.monotonic()
+            try:
+                await self._run()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # noqa: BLE001 - any bug or socket fault: restart, never stay blind
+                log.exception("replica %s: KV event subscriber died; restarting in %.1fs", self.replica, delay)
+            self.purge("subscriber_error")
+            self.stats.restarts += 1
+            self.stats.last_seq = None
+            self._on_change(self.replica, "restart", 1)
+            if time.monotonic() - started > 60:
+                delay = self._backoff  # it ran fine for a while: this is a new fault, not a crash loop
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, self._max_backoff)
+
     async def _run(self) -> None:
         sub = self._ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.LINGER, 0)
@@ -232,11 +272,6 @@ class KVEventSubscriber:
                     else:
                         self.purge("gap")
                 self._apply(seq, frames[2])
-        except asyncio.CancelledError:
-            raise
-        except Exception:
-            log.exception("replica %s: KV event subscriber died", self.replica)
-            self.purge("subscriber_error")
         finally:
             self.ready.set()
             sub.close(linger=0)

@@ -37,6 +37,8 @@ class Metrics:
         self.healthy = Gauge("kvtier_router_replica_up", "1 if the replica takes traffic", ["replica"], registry=r)
         self.kv_events = Counter("kvtier_router_kv_events", "KV events applied (and gaps/replays/purges)",
                                  ["replica", "type"], registry=r)
+        self.kv_dropped = Counter("kvtier_router_kv_events_dropped", "Malformed KV events skipped (not indexed)",
+                                  ["replica"], registry=r)
         self.kv_blocks = Gauge("kvtier_router_kv_index_blocks", "Blocks in the KV-event index", registry=r)
         self.tree_blocks = Gauge("kvtier_router_prefix_tree_blocks", "Blocks in the approximate prefix tree",
                                  registry=r)
