@@ -156,46 +156,38 @@ def measure(args: argparse.Namespace, base: Path, data: bytes) -> dict[str, list
 
 def result_rows(t: dict[str, list[float]], size: int, batch: int) -> list[tuple[str, str, str, str]]:
     """(case, throughput, median, ratio to its reference) per case."""
-    plain_r, sc_r, sc_into = gbps(size, t['plain_r']), gbps(size, t['sc_r']), gbps(size, t['sc_into'])
-    grpc_r, grpc_into, tcp = gbps(size, t['grpc_r']), gbps(size, t['grpc_into']), gbps(size, t['tcp'])
-    dp_r, dp_into = gbps(size, t['dp_r']), gbps(size, t['dp_into'])
-    plain_into, tcp2 = gbps(size, t['plain_into']), gbps(size, t['tcp2'])
-    plain_w, sc_w, grpc_w = gbps(size, t['plain_w']), gbps(size, t['sc_w']), gbps(size, t['grpc_w'])
-    tcp_w = gbps(size, t['tcp_w'])
-    return [
-        ("plain local file read", f"{plain_r:.2f} GB/s", f"{statistics.median(t['plain_r']) * 1e3:.2f} ms", "1.00x"),
-        ("same-node get (short-circuit)", f"{sc_r:.2f} GB/s", f"{statistics.median(t['sc_r']) * 1e3:.2f} ms",
-         f"{sc_r / plain_r:.2f}x of plain"),
-        ("plain local file readinto", f"{plain_into:.2f} GB/s", f"{statistics.median(t['plain_into']) * 1e3:.2f} ms",
-         "1.00x"),
-        ("same-node get_into (short-circuit)", f"{sc_into:.2f} GB/s",
-         f"{statistics.median(t['sc_into']) * 1e3:.2f} ms", f"{sc_into / plain_into:.2f}x of plain readinto"),
-        ("raw loopback TCP stream", f"{tcp:.2f} GB/s", f"{statistics.median(t['tcp']) * 1e3:.2f} ms", "1.00x"),
-        ("cross-node get (TCP data plane)", f"{dp_r:.2f} GB/s", f"{statistics.median(t['dp_r']) * 1e3:.2f} ms",
-         f"{dp_r / tcp:.2f}x of TCP; {dp_r / 1.84:.2f}x of 1.84 GB/s"),
-        ("raw loopback TCP stream (2nd pairing)", f"{tcp2:.2f} GB/s", f"{statistics.median(t['tcp2']) * 1e3:.2f} ms",
-         "1.00x"),
-        ("cross-node get_into (TCP data plane)", f"{dp_into:.2f} GB/s",
-         f"{statistics.median(t['dp_into']) * 1e3:.2f} ms", f"{dp_into / tcp2:.2f}x of TCP (2nd); "
-         f"{dp_into / 1.84:.2f}x of 1.84 GB/s"),
-        ("cross-node get (gRPC stream)", f"{grpc_r:.2f} GB/s", f"{statistics.median(t['grpc_r']) * 1e3:.2f} ms",
-         f"{grpc_r / tcp:.2f}x of TCP; {grpc_r / 1.84:.2f}x of 1.84 GB/s"),
-        ("cross-node get_into (gRPC stream)", f"{grpc_into:.2f} GB/s", f"{statistics.median(t['grpc_into']) * 1e3:.2f} ms",
-         f"{grpc_into / tcp:.2f}x of TCP"),
-        ("plain local file write", f"{plain_w:.2f} GB/s", f"{statistics.median(t['plain_w']) * 1e3:.2f} ms", "1.00x"),
-        ("same-node put (short-circuit)", f"{sc_w:.2f} GB/s", f"{statistics.median(t['sc_w']) * 1e3:.2f} ms",
-         f"{sc_w / plain_w:.2f}x of plain"),
-        ("remote put (TCP data plane)", f"{tcp_w:.2f} GB/s", f"{statistics.median(t['tcp_w']) * 1e3:.2f} ms",
-         f"{tcp_w / plain_w:.2f}x of plain"),
-        ("remote put (gRPC stream)", f"{grpc_w:.2f} GB/s", f"{statistics.median(t['grpc_w']) * 1e3:.2f} ms",
-         f"{grpc_w / plain_w:.2f}x of plain"),
-        (f"stat_many ({batch} paths/call)", f"{batch / statistics.median(t['stat_many']):,.0f} paths/s",
-         f"{statistics.median(t['stat_many']) * 1e3:.3f} ms", f"{1 / statistics.median(t['stat_many']):,.0f} calls/s"),
-        (f"prefix_lookup ({batch} paths/call)", f"{batch / statistics.median(t['prefix']):,.0f} paths/s",
-         f"{statistics.median(t['prefix']) * 1e3:.3f} ms", f"{1 / statistics.median(t['prefix']):,.0f} calls/s"),
-        ("stat (1 path/call)", f"{1 / statistics.median(t['stat']):,.0f} ops/s",
-         f"{statistics.median(t['stat']) * 1e3:.3f} ms", ""),
+    g = {k: gbps(size, v) for k, v in t.items()}
+    med = {k: statistics.median(v) for k, v in t.items()}
+
+    def io(case: str, k: str, ratio: str) -> tuple[str, str, str, str]:
+        return case, f"{g[k]:.2f} GB/s", f"{med[k] * 1e3:.2f} ms", ratio
+
+    def of(k: str, ref: str, what: str) -> str:
+        return f"{g[k] / g[ref]:.2f}x of {what}"
+
+    def net(k: str) -> str:  # against the 1.84 GB/s goal
+        return f"{g[k] / 1.84:.2f}x of 1.84 GB/s"
+
+    rows = [
+        io("plain local file read", "plain_r", "1.00x"),
+        io("same-node get (short-circuit)", "sc_r", of("sc_r", "plain_r", "plain")),
+        io("plain local file readinto", "plain_into", "1.00x"),
+        io("same-node get_into (short-circuit)", "sc_into", of("sc_into", "plain_into", "plain readinto")),
+        io("raw loopback TCP stream", "tcp", "1.00x"),
+        io("cross-node get (TCP data plane)", "dp_r", f"{of('dp_r', 'tcp', 'TCP')}; {net('dp_r')}"),
+        io("raw loopback TCP stream (2nd pairing)", "tcp2", "1.00x"),
+        io("cross-node get_into (TCP data plane)", "dp_into", f"{of('dp_into', 'tcp2', 'TCP (2nd)')}; {net('dp_into')}"),
+        io("cross-node get (gRPC stream)", "grpc_r", f"{of('grpc_r', 'tcp', 'TCP')}; {net('grpc_r')}"),
+        io("cross-node get_into (gRPC stream)", "grpc_into", of("grpc_into", "tcp", "TCP")),
+        io("plain local file write", "plain_w", "1.00x"),
+        io("same-node put (short-circuit)", "sc_w", of("sc_w", "plain_w", "plain")),
+        io("remote put (TCP data plane)", "tcp_w", of("tcp_w", "plain_w", "plain")),
+        io("remote put (gRPC stream)", "grpc_w", of("grpc_w", "plain_w", "plain")),
     ]
+    for case, k in ((f"stat_many ({batch} paths/call)", "stat_many"), (f"prefix_lookup ({batch} paths/call)", "prefix")):
+        rows.append((case, f"{batch / med[k]:,.0f} paths/s", f"{med[k] * 1e3:.3f} ms", f"{1 / med[k]:,.0f} calls/s"))
+    rows.append(("stat (1 path/call)", f"{1 / med['stat']:,.0f} ops/s", f"{med['stat'] * 1e3:.3f} ms", ""))
+    return rows
 
 
 def print_table(rows: list[tuple[str, str, str, str]], size: int, iters: int) -> None:
