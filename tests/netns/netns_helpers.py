@@ -1,0 +1,104 @@
+"""Helpers for the network-namespace tests: TCP servers, probes and a throughput measurement made with
+sockets that live in the cluster's namespaces (no subprocess start-up in the measured path)."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+from l2fs.netns import NetnsCluster, Where
+
+
+def echo_server(c: NetnsCluster, where: Where) -> tuple[str, int]:
+    """A tiny server in the namespace, bound to its cluster address, that answers b"ok" to every
+    connection; returns (addr, port). Lives as a daemon thread until the test process exits."""
+    ns = c.ns(where)
+    srv = c.socket(ns)
+    srv.bind((ns.addr, 0))
+    srv.listen(16)
+
+    def serve() -> None:
+        while True:
+            try:
+                conn, _ = srv.accept()
+            except OSError:
+                return
+            with conn:
+                conn.sendall(b"ok")
+
+    threading.Thread(target=serve, daemon=True).start()
+    return ns.addr, srv.getsockname()[1]
+
+
+def reaches(c: NetnsCluster, where: Where, target: tuple[str, int], timeout: float = 1.0) -> bool:
+    """Whether a TCP connection from the namespace to target completes and reads the server's b"ok"."""
+    s = c.socket(where)
+    s.settimeout(timeout)
+    try:
+        s.connect(target)
+        return s.recv(2) == b"ok"
+    except OSError:
+        return False
+    finally:
+        s.close()
+
+
+def wait_reaches(c: NetnsCluster, where: Where, target: tuple[str, int], timeout: float = 5.0) -> bool:
+    """reaches() retried until timeout (a link just brought up needs a moment for its carrier)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if reaches(c, where, target, timeout=0.5):
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def throughput_bits(c: NetnsCluster, src: Where, dst: Where, nbytes: int) -> float:
+    """Send nbytes over one TCP connection from src to dst's address; bits/s from the first byte sent
+    to the receiver's acknowledgement that all arrived."""
+    srv = c.socket(dst)
+    srv.bind((c.ns(dst).addr, 0))
+    srv.listen(1)
+    got: list[int] = []
+
+    def sink() -> None:
+        conn, _ = srv.accept()
+        n = 0
+        while data := conn.recv(1 << 20):
+            n += len(data)
+        got.append(n)
+        conn.sendall(b"k")
+        conn.close()
+
+    t = threading.Thread(target=sink, daemon=True)
+    t.start()
+    cl = c.socket(src)
+    cl.settimeout(60)
+    cl.connect(srv.getsockname())
+    chunk = b"\0" * (1 << 20)
+    t0 = time.monotonic()
+    left = nbytes
+    while left > 0:
+        cl.sendall(chunk[:left])
+        left -= min(left, len(chunk))
+    cl.shutdown(socket.SHUT_WR)
+    assert cl.recv(1) == b"k"
+    elapsed = time.monotonic() - t0
+    t.join(10)
+    cl.close()
+    srv.close()
+    assert got == [nbytes]
+    return nbytes * 8 / elapsed
+
+
+def host_net() -> dict[str, str]:
+    """The host's own interfaces and routes (v4 and v6), to show a cluster leaves them alone."""
+    import subprocess
+
+    out = {}
+    for key, argv in {"links": ["ip", "-o", "link", "show"], "route4": ["ip", "-4", "route", "show", "table", "all"],
+                      "route6": ["ip", "-6", "route", "show", "table", "all"],
+                      "addrs": ["ip", "-o", "addr", "show"]}.items():
+        out[key] = subprocess.run(argv, capture_output=True, text=True, check=True).stdout
+    return out

@@ -1,0 +1,196 @@
+"""The namespace cluster itself: reachability over the bridge, an untouched host, the shaper as the bound,
+partitions, link and process faults, netem refusal, cleanup of crashed launchers, two launchers at once."""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from netns_helpers import echo_server, host_net, reaches, throughput_bits, wait_reaches
+
+from l2fs.netns import (
+    NETNS_DIR,
+    STATE_DIR,
+    NetnsCluster,
+    NetnsError,
+    cleanup,
+    netem_available,
+    parse_rate,
+)
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.unit
+def test_parse_rate_like_tc() -> None:
+    assert parse_rate("10gbit") == 10_000_000_000
+    assert parse_rate("2gbit") == 2_000_000_000
+    assert parse_rate("500mbit") == 500_000_000
+    assert parse_rate("1.5mbit") == 1_500_000
+    assert parse_rate("12mbps") == 96_000_000  # tc: bps = bytes per second
+    assert parse_rate("1mibit") == 1024 * 1024
+    assert parse_rate("64000") == 64_000  # bare number: bits per second
+    for bad in ("fast", "10 gigabit", "", "-5mbit", "1bit"):
+        with pytest.raises(NetnsError):
+            parse_rate(bad)
+
+
+def test_nodes_reach_each_other_and_host_is_untouched(netns_host: None) -> None:
+    before = host_net()
+    with NetnsCluster(3) as c:
+        assert host_net() == before, "the cluster added interfaces, addresses or routes to the host"
+        subnet = ipaddress.ip_network(c.describe()["subnet"])
+        addrs = [c.ctl.addr, *(n.addr for n in c.nodes)]
+        assert len(set(addrs)) == 4 and all(ipaddress.ip_address(a) in subnet for a in addrs)
+        assert all(ns.netns.startswith(c.prefix + "-") and (NETNS_DIR / ns.netns).exists()
+                   for ns in c.namespaces)
+        n2 = echo_server(c, 2)
+        ctl = echo_server(c, "ctl")
+        assert reaches(c, 1, n2) and reaches(c, 3, n2) and reaches(c, 2, ctl)
+        # the node namespaces see only their own address: nothing of the host's is there
+        out = c.run(1, ["ip", "-o", "-4", "addr", "show"], text=True).stdout
+        assert sorted(line.split()[3] for line in out.splitlines()) == sorted(
+            ["127.0.0.1/8", f"{c.nodes[0].addr}/{subnet.prefixlen}"])
+        names = [ns.netns for ns in c.namespaces]
+    assert host_net() == before
+    assert not any((NETNS_DIR / n).exists() for n in names)
+    assert not (STATE_DIR / f"{c.prefix}.json").exists()
+
+
+@pytest.mark.parametrize("netns_cluster", [{"nodes": 2, "link": "200mbit"}], indirect=True)
+def test_shaper_is_the_bound_and_rate_cut_is_live(netns_cluster: NetnsCluster) -> None:
+    c = netns_cluster
+    shaped = throughput_bits(c, 1, 2, 10_000_000)  # ~0.4 s at 200 Mbit/s
+    assert shaped < 2 * 200e6, f"{shaped / 1e6:.0f} Mbit/s over a 200mbit link: the shaper did not bind"
+    c.set_rate(2, "50mbit")  # node-2's link only; it is on the path both ways
+    cut = throughput_bits(c, 1, 2, 2_500_000)
+    assert cut < 2 * 50e6, f"{cut / 1e6:.0f} Mbit/s after a cut to 50mbit"
+    c.set_rate(1, None)
+    c.set_rate(2, None)
+    free = throughput_bits(c, 1, 2, 10_000_000)
+    # the same measurement without shapers is far above the rate, so the bounds above can fail
+    assert free > 2 * 200e6, f"unshaped veth only {free / 1e6:.0f} Mbit/s: the test cannot tell"
+
+
+def test_partition_cuts_one_pair_only_and_heals(netns_cluster: NetnsCluster) -> None:
+    c = netns_cluster
+    n2, ctl, n1 = echo_server(c, 2), echo_server(c, "ctl"), echo_server(c, 1)
+    assert reaches(c, 1, n2)
+    c.partition(1, 2)
+    assert not reaches(c, 1, n2, timeout=0.5)
+    assert not reaches(c, 2, n1, timeout=0.5)
+    assert reaches(c, 1, ctl) and reaches(c, 3, n2) and reaches(c, 2, ctl)
+    c.heal(1, 2)
+    assert reaches(c, 1, n2) and reaches(c, 2, n1)
+    with pytest.raises(NetnsError):
+        c.partition(1, 1)
+
+
+def test_link_down_up(netns_cluster: NetnsCluster) -> None:
+    c = netns_cluster
+    ctl = echo_server(c, "ctl")
+    c.link_down(1)
+    assert not reaches(c, 1, ctl, timeout=0.5)
+    assert reaches(c, 2, ctl)
+    c.link_up(1)
+    assert wait_reaches(c, 1, ctl)
+
+
+def _proc_state(pid: int) -> str:
+    return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+
+
+def test_process_faults(netns_cluster: NetnsCluster) -> None:
+    c = netns_cluster
+    p = c.popen(1, ["sleep", "60"])
+    _wait_exec(p.pid)
+    # it runs in node-1's network namespace, but shares our mount namespace (a node's FUSE mount is seen)
+    assert os.stat(f"/proc/{p.pid}/ns/net").st_ino == os.stat(NETNS_DIR / c.nodes[0].netns).st_ino
+    assert os.readlink(f"/proc/{p.pid}/ns/mnt") == os.readlink("/proc/self/ns/mnt")  # mounts stay shared
+    c.pause(p)
+    assert _wait_state(p.pid, "T")
+    c.resume(p)
+    assert _wait_state(p.pid, "S")
+    assert c.kill(p) == -signal.SIGKILL
+
+
+def _wait_exec(pid: int) -> bool:
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and Path(f"/proc/{pid}/comm").read_text().strip() != "sleep":
+        time.sleep(0.02)
+    return True
+
+
+def _wait_state(pid: int, want: str) -> bool:
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        if _proc_state(pid) == want:
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def test_delay_and_loss_need_netem(netns_cluster: NetnsCluster) -> None:
+    """This kernel has no netem: asking for delay/loss must fail clearly and leave nothing behind."""
+    if netem_available(netns_cluster.ctl.netns):
+        with NetnsCluster(1, delay="5ms"):
+            pass
+        return
+    before = sorted(os.listdir(NETNS_DIR))
+    with pytest.raises(NetnsError, match="netem"):
+        with NetnsCluster(1, delay="5ms"):
+            pass
+    with pytest.raises(NetnsError, match="netem"):
+        NetnsCluster(1, loss="1%").__enter__()
+    assert sorted(os.listdir(NETNS_DIR)) == before
+
+
+CRASHER = """
+import os, subprocess, sys
+from l2fs.netns import NetnsCluster
+c = NetnsCluster(2)
+c.start()
+p = c.popen(1, ["sleep", "300"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+print(c.prefix, p.pid, flush=True)
+os.kill(os.getpid(), 9)  # a launcher that dies without any cleanup
+"""
+
+
+def test_cleanup_removes_crashed_launcher_only(netns_cluster: NetnsCluster) -> None:
+    crashed = subprocess.run([sys.executable, "-c", CRASHER], capture_output=True, text=True, cwd=ROOT,
+                             timeout=60)
+    assert crashed.returncode == -signal.SIGKILL, crashed.stderr
+    prefix, pid = crashed.stdout.split()
+    left = [n for n in os.listdir(NETNS_DIR) if n.startswith(prefix + "-")]
+    assert sorted(left) == [f"{prefix}-ctl", f"{prefix}-n1", f"{prefix}-n2"]
+    assert Path(f"/proc/{pid}").exists()  # its process in node-1 outlived it
+    out = subprocess.run([sys.executable, "-m", "l2fs.cli", "netns", "list"], capture_output=True, text=True,
+                         cwd=ROOT, check=True).stdout
+    assert f"{prefix} pid=" in out and "LEFTOVER" in out.split(prefix)[1].splitlines()[0]
+    removed = cleanup()
+    assert set(left) <= set(removed)
+    assert not any(n.startswith(prefix) for n in os.listdir(NETNS_DIR))
+    assert not (STATE_DIR / f"{prefix}.json").exists()
+    deadline = time.monotonic() + 5
+    while Path(f"/proc/{pid}").exists() and _proc_state(int(pid)) != "Z" and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not Path(f"/proc/{pid}").exists() or _proc_state(int(pid)) == "Z"
+    # the live cluster of this process was left alone
+    assert all((NETNS_DIR / ns.netns).exists() for ns in netns_cluster.namespaces)
+    assert reaches(netns_cluster, 1, echo_server(netns_cluster, 2))
+
+
+def test_two_launchers_get_distinct_names_and_subnets(netns_cluster: NetnsCluster) -> None:
+    a = netns_cluster
+    with NetnsCluster(2) as b:
+        assert a.prefix != b.prefix
+        assert not ipaddress.ip_network(a.describe()["subnet"]).overlaps(ipaddress.ip_network(b.describe()["subnet"]))
+        assert not {ns.netns for ns in a.namespaces} & {ns.netns for ns in b.namespaces}
+        assert reaches(a, 1, echo_server(a, 2)) and reaches(b, 1, echo_server(b, 2))
+    assert reaches(a, 1, echo_server(a, 2))
