@@ -107,7 +107,7 @@ def _last_line(path: Path, width: int = 110) -> str:
     return _ANSI.sub("", lines[-1])[:width] if lines else "-"
 
 
-class Stack:
+class Stack(procs.Started):
     """l2fs cluster + replicas + router, started in that order and stopped in reverse.
 
     Use as a context manager; `stop()` is idempotent and safe after a partial start.
@@ -281,16 +281,6 @@ class Stack:
             pass
         log("all stopped")
 
-    def __enter__(self) -> Stack:
-        try:
-            self.start()
-        except BaseException:
-            self.stop()
-            raise
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
 
 
 def router_command(urls: str, strategy: str, port: int, model: str, l2fs_master: str | None,

@@ -52,7 +52,7 @@ class LocalWorker:
         return self.proc is not None and self.proc.poll() is None
 
 
-class LocalCluster:
+class LocalCluster(procs.Started):
     """Master + `workers` workers as subprocesses under base_dir (logs in base_dir/logs).
 
     capacity: per-worker capacity like "1G" (default: the disk's free space).
@@ -86,18 +86,7 @@ class LocalCluster:
     def master(self) -> str:
         return f"127.0.0.1:{self.master_port}"
 
-    # ---------- lifecycle ----------
-
-    def __enter__(self) -> LocalCluster:
-        try:
-            self.start()
-        except BaseException:
-            self.stop()
-            raise
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
+    # ---------- lifecycle (context manager: procs.Started) ----------
 
     def start(self) -> None:
         """Start the master and all workers; return when every worker is registered and alive."""

@@ -24,7 +24,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Self, TypeVar
 
 T = TypeVar("T")
 
@@ -35,6 +35,31 @@ class ProcessError(RuntimeError):
 
 class ProcessTimeout(ProcessError, TimeoutError):
     """A child was not ready in time (also a TimeoutError, as the launchers raised before)."""
+
+
+class Started:
+    """Base for a set of processes used as a context manager (a local cluster, a dev stack).
+
+    `with X(...) as x:` calls start(); if start() fails part-way (Ctrl-C included) what did start is stopped
+    before the error propagates, so subclasses' stop() must be idempotent and safe after a partial start.
+    """
+
+    def start(self) -> Any:
+        raise NotImplementedError
+
+    def stop(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> Self:
+        try:
+            self.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
 
 
 def _die_with_parent() -> None:
