@@ -6,14 +6,19 @@ Design (why it looks like this):
   worker threads (`trio.to_thread`) bounded by a limiter, so one slow RPC never blocks other requests, and
   every call is bounded by the client's deadline, so a dead master gives EIO/ENOENT, never a hang.
 - Whole-file semantics, like the l2fs object model: a file opened for reading is fetched once at `open`
-  (one `Client.get`, short-circuited to the local worker's disk when `--node-id` matches) and served from
-  that snapshot, so a reader never sees a torn file. Each open-for-write handle has its own buffer,
+  (one `Client.get_into` into a pooled buffer, short-circuited to the local worker's disk when `--node-id`
+  matches) and served from that snapshot, shared by every read-only open of the inode, so a reader never
+  sees a torn file and N opens cost one copy. Each open-for-write handle has its own buffer,
   published atomically with `Client.put` on `flush` (close) or `fsync` (close-to-open consistency, like
   NFS): concurrent writers of one name never mix, the last close wins, and readers (on any node) see only
   published versions. A file created here and not yet closed is visible (size, listing) on this mount only.
 - Cross-node visibility: entry/attr timeouts <= 1 s, no negative entries (ENOENT is never cached), and
   `direct_io` by default so no stale page cache survives a rename done on another node.
 - Inodes are per path within this mount (allocated on lookup/readdirplus, dropped on forget).
+- Bounded memory: writes and truncates past --max-file-size get EFBIG before allocating, and unfinished
+  write buffers across the mount stay under --write-buffer (ENOSPC), so no request can grow the daemon.
+- `--page-cache`: l2fs files are immutable once published, so an open whose (size, CRC32C) on the master is
+  the version the kernel's pages hold keeps them (FOPEN_KEEP_CACHE) and fetches nothing.
 """
 
 from __future__ import annotations
