@@ -1,27 +1,42 @@
-"""`kvtier bench cross-pod`: the Curvine-style cross-pod TTFT sweep through the real stack.
+"""`kvtier bench cross-pod`: the Curvine-style cross-pod TTFT sweep through the real stack, over HTTP only.
 
-For each prompt length and repetition (a fresh random prompt each time, as token ids so that the byte-identical
-prompt is guaranteed): cold on replica A (node 1; LMCache stores to L1 and, asynchronously, to l2fs), then the
-same prompt on replica B (node 2, never saw it: its hit can only come from L2), then again on A (L0/L1 hit).
-TTFT is client-side, streamed, to the first chunk. Evidence per request: LMCache "hit tokens" and "Retrieved ...
-cost" lines from the replica's log, vLLM's external_prefix_cache_hits counter, and l2fs bytes written by A.
+For each prompt length and repetition (a fresh random prompt each time, sent as token ids so that the
+byte-identical prompt is guaranteed and a cold request is really cold): cold on replica A (LMCache stores to L1
+and, asynchronously, to l2fs), then the same prompt on replica B (another pod/node that never saw it: its hit can
+only come from L2), then again on A (L0/L1 hit). TTFT is client-side, streamed (`/v1/completions`, first token
+chunk). Hit evidence per request, all over HTTP: `usage.prompt_tokens_details.cached_tokens` (vLLM needs
+`--enable-prompt-tokens-details`) and the deltas of vLLM's Prometheus counters on the replica's `/metrics`
+(`vllm:external_prefix_cache_hits_total` = tokens loaded through the KV connector, i.e. LMCache L1/L2;
+`vllm:prefix_cache_hits_total` = vLLM's own L0 prefix cache). Each row says which evidence it used.
+
+Two ways to name the replicas:
+  --replica-a URL --replica-b URL --model NAME   any two OpenAI-compatible vLLM endpoints (pods, Services): no
+                                                 logs, no up.json, no local files are read
+  --from-up .kvtier/up.json (or nothing: a stack is started here)   URLs resolved from `kvtier up`'s state file,
+                                                 then the same HTTP measurement, plus what only a local stack
+                                                 shows: l2fs bytes written by A and LMCache's log lines
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import re
+import string
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 
 from kvtier.bench.common import fmt, pct, table, write_results
-from kvtier.up import Stack, StackState, log
+from kvtier.up import log
 
 CHUNK = 256
 DEFAULT_LENGTHS = [512, 1024, 1536, 2048, 2560, 3072, 4096, 8000]
@@ -31,9 +46,188 @@ CURVINE = {534: (184, 187), 1080: (404, 239), 1563: (537, 248), 2022: (618, 261)
            3142: (893, 403)}
 ARMS = ("cold A", "L2 hit B", "L0/L1 hit A")
 
+# vLLM counters read from /metrics (summed over label sets): connector (LMCache L1/L2) hits, L0 prefix-cache hits,
+# and prompt tokens (to know when the request we just sent has been counted).
+EXTERNAL_HITS = "vllm:external_prefix_cache_hits_total"
+L0_HITS = "vllm:prefix_cache_hits_total"
+PROMPT_TOKENS = "vllm:prompt_tokens_total"
+COUNTERS = (EXTERNAL_HITS, L0_HITS, PROMPT_TOKENS)
+
 HIT_RE = re.compile(r"LMCache hit tokens: (\d+)")
 RETRIEVED_RE = re.compile(r"Retrieved (\d+) out of (\d+) required tokens.*?size: ([\d.]+) gb, cost ([\d.]+) ms")
 
+
+@dataclass
+class Target:
+    """One replica as the benchmark sees it: nothing but a base URL (and a bearer token if it wants one)."""
+
+    name: str
+    url: str
+    node: str = ""
+    api_key: str | None = None
+
+    def __post_init__(self) -> None:
+        self.url = self.url.rstrip("/")
+        self.node = self.node or (urlsplit(self.url).hostname or self.url)
+
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+
+# ---------- HTTP: metrics, tokenizer, streamed completion ----------
+
+def parse_counters(text: str, names: tuple[str, ...]) -> dict[str, float]:
+    """Prometheus text -> {name: sum over all label sets} for the given metric names (absent ones left out)."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line[0] == "#":
+            continue
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in names:
+            try:
+                out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+            except ValueError:
+                continue
+    return out
+
+
+def scrape(t: Target) -> dict[str, float] | None:
+    """The replica's counters of interest; None if /metrics does not answer (then rows use other evidence)."""
+    try:
+        r = httpx.get(f"{t.url}/metrics", headers=t.headers(), timeout=10)
+        r.raise_for_status()
+    except httpx.HTTPError:
+        return None
+    return parse_counters(r.text, COUNTERS)
+
+
+def metric_sum(base_url: str, name: str) -> float | None:
+    """Sum of a Prometheus counter over all label sets (None if the replica does not export it)."""
+    try:
+        text = httpx.get(f"{base_url}/metrics", timeout=5).text
+    except httpx.HTTPError:
+        return None
+    return parse_counters(text, (name,)).get(name)
+
+
+def counted(t: Target, before: dict[str, float] | None, prompt_tokens: int, timeout: float = 5.0
+            ) -> dict[str, float] | None:
+    """Counters once the request just sent is in them (vLLM updates /metrics a moment after the response)."""
+    if before is None:
+        return None
+    deadline = time.monotonic() + timeout
+    while True:
+        cur = scrape(t)
+        if cur is None:
+            return None
+        done = cur.get(PROMPT_TOKENS, 0.0) - before.get(PROMPT_TOKENS, 0.0) >= prompt_tokens
+        if done or PROMPT_TOKENS not in cur or time.monotonic() > deadline:
+            return cur
+        time.sleep(0.1)
+
+
+def remote_tokenizer(t: Target, model: str) -> Callable[[str], list[int]]:
+    """Text -> token ids through the replica's own vLLM `/tokenize` (no tokenizer files needed here)."""
+    def encode(text: str) -> list[int]:
+        r = httpx.post(f"{t.url}/tokenize", headers=t.headers(), timeout=60,
+                       json={"model": model, "prompt": text, "add_special_tokens": False})
+        if r.status_code != 200:
+            raise SystemExit(f"kvtier bench cross-pod: {t.url}/tokenize: HTTP {r.status_code} {r.text[:200]} "
+                             "(pass --tokenizer PATH)")
+        return list(r.json()["tokens"])
+    return encode
+
+
+def local_tokenizer(path: str) -> Callable[[str], list[int]]:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(path)
+    return lambda text: list(tok.encode(text, add_special_tokens=False))
+
+
+class Prompts:
+    """Fresh random prompts of exactly n token ids: random lowercase words run through the model's tokenizer, so
+    every id is an ordinary token and no two rows (or runs, with a fresh seed) share a prefix."""
+
+    def __init__(self, encode: Callable[[str], list[int]], seed: int) -> None:
+        self.encode = encode
+        self.rng = random.Random(seed)
+
+    def make(self, n: int) -> list[int]:
+        words = n
+        while True:
+            text = " ".join("".join(self.rng.choices(string.ascii_lowercase, k=self.rng.randint(2, 9)))
+                            for _ in range(words))
+            ids = self.encode(text)
+            if len(ids) >= n:
+                return ids[:n]
+            words *= 2
+
+
+def stream_completion(t: Target, model: str, prompt: list[int], max_tokens: int = 5, timeout: float = 600.0
+                      ) -> tuple[float, str, dict[str, Any] | None]:
+    """Client-side TTFT (seconds to the first streamed token chunk), the greedy output text, and the usage block
+    (asked for with stream_options.include_usage; None if the server sends none)."""
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    t0 = time.perf_counter()
+    first: float | None = None
+    text: list[str] = []
+    usage = None
+    with httpx.stream("POST", f"{t.url}/v1/completions", json=body, headers=t.headers(), timeout=timeout) as r:
+        if r.status_code != 200:
+            r.read()
+            raise RuntimeError(f"{t.url}: HTTP {r.status_code}: {r.text[:300]}")
+        for line in r.iter_lines():
+            if not line.startswith("data:"):
+                continue
+            payload = line[5:].strip()
+            if payload == "[DONE]":
+                break
+            chunk = json.loads(payload)
+            if chunk.get("choices"):
+                if first is None:
+                    first = time.perf_counter() - t0
+                text.append(chunk["choices"][0].get("text", ""))
+            usage = chunk.get("usage") or usage
+    if first is None:
+        raise RuntimeError(f"{t.url}: no tokens streamed")
+    return first, "".join(text), usage
+
+
+def cached_tokens(usage: dict[str, Any] | None) -> int | None:
+    details = (usage or {}).get("prompt_tokens_details") or {}
+    v = details.get("cached_tokens")
+    return int(v) if v is not None else None
+
+
+def served_model(t: Target) -> str:
+    """The first model id the replica serves (for --model's default); exits with a clear message if unreachable."""
+    try:
+        r = httpx.get(f"{t.url}/v1/models", headers=t.headers(), timeout=30)
+        r.raise_for_status()
+        return str(r.json()["data"][0]["id"])
+    except (httpx.HTTPError, KeyError, IndexError, ValueError) as e:
+        raise SystemExit(f"kvtier bench cross-pod: {t.name} at {t.url} does not serve /v1/models: {e}") from e
+
+
+def hit_evidence(before: dict[str, float] | None, after: dict[str, float] | None, cached: int | None,
+                 log_hit: int | None) -> dict[str, Any]:
+    """One request's hit figures by source, the figure used and which sources backed it ('metrics+usage', ...):
+    the /metrics delta first (it splits connector from L0 hits), then usage.cached_tokens, then LMCache's log."""
+    ext = l0 = None
+    if before is not None and after is not None and EXTERNAL_HITS in after:
+        ext = int(after[EXTERNAL_HITS] - before.get(EXTERNAL_HITS, 0.0))
+        l0 = int(after.get(L0_HITS, 0.0) - before.get(L0_HITS, 0.0))
+    sources = [(name, v) for name, v in (("metrics", None if ext is None else ext + (l0 or 0)),
+                                         ("usage", cached), ("log", log_hit)) if v is not None]
+    return {"external_hit_tokens": ext, "l0_hit_tokens": l0, "cached_tokens": cached,
+            "hit_tokens": sources[0][1] if sources else None,
+            "evidence": "+".join(name for name, _ in sources) or "none",
+            "metrics_usage_agree": None if ext is None or cached is None else ext + (l0 or 0) == cached}
+
+
+# ---------- what only a local `kvtier up` stack shows ----------
 
 class LogTail:
     """New lines of a replica log since the last call (requests are serial, so they belong to the last one)."""
@@ -65,57 +259,6 @@ def lmcache_evidence(text: str) -> dict[str, Any]:
     }
 
 
-def metric_sum(base_url: str, name: str) -> float | None:
-    """Sum of a Prometheus counter over all label sets (None if the replica does not export it)."""
-    try:
-        text = httpx.get(f"{base_url}/metrics", timeout=5).text
-    except httpx.HTTPError:
-        return None
-    total, seen = 0.0, False
-    for line in text.splitlines():
-        if line.startswith(name) and (line[len(name)] in " {"):
-            total += float(line.rsplit(" ", 1)[1])
-            seen = True
-    return total if seen else None
-
-
-def ttft(base_url: str, model: str, prompt: list[int], max_tokens: int = 5,
-         timeout: float = 600.0) -> tuple[float, str]:
-    """Client-side TTFT (seconds to the first streamed chunk) and the full greedy output text."""
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True}
-    t0 = time.perf_counter()
-    first: float | None = None
-    text = []
-    with httpx.stream("POST", f"{base_url}/v1/completions", json=body, timeout=timeout) as r:
-        if r.status_code != 200:
-            r.read()
-            raise RuntimeError(f"{base_url}: HTTP {r.status_code}: {r.text[:300]}")
-        for line in r.iter_lines():
-            if not line.startswith("data:"):
-                continue
-            payload = line[5:].strip()
-            if payload == "[DONE]":
-                break
-            chunk = json.loads(payload)
-            if chunk.get("choices"):
-                if first is None:
-                    first = time.perf_counter() - t0
-                text.append(chunk["choices"][0].get("text", ""))
-    if first is None:
-        raise RuntimeError(f"{base_url}: no tokens streamed")
-    return first, "".join(text)
-
-
-def vocab_range(model: str) -> tuple[int, int]:
-    """Token ids safe to sample: ordinary tokens of the model's tokenizer (no specials)."""
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(model)
-    special = set(tok.all_special_ids)
-    lo = max(special) + 1 if special and max(special) < 1000 else 10
-    return lo, min(len(tok), getattr(tok, "vocab_size", len(tok))) - 1
-
-
 class L2Meter:
     """l2fs files/bytes used, read from the master: shows what A's store really wrote to L2."""
 
@@ -145,50 +288,75 @@ class L2Meter:
         self.client.close()
 
 
-def run_sweep(state: StackState, lengths: list[int], reps: int, seed: int) -> list[dict[str, Any]]:
-    a = state.replicas[0]
-    others = [r for r in state.replicas[1:] if r.node_id != a.node_id]
-    if not others:
-        raise SystemExit("kvtier bench cross-pod: needs two replicas on different l2fs nodes")
-    b = others[0]
-    log(f"replica A = {a.name} ({a.node_id}) {a.url}; replica B = {b.name} ({b.node_id}) {b.url}")
-    lo, hi = vocab_range(state.model)
-    rng = random.Random(seed)
-    meter = L2Meter(state.l2fs_master)
-    tails = {a.name: LogTail(a.log_path), b.name: LogTail(b.log_path)}
+class LocalProbe:
+    """Extras of local mode (up.json): wait for A's L2 writes by watching the l2fs master instead of a fixed
+    --store-wait, record the bytes written, and add LMCache's log lines as a third hit evidence."""
+
+    def __init__(self, l2fs_master: str, logs: dict[str, str]) -> None:
+        self.meter = L2Meter(l2fs_master)
+        self.tails = {name: LogTail(p) for name, p in logs.items()}
+        self.before = (0, 0)
+
+    def start_row(self) -> None:
+        for t in self.tails.values():
+            t.new_text()
+        self.before = self.meter.snapshot()
+
+    def wait_stored(self, n: int) -> dict[str, Any]:
+        files, nbytes = self.meter.wait_stored(self.before, n // CHUNK)
+        return {"l2_new_files": files, "l2_new_bytes": nbytes}
+
+    def request_done(self, name: str) -> dict[str, Any]:
+        time.sleep(0.2)  # let the replica flush its log lines
+        return lmcache_evidence(self.tails[name].new_text())
+
+    def close(self) -> None:
+        self.meter.close()
+
+
+# ---------- the sweep ----------
+
+def run_sweep(a: Target, b: Target, model: str, prompts: Prompts, lengths: list[int], reps: int, *,
+              store_wait: float = 2.0, probe: LocalProbe | None = None) -> list[dict[str, Any]]:
+    """Cold A, cross-pod B, warm A per fresh prompt; one raw row per request. Nothing but HTTP unless a local
+    probe is given."""
+    log(f"replica A = {a.name} ({a.node}) {a.url}; replica B = {b.name} ({b.node}) {b.url}; model {model}")
+    # Warm-up (first requests pay one-time costs) on both replicas, with prompts never reused.
+    for r in (a, b):
+        stream_completion(r, model, prompts.make(300))
     raw: list[dict[str, Any]] = []
-    try:
-        # Warm-up (first requests pay one-time costs) on both replicas, with prompts never reused.
-        for r in (a, b):
-            ttft(r.url, state.model, [rng.randint(lo, hi) for _ in range(300)])
-        order = [(n, rep) for rep in range(reps) for n in lengths]
-        for n, rep in order:
-            prompt = [rng.randint(lo, hi) for _ in range(n)]
-            row_base = {"prompt_tokens": n, "rep": rep, "full_chunk_tokens": n // CHUNK * CHUNK}
-            for t in tails.values():
-                t.new_text()
-            before = meter.snapshot()
-            outs = {}
-            for arm, rep_info in zip(ARMS, (a, b, a), strict=True):
-                ext0 = metric_sum(rep_info.url, "vllm:external_prefix_cache_hits_total")
-                if arm == "L2 hit B":
-                    files, nbytes = meter.wait_stored(before, n // CHUNK)
-                    row_base.update({"l2_new_files": files, "l2_new_bytes": nbytes})
-                t, text = ttft(rep_info.url, state.model, prompt)
-                time.sleep(0.2)  # let the replica flush its log lines
-                ev = lmcache_evidence(tails[rep_info.name].new_text())
-                ext1 = metric_sum(rep_info.url, "vllm:external_prefix_cache_hits_total")
-                ext = None if ext0 is None or ext1 is None else ext1 - ext0
+    for rep in range(reps):
+        for n in lengths:
+            prompt = prompts.make(n)
+            row_base: dict[str, Any] = {"prompt_tokens": n, "rep": rep, "full_chunk_tokens": n // CHUNK * CHUNK}
+            if probe:
+                probe.start_row()
+            outs: dict[str, str] = {}
+            for arm, t in zip(ARMS, (a, b, a), strict=True):
+                if arm == "L2 hit B":  # A's L2 store is asynchronous: let it land before B asks
+                    if probe:
+                        row_base.update(probe.wait_stored(n))
+                    else:
+                        time.sleep(store_wait)
+                m0 = scrape(t)
+                ttft, text, usage = stream_completion(t, model, prompt)
+                m1 = counted(t, m0, n)
+                extra = probe.request_done(t.name) if probe else {}
                 outs[arm] = text
-                raw.append({**row_base, "arm": arm, "replica": rep_info.name, "node": rep_info.node_id,
-                            "ttft_ms": t * 1e3, "external_hit_tokens": ext, **ev,
-                            "same_output_as_cold": text == outs["cold A"]})
+                raw.append({**row_base, "arm": arm, "replica": t.name, "node": t.node, "ttft_ms": ttft * 1e3,
+                            **hit_evidence(m0, m1, cached_tokens(usage), extra.get("lmcache_hit_tokens")),
+                            **extra, "same_output_as_cold": text == outs["cold A"]})
             last = raw[-3:]
             log(f"{n:>5} tok rep {rep}: " + ", ".join(f"{r['arm']} {r['ttft_ms']:.0f} ms" for r in last)
-                + f"; B hit {last[1]['lmcache_hit_tokens']} tok, L2 +{row_base.get('l2_new_bytes', 0) / 1e6:.1f} MB")
-    finally:
-        meter.close()
+                + f"; B hit {last[1]['hit_tokens']} tok ({last[1]['evidence']}), cold A hit {last[0]['hit_tokens']}"
+                + (f", L2 +{row_base['l2_new_bytes'] / 1e6:.1f} MB" if "l2_new_bytes" in row_base else ""))
     return raw
+
+
+def hittable(n: int) -> int:
+    """Most prompt tokens a replica can load for an n-token prompt: its full chunks, but vLLM always computes
+    at least the last prompt token itself."""
+    return min(n // CHUNK * CHUNK, n - 1)
 
 
 def summarize(raw: list[dict[str, Any]], lengths: list[int]) -> tuple[list[dict[str, Any]], str]:
@@ -197,22 +365,27 @@ def summarize(raw: list[dict[str, Any]], lengths: list[int]) -> tuple[list[dict[
         by = {arm: [r for r in raw if r["prompt_tokens"] == n and r["arm"] == arm] for arm in ARMS}
         t = {arm: [r["ttft_ms"] for r in rs] for arm, rs in by.items()}
         b = by["L2 hit B"]
-        full = n // CHUNK * CHUNK
-        hits = [r["lmcache_hit_tokens"] or 0 for r in b]
+        full, can = n // CHUNK * CHUNK, hittable(n)
+        hits = [r["hit_tokens"] or 0 for r in b]
         ext = [r["external_hit_tokens"] for r in b if r["external_hit_tokens"] is not None]
+        cached = [r["cached_tokens"] for r in b if r["cached_tokens"] is not None]
+        cold = [r["hit_tokens"] for r in by["cold A"] if r["hit_tokens"] is not None]
         ref_n = min(CURVINE, key=lambda k: abs(k - n))
         ref = CURVINE[ref_n] if abs(ref_n - n) <= 300 else None
         s = {
-            "prompt_tokens": n, "reps": len(b), "full_chunk_tokens": full,
+            "prompt_tokens": n, "reps": len(b), "full_chunk_tokens": full, "hittable_tokens": can,
             **{f"{arm}_p50_ms": pct(t[arm], 50) for arm in ARMS},
             **{f"{arm}_p90_ms": pct(t[arm], 90) for arm in ARMS},
             "speedup_cold_over_l2": pct(t["cold A"], 50) / pct(t["L2 hit B"], 50),
             "l2_over_l1": pct(t["L2 hit B"], 50) / pct(t["L0/L1 hit A"], 50),
             "b_hit_tokens_min": min(hits) if hits else None,
-            "b_hit_pct_full_chunks": (100.0 * min(min(hits), full) / full) if hits and full else None,
+            "b_hit_pct_full_chunks": (100.0 * min(min(hits), can) / can) if hits and can > 0 else None,
             "b_external_hit_tokens_min": min(ext) if ext else None,
-            "l2_bytes_p50": pct([r.get("l2_new_bytes") or 0 for r in b], 50),
-            "l2_retrieve_ms_p50": pct([r["retrieve_ms"] for r in b if r["retrieve_ms"] is not None], 50),
+            "b_cached_tokens_min": min(cached) if cached else None,
+            "b_evidence": sorted({r["evidence"] for r in b}),
+            "cold_hit_tokens_max": max(cold) if cold else None,
+            "l2_bytes_p50": pct([r["l2_new_bytes"] for r in b if r.get("l2_new_bytes") is not None], 50),
+            "l2_retrieve_ms_p50": pct([r["retrieve_ms"] for r in b if r.get("retrieve_ms") is not None], 50),
             "same_output_all": all(r["same_output_as_cold"] for r in raw if r["prompt_tokens"] == n),
             "curvine_ref_tokens": ref_n if ref else None,
             "curvine_ref_speedup": ref[0] / ref[1] if ref else None,
@@ -223,14 +396,34 @@ def summarize(raw: list[dict[str, Any]], lengths: list[int]) -> tuple[list[dict[
                     fmt(s["L0/L1 hit A_p50_ms"], 0), fmt(s["L0/L1 hit A_p90_ms"], 0),
                     fmt(s["speedup_cold_over_l2"], 2) + "x", fmt(s["l2_over_l1"], 2) + "x",
                     f"{s['b_hit_tokens_min']}/{full}", fmt(s["b_external_hit_tokens_min"], 0),
+                    fmt(s["b_cached_tokens_min"], 0), fmt(s["cold_hit_tokens_max"], 0), ",".join(s["b_evidence"]),
                     fmt(s["l2_bytes_p50"] / 1e6, 1), fmt(s["l2_retrieve_ms_p50"], 1),
                     "yes" if s["same_output_all"] else "NO",
                     (f"{fmt(s['curvine_ref_speedup'], 2)}x @{ref_n}" if ref else "-")])
     text = table(
         ["tokens", "reps", "cold p50", "cold p90", "L2(B) p50", "L2(B) p90", "L0/L1(A) p50", "L0/L1(A) p90",
-         "cold/L2", "L2/L1", "B hit tok/full", "B ext hit", "L2 MB", "L2 load ms", "same out", "Curvine ref"],
+         "cold/L2", "L2/L1", "B hit tok/full", "B ext hit", "B cached", "cold hit", "B evidence", "L2 MB",
+         "L2 load ms", "same out", "Curvine ref"],
         out, title="cross-pod TTFT (ms, client-side, streamed; B never saw the prompt before: its hit is L2)")
     return rows, text
+
+
+def notes(raw: list[dict[str, Any]]) -> list[str]:
+    """What the evidence says about the replicas' set-up (missing flags, a cold request that was not cold)."""
+    out = []
+    if all(r["cached_tokens"] is None for r in raw):
+        out.append("note: no usage.prompt_tokens_details.cached_tokens from the replicas: start vLLM with "
+                   "--enable-prompt-tokens-details for per-request hit evidence")
+    if all(r["external_hit_tokens"] is None for r in raw):
+        out.append(f"note: no {EXTERNAL_HITS} on the replicas' /metrics (not vLLM v1, or /metrics not reachable)")
+    if any(r["metrics_usage_agree"] is False for r in raw):
+        out.append("note: /metrics deltas and usage.cached_tokens disagree on some request: other traffic on the "
+                   "replicas during the run? (usage is per request, /metrics per replica)")
+    cold = [r for r in raw if r["arm"] == "cold A" and (r["hit_tokens"] or 0) > 0]
+    if cold:
+        out.append(f"WARNING: {len(cold)} cold request(s) hit a cache: prompts reused from an earlier run with the "
+                   "same --seed? Their rows are not a cold baseline")
+    return out
 
 
 def goals(rows: list[dict[str, Any]]) -> str:
@@ -243,8 +436,6 @@ def goals(rows: list[dict[str, Any]]) -> str:
         f"{near['prompt_tokens']} (Curvine GPU reference: 2.70x at 2,608)",
         f"goal: L2 within 1.25x of same-pod L0/L1 hit -> {fmt(near['l2_over_l1'], 2)}x at {near['prompt_tokens']}",
     ])
-
-
 def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
     import matplotlib
 
@@ -276,17 +467,38 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvtier bench cross-pod", description=__doc__.split("\n")[0])
+    p.add_argument("--replica-a", metavar="URL", help="replica A's base URL (http://host:port): HTTP-only mode")
+    p.add_argument("--replica-b", metavar="URL", help="replica B's base URL, on another node than A")
+    p.add_argument("--model", default=None, help="served model name (default: what replica A's /v1/models lists; "
+                   "local stack: the tiny local model)")
+    p.add_argument("--tokenizer", default=None, help="tokenizer path/name for the prompts (default: replica A's "
+                   "own /tokenize endpoint)")
+    p.add_argument("--api-key", default=os.environ.get("KVTIER_BENCH_API_KEY"),
+                   help="bearer token for the replicas (default $KVTIER_BENCH_API_KEY)")
     p.add_argument("--lengths", default=None, help="prompt lengths in tokens, comma separated")
     p.add_argument("--reps", type=int, default=3, help="fresh prompts per length (default 3)")
     p.add_argument("--quick", action="store_true", help="tiny run for CI: lengths 300,600, 1 rep")
+    p.add_argument("--store-wait", type=float, default=2.0,
+                   help="HTTP mode: seconds between A's cold request and B's (A's L2 store is asynchronous)")
     p.add_argument("--from-up", type=Path, default=None,
                    help="reuse a running `kvtier up` (its <dir>/up.json) instead of starting a stack")
     p.add_argument("--dir", type=Path, default=Path(".kvtier/bench-cross-pod"), help="stack dir if started here")
-    p.add_argument("--model", default=None, help="model (default: the tiny local model)")
     p.add_argument("--l1-gb", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None,
+                   help="prompt seed (default: a fresh one per run, recorded, so a rerun is cold too)")
     p.add_argument("--out", type=Path, default=Path("bench-results"), help="where JSON/CSV/PNG go")
     return p
+
+
+def _local_targets(state: Any, api_key: str | None) -> tuple[Target, Target, LocalProbe]:
+    """A and B from a `kvtier up` state: the first replica and the first one on another l2fs node."""
+    a = state.replicas[0]
+    others = [r for r in state.replicas[1:] if r.node_id != a.node_id]
+    if not others:
+        raise SystemExit("kvtier bench cross-pod: needs two replicas on different l2fs nodes")
+    b = others[0]
+    probe = LocalProbe(state.l2fs_master, {a.name: a.log_path, b.name: b.log_path})
+    return (Target(a.name, a.url, a.node_id, api_key), Target(b.name, b.url, b.node_id, api_key), probe)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -302,22 +514,55 @@ def main(argv: list[str] | None = None) -> int:
         print(f"kvtier bench cross-pod: --reps >= 1 and every length >= {CHUNK} (one LMCache chunk)",
               file=sys.stderr)
         return 2
-    if args.from_up:
-        state = StackState.load(args.from_up)
-        raw = run_sweep(state, lengths, reps, args.seed)
+    http_mode = bool(args.replica_a or args.replica_b)
+    if http_mode and not (args.replica_a and args.replica_b):
+        print("kvtier bench cross-pod: give both --replica-a and --replica-b", file=sys.stderr)
+        return 2
+    if http_mode and args.from_up:
+        print("kvtier bench cross-pod: --replica-a/--replica-b and --from-up exclude each other", file=sys.stderr)
+        return 2
+    seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(4), "little")
+
+    def measure(a: Target, b: Target, probe: LocalProbe | None, model: str) -> list[dict[str, Any]]:
+        encode = local_tokenizer(args.tokenizer) if args.tokenizer else remote_tokenizer(a, model)
+        try:
+            return run_sweep(a, b, model, Prompts(encode, seed), lengths, reps, store_wait=args.store_wait,
+                             probe=probe)
+        finally:
+            if probe:
+                probe.close()
+
+    if http_mode:
+        a = Target("A", args.replica_a, api_key=args.api_key)
+        b = Target("B", args.replica_b, api_key=args.api_key)
+        model = args.model or served_model(a)
+        served_model(b)  # both reachable before anything is measured
+        raw = measure(a, b, None, model)
     else:
-        with Stack(args.dir, replicas=2, workers=2, model=args.model, strategy=None, l1_gb=args.l1_gb,
-                   max_model_len=max(8192, max(lengths) + 64)) as stack:
-            state = StackState.load(stack.state_path)
-            raw = run_sweep(state, lengths, reps, args.seed)
+        from kvtier.up import Stack, StackState
+
+        if args.from_up:
+            state = StackState.load(args.from_up)
+            model = state.model
+            raw = measure(*_local_targets(state, args.api_key), model)
+        else:
+            with Stack(args.dir, replicas=2, workers=2, model=args.model, strategy=None, l1_gb=args.l1_gb,
+                       max_model_len=max(8192, max(lengths) + 64)) as stack:
+                state = StackState.load(stack.state_path)
+                model = state.model
+                raw = measure(*_local_targets(state, args.api_key), model)
     rows, text = summarize(raw, lengths)
     print(text)
     print(goals(rows))
+    for line in notes(raw):
+        print(line)
     args.out.mkdir(parents=True, exist_ok=True)
     png = args.out / "cross_pod.png"
-    plot(rows, png, f"kvtier cross-pod TTFT, {Path(state.model).name}, CPU ({reps} reps)")
-    for p in [*write_results(args.out, "cross_pod", {"lengths": lengths, "reps": reps, "model": state.model,
-                                                      "rows": rows}, raw), png]:
+    where = f"{args.replica_a} -> {args.replica_b}" if http_mode else "local kvtier up, CPU"
+    plot(rows, png, f"kvtier cross-pod TTFT, {Path(model).name}, {where} ({reps} reps)")
+    summary = {"mode": "http" if http_mode else "local", "replica_a": args.replica_a, "replica_b": args.replica_b,
+               "lengths": lengths, "reps": reps, "model": model, "seed": seed, "rows": rows, "notes": notes(raw)}
+    for p in [*write_results(args.out, "cross_pod", summary, raw), png]:
         print(f"wrote {p}")
     return 0
 
