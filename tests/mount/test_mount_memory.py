@@ -108,3 +108,36 @@ def test_write_buffers_are_capped(cluster: LocalCluster, mount_factory: Callable
                 os.close(fd)
     assert [os.stat(m / "wb" / f"f{i}").st_size for i in range(3)] == [30 * MiB] * 3
     assert (m / "wb" / "f2").read_bytes() == piece * 30
+
+
+def test_pooled_snapshot_buffers_never_mix_files(cluster: LocalCluster,
+                                                 mount_factory: Callable[..., Mount]) -> None:
+    """Freed snapshots are reused for later opens: concurrent readers of files of close sizes (one buffer
+    may serve several of them in turn) always get each file's own bytes and length."""
+    import random
+    import threading
+
+    c = cluster.client(node_id="node-1")
+    sizes = [MiB, MiB + 3, MiB - 4096, 2 * MiB, 7, 0]
+    files = {f"/pool/f{i}": os.urandom(n) for i, n in enumerate(sizes)}
+    for p, d in files.items():
+        c.put(p, d, if_absent=False)
+    c.close()
+    m = mount_factory(cluster.master, "--node-id", "node-1")
+    errors: list[str] = []
+
+    def reader(seed: int) -> None:
+        rnd = random.Random(seed)
+        for _ in range(40):
+            p = rnd.choice(list(files))
+            with open(m.path / p[1:], "rb", buffering=0) as f:
+                got = f.read()
+            if got != files[p]:
+                errors.append(f"{p}: {len(got)} bytes, expected {len(files[p])}")
+
+    threads = [threading.Thread(target=reader, args=(s,)) for s in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[:5]
