@@ -6,22 +6,16 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
+from netns_helpers import require_host
 
-from l2fs.netns import NetnsCluster, NetnsError, check_host
-
-
-def _require_host() -> None:
-    try:
-        check_host()
-    except NetnsError as e:
-        pytest.skip(str(e))
+from l2fs.netns import NetnsCluster
 
 
 @pytest.fixture
 def netns_cluster(request: pytest.FixtureRequest) -> Iterator[NetnsCluster]:
     """A 3-node cluster, unshaped unless the test says `@pytest.mark.parametrize("netns_cluster",
     [{"nodes": 2, "link": "200mbit"}], indirect=True)`. Removed after the test."""
-    _require_host()
+    require_host()
     kwargs = dict(getattr(request, "param", None) or {"nodes": 3})
     with NetnsCluster(**kwargs) as c:
         yield c
@@ -30,4 +24,4 @@ def netns_cluster(request: pytest.FixtureRequest) -> Iterator[NetnsCluster]:
 @pytest.fixture
 def netns_host() -> None:
     """Skip unless this machine can build namespace clusters (for tests that build their own)."""
-    _require_host()
+    require_host()

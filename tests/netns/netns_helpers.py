@@ -7,7 +7,17 @@ import socket
 import threading
 import time
 
-from l2fs.netns import NetnsCluster, Where
+import pytest
+
+from l2fs.netns import NetnsCluster, NetnsError, Where, check_host
+
+
+def require_host() -> None:
+    """Skip (with the reason) unless this machine can build namespace clusters: root, ip, tc, nsenter."""
+    try:
+        check_host()
+    except NetnsError as e:
+        pytest.skip(str(e))
 
 
 def echo_server(c: NetnsCluster, where: Where) -> tuple[str, int]:
