@@ -30,6 +30,7 @@ from typing import Any
 import crc32c
 import grpc
 
+from l2fs.batch import PROTOCOL_VERSION, status_code
 from l2fs.common import (
     ERROR_KIND_KEY,
     FRAME,
@@ -77,6 +78,10 @@ class Unavailable(L2fsError, ConnectionError):
 
 class PermissionDenied(L2fsError, PermissionError):
     """Authentication/authorization failed (bad or missing token)."""
+
+
+class Unimplemented(L2fsError):
+    """The server does not have this call (a peer older than this client's protocol)."""
 
 
 @dataclass(slots=True)
@@ -141,9 +146,23 @@ def _error(e: grpc.RpcError) -> L2fsError:
 
 
 def _error_type(e: grpc.RpcError) -> L2fsError:
-    code, msg = e.code(), e.details() or str(e.code())
+    return _exception(e.code(), e.details() or str(e.code()), _trailer(e, ERROR_KIND_KEY))
+
+
+def _item_error(err: pb.ItemError) -> L2fsError:
+    """One failed item of a batched call, as the exception its unary call would have raised."""
+    exc = _exception(status_code(err), err.message, err.kind)
+    code = getattr(errno, err.errno_name, None) if err.errno_name else None
+    if isinstance(code, int):
+        exc.errno = code
+    return exc
+
+
+def _exception(code: grpc.StatusCode, msg: str, kind: str | None) -> L2fsError:
     if code == grpc.StatusCode.INVALID_ARGUMENT:
-        return InvalidPath(msg) if _trailer(e, ERROR_KIND_KEY) == "path" else InvalidArgument(msg)
+        return InvalidPath(msg) if kind == "path" else InvalidArgument(msg)
+    if code == grpc.StatusCode.UNIMPLEMENTED:
+        return Unimplemented(msg)
     if code == grpc.StatusCode.NOT_FOUND:
         return NotFound(msg)
     if code == grpc.StatusCode.ALREADY_EXISTS:
@@ -159,6 +178,40 @@ def _error_type(e: grpc.RpcError) -> L2fsError:
 def _info(st: pb.FileStat) -> FileInfo:
     return FileInfo(path=st.path, size=st.size, is_dir=st.is_dir, mtime=st.mtime, crc32c=st.crc32c,
                     nodes=[loc.node_id for loc in st.locations])
+
+
+@dataclass(slots=True)
+class _Put:
+    """One item of a put batch as it goes through allocate, write and commit rounds."""
+
+    path: str
+    mv: memoryview
+    hint: int
+    result: bool | L2fsError | None = None  # set once the item is finished
+    bid: str = ""
+    loc: pb.Location = field(default_factory=pb.Location)
+    written: pb.WriteResult | None = None
+    exclude: list[str] = field(default_factory=list)  # workers that were unreachable for this item
+    error: L2fsError | None = None  # why the last round has to be retried
+    tries: int = 0
+
+
+def _write_file(tmp_path: str, mv: memoryview) -> bool:
+    """Write a short-circuit temp file; False when this process cannot (no such dir here, permissions,
+    disk full): the caller releases the reservation and writes over the network instead."""
+    try:
+        fd = os.open(tmp_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    except OSError:
+        return False
+    try:
+        n = 0
+        while n < mv.nbytes:
+            n += os.write(fd, mv[n:])
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
 
 
 def _check(path: str) -> str:
@@ -225,6 +278,8 @@ class Client:
         self._prefetched: dict[str, tuple[pb.FileStat, float]] = {}
         self._touches: dict[str, set[str]] = {}
         self._toucher: threading.Thread | None = None
+        self._unbatched: set[str] = set()  # peers (master, worker address) without the batched calls
+        self._no_local: dict[str, float] = {}  # worker address -> until when short-circuit writes are off
 
     # ---------- plumbing ----------
 
@@ -281,48 +336,153 @@ class Client:
         """Store and atomically publish. Returns True if this call published it, False if it already
         existed (if_absent) . order_hint = position of this object in a prefix chain (0 = first chunk);
         eviction prefers dropping the deepest chunks first."""
-        path = _check(path)
-        self._forget(path)  # a location looked up before this put (locate_many) may be out of date after it
-        mv = memoryview(data).cast("B")
-        size = mv.nbytes
-        deadline = time.monotonic() + max(self.timeout, size / 200e6)  # >= 200 MB/s before giving up
-        hint = order_hint if order_hint is not None else 0
-        exclude: list[str] = []
-        while True:
-            alloc = self._master("Allocate", pb.AllocateRequest(
-                path=path, size=size, node_id=self.node_id, if_absent=if_absent, exclude_workers=exclude),
-                deadline)
-            if alloc.exists:
-                return False
-            loc, bid = alloc.worker, alloc.block_id
+        r = self.put_many([(_check(path), data)], if_absent=if_absent,
+                          order_hints=None if order_hint is None else [order_hint], return_exceptions=True)[0]
+        if isinstance(r, BaseException):
+            raise r
+        return r
+
+    def put_many(self, items: Sequence[tuple[str, bytes | bytearray | memoryview]], *, if_absent: bool = True,
+                 order_hints: Sequence[int] | None = None, return_exceptions: bool = False
+                 ) -> list[Any]:
+        """Put a batch: one AllocateMany and one CommitMany on the master, one ReserveLocalMany/AdoptLocalMany
+        per same-node worker (short-circuit), parallel data-plane writes for the rest. Each item is its own
+        put-if-absent, atomically published put: a failed item never fails its neighbours. Returns one bool
+        per item (published / already existed); an item's error is raised after all finished (the first one),
+        or left in its slot with return_exceptions=True."""
+        if order_hints is not None and len(order_hints) != len(items):
+            raise ValueError("order_hints must match items in length")
+        hints = list(order_hints) if order_hints is not None else [0] * len(items)
+        puts = []
+        for (path, data), hint in zip(items, hints, strict=True):
+            put = _Put(path, memoryview(data).cast("B"), hint or 0)
             try:
-                res = self._write_block(loc, bid, path, mv, hint, deadline)
-                break
-            except Unavailable:
-                # the worker died and the master does not know yet: try another one, once
-                if exclude or time.monotonic() >= deadline:
-                    raise
-                exclude.append(loc.worker_id)
-        commit = self._master("Commit", pb.CommitRequest(
-            path=path, block_id=bid, worker_id=loc.worker_id, size=size, crc32c=res.crc32c,
-            if_absent=if_absent, order_hint=hint, local_path=res.local_path), deadline)
-        return commit.published
+                put.path = _check(path)
+            except InvalidPath as e:
+                put.result = e
+            puts.append(put)
+        pending = [p for p in puts if p.result is None]
+        self._forget(*(p.path for p in pending))  # a location looked up before this put may be out of date
+        deadline = time.monotonic() + max(self.timeout, sum(p.mv.nbytes for p in pending) / 200e6)  # >= 200 MB/s
+        while pending:
+            pending = self._put_round(pending, if_absent, deadline)
+        results = [p.result for p in puts]
+        if not return_exceptions:
+            for r in results:
+                if isinstance(r, BaseException):
+                    raise r
+        return results
+
+    def _put_round(self, pending: list[_Put], if_absent: bool, deadline: float) -> list[_Put]:
+        """Allocate, write and commit every pending item once; returns the items to try again (their worker
+        was unreachable, or its temp files were not writable from here) with a fresh block id."""
+        for p in pending:
+            p.tries += 1
+        reqs = [pb.AllocateRequest(path=p.path, size=p.mv.nbytes, node_id=self.node_id, if_absent=if_absent,
+                                   exclude_workers=p.exclude) for p in pending]
+        try:
+            allocs = self._many("master", lambda m, r: self._master(m, r, deadline), "AllocateMany",
+                                pb.AllocateManyRequest(items=reqs, protocol_version=PROTOCOL_VERSION),
+                                "Allocate", reqs)
+        except L2fsError as e:
+            for p in pending:
+                p.result = e
+            return []
+        to_write = []
+        for p, a in zip(pending, allocs, strict=True):
+            if isinstance(a, L2fsError):
+                p.result = a
+            elif a.exists:
+                p.result = False
+            else:
+                p.bid, p.loc, p.written = a.block_id, a.worker, None
+                to_write.append(p)
+        retry = self._write_many(to_write, deadline)
+        for p in retry:
+            if p.tries >= 3 or time.monotonic() >= deadline:
+                p.result = p.error or Unavailable(f"put {p.path}: no worker took it")
+        retry = [p for p in retry if p.result is None]
+        done = [(p, p.written) for p in to_write if p.written is not None]
+        if done:
+            creqs = [pb.CommitRequest(path=p.path, block_id=p.bid, worker_id=p.loc.worker_id, size=p.mv.nbytes,
+                                      crc32c=w.crc32c, if_absent=if_absent, order_hint=p.hint,
+                                      local_path=w.local_path) for p, w in done]
+            try:
+                commits = self._many("master", lambda m, r: self._master(m, r, deadline), "CommitMany",
+                                     pb.CommitManyRequest(items=creqs, protocol_version=PROTOCOL_VERSION),
+                                     "Commit", creqs)
+            except L2fsError as e:
+                commits = [e] * len(done)
+            for (p, _), c in zip(done, commits, strict=True):
+                p.result = c if isinstance(c, L2fsError) else c.published
+        return retry
+
+    def _many(self, peer: str, call: Callable[[str, Any], Any], many: str, many_request: Any, one: str,
+              requests: list[Any]) -> list[Any]:
+        """A batched call (one reply per item, an item's error as an exception in its slot), or one unary call
+        per item against a peer older than protocol 2 (it answers UNIMPLEMENTED; remembered per peer)."""
+        if peer not in self._unbatched:
+            try:
+                return [_item_error(r.error) if r.HasField("error") else r for r in call(many, many_request).items]
+            except Unimplemented:
+                self._unbatched.add(peer)
+        out: list[Any] = []
+        for r in requests:
+            try:
+                out.append(call(one, r))
+            except L2fsError as e:
+                out.append(e)
+        return out
+
+    def _write_many(self, puts: list[_Put], deadline: float) -> list[_Put]:
+        """Write every allocated block (same-node workers in one reserve/adopt pair each, the rest one by one,
+        in parallel); sets .written or .result; returns the items to retry."""
+        local: dict[str, list[_Put]] = {}
+        jobs: list[Callable[[], list[_Put]]] = []
+        for p in puts:
+            if self._writes_local(p.loc):
+                local.setdefault(p.loc.address, []).append(p)
+            else:
+                jobs.append(functools.partial(self._write_one, p, deadline))
+        jobs += [functools.partial(self._write_local, group, deadline) for group in local.values()]
+        if len(jobs) == 1:
+            return jobs[0]()
+        futs = [self._executor().submit(job) for job in jobs]
+        return [p for f in futs for p in f.result()]
+
+    def _writes_local(self, loc: pb.Location) -> bool:
+        if not (self.short_circuit and self.node_id and loc.node_id == self.node_id):
+            return False
+        with self._lock:
+            return self._no_local.get(loc.address, 0.0) < time.monotonic()
+
+    def _unreachable(self, p: _Put, e: L2fsError, deadline: float) -> list[_Put]:
+        """The worker died and the master does not know yet: try another one, once."""
+        if p.exclude or time.monotonic() >= deadline:
+            p.result = e
+            return []
+        p.exclude.append(p.loc.worker_id)
+        p.error = e
+        return [p]
+
+    def _write_one(self, p: _Put, deadline: float) -> list[_Put]:
+        try:
+            p.written = self._write_block(p.loc, p.bid, p.path, p.mv, p.hint, deadline)
+        except Unavailable as e:
+            return self._unreachable(p, e, deadline)
+        except L2fsError as e:
+            p.result = e
+        return []
 
     def _write_block(self, loc: pb.Location, bid: str, path: str, mv: memoryview, hint: int,
                      deadline: float) -> pb.WriteResult:
-        """Short-circuit, TCP data plane or gRPC stream, in that order of preference."""
-        stub = self._worker(loc.address)
+        """TCP data plane, else gRPC stream (same-node short-circuit writes go through _write_local)."""
         try:
-            res = None
-            if self.short_circuit and self.node_id and loc.node_id == self.node_id:
-                res = self._put_local(stub, bid, path, mv, hint, deadline)
-            if res is None and self.data_plane and loc.data_address:
+            if self.data_plane and loc.data_address:
                 crc, local_path = self._data.write(loc.data_address, bid, path, mv, hint, deadline)
-                res = pb.WriteResult(block_id=bid, size=mv.nbytes, crc32c=crc, local_path=local_path)
-            if res is None:
-                res = stub.WriteBlock(self._frames(bid, path, mv, hint), metadata=self._md,
-                                      timeout=max(0.001, deadline - time.monotonic()))
-            return res
+                return pb.WriteResult(block_id=bid, size=mv.nbytes, crc32c=crc, local_path=local_path)
+            return self._worker(loc.address).WriteBlock(self._frames(bid, path, mv, hint), metadata=self._md,
+                                                        timeout=max(0.001, deadline - time.monotonic()))
         except grpc.RpcError as e:
             raise _error(e) from None
         except DataPlaneError as e:
@@ -330,32 +490,68 @@ class Client:
         except OSError as e:
             raise Unavailable(f"worker {loc.address}: {e}") from None
 
+    def _write_local(self, group: list[_Put], deadline: float) -> list[_Put]:
+        """Short-circuit writes to one same-node worker: it reserves space for the whole group, we write its
+        temp files, it adopts them (two RPCs per group). If a temp file cannot be opened from here (a pod
+        without the worker's hostPath, another uid), the reservations are released at once and those items
+        go again over the data plane with fresh block ids (this worker is not tried locally for a minute)."""
+        address = group[0].loc.address
+        stub = self._worker(address)
+
+        def call(method: str, request: Any) -> Any:
+            try:
+                return getattr(stub, method)(request, metadata=self._md,
+                                             timeout=max(0.001, deadline - time.monotonic()))
+            except grpc.RpcError as e:
+                raise _error(e) from None
+
+        rreqs = [pb.ReserveRequest(block_id=p.bid, size=p.mv.nbytes) for p in group]
+        try:
+            reserved = self._many(address, call, "ReserveLocalMany", pb.ReserveManyRequest(items=rreqs),
+                                  "ReserveLocal", rreqs)
+        except Unavailable as e:
+            return [q for p in group for q in self._unreachable(p, e, deadline)]
+        except L2fsError as e:
+            for p in group:
+                p.result = e
+            return []
+        wrote: list[_Put] = []
+        unusable: list[_Put] = []
+        for p, r in zip(group, reserved, strict=True):
+            if isinstance(r, L2fsError):
+                p.result = r
+            elif _write_file(r.tmp_path, p.mv):
+                wrote.append(p)
+            else:
+                unusable.append(p)
+        if unusable:
+            log.info("worker %s: its temp files are not writable from here; writing over the network", address)
+            with self._lock:
+                self._no_local[address] = time.monotonic() + 60.0
+            try:
+                call("ReleaseLocal", pb.BlockIds(block_ids=[p.bid for p in unusable]))
+            except L2fsError:
+                pass  # an older worker (or a gone one): the reservations expire on their own
+        if wrote:
+            areqs = [pb.AdoptRequest(block_id=p.bid, path=p.path, size=p.mv.nbytes, crc32c=crc32c_fast(p.mv),
+                                     order_hint=p.hint) for p in wrote]
+            try:
+                adopted = self._many(address, call, "AdoptLocalMany", pb.AdoptManyRequest(items=areqs),
+                                     "AdoptLocal", areqs)
+            except L2fsError as e:
+                adopted = [e] * len(wrote)
+            for p, a in zip(wrote, adopted, strict=True):
+                if isinstance(a, L2fsError):
+                    p.result = a
+                else:
+                    p.written = a
+        return unusable
+
     @staticmethod
     def _frames(bid: str, path: str, mv: memoryview, hint: int) -> Any:
         yield pb.WriteChunk(block_id=bid, path=path, size=mv.nbytes, order_hint=hint, data=bytes(mv[:FRAME]))
         for off in range(FRAME, mv.nbytes, FRAME):
             yield pb.WriteChunk(data=bytes(mv[off:off + FRAME]))
-
-    def _put_local(self, stub: pbg.WorkerStub, bid: str, path: str, mv: memoryview, hint: int,
-                   deadline: float) -> pb.WriteResult | None:
-        """Short-circuit write: the worker reserves space, we write its temp file, it adopts it.
-        None when the worker's disk is not reachable from here (then gRPC is used)."""
-        r = stub.ReserveLocal(pb.ReserveRequest(block_id=bid, size=mv.nbytes), metadata=self._md,
-                              timeout=max(0.001, deadline - time.monotonic()))
-        try:
-            fd = os.open(r.tmp_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        except OSError:
-            return None
-        try:
-            view, n = mv, 0
-            while n < mv.nbytes:
-                n += os.write(fd, view[n:])
-        finally:
-            os.close(fd)
-        crc = crc32c_fast(mv)
-        return stub.AdoptLocal(pb.AdoptRequest(block_id=bid, path=path, size=mv.nbytes, crc32c=crc,
-                                               order_hint=hint),
-                               metadata=self._md, timeout=max(0.001, deadline - time.monotonic()))
 
     _LOCATED_MAX = 65536
     _MASTER_PAUSE = 1.0  # seconds lookups skip the master after it was unreachable
@@ -596,16 +792,6 @@ class Client:
             self._forget(path)
             return None
         return r
-
-    def put_many(self, items: Sequence[tuple[str, bytes | memoryview]], *, if_absent: bool = True,
-                 order_hints: Sequence[int] | None = None) -> list[bool]:
-        """Parallel puts; raises the first error after all finished."""
-        if order_hints is not None and len(order_hints) != len(items):
-            raise ValueError("order_hints must match items in length")
-        hints = list(order_hints) if order_hints is not None else [None] * len(items)
-        futs = [self._executor().submit(self.put, p, d, if_absent=if_absent, order_hint=h)
-                for (p, d), h in zip(items, hints, strict=True)]
-        return [f.result() for f in futs]
 
     def get_many(self, paths: Sequence[str]) -> list[bytes | None]:
         """Parallel fetches; one None per miss. Located in one master round trip (locate_many)."""

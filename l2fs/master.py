@@ -21,6 +21,7 @@ from typing import Any
 import grpc
 from prometheus_client import Counter, Gauge, Histogram
 
+from l2fs.batch import MIN_PEER_VERSION, PROTOCOL_VERSION, each, version_mismatch
 from l2fs.common import (
     BLOCK_ID,
     DEFAULT_MAX_FILE_SIZE,
@@ -98,6 +99,8 @@ class MasterService(pbg.MasterServicer):
     """Namespace + registry. One lock guards all state; handlers are short and never do I/O under it."""
 
     ALLOC_MEMORY = 1 << 18  # open allocations / abandoned block ids remembered (oldest forgotten first)
+    protocol_version = PROTOCOL_VERSION  # class attributes so a test can play an older or newer master
+    min_peer_version = MIN_PEER_VERSION
 
     def __init__(self, *, heartbeat_timeout: float = 10.0, max_file_size: int = DEFAULT_MAX_FILE_SIZE,
                  token: str | None = None, tls_ca: str | None = None, allocation_ttl: float = 600.0) -> None:
@@ -312,6 +315,12 @@ class MasterService(pbg.MasterServicer):
         if request.data_address and not valid_address(request.data_address):
             raise RpcError(grpc.StatusCode.INVALID_ARGUMENT,
                            f"worker data_address must be host:port, got {request.data_address[:100]!r}")
+        why = version_mismatch("master", f"worker {request.worker_id}", request.protocol_version,
+                               request.min_protocol_version, mine=self.protocol_version,
+                               my_min=self.min_peer_version)
+        if why:
+            log.error("refusing registration: %s", why)
+            raise RpcError(grpc.StatusCode.FAILED_PRECONDITION, why)
         reject: list[str] = []
         remote_deletes: list[tuple[str, str]] = []
         with self.lock:
@@ -352,7 +361,7 @@ class MasterService(pbg.MasterServicer):
                 self._tell_worker(wid, "DeleteBlocks", pb.BlockIds(block_ids=[bid]), wait=False)
         log.info("registered worker %s node=%s at %s: %d blocks (%d rejected)", request.worker_id,
                  request.node_id, request.address, len(request.blocks), len(reject))
-        return pb.RegisterResponse(delete_blocks=reject)
+        return pb.RegisterResponse(delete_blocks=reject, protocol_version=self.protocol_version)
 
     @_rpc
     def Heartbeat(self, request: pb.HeartbeatRequest, context: Any) -> pb.HeartbeatResponse:  # noqa: N802
@@ -392,6 +401,16 @@ class MasterService(pbg.MasterServicer):
 
     @_rpc
     def Allocate(self, request: pb.AllocateRequest, context: Any) -> pb.AllocateResponse:  # noqa: N802
+        return self._allocate(request)
+
+    @_rpc
+    def AllocateMany(self, request: pb.AllocateManyRequest, context: Any) -> pb.AllocateManyResponse:  # noqa: N802
+        """Allocate for a whole put batch under one lock hold; a failed item gets its error, the rest go on."""
+        with self.lock:
+            items = each(list(request.items), self._allocate, lambda err: pb.AllocateResponse(error=err))
+        return pb.AllocateManyResponse(items=items)
+
+    def _allocate(self, request: pb.AllocateRequest) -> pb.AllocateResponse:
         path = norm_path(request.path)
         if path == "/":
             raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, "cannot write to '/'")
@@ -429,6 +448,31 @@ class MasterService(pbg.MasterServicer):
 
     @_rpc
     def Commit(self, request: pb.CommitRequest, context: Any) -> pb.CommitResponse:  # noqa: N802
+        orphans: list[tuple[str, str]] = []
+        try:
+            return self._commit(request, orphans)
+        finally:
+            self._delete_orphans(orphans)
+
+    @_rpc
+    def CommitMany(self, request: pb.CommitManyRequest, context: Any) -> pb.CommitManyResponse:  # noqa: N802
+        """Publish a whole put batch under one lock hold; each item is its own atomic, put-if-absent commit."""
+        orphans: list[tuple[str, str]] = []
+        with self.lock:
+            items = each(list(request.items), lambda r: self._commit(r, orphans),
+                         lambda err: pb.CommitResponse(error=err))
+        self._delete_orphans(orphans)
+        return pb.CommitManyResponse(items=items)
+
+    def _delete_orphans(self, orphans: list[tuple[str, str]]) -> None:
+        """Blocks that lost a put-if-absent race or were replaced: one DeleteBlocks per worker, in the background."""
+        by_worker: dict[str, list[str]] = {}
+        for wid, bid in orphans:
+            by_worker.setdefault(wid, []).append(bid)
+        for wid, ids in by_worker.items():
+            self._tell_worker(wid, "DeleteBlocks", pb.BlockIds(block_ids=ids), wait=False)
+
+    def _commit(self, request: pb.CommitRequest, orphans: list[tuple[str, str]]) -> pb.CommitResponse:
         path = norm_path(request.path)
         if path == "/":
             raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, "cannot write to '/'")
@@ -458,7 +502,7 @@ class MasterService(pbg.MasterServicer):
                 published = True
         COMMITS.labels("published" if published else "exists").inc()
         if orphan is not None:
-            self._tell_worker(orphan[0], "DeleteBlocks", pb.BlockIds(block_ids=[orphan[1]]), wait=False)
+            orphans.append(orphan)
         return pb.CommitResponse(published=published)
 
     @_rpc

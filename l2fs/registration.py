@@ -10,12 +10,17 @@ import time
 
 import grpc
 
+from l2fs.batch import MIN_PEER_VERSION, PROTOCOL_VERSION, peer_version, version_mismatch
 from l2fs.common import auth_metadata, make_channel
 from l2fs.proto import l2fs_pb2 as pb
 from l2fs.proto import l2fs_pb2_grpc as pbg
 from l2fs.store import Store
 
 log = logging.getLogger("l2fs.worker")
+
+
+class VersionRefused(Exception):
+    """This worker cannot work with the master's protocol version (the message names both)."""
 
 
 class MasterLink:
@@ -34,6 +39,8 @@ class MasterLink:
         self._stop = threading.Event()
         self.master = pbg.MasterStub(make_channel(master, tls_ca))
         self.registered = False
+        self.master_version = 0  # the master's protocol version, once registered
+        self.protocol_version, self.min_peer_version = PROTOCOL_VERSION, MIN_PEER_VERSION  # tests play old/new
 
     def wake(self) -> None:
         self._wake.set()
@@ -49,15 +56,23 @@ class MasterLink:
         reports = self.store.reports()
         resp = self.master.RegisterWorker(pb.RegisterRequest(
             worker_id=self.worker_id, node_id=self.node_id, address=self.address,
-            capacity=self.store.capacity, used=self.store.used, blocks=reports, data_address=self.data_address),
+            capacity=self.store.capacity, used=self.store.used, blocks=reports, data_address=self.data_address,
+            protocol_version=self.protocol_version, min_protocol_version=self.min_peer_version),
             timeout=30, metadata=self._md)
+        why = version_mismatch("worker", "master", resp.protocol_version, 0, mine=self.protocol_version,
+                               my_min=self.min_peer_version)
+        if why:  # the master took our blocks but we cannot work with it: say so and keep asking
+            log.error("%s", why)
+            raise VersionRefused(why)
+        self.master_version = peer_version(resp.protocol_version)
         for bid in resp.delete_blocks:
             self.store.delete(bid)
         with self.store.lock:
             self.store.removed.clear()  # the full report supersedes pending removals and moves
             self.store.moved.clear()
         self.registered = True
-        log.info("registered with master as %s (%d blocks reported)", self.worker_id, len(reports))
+        log.info("registered with master as %s (%d blocks reported, master protocol %d, ours %d)",
+                 self.worker_id, len(reports), self.master_version, self.protocol_version)
 
     def _report_removed(self) -> None:
         with self.store.lock:
@@ -110,7 +125,14 @@ class MasterLink:
                     if resp.reregister:
                         self.registered = False
                         continue
+            except VersionRefused:
+                self._stop.wait(5.0)
+                continue
             except grpc.RpcError as e:
+                if e.code() == grpc.StatusCode.FAILED_PRECONDITION and not self.registered:
+                    log.error("master refused registration: %s", e.details())  # e.g. protocol versions
+                    self._stop.wait(5.0)
+                    continue
                 log.warning("master unreachable (%s); retrying", e.code())
                 self.registered = self.registered and e.code() != grpc.StatusCode.UNAVAILABLE
                 self._stop.wait(min(1.0, self.heartbeat_interval))

@@ -11,6 +11,7 @@ from typing import Any
 import grpc
 from prometheus_client import Histogram
 
+from l2fs.batch import each
 from l2fs.common import RpcError, check_block_id, norm_path, rpc_handler
 from l2fs.proto import l2fs_pb2 as pb
 from l2fs.proto import l2fs_pb2_grpc as pbg
@@ -115,4 +116,40 @@ class WorkerService(pbg.WorkerServicer):
             raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, "block_ids and paths differ in length")
         for bid, path in zip(request.block_ids, request.paths, strict=True):
             self.store.set_path(check_block_id(bid), norm_path(path))
+        return pb.Empty()
+
+    # ---------- batched short-circuit writes (one RPC per put batch, each item on its own) ----------
+
+    def _reserve(self, request: pb.ReserveRequest) -> pb.ReserveResponse:
+        bid = check_block_id(request.block_id)
+        i = self.store.reserve(bid, request.size, expires=True)
+        return pb.ReserveResponse(tmp_path=str(self.store.dirs[i].tmp_file(bid)))
+
+    def _adopt(self, request: pb.AdoptRequest) -> pb.WriteResult:
+        bid = check_block_id(request.block_id)
+        b = self.store.adopt(bid, norm_path(request.path), request.size, request.crc32c, request.order_hint)
+        return pb.WriteResult(block_id=bid, size=b.size, crc32c=b.crc32c, local_path=self.store.local_path(b))
+
+    @_rpc
+    def ReserveLocalMany(self, request: pb.ReserveManyRequest, context: Any) -> pb.ReserveManyResponse:  # noqa: N802
+        try:
+            return pb.ReserveManyResponse(items=each(list(request.items), self._reserve,
+                                                     lambda err: pb.ReserveResponse(error=err)))
+        finally:
+            self._report_now()
+
+    @_rpc
+    def AdoptLocalMany(self, request: pb.AdoptManyRequest, context: Any) -> pb.WriteResults:  # noqa: N802
+        try:
+            return pb.WriteResults(items=each(list(request.items), self._adopt,
+                                              lambda err: pb.WriteResult(error=err)))
+        finally:
+            self._report_now()  # sealing may have evicted
+
+    @_rpc
+    def ReleaseLocal(self, request: pb.BlockIds, context: Any) -> pb.Empty:  # noqa: N802
+        """A same-node client could not open the reserved temp files (no hostPath in its pod, other uid):
+        give the space back now instead of when the reservation expires."""
+        for bid in request.block_ids:
+            self.store.release(check_block_id(bid))
         return pb.Empty()

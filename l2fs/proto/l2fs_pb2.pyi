@@ -65,8 +65,20 @@ class Empty(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class ItemError(_message.Message):
+    __slots__ = ("code", "message", "kind", "errno_name")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    ERRNO_NAME_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    message: str
+    kind: str
+    errno_name: str
+    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ..., kind: _Optional[str] = ..., errno_name: _Optional[str] = ...) -> None: ...
+
 class RegisterRequest(_message.Message):
-    __slots__ = ("worker_id", "node_id", "address", "capacity", "used", "blocks", "data_address")
+    __slots__ = ("worker_id", "node_id", "address", "capacity", "used", "blocks", "data_address", "protocol_version", "min_protocol_version")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -74,6 +86,8 @@ class RegisterRequest(_message.Message):
     USED_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
     DATA_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    MIN_PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     node_id: str
     address: str
@@ -81,13 +95,17 @@ class RegisterRequest(_message.Message):
     used: int
     blocks: _containers.RepeatedCompositeFieldContainer[BlockReport]
     data_address: str
-    def __init__(self, worker_id: _Optional[str] = ..., node_id: _Optional[str] = ..., address: _Optional[str] = ..., capacity: _Optional[int] = ..., used: _Optional[int] = ..., blocks: _Optional[_Iterable[_Union[BlockReport, _Mapping]]] = ..., data_address: _Optional[str] = ...) -> None: ...
+    protocol_version: int
+    min_protocol_version: int
+    def __init__(self, worker_id: _Optional[str] = ..., node_id: _Optional[str] = ..., address: _Optional[str] = ..., capacity: _Optional[int] = ..., used: _Optional[int] = ..., blocks: _Optional[_Iterable[_Union[BlockReport, _Mapping]]] = ..., data_address: _Optional[str] = ..., protocol_version: _Optional[int] = ..., min_protocol_version: _Optional[int] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
-    __slots__ = ("delete_blocks",)
+    __slots__ = ("delete_blocks", "protocol_version")
     DELETE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     delete_blocks: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, delete_blocks: _Optional[_Iterable[str]] = ...) -> None: ...
+    protocol_version: int
+    def __init__(self, delete_blocks: _Optional[_Iterable[str]] = ..., protocol_version: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("worker_id", "capacity", "used", "blocks", "interval")
@@ -144,14 +162,30 @@ class AllocateRequest(_message.Message):
     def __init__(self, path: _Optional[str] = ..., size: _Optional[int] = ..., node_id: _Optional[str] = ..., if_absent: bool = ..., exclude_workers: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class AllocateResponse(_message.Message):
-    __slots__ = ("exists", "block_id", "worker")
+    __slots__ = ("exists", "block_id", "worker", "error")
     EXISTS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_ID_FIELD_NUMBER: _ClassVar[int]
     WORKER_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
     exists: bool
     block_id: str
     worker: Location
-    def __init__(self, exists: bool = ..., block_id: _Optional[str] = ..., worker: _Optional[_Union[Location, _Mapping]] = ...) -> None: ...
+    error: ItemError
+    def __init__(self, exists: bool = ..., block_id: _Optional[str] = ..., worker: _Optional[_Union[Location, _Mapping]] = ..., error: _Optional[_Union[ItemError, _Mapping]] = ...) -> None: ...
+
+class AllocateManyRequest(_message.Message):
+    __slots__ = ("items", "protocol_version")
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    items: _containers.RepeatedCompositeFieldContainer[AllocateRequest]
+    protocol_version: int
+    def __init__(self, items: _Optional[_Iterable[_Union[AllocateRequest, _Mapping]]] = ..., protocol_version: _Optional[int] = ...) -> None: ...
+
+class AllocateManyResponse(_message.Message):
+    __slots__ = ("items",)
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    items: _containers.RepeatedCompositeFieldContainer[AllocateResponse]
+    def __init__(self, items: _Optional[_Iterable[_Union[AllocateResponse, _Mapping]]] = ...) -> None: ...
 
 class CommitRequest(_message.Message):
     __slots__ = ("path", "block_id", "worker_id", "size", "crc32c", "if_absent", "order_hint", "local_path")
@@ -174,10 +208,26 @@ class CommitRequest(_message.Message):
     def __init__(self, path: _Optional[str] = ..., block_id: _Optional[str] = ..., worker_id: _Optional[str] = ..., size: _Optional[int] = ..., crc32c: _Optional[int] = ..., if_absent: bool = ..., order_hint: _Optional[int] = ..., local_path: _Optional[str] = ...) -> None: ...
 
 class CommitResponse(_message.Message):
-    __slots__ = ("published",)
+    __slots__ = ("published", "error")
     PUBLISHED_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
     published: bool
-    def __init__(self, published: bool = ...) -> None: ...
+    error: ItemError
+    def __init__(self, published: bool = ..., error: _Optional[_Union[ItemError, _Mapping]] = ...) -> None: ...
+
+class CommitManyRequest(_message.Message):
+    __slots__ = ("items", "protocol_version")
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    items: _containers.RepeatedCompositeFieldContainer[CommitRequest]
+    protocol_version: int
+    def __init__(self, items: _Optional[_Iterable[_Union[CommitRequest, _Mapping]]] = ..., protocol_version: _Optional[int] = ...) -> None: ...
+
+class CommitManyResponse(_message.Message):
+    __slots__ = ("items",)
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    items: _containers.RepeatedCompositeFieldContainer[CommitResponse]
+    def __init__(self, items: _Optional[_Iterable[_Union[CommitResponse, _Mapping]]] = ...) -> None: ...
 
 class PathRequest(_message.Message):
     __slots__ = ("path",)
@@ -278,16 +328,24 @@ class WriteChunk(_message.Message):
     def __init__(self, block_id: _Optional[str] = ..., path: _Optional[str] = ..., size: _Optional[int] = ..., order_hint: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class WriteResult(_message.Message):
-    __slots__ = ("block_id", "size", "crc32c", "local_path")
+    __slots__ = ("block_id", "size", "crc32c", "local_path", "error")
     BLOCK_ID_FIELD_NUMBER: _ClassVar[int]
     SIZE_FIELD_NUMBER: _ClassVar[int]
     CRC32C_FIELD_NUMBER: _ClassVar[int]
     LOCAL_PATH_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
     block_id: str
     size: int
     crc32c: int
     local_path: str
-    def __init__(self, block_id: _Optional[str] = ..., size: _Optional[int] = ..., crc32c: _Optional[int] = ..., local_path: _Optional[str] = ...) -> None: ...
+    error: ItemError
+    def __init__(self, block_id: _Optional[str] = ..., size: _Optional[int] = ..., crc32c: _Optional[int] = ..., local_path: _Optional[str] = ..., error: _Optional[_Union[ItemError, _Mapping]] = ...) -> None: ...
+
+class WriteResults(_message.Message):
+    __slots__ = ("items",)
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    items: _containers.RepeatedCompositeFieldContainer[WriteResult]
+    def __init__(self, items: _Optional[_Iterable[_Union[WriteResult, _Mapping]]] = ...) -> None: ...
 
 class ReadRequest(_message.Message):
     __slots__ = ("block_id",)
@@ -314,10 +372,24 @@ class ReserveRequest(_message.Message):
     def __init__(self, block_id: _Optional[str] = ..., size: _Optional[int] = ...) -> None: ...
 
 class ReserveResponse(_message.Message):
-    __slots__ = ("tmp_path",)
+    __slots__ = ("tmp_path", "error")
     TMP_PATH_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
     tmp_path: str
-    def __init__(self, tmp_path: _Optional[str] = ...) -> None: ...
+    error: ItemError
+    def __init__(self, tmp_path: _Optional[str] = ..., error: _Optional[_Union[ItemError, _Mapping]] = ...) -> None: ...
+
+class ReserveManyRequest(_message.Message):
+    __slots__ = ("items",)
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    items: _containers.RepeatedCompositeFieldContainer[ReserveRequest]
+    def __init__(self, items: _Optional[_Iterable[_Union[ReserveRequest, _Mapping]]] = ...) -> None: ...
+
+class ReserveManyResponse(_message.Message):
+    __slots__ = ("items",)
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    items: _containers.RepeatedCompositeFieldContainer[ReserveResponse]
+    def __init__(self, items: _Optional[_Iterable[_Union[ReserveResponse, _Mapping]]] = ...) -> None: ...
 
 class AdoptRequest(_message.Message):
     __slots__ = ("block_id", "path", "size", "crc32c", "order_hint")
@@ -332,6 +404,12 @@ class AdoptRequest(_message.Message):
     crc32c: int
     order_hint: int
     def __init__(self, block_id: _Optional[str] = ..., path: _Optional[str] = ..., size: _Optional[int] = ..., crc32c: _Optional[int] = ..., order_hint: _Optional[int] = ...) -> None: ...
+
+class AdoptManyRequest(_message.Message):
+    __slots__ = ("items",)
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    items: _containers.RepeatedCompositeFieldContainer[AdoptRequest]
+    def __init__(self, items: _Optional[_Iterable[_Union[AdoptRequest, _Mapping]]] = ...) -> None: ...
 
 class BlockIds(_message.Message):
     __slots__ = ("block_ids",)

@@ -64,6 +64,16 @@ class MasterStub(object):
                 request_serializer=l2fs__pb2.CommitRequest.SerializeToString,
                 response_deserializer=l2fs__pb2.CommitResponse.FromString,
                 _registered_method=True)
+        self.AllocateMany = channel.unary_unary(
+                '/l2fs.Master/AllocateMany',
+                request_serializer=l2fs__pb2.AllocateManyRequest.SerializeToString,
+                response_deserializer=l2fs__pb2.AllocateManyResponse.FromString,
+                _registered_method=True)
+        self.CommitMany = channel.unary_unary(
+                '/l2fs.Master/CommitMany',
+                request_serializer=l2fs__pb2.CommitManyRequest.SerializeToString,
+                response_deserializer=l2fs__pb2.CommitManyResponse.FromString,
+                _registered_method=True)
         self.Stat = channel.unary_unary(
                 '/l2fs.Master/Stat',
                 request_serializer=l2fs__pb2.PathRequest.SerializeToString,
@@ -145,6 +155,19 @@ class MasterServicer(object):
         raise NotImplementedError('Method not implemented!')
 
     def Commit(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def AllocateMany(self, request, context):
+        """one RPC per put batch
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CommitMany(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -236,6 +259,16 @@ def add_MasterServicer_to_server(servicer, server):
                     servicer.Commit,
                     request_deserializer=l2fs__pb2.CommitRequest.FromString,
                     response_serializer=l2fs__pb2.CommitResponse.SerializeToString,
+            ),
+            'AllocateMany': grpc.unary_unary_rpc_method_handler(
+                    servicer.AllocateMany,
+                    request_deserializer=l2fs__pb2.AllocateManyRequest.FromString,
+                    response_serializer=l2fs__pb2.AllocateManyResponse.SerializeToString,
+            ),
+            'CommitMany': grpc.unary_unary_rpc_method_handler(
+                    servicer.CommitMany,
+                    request_deserializer=l2fs__pb2.CommitManyRequest.FromString,
+                    response_serializer=l2fs__pb2.CommitManyResponse.SerializeToString,
             ),
             'Stat': grpc.unary_unary_rpc_method_handler(
                     servicer.Stat,
@@ -445,6 +478,60 @@ class Master(object):
             '/l2fs.Master/Commit',
             l2fs__pb2.CommitRequest.SerializeToString,
             l2fs__pb2.CommitResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AllocateMany(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/l2fs.Master/AllocateMany',
+            l2fs__pb2.AllocateManyRequest.SerializeToString,
+            l2fs__pb2.AllocateManyResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CommitMany(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/l2fs.Master/CommitMany',
+            l2fs__pb2.CommitManyRequest.SerializeToString,
+            l2fs__pb2.CommitManyResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -728,6 +815,21 @@ class WorkerStub(object):
                 request_serializer=l2fs__pb2.AdoptRequest.SerializeToString,
                 response_deserializer=l2fs__pb2.WriteResult.FromString,
                 _registered_method=True)
+        self.ReserveLocalMany = channel.unary_unary(
+                '/l2fs.Worker/ReserveLocalMany',
+                request_serializer=l2fs__pb2.ReserveManyRequest.SerializeToString,
+                response_deserializer=l2fs__pb2.ReserveManyResponse.FromString,
+                _registered_method=True)
+        self.AdoptLocalMany = channel.unary_unary(
+                '/l2fs.Worker/AdoptLocalMany',
+                request_serializer=l2fs__pb2.AdoptManyRequest.SerializeToString,
+                response_deserializer=l2fs__pb2.WriteResults.FromString,
+                _registered_method=True)
+        self.ReleaseLocal = channel.unary_unary(
+                '/l2fs.Worker/ReleaseLocal',
+                request_serializer=l2fs__pb2.BlockIds.SerializeToString,
+                response_deserializer=l2fs__pb2.Empty.FromString,
+                _registered_method=True)
         self.Touch = channel.unary_unary(
                 '/l2fs.Worker/Touch',
                 request_serializer=l2fs__pb2.BlockIds.SerializeToString,
@@ -773,6 +875,26 @@ class WorkerServicer(object):
 
     def AdoptLocal(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReserveLocalMany(self, request, context):
+        """one RPC per put batch
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def AdoptLocalMany(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReleaseLocal(self, request, context):
+        """the client could not write the reserved temp files
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -826,6 +948,21 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.AdoptLocal,
                     request_deserializer=l2fs__pb2.AdoptRequest.FromString,
                     response_serializer=l2fs__pb2.WriteResult.SerializeToString,
+            ),
+            'ReserveLocalMany': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReserveLocalMany,
+                    request_deserializer=l2fs__pb2.ReserveManyRequest.FromString,
+                    response_serializer=l2fs__pb2.ReserveManyResponse.SerializeToString,
+            ),
+            'AdoptLocalMany': grpc.unary_unary_rpc_method_handler(
+                    servicer.AdoptLocalMany,
+                    request_deserializer=l2fs__pb2.AdoptManyRequest.FromString,
+                    response_serializer=l2fs__pb2.WriteResults.SerializeToString,
+            ),
+            'ReleaseLocal': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReleaseLocal,
+                    request_deserializer=l2fs__pb2.BlockIds.FromString,
+                    response_serializer=l2fs__pb2.Empty.SerializeToString,
             ),
             'Touch': grpc.unary_unary_rpc_method_handler(
                     servicer.Touch,
@@ -956,6 +1093,87 @@ class Worker(object):
             '/l2fs.Worker/AdoptLocal',
             l2fs__pb2.AdoptRequest.SerializeToString,
             l2fs__pb2.WriteResult.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReserveLocalMany(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/l2fs.Worker/ReserveLocalMany',
+            l2fs__pb2.ReserveManyRequest.SerializeToString,
+            l2fs__pb2.ReserveManyResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AdoptLocalMany(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/l2fs.Worker/AdoptLocalMany',
+            l2fs__pb2.AdoptManyRequest.SerializeToString,
+            l2fs__pb2.WriteResults.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReleaseLocal(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/l2fs.Worker/ReleaseLocal',
+            l2fs__pb2.BlockIds.SerializeToString,
+            l2fs__pb2.Empty.FromString,
             options,
             channel_credentials,
             insecure,

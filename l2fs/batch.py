@@ -1,0 +1,68 @@
+"""Per-item results of batched RPCs (AllocateMany, CommitMany, ReserveLocalMany, AdoptLocalMany) and the
+wire protocol version rule. Why per item: one bad path or one lost race inside a batch must fail that item
+only, exactly as it would have failed its own unary call, never its neighbours."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TypeVar
+
+import grpc
+
+from l2fs.common import PathError, RpcError
+from l2fs.proto import l2fs_pb2 as pb
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+# Wire protocol: 1 = before versions existed (a peer that sends no version field, read as 0, is 1);
+# 2 = batched calls (AllocateMany/CommitMany/ReserveLocalMany/AdoptLocalMany/ReleaseLocal) and the version
+# fields. A peer below MIN_PEER_VERSION is refused with both versions named; a newer peer is served as long
+# as it accepts us (its min_protocol_version <= PROTOCOL_VERSION). New calls are optional: a caller that
+# gets UNIMPLEMENTED from an older peer falls back to the unary calls.
+PROTOCOL_VERSION = 2
+MIN_PEER_VERSION = 1
+
+_CODES = {c.value[0]: c for c in grpc.StatusCode}
+
+
+def peer_version(v: int) -> int:
+    """A version field as sent: 0 means the peer predates versions (protocol 1)."""
+    return v or 1
+
+
+def version_mismatch(me: str, peer: str, peer_v: int, peer_min: int, *, mine: int = PROTOCOL_VERSION,
+                     my_min: int = MIN_PEER_VERSION) -> str | None:
+    """Why `me` and `peer` cannot talk (a message naming both versions), or None when they can."""
+    peer_v = peer_version(peer_v)
+    if peer_v < my_min:
+        return (f"{peer} speaks l2fs protocol {peer_v}, older than the oldest this {me} (protocol {mine}) "
+                f"accepts ({my_min}): upgrade the {peer}")
+    if peer_min > mine:
+        return (f"{peer} (protocol {peer_v}) needs protocol >= {peer_min}, this {me} speaks {mine}: "
+                f"upgrade the {me}")
+    return None
+
+
+def item_error(e: Exception) -> pb.ItemError:
+    """An item's failure as it travels in a batched response (same code/kind/errno as the unary call)."""
+    if isinstance(e, PathError):
+        return pb.ItemError(code=grpc.StatusCode.INVALID_ARGUMENT.value[0], message=str(e), kind="path")
+    if isinstance(e, RpcError):
+        return pb.ItemError(code=e.code.value[0], message=str(e), errno_name=e.errno_name or "")
+    return pb.ItemError(code=grpc.StatusCode.INTERNAL.value[0], message=f"{type(e).__name__}: {e}")
+
+
+def each(items: list[R], one: Callable[[R], T], failed: Callable[[pb.ItemError], T]) -> list[T]:
+    """one(item) for every item; an item that raises becomes failed(its ItemError)."""
+    out = []
+    for it in items:
+        try:
+            out.append(one(it))
+        except (RpcError, PathError) as e:
+            out.append(failed(item_error(e)))
+    return out
+
+
+def status_code(err: pb.ItemError) -> grpc.StatusCode:
+    return _CODES.get(err.code, grpc.StatusCode.UNKNOWN)
