@@ -178,36 +178,43 @@ def _state_lock() -> Any:
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def _used_subnets() -> list[ipaddress.IPv4Network | ipaddress.IPv6Network]:
-    """Subnets held by our launchers (state files, addresses in our control namespaces) plus the host's
-    IPv4 routes, so a new launcher's subnet overlaps none of them."""
-    used: list[ipaddress.IPv4Network | ipaddress.IPv6Network] = []
+Nets = list[ipaddress.IPv4Network | ipaddress.IPv6Network]
+
+
+def _used_subnets() -> tuple[Nets, Nets]:
+    """(subnets held by our launchers: state files and addresses in our control namespaces, the host's
+    IPv4 routes). Ours must never be reused; the host's are only avoided when possible (our subnets live
+    in our own namespaces, so an overlap with the host is harmless, just confusing to read)."""
+    ours: Nets = []
     for f in STATE_DIR.glob("kvt*.json"):
         with contextlib.suppress(OSError, ValueError, KeyError):
-            used.append(ipaddress.ip_network(json.loads(f.read_text())["subnet"]))
+            ours.append(ipaddress.ip_network(json.loads(f.read_text())["subnet"]))
     for prefix in _our_namespaces():
         r = _run(["ip", "-n", f"{prefix}-ctl", "-o", "-4", "addr", "show"], check=False)
         for m in re.finditer(r"inet (\S+)", r.stdout):
             iface = ipaddress.ip_interface(m.group(1))
             if not iface.ip.is_loopback:
-                used.append(iface.network)
+                ours.append(iface.network)
+    host: Nets = []
     for line in _run(["ip", "-o", "-4", "route", "show", "table", "all"], check=False).stdout.splitlines():
         tok = line.split()
         dst = tok[1] if tok and tok[0] in ("local", "broadcast", "unicast", "blackhole", "prohibit") else (
             tok[0] if tok else "")
         with contextlib.suppress(ValueError):
             if dst and dst != "default":
-                net = ipaddress.ip_network(dst, strict=False)
-                if net.prefixlen >= 8:  # a /0../7 route (e.g. a VPN's 0/1) would block everything
-                    used.append(net)
-    return used
+                host.append(ipaddress.ip_network(dst, strict=False))
+    return ours, host
 
 
 def _pick_subnet() -> ipaddress.IPv4Network:
-    used = _used_subnets()
-    for net in SUPERNET.subnets(new_prefix=24):
-        if not any(net.overlaps(u) for u in used):
+    """The first /24 of SUPERNET that no launcher of ours holds, preferring one clear of the host's routes."""
+    ours, host = _used_subnets()
+    free = [n for n in SUPERNET.subnets(new_prefix=24) if not any(n.overlaps(u) for u in ours)]
+    for net in free:
+        if not any(net.overlaps(h) for h in host):
             return net
+    if free:
+        return free[0]
     raise NetnsError(f"no free /24 left in {SUPERNET} (run `l2fs netns cleanup`?)")
 
 

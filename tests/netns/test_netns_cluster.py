@@ -194,3 +194,45 @@ def test_two_launchers_get_distinct_names_and_subnets(netns_cluster: NetnsCluste
         assert not {ns.netns for ns in a.namespaces} & {ns.netns for ns in b.namespaces}
         assert reaches(a, 1, echo_server(a, 2)) and reaches(b, 1, echo_server(b, 2))
     assert reaches(a, 1, echo_server(a, 2))
+
+
+@pytest.mark.unit
+def test_refuses_without_root_or_tools(monkeypatch: pytest.MonkeyPatch) -> None:
+    import l2fs.netns as netns
+
+    monkeypatch.setattr(netns.os, "geteuid", lambda: 1000)
+    with pytest.raises(NetnsError, match="root"):
+        netns.NetnsCluster(2)
+    monkeypatch.setattr(netns.os, "geteuid", lambda: 0)
+    monkeypatch.setattr(netns.shutil, "which", lambda t: None if t == "tc" else f"/usr/sbin/{t}")
+    with pytest.raises(NetnsError, match="tc"):
+        netns.cleanup()
+
+
+def test_cli_up_holds_until_ctrl_c_then_removes_everything(netns_host: None) -> None:
+    import json
+
+    p = subprocess.Popen([sys.executable, "-m", "l2fs.cli", "netns", "up", "--nodes", "2", "--link", "1gbit"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    try:
+        lines = []
+        while not lines or lines[-1] != "}\n":  # describe() printed as indented JSON
+            line = p.stdout.readline() if p.stdout else ""
+            assert line, f"l2fs netns up exited early: {p.stderr.read() if p.stderr else ''}"
+            lines.append(line)
+        info = json.loads("".join(lines))
+        names = [info["ctl"]["netns"], *(n["netns"] for n in info["nodes"])]
+        assert all((NETNS_DIR / n).exists() for n in names)
+        qdisc = subprocess.run(["tc", "-n", names[1], "qdisc", "show", "dev", "eth0"], capture_output=True,
+                               text=True, check=True).stdout
+        assert "tbf" in qdisc and "1Gbit" in qdisc
+        bad = subprocess.run([sys.executable, "-m", "l2fs.cli", "netns", "exec", "host", "true"],
+                             capture_output=True, text=True, cwd=ROOT)
+        assert bad.returncode == 2 and "no namespace of ours" in bad.stderr
+        p.send_signal(signal.SIGINT)
+        assert p.wait(timeout=20) == 0
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert not any((NETNS_DIR / n).exists() for n in names)
+    assert not (STATE_DIR / f"{info['prefix']}.json").exists()
