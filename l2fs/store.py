@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 import sqlite3
+import stat
 import threading
 import time
 from collections.abc import Iterable, Iterator
@@ -91,6 +91,41 @@ class DataDir:
         return self.root / "tmp" / f"{bid}.part"
 
 
+# Files the worker creates: never through a link planted in tmp/ (in plugin mode pods mount the data dir
+# read-write), never over an existing file, readable by the worker's user only.
+CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+OPEN_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
+FILE_MODE = 0o600
+
+
+def create_exclusive(path: Path) -> IO[bytes]:
+    """A new file at `path`, opened for writing; OSError when anything (a file, a symlink) is there."""
+    return os.fdopen(os.open(path, CREATE_FLAGS, FILE_MODE), "wb", buffering=0)
+
+
+def open_regular(path: Path) -> IO[bytes]:
+    """`path` opened for reading when it is a regular file itself (not a symlink, FIFO or device);
+    OSError otherwise. Checked on the open fd, so a swap after the check cannot redirect it."""
+    fd = os.open(path, OPEN_FLAGS | os.O_NONBLOCK)  # O_NONBLOCK: opening a planted FIFO must not hang
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(f"{path} is not a regular file")
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb", buffering=0)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _same_file(path: Path, st: os.stat_result) -> bool:
+    """Whether `path` itself (links not followed) is the inode `st` describes."""
+    try:
+        now = os.lstat(path)
+    except OSError:
+        return False
+    return stat.S_ISREG(now.st_mode) and (now.st_dev, now.st_ino) == (st.st_dev, st.st_ino)
+
+
 class VerifiedFrames:
     """A block file read FRAME by FRAME (at least one frame, possibly empty), checksummed on the way, so a
     reader never holds the whole block. After the last frame, `ok` says whether size and CRC32C matched the
@@ -147,7 +182,12 @@ class Store:
             known = set()
             for bid, path, size, crc, sealed, mtime, la, oh in rows:
                 f = d.block_file(bid)
-                if not sealed or not f.exists() or f.stat().st_size != size or bid in self.blocks:
+                try:
+                    st = os.lstat(f)  # a symlink in blocks/ is damage, never followed
+                    whole = stat.S_ISREG(st.st_mode) and st.st_size == size
+                except OSError:
+                    whole = False
+                if not sealed or not whole or bid in self.blocks:
                     # unsealed, missing, damaged, or a second copy left by a demotion cut short
                     d.db.execute("DELETE FROM blocks WHERE block_id=?", (bid,))
                     f.unlink(missing_ok=True)
@@ -256,8 +296,17 @@ class Store:
         src, dst, tmp = src_dir.block_file(b.block_id), dst_dir.block_file(b.block_id), dst_dir.tmp_file(b.block_id)
         try:
             dst.parent.mkdir(exist_ok=True)
-            shutil.copyfile(src, tmp)
+            with open_regular(src) as fin, create_exclusive(tmp) as fout:
+                left = b.size
+                while left:
+                    n = os.sendfile(fout.fileno(), fin.fileno(), None, left)
+                    if not n:
+                        raise OSError(f"{src} is shorter than {b.size} bytes")
+                    left -= n
+                st = os.fstat(fout.fileno())
             os.replace(tmp, dst)
+            if not _same_file(dst, st):
+                raise OSError(f"{tmp} was replaced before it was moved into place")
         except OSError as e:
             log.warning("demoting block %s to %s failed: %s", b.block_id, dst_dir.root, e)
             tmp.unlink(missing_ok=True)
@@ -294,8 +343,11 @@ class Store:
 
     # ---------- blocks ----------
 
-    def seal(self, bid: str, path: str, size: int, crc: int, order_hint: int, src: Path) -> Block:
-        """Move a fully written temp file into place and record it in the manifest."""
+    def seal(self, bid: str, path: str, size: int, crc: int, order_hint: int, src: Path,
+             ident: os.stat_result) -> Block:
+        """Move a fully written temp file into place and record it in the manifest. `ident` is the fstat of
+        the file the worker wrote or checked: if `src` was swapped since (e.g. for a symlink), the renamed
+        entry is not that inode, and it is removed and refused instead of published."""
         with self.lock:
             r = self.reservations.pop(bid, None)
             if r is None:
@@ -303,8 +355,19 @@ class Store:
             i, reserved = r[0], r[1]
             d = self.dirs[i]
             dst = d.block_file(bid)
-            dst.parent.mkdir(exist_ok=True)
-            os.replace(src, dst)
+            try:
+                dst.parent.mkdir(exist_ok=True)
+                os.replace(src, dst)
+                placed = _same_file(dst, ident)
+            except OSError:
+                placed = False
+            if not placed:  # give the promised bytes back; what was renamed in (maybe a link) is removed
+                dst.unlink(missing_ok=True)
+                d.used -= reserved
+                d.reserved -= reserved
+                self._gauges()
+                raise RpcError(grpc.StatusCode.INVALID_ARGUMENT,
+                               f"block {bid}: temp file missing or replaced before sealing")
             d.used += size - reserved
             d.reserved -= reserved
             now = time.time()
@@ -326,8 +389,12 @@ class Store:
         tmp = self.dirs[i].tmp_file(bid)
         ok = False
         try:
+            try:
+                f = create_exclusive(tmp)
+            except OSError as e:  # something planted at our temp name (a symlink, a file): never write through it
+                raise RpcError(grpc.StatusCode.FAILED_PRECONDITION, f"block {bid}: temp file refused: {e}") from e
             crc, n = 0, 0
-            with open(tmp, "wb", buffering=0) as f:
+            with f:
                 for data in chunks:
                     n += len(data)
                     if n > size:
@@ -335,9 +402,10 @@ class Store:
                                        f"stream carries more than the declared {size} bytes")
                     f.write(data)
                     crc = crc32c.crc32c(data, value=crc)
+                ident = os.fstat(f.fileno())
             if n != size:
                 raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, f"stream ended after {n} of {size} bytes")
-            b = self.seal(bid, path, size, crc, order_hint, tmp)
+            b = self.seal(bid, path, size, crc, order_hint, tmp, ident)
             ok = True
         finally:
             if not ok:
@@ -345,22 +413,39 @@ class Store:
         return b
 
     def adopt(self, bid: str, path: str, size: int, crc: int, order_hint: int) -> Block:
-        """Seal a short-circuit write: the client wrote the reserved temp file itself and names its CRC
-        (it computed it); a file of the wrong size is refused and the reservation released."""
+        """Seal a short-circuit write: the client wrote the reserved temp file itself. The worker trusts
+        nothing about it: the temp name must be a regular file itself (no symlink followed), with one link
+        (not a hard link to a file elsewhere), of the declared size, and the worker recomputes its CRC32C;
+        a client CRC that does not match the bytes is refused. Any refusal releases the reservation."""
         with self.lock:
             r = self.reservations.get(bid)
         if r is None:
             raise RpcError(grpc.StatusCode.FAILED_PRECONDITION, f"block {bid} was not reserved")
         tmp = self.dirs[r[0]].tmp_file(bid)
         try:
-            actual = tmp.stat().st_size
-        except OSError:
-            actual = -1
-        if actual != size:
+            try:
+                f = open_regular(tmp)
+            except OSError as e:
+                raise RpcError(grpc.StatusCode.INVALID_ARGUMENT,
+                               f"local block file refused (missing, a link or not a regular file): {e}") from e
+            with f:
+                st = os.fstat(f.fileno())
+                if st.st_nlink != 1:
+                    raise RpcError(grpc.StatusCode.INVALID_ARGUMENT,
+                                   f"local block file has {st.st_nlink} links (a hard link is refused)")
+                if st.st_size != size:
+                    raise RpcError(grpc.StatusCode.INVALID_ARGUMENT,
+                                   f"local block file has {st.st_size} bytes, expected {size}")
+                frames = VerifiedFrames(Block(bid, r[0], path, size, crc, 0, 0, order_hint), f)
+                for _ in frames:
+                    pass
+            if not frames.ok:
+                raise RpcError(grpc.StatusCode.INVALID_ARGUMENT,
+                               f"local block file does not match the declared CRC32C {crc:#010x} (recomputed)")
+        except RpcError:
             self.release(bid)
-            raise RpcError(grpc.StatusCode.INVALID_ARGUMENT,
-                           f"local block file has {actual} bytes, expected {size}")
-        return self.seal(bid, path, size, crc, order_hint, tmp)
+            raise
+        return self.seal(bid, path, size, crc, order_hint, tmp, st)
 
     def delete(self, bid: str, reason: str = "deleted") -> bool:
         """Drop a block and its file; any reason but "deleted" (the master asked) is reported to the master."""
@@ -432,7 +517,7 @@ class Store:
                 return None
             b, path = found
             try:
-                f = open(path, "rb", buffering=0)  # the caller closes it
+                f = open_regular(path)  # the caller closes it; a symlink or non-file is damage
             except OSError:
                 pass
             else:
