@@ -557,12 +557,16 @@ def main(argv: list[str] | None = None) -> int:
     for line in notes(raw):
         print(line)
     args.out.mkdir(parents=True, exist_ok=True)
-    png = args.out / "cross_pod.png"
+    png: Path | None = args.out / "cross_pod.png"
     where = f"{args.replica_a} -> {args.replica_b}" if http_mode else "local kvtier up, CPU"
-    plot(rows, png, f"kvtier cross-pod TTFT, {Path(model).name}, {where} ({reps} reps)")
+    try:
+        plot(rows, png, f"kvtier cross-pod TTFT, {Path(model).name}, {where} ({reps} reps)")
+    except ImportError:  # the kvtier image (in-cluster Job) has no matplotlib: table + JSON/CSV only
+        print("no matplotlib: plot skipped (pip install matplotlib, or kvtier[bench])")
+        png = None
     summary = {"mode": "http" if http_mode else "local", "replica_a": args.replica_a, "replica_b": args.replica_b,
                "lengths": lengths, "reps": reps, "model": model, "seed": seed, "rows": rows, "notes": notes(raw)}
-    for p in [*write_results(args.out, "cross_pod", summary, raw), png]:
+    for p in [*write_results(args.out, "cross_pod", summary, raw), *([png] if png else [])]:
         print(f"wrote {p}")
     return 0
 
