@@ -7,6 +7,10 @@ uncached(r) = n - hit(r) - l2_credit * max(0, l2_hit - hit(r)): blocks in a repl
 only in L2 (reachable by every replica) are cheaper than recompute but not free. A replica is eligible only
 while its in-flight count stays under ceil((1+eps) * mean after admission) (bounded-load hashing), so a hot
 shared prompt can never pin all traffic to one replica; affinity yields, it is a score, not a pin.
+
+One class per strategy (REGISTRY, names from kvtier.contract.STRATEGIES): a cache-aware strategy only says
+which replicas hold how much of the prompt (`hits`) and what to remember after routing (`record`); the
+choice is Policy.least_cost for all of them. A new strategy is a class with @register and a contract name.
 """
 
 from __future__ import annotations
@@ -66,7 +70,7 @@ class Policy:
 
     @staticmethod
     def check_strategy(name: str) -> str:
-        if name not in STRATEGIES:
+        if name not in REGISTRY:
             raise UnknownStrategy(f"unknown strategy {name!r}; choose one of {', '.join(STRATEGIES)}")
         return name
 
@@ -81,66 +85,151 @@ class Policy:
         ties = [r for c, r in scored if c <= best + 1e-9]
         return ties[0] if len(ties) == 1 else self._rng.choice(ties)
 
+    def cost(self, r: Replica, n: int, hit: float, l2_tokens: int) -> float:
+        """The one cost every cache-aware strategy minimises (see the module docstring)."""
+        uncached = n - hit - self.l2_credit * max(0.0, l2_tokens - hit)
+        return uncached + r.prefill_tokens + self.decode_beta * r.decode_tokens
+
     def choose(self, strategy: str, cands: Sequence[Replica], tokens: Sequence[int] | None, *,
                session: str | None = None, model: str | None = None, cache_salt: str | None = None,
                l2_tokens: int = 0) -> Decision:
         if not cands:
             raise LookupError("no replica available")
-        if strategy == "roundrobin":
-            r = cands[self._rr % len(cands)]
-            self._rr += 1
-            return Decision(r, "roundrobin", uncached=len(tokens or ()))
-        toks = tokens or ()
-        n = len(toks)
-        root = root_key(model) if model and model in self.kv.loras else root_key()
-        extra0 = ("salt", str(cache_salt)) if cache_salt else None
+        return REGISTRY[self.check_strategy(strategy)].choose(self, RouteRequest(
+            cands, tokens or (), session, model, cache_salt, l2_tokens))
+
+    def least_cost(self, strat: Strategy, req: RouteRequest) -> Decision:
+        """Shared by the cache-aware strategies: cheapest eligible replica by `cost`, given strat's hits."""
+        toks, n = req.tokens, len(req.tokens)
+        root = root_key(req.model) if req.model and req.model in self.kv.loras else root_key()
+        extra0 = ("salt", str(req.cache_salt)) if req.cache_salt else None
         keys = block_keys(toks, self.block_size, root, extra0)
-        hits: dict[str, float] = {}
-        if strategy in ("prefixaware", "session"):
-            for url, b in self.tree.match(keys).items():
-                hits[url] = b * self.block_size
-        elif strategy == "kvaware":
-            spec = self.spec.match(keys)  # speculative: what we routed in the last few seconds
-            for url, b in spec.items():
-                hits[url] = b * self.block_size
-            bss = self.kv.block_sizes()
-            for bs in bss or {self.block_size}:
-                ks = keys if bs == self.block_size else block_keys(toks, bs, root, extra0)
-                for url, (_b, weighted) in self.kv.match(ks).items():
-                    if self.kv.block_size(url) == bs:
-                        hits[url] = max(hits.get(url, 0.0), weighted * bs)
-        sticky = None
-        if session:
-            sticky = self._sessions.get(session)
-        elig = self._eligible(cands)
+        hits = strat.hits(self, keys, toks, root, extra0)
+        sticky = self._sessions.get(req.session) if req.session else None
+        elig = self._eligible(req.cands)
         scored = []
         for r in elig:
-            h = min(hits.get(r.url, 0.0), n)
-            uncached = n - h - self.l2_credit * max(0.0, l2_tokens - h)
-            cost = uncached + r.prefill_tokens + self.decode_beta * r.decode_tokens
-            if strategy == "session" and r.url == sticky:
+            cost = self.cost(r, n, min(hits.get(r.url, 0.0), n), req.l2_tokens)
+            if strat.sticky and r.url == sticky:
                 cost -= self.session_bonus_frac * max(n, 1) + 1
             scored.append((cost, r))
         r = self._pick_min(scored)
         h = int(min(hits.get(r.url, 0.0), n))
-        if strategy == "session" and sticky == r.url:
+        if strat.sticky and sticky == r.url:
             reason = "session"
         elif h > 0:
             reason = "cache_hit"
-        elif len(elig) < len(cands) and any(hits.get(c.url, 0) > 0 for c in cands if c not in elig):
+        elif len(elig) < len(req.cands) and any(hits.get(c.url, 0) > 0 for c in req.cands if c not in elig):
             reason = "load_cap"
         else:
             reason = "least_cost"
-        if session:
-            self._sessions[session] = r.url
-            self._sessions.move_to_end(session)
+        if req.session:
+            self._sessions[req.session] = r.url
+            self._sessions.move_to_end(req.session)
             while len(self._sessions) > self.max_sessions:
                 self._sessions.popitem(last=False)
-        return Decision(r, reason, h, l2_tokens, int(n - h), keys)
+        return Decision(r, reason, h, req.l2_tokens, int(n - h), keys)
 
     def record(self, strategy: str, d: Decision) -> None:
-        """Remember where this prefix went: the prefix tree for prefixaware, a short TTL for kvaware."""
-        if strategy in ("prefixaware", "session"):
-            self.tree.insert(d.keys, d.replica.url)
-        elif strategy == "kvaware":
-            self.spec.insert(d.keys, d.replica.url, ttl=self.speculative_ttl)
+        """Remember where this prefix went (what that means is the strategy's)."""
+        REGISTRY[strategy].record(self, d)
+
+
+@dataclass
+class RouteRequest:
+    """What a strategy sees of one request."""
+
+    cands: Sequence[Replica]
+    tokens: Sequence[int]
+    session: str | None = None
+    model: str | None = None
+    cache_salt: str | None = None
+    l2_tokens: int = 0
+
+
+class Strategy:
+    """One routing strategy. Cache-aware ones only say which replicas hold how much of the prompt (`hits`);
+    the choice itself is Policy.least_cost, so every strategy trades cache against load the same way."""
+
+    name: str = ""
+    sticky = False  # the session bonus applies
+
+    def choose(self, policy: Policy, req: RouteRequest) -> Decision:
+        return policy.least_cost(self, req)
+
+    def hits(self, policy: Policy, keys: list[int], toks: Sequence[int], root: int,
+             extra0: object) -> dict[str, float]:
+        """Predicted cached tokens per replica URL."""
+        return {}
+
+    def record(self, policy: Policy, d: Decision) -> None:
+        """Remember a routed request (what later `hits` read)."""
+
+
+REGISTRY: dict[str, Strategy] = {}
+
+
+def register(cls: type[Strategy]) -> type[Strategy]:
+    if cls.name not in STRATEGIES:
+        raise ValueError(f"strategy {cls.name!r} is not in kvtier.contract.STRATEGIES")
+    REGISTRY[cls.name] = cls()
+    return cls
+
+
+@register
+class RoundRobin(Strategy):
+    """Cache-blind rotation (the baseline; no tokenization needed)."""
+
+    name = "roundrobin"
+
+    def choose(self, policy: Policy, req: RouteRequest) -> Decision:
+        r = req.cands[policy._rr % len(req.cands)]
+        policy._rr += 1
+        return Decision(r, "roundrobin", uncached=len(req.tokens))
+
+
+@register
+class PrefixAware(Strategy):
+    """Hits = where the router itself sent each prefix before (an approximate tree, no engine events)."""
+
+    name = "prefixaware"
+
+    def hits(self, policy: Policy, keys: list[int], toks: Sequence[int], root: int,
+             extra0: object) -> dict[str, float]:
+        return {url: b * policy.block_size for url, b in policy.tree.match(keys).items()}
+
+    def record(self, policy: Policy, d: Decision) -> None:
+        policy.tree.insert(d.keys, d.replica.url)
+
+
+@register
+class Session(PrefixAware):
+    """prefixaware plus a bonus for the replica that served the session last."""
+
+    name = "session"
+    sticky = True
+
+
+@register
+class KVAware(Strategy):
+    """Hits = the engines' own KV events (per block size and medium weight), plus what we routed in the
+    last few seconds and the events have not confirmed yet; L2 presence enters through the cost."""
+
+    name = "kvaware"
+
+    def hits(self, policy: Policy, keys: list[int], toks: Sequence[int], root: int,
+             extra0: object) -> dict[str, float]:
+        hits = {url: float(b * policy.block_size) for url, b in policy.spec.match(keys).items()}
+        for bs in policy.kv.block_sizes() or {policy.block_size}:
+            ks = keys if bs == policy.block_size else block_keys(toks, bs, root, extra0)
+            for url, (_b, weighted) in policy.kv.match(ks).items():
+                if policy.kv.block_size(url) == bs:
+                    hits[url] = max(hits.get(url, 0.0), weighted * bs)
+        return hits
+
+    def record(self, policy: Policy, d: Decision) -> None:
+        policy.spec.insert(d.keys, d.replica.url, ttl=policy.speculative_ttl)
+
+
+if set(REGISTRY) != set(STRATEGIES):
+    raise ImportError(f"strategies without a class: {sorted(set(STRATEGIES) - set(REGISTRY))}")
