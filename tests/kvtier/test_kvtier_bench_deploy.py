@@ -20,13 +20,17 @@ import yaml
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture(scope="module")
-def rendered() -> dict[str, Any]:
+def _kustomize(path: Path) -> dict[str, Any]:
+    """`kubectl kustomize path` as {kind: object} (one object per kind here)."""
     kubectl = shutil.which("kubectl") or str(Path(sys.executable).parent / "kubectl")
-    r = subprocess.run([kubectl, "kustomize", str(ROOT / "deploy" / "bench")], capture_output=True, text=True,
-                       timeout=120)
+    r = subprocess.run([kubectl, "kustomize", str(path)], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     return {d["kind"]: d for d in yaml.safe_load_all(r.stdout)}
+
+
+@pytest.fixture(scope="module")
+def rendered() -> dict[str, Any]:
+    return _kustomize(ROOT / "deploy" / "bench")
 
 
 def test_bench_job_renders_and_validates(rendered: dict[str, Any]) -> None:
@@ -59,3 +63,22 @@ def test_bench_job_script_reaches_http_mode(rendered: dict[str, Any], tmp_path: 
     assert r.returncode == 1, r.stdout + r.stderr
     assert "A at http://127.0.0.1:9 does not serve /v1/models" in r.stderr, r.stderr
     assert "=== cross_pod.json ===" not in r.stdout  # set -e: a failed run prints no result
+
+
+def test_doc_overlay_sets_namespace_and_urls(tmp_path: Path) -> None:
+    """docs/bench-cluster.md's way to point the Job at two pods: an overlay next to the repo's deploy/bench."""
+    shutil.copytree(ROOT / "deploy" / "bench", tmp_path / "deploy" / "bench")
+    run = tmp_path / "bench-run"
+    run.mkdir()
+    (run / "kustomization.yaml").write_text(
+        "apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\nnamespace: team-b\n"
+        "resources: [../deploy/bench]\nconfigMapGenerator:\n- name: kvtier-bench-config\n  behavior: merge\n"
+        "  options: {disableNameSuffixHash: true}\n"
+        "  literals: [REPLICA_A=http://10.1.2.3:8080, REPLICA_B=http://10.4.5.6:8080, LENGTHS=1024]\n")
+    docs = _kustomize(run)
+    data = docs["ConfigMap"]["data"]
+    assert data["REPLICA_A"] == "http://10.1.2.3:8080" and data["REPLICA_B"] == "http://10.4.5.6:8080"
+    assert data["LENGTHS"] == "1024" and data["REPS"] == "3"  # merged, not replaced
+    assert docs["Job"]["metadata"]["namespace"] == docs["ConfigMap"]["metadata"]["namespace"] == "team-b"
+    assert docs["Job"]["spec"]["template"]["spec"]["containers"][0]["envFrom"][0]["configMapRef"]["name"] == \
+        docs["ConfigMap"]["metadata"]["name"]
