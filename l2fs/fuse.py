@@ -867,7 +867,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--cache-timeout", type=float, default=1.0,
                    help="kernel entry/attr cache seconds, at most 1 (default 1)")
     p.add_argument("--page-cache", action="store_true",
-                   help="use the kernel page cache instead of direct_io (faster re-reads, staler views)")
+                   help="read-only opens use the kernel page cache; an open of an unchanged file keeps its pages "
+                        "(re-reads without a fetch; cold reads are slower than with the default direct_io)")
     p.add_argument("--threads", type=int, default=16, help="concurrent RPCs (default 16)")
     p.add_argument("--max-file-size", default=str(DEFAULT_MAX_FILE_SIZE),
                    help="largest file a write or truncate may make, EFBIG beyond (default 1G, as the master)")
