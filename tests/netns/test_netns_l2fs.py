@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import sys
 import time
 import urllib.request
@@ -139,3 +140,34 @@ def test_partition_between_nodes_is_a_miss_and_heals(l2fs_netns: Cluster) -> Non
     c.heal(1, 2)
     rc, out = _l2fs(cl, 2, "cat", "/netns/part")
     assert rc == 0 and out == data
+
+
+@pytest.mark.fuse
+def test_node2_mount_reads_node1_file_over_the_link(l2fs_netns: Cluster, tmp_path: Path) -> None:
+    """node-2's FUSE mount (its daemon in node-2's network namespace only) is visible to every process,
+    and a read through it of node-1's file crosses node-2's link."""
+    import shutil
+
+    from l2fs.fuse import mount_type
+
+    if not os.path.exists("/dev/fuse") or shutil.which("fusermount3") is None:
+        pytest.skip("needs /dev/fuse and fusermount3")
+    cl = l2fs_netns
+    c = cl.net
+    data = os.urandom(2 * 1024 * 1024 + 5)
+    assert _l2fs(cl, 1, "put", "-", "/netns/viamount", data=data)[0] == 0
+    mp = tmp_path / "mnt-node-2"
+    mp.mkdir()
+    p = c.spawn(2, [*PY, "mount", str(mp), "--master", cl.master, "--node-id", "node-2"], tmp_path / "mount.log",
+                cwd=ROOT)
+    c.register_mount(mp)
+    procs.wait_ready(p, lambda: mount_type(mp) == "fuse.l2fs", timeout=20, what="l2fs mount in node-2",
+                     log_path=tmp_path / "mount.log", interval=0.05)
+    try:
+        served0, s2 = _bytes_read(cl, 1), c.link_stats(2)
+        assert (mp / "netns" / "viamount").read_bytes() == data  # read by this (host) process
+        assert _bytes_read(cl, 1) - served0 >= len(data)
+        assert c.link_stats(2)["rx_bytes"] - s2["rx_bytes"] >= len(data)
+    finally:
+        procs.stop(p, sig=signal.SIGTERM, grace=10)
+    assert mount_type(mp) is None
