@@ -218,6 +218,13 @@ def _pick_subnet() -> ipaddress.IPv4Network:
     raise NetnsError(f"no free /24 left in {SUPERNET} (run `l2fs netns cleanup`?)")
 
 
+def _mounted(path: str) -> bool:
+    """Whether something is mounted exactly at path (from /proc/self/mounts, octal escapes decoded)."""
+    with open("/proc/self/mounts") as f:
+        targets = [re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), line.split(" ")[1]) for line in f]
+    return path in targets
+
+
 def _remove_prefix(prefix: str, namespaces: Sequence[str]) -> list[str]:
     """Kill every process in the launcher's namespaces, delete them (their veths and bridge go with them),
     unmount its registered mounts and drop its state file. Returns what was removed."""
@@ -230,9 +237,10 @@ def _remove_prefix(prefix: str, namespaces: Sequence[str]) -> list[str]:
             with contextlib.suppress(ProcessLookupError, ValueError):
                 os.kill(int(pid), signal.SIGKILL)
     for mnt in state.get("mounts", []):
-        if os.path.ismount(mnt):
-            _run(["fusermount3", "-u", "-z", mnt] if shutil.which("fusermount3") else ["umount", "-l", mnt],
-                 check=False)
+        if _mounted(mnt):  # a dead FUSE daemon's mount still counts (ismount would fail with ENOTCONN)
+            _run(["umount", "-l", mnt], check=False)
+            if _mounted(mnt) and shutil.which("fusermount3"):
+                _run(["fusermount3", "-u", "-z", mnt], check=False)
             removed.append(f"mount {mnt}")
     for name in namespaces:
         r = _run(["ip", "netns", "del", name], check=False)

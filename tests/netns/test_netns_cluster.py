@@ -156,25 +156,32 @@ import os, subprocess, sys
 from l2fs.netns import NetnsCluster
 c = NetnsCluster(2)
 c.start()
+mnt = sys.argv[1]
+subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "kvt-test", mnt], check=True)
+c.register_mount(mnt)
 p = c.popen(1, ["sleep", "300"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 print(c.prefix, p.pid, flush=True)
 os.kill(os.getpid(), 9)  # a launcher that dies without any cleanup
 """
 
 
-def test_cleanup_removes_crashed_launcher_only(netns_cluster: NetnsCluster) -> None:
-    crashed = subprocess.run([sys.executable, "-c", CRASHER], capture_output=True, text=True, cwd=ROOT,
-                             timeout=60)
+def test_cleanup_removes_crashed_launcher_only(netns_cluster: NetnsCluster, tmp_path: Path) -> None:
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    crashed = subprocess.run([sys.executable, "-c", CRASHER, str(mnt)], capture_output=True, text=True,
+                             cwd=ROOT, timeout=60)
     assert crashed.returncode == -signal.SIGKILL, crashed.stderr
     prefix, pid = crashed.stdout.split()
     left = [n for n in os.listdir(NETNS_DIR) if n.startswith(prefix + "-")]
     assert sorted(left) == [f"{prefix}-ctl", f"{prefix}-n1", f"{prefix}-n2"]
     assert Path(f"/proc/{pid}").exists()  # its process in node-1 outlived it
+    assert os.path.ismount(mnt)  # and so did the mount it registered
     out = subprocess.run([sys.executable, "-m", "l2fs.cli", "netns", "list"], capture_output=True, text=True,
                          cwd=ROOT, check=True).stdout
     assert f"{prefix} pid=" in out and "LEFTOVER" in out.split(prefix)[1].splitlines()[0]
     removed = cleanup()
-    assert set(left) <= set(removed)
+    assert set(left) <= set(removed) and f"mount {mnt}" in removed
+    assert not os.path.ismount(mnt)
     assert not any(n.startswith(prefix) for n in os.listdir(NETNS_DIR))
     assert not (STATE_DIR / f"{prefix}.json").exists()
     deadline = time.monotonic() + 5
