@@ -6,12 +6,16 @@ this module only speaks the wire format (l2fs.dataplane.wire).
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import logging
+import selectors
 import socket
 import struct
 import threading
+import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 
 import grpc
 from prometheus_client import Counter
@@ -25,10 +29,15 @@ from l2fs.dataplane.wire import (
     DATA_IDLE_TIMEOUT,
     DATA_MAX_CONNS,
     DENIED,
+    HANDSHAKE_TIMEOUT,
     HDR,
     MAGIC,
+    MAX_TOKEN_LEN,
     NOT_FOUND,
     OK,
+    PER_IP_MSG,
+    PREAUTH_MAX,
+    PREAUTH_PER_IP,
     READ_OK,
     WRITE_HDR,
     recv_exact,
@@ -38,31 +47,63 @@ from l2fs.store import BYTES_READ, READ_HITS, READ_MISSES, Store
 
 log = logging.getLogger("l2fs.dataplane")
 REFUSED = Counter("l2fs_worker_data_refused_total", "Data-plane connections refused over the connection limit")
+PREAUTH_DROPPED = Counter("l2fs_worker_data_preauth_dropped_total",
+                          "Data-plane connections closed before authenticating", ["reason"])
 
 _STATUS = {grpc.StatusCode.RESOURCE_EXHAUSTED: BUSY}  # anything else the store refuses is BAD
 
 
-class DataServer:
-    """Accept loop + one thread per connection; each serves requests until the client closes or idles.
+@dataclass(slots=True)
+class _Pending:
+    """A connection still sending its first request header (magic, op, token, block id)."""
 
-    Why bounded: a thread per connection is cheap until a flood; past `max_conns` a connection gets an
-    error answer at once and is closed (the client falls back to gRPC or misses), and idle ones close
-    after `idle_timeout` (clients check pooled sockets before reuse)."""
+    conn: socket.socket
+    ip: str
+    deadline: float
+    buf: bytearray = field(default_factory=bytearray)
+
+    def need(self) -> int:
+        """Bytes of the first request header still missing (the token length is known after HDR)."""
+        if len(self.buf) < HDR.size:
+            return HDR.size - len(self.buf)
+        return HDR.size + HDR.unpack_from(self.buf)[2] + 32 - len(self.buf)
+
+
+class DataServer:
+    """One event-loop thread accepts connections and reads their first request header; only an
+    authenticated one gets a serving slot and a thread, which then serves requests until the client
+    closes or idles.
+
+    Why: a slot taken at accept let 256 idle strangers (1 byte every 20 s kept them alive) lock every
+    client out. Now a stranger costs a socket in the pre-auth pool for at most `handshake_timeout` seconds
+    in all; each peer address may hold `preauth_per_ip` of them (more are answered BUSY), and past
+    `preauth_max` in all the oldest is closed, so a client that sends its header at once (milliseconds)
+    gets through a flood. Authenticated connections over `max_conns` get BUSY (the client falls back to
+    gRPC or misses); idle ones close after `idle_timeout` (clients check pooled sockets before reuse)."""
 
     def __init__(self, store: Store, host: str, port: int, token: str | None, report_now: Callable[[], None], *,
-                 max_conns: int = DATA_MAX_CONNS, idle_timeout: float = DATA_IDLE_TIMEOUT) -> None:
+                 max_conns: int = DATA_MAX_CONNS, idle_timeout: float = DATA_IDLE_TIMEOUT,
+                 handshake_timeout: float = HANDSHAKE_TIMEOUT, preauth_max: int = PREAUTH_MAX,
+                 preauth_per_ip: int = PREAUTH_PER_IP) -> None:
         self.store = store
         self.max_conns = max_conns
         self.idle_timeout = idle_timeout
+        self.handshake_timeout = min(handshake_timeout, idle_timeout)
+        self.preauth_max = preauth_max
+        self.preauth_per_ip = min(preauth_per_ip, max_conns)
         self._slots = threading.BoundedSemaphore(max_conns)
         self.token = (token or "").encode()
         self._report_now = report_now  # wakes the registration loop: removals/moves reach the master now
         self.sock = socket.create_server((host, port), reuse_port=False, backlog=128)
+        self.sock.setblocking(False)
         self.port = self.sock.getsockname()[1]
         self._stop = False
+        self._sel = selectors.DefaultSelector()
+        self._pending: dict[socket.socket, _Pending] = {}  # insertion order: oldest first
+        self._per_ip: dict[str, int] = {}
 
     def start(self) -> None:
-        threading.Thread(target=self._accept, name="l2fs-data-accept", daemon=True).start()
+        threading.Thread(target=self._loop, name="l2fs-data-accept", daemon=True).start()
 
     def stop(self) -> None:
         self._stop = True
@@ -71,67 +112,160 @@ class DataServer:
         except OSError:
             pass
 
-    def _accept(self) -> None:
-        while not self._stop:
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                return
-            if not self._slots.acquire(blocking=False):
-                self._refuse(conn)
-                continue
-            try:
-                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                threading.Thread(target=self._serve, args=(conn,), name="l2fs-data-conn", daemon=True).start()
-            except BaseException:
-                self._slots.release()
-                conn.close()
-                raise
+    # ---------- pre-auth event loop ----------
 
-    def _refuse(self, conn: socket.socket) -> None:
-        """Over the connection limit: answer the first request with BUSY, without a thread."""
-        REFUSED.inc()
+    def _loop(self) -> None:
+        self._sel.register(self.sock, selectors.EVENT_READ, None)
+        while not self._stop:
+            soonest = min((p.deadline for p in self._pending.values()), default=time.monotonic() + 0.5)
+            try:
+                events = self._sel.select(max(0.0, min(0.5, soonest - time.monotonic())))
+            except (OSError, ValueError):
+                return
+            for key, _ in events:
+                if key.data is None:
+                    if not self._accept_ready():
+                        return
+                else:
+                    self._handshake(key.data)
+            now = time.monotonic()
+            for p in [p for p in self._pending.values() if p.deadline <= now]:
+                self._drop(p, "timeout")
+
+    def _accept_ready(self) -> bool:
+        """Accept every waiting connection into the pre-auth pool; False once the listener is closed."""
+        while True:
+            try:
+                conn, addr = self.sock.accept()
+            except BlockingIOError:
+                return True
+            except OSError:
+                return False
+            ip = str(addr[0])
+            if self._per_ip.get(ip, 0) >= self.preauth_per_ip:
+                self._answer(conn, BUSY, PER_IP_MSG.format(self.preauth_per_ip, ip), counted=True)
+                continue
+            if len(self._pending) >= self.preauth_max:
+                self._drop(next(iter(self._pending.values())), "pool_full")
+            p = _Pending(conn, ip, time.monotonic() + self.handshake_timeout)
+            try:
+                conn.setblocking(False)
+                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                self._sel.register(conn, selectors.EVENT_READ, p)
+            except (OSError, ValueError):
+                conn.close()
+                continue
+            self._pending[conn] = p
+            self._per_ip[ip] = self._per_ip.get(ip, 0) + 1
+
+    def _handshake(self, p: _Pending) -> None:
+        """Read what has arrived of the first request header; when complete, check it and hand the
+        connection to a serving thread."""
+        try:
+            chunk = p.conn.recv(p.need())
+        except BlockingIOError:
+            return
+        except OSError:
+            self._drop(p, "error")
+            return
+        if not chunk:
+            self._drop(p, "closed")
+            return
+        p.buf += chunk
+        if len(p.buf) < HDR.size:
+            return
+        magic, op, tlen = HDR.unpack_from(p.buf)
+        if magic != MAGIC or tlen > MAX_TOKEN_LEN:
+            self._drop(p, "bad", BAD, "bad magic or token length: not an l2fs data-plane client")
+            return
+        if p.need():
+            return
+        token, bid = bytes(p.buf[HDR.size:HDR.size + tlen]), bytes(p.buf[HDR.size + tlen:]).decode("ascii", "replace")
+        if self.token and not hmac.compare_digest(token, self.token):
+            self._drop(p, "denied", DENIED, "missing or bad l2fs bearer token")
+            return
+        if not self._slots.acquire(blocking=False):
+            REFUSED.inc()
+            self._drop(p, "busy", BUSY, BUSY_MSG.format(self.max_conns))
+            return
+        self._forget(p)
+        try:
+            p.conn.setblocking(True)
+            threading.Thread(target=self._serve, args=(p.conn, op, bid), name="l2fs-data-conn", daemon=True).start()
+        except BaseException:
+            self._slots.release()
+            p.conn.close()
+            raise
+
+    def _forget(self, p: _Pending) -> None:
+        """Take p out of the pre-auth pool (its socket stays open)."""
+        self._pending.pop(p.conn, None)
+        with contextlib.suppress(KeyError, ValueError, OSError):
+            self._sel.unregister(p.conn)
+        n = self._per_ip.get(p.ip, 0) - 1
+        if n > 0:
+            self._per_ip[p.ip] = n
+        else:
+            self._per_ip.pop(p.ip, None)
+
+    def _drop(self, p: _Pending, reason: str, status: int | None = None, msg: str = "") -> None:
+        """Close a pre-auth connection, answering `status` first when given."""
+        self._forget(p)
+        PREAUTH_DROPPED.labels(reason).inc()
+        if status is None:
+            p.conn.close()
+        else:
+            self._answer(p.conn, status, msg)
+
+    @staticmethod
+    def _answer(conn: socket.socket, status: int, msg: str, *, counted: bool = False) -> None:
+        """Send an error answer without blocking (it fits the socket buffer) and close, without a thread."""
+        if counted:
+            REFUSED.inc()
         try:
             conn.setblocking(False)
-            send_err(conn, BUSY, BUSY_MSG.format(self.max_conns))
+            send_err(conn, status, msg)
         except OSError:
             pass
         finally:
             conn.close()
 
-    def _serve(self, conn: socket.socket) -> None:
+    # ---------- authenticated connections ----------
+
+    def _serve(self, conn: socket.socket, op: bytes, bid: str) -> None:
         try:
-            self._serve_conn(conn)
+            conn.settimeout(self.idle_timeout)  # idle connections close, freeing their slot
+            with conn:
+                try:
+                    keep = self._dispatch(conn, op, bid)
+                    while keep:
+                        keep = self._serve_one(conn)
+                except (OSError, ConnectionError, struct.error, UnicodeDecodeError) as e:
+                    log.debug("data connection ended: %s", e)
         finally:
             self._slots.release()
 
-    def _serve_conn(self, conn: socket.socket) -> None:
-        conn.settimeout(self.idle_timeout)  # idle connections close, freeing their slot
-        with conn:
-            while True:
-                try:
-                    if not self._serve_one(conn):
-                        return
-                except (OSError, ConnectionError, struct.error, UnicodeDecodeError) as e:
-                    log.debug("data connection ended: %s", e)
-                    return
-
     def _serve_one(self, conn: socket.socket) -> bool:
-        """One request; False when the connection is to be closed (client done, or an error answered)."""
+        """One further request on an authenticated connection; False when the connection is to be closed
+        (client done, or an error answered)."""
         head = conn.recv(HDR.size, socket.MSG_WAITALL)
         if not head:
             return False
         if len(head) < HDR.size:
             head += recv_exact(conn, HDR.size - len(head))
         magic, op, tlen = HDR.unpack(head)
-        if magic != MAGIC:
-            send_err(conn, BAD, "bad magic: not an l2fs data-plane client")
+        if magic != MAGIC or tlen > MAX_TOKEN_LEN:
+            send_err(conn, BAD, "bad magic or token length: not an l2fs data-plane client")
             return False
         token = recv_exact(conn, tlen) if tlen else b""
         bid = recv_exact(conn, 32).decode("ascii", "replace")
         if self.token and not hmac.compare_digest(token, self.token):
             send_err(conn, DENIED, "missing or bad l2fs bearer token")
             return False
+        return self._dispatch(conn, op, bid)
+
+    def _dispatch(self, conn: socket.socket, op: bytes, bid: str) -> bool:
+        """Serve one authenticated request whose header has been read."""
         try:
             check_block_id(bid)
         except RpcError as e:

@@ -25,7 +25,14 @@ WRITE_HDR = struct.Struct("<Qq")
 BUF = 4 << 20
 DATA_MAX_CONNS = 256  # concurrent connections a worker serves (one thread each)
 DATA_IDLE_TIMEOUT = 30.0  # seconds an idle connection is kept open
+# Before its first request header and token are in, a connection holds no serving slot and no thread: it
+# waits in a small pre-auth pool, for one deadline over the whole handshake (not reset by each byte).
+HANDSHAKE_TIMEOUT = 3.0  # seconds from accept to a complete, authenticated first request header
+PREAUTH_MAX = 64  # connections handshaking at once; a new one past it pushes out the oldest
+PREAUTH_PER_IP = 16  # connections handshaking at once from one peer address; past it refused (BUSY)
+MAX_TOKEN_LEN = 4096  # a longer token field is refused without reading it
 BUSY_MSG = "worker data plane busy: too many connections (limit {}); use gRPC or retry"
+PER_IP_MSG = "worker data plane busy: too many connections (limit {}) still authenticating from {}; retry"
 
 
 class DataPlaneError(Exception):
