@@ -18,7 +18,7 @@ servers:
   worker   --master HOST:PORT --data-dir PATH[:CAP] [--data-dir ...] --node-id NAME [--port 8997]
   local    --workers 2 --dir ./.l2fs            (master + N workers on loopback until Ctrl-C)
   mount    see `l2fs mount --help`              (FUSE mount)
-  netns    up|cleanup|exec|list                 (network-namespace nodes, see docs/netns.md)
+  netns    up|down|cleanup|exec|list|chaos      (network-namespace nodes, see docs/netns.md)
 files (--master HOST:PORT or $L2FS_MASTER):
   put LOCAL_FILE|- PATH [--overwrite]   get PATH [LOCAL_FILE]   cat PATH
   ls [PATH] [--json]   stat PATH [--json]   rm PATH   mkdir PATH   mv SRC DST   report [--json]

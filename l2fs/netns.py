@@ -400,17 +400,44 @@ class NetnsCluster:
         if link is not None:
             parse_rate(link)  # refuse a bad rate before creating anything
         self.delay, self.loss = delay, loss
-        self.prefix = f"kvt{secrets.token_hex(3)}"
+        self._init(f"kvt{secrets.token_hex(3)}", range(1, nodes + 1))
+
+    def _init(self, prefix: str, node_numbers: Sequence[int]) -> None:
+        self.prefix = prefix
         self.subnet: ipaddress.IPv4Network | None = None
-        self.ctl = Namespace("ctl", f"{self.prefix}-ctl", "", iface="br0")
-        self.nodes = [Namespace(f"node-{k}", f"{self.prefix}-n{k}", "", iface="eth0", peer=f"vn{k}")
-                      for k in range(1, nodes + 1)]
-        self.rates: dict[str, str | None] = {n.name: link for n in self.nodes}
+        self.ctl = Namespace("ctl", f"{prefix}-ctl", "", iface="br0")
+        self.nodes = [Namespace(f"node-{k}", f"{prefix}-n{k}", "", iface="eth0", peer=f"vn{k}")
+                      for k in node_numbers]
+        self.rates: dict[str, str | None] = {n.name: self.link for n in self.nodes}
         self.forwarders: list[Forwarder] = []
-        self._partitions: set[tuple[str, str]] = set()
         self._created = False
         self._closed = False
         self._old_sigterm: Any = None
+
+    @classmethod
+    def attach(cls, prefix: str) -> NetnsCluster:
+        """A handle on a running cluster (another launcher's, by prefix) for faults, exec and forwarders.
+        It never removes the cluster: its close() stops only what this handle started."""
+        check_host()
+        names = _our_namespaces().get(prefix, []) if PREFIX_RE.match(prefix) else []
+        if f"{prefix}-ctl" not in names:
+            raise NetnsError(f"no cluster of ours with prefix {prefix!r} (see `l2fs netns list`)")
+        self = cls.__new__(cls)
+        self.link, self.delay, self.loss = None, None, None
+        self._init(prefix, sorted(int(m.group(2)[1:]) for n in names
+                                  if (m := NAME_RE.match(n)) and m.group(2) != "ctl"))
+        for ns in self.namespaces:
+            out = _run(["ip", "-n", ns.netns, "-o", "-4", "addr", "show", "dev", ns.iface]).stdout
+            m = re.search(r"inet (\S+)", out)
+            if not m:
+                raise NetnsError(f"{ns.netns} has no address on {ns.iface}: not a cluster of ours, or broken")
+            iface = ipaddress.IPv4Interface(m.group(1))
+            ns.addr, self.subnet = str(iface.ip), iface.network
+        for n in self.nodes:
+            m = re.search(r"\btbf\b.*?\brate (\S+)", _run(["tc", "-n", n.netns, "qdisc", "show", "dev",
+                                                             n.iface]).stdout)
+            self.rates[n.name] = m.group(1).lower() if m else None
+        return self
 
     # ---------- lifecycle ----------
 
@@ -585,15 +612,12 @@ class NetnsCluster:
             raise NetnsError("cannot partition a namespace from itself")
         for x, y in ((na, nb), (nb, na)):
             self._ip(x.netns, "route", "replace", kind, f"{y.addr}/32")
-        self._partitions.add((na.name, nb.name))
 
     def heal(self, a: Where, b: Where) -> None:
         """Undo partition(a, b)."""
         na, nb = self.ns(a), self.ns(b)
         for x, y in ((na, nb), (nb, na)):
             _run(["ip", "-n", x.netns, "route", "del", f"{y.addr}/32"], check=False)
-        self._partitions.discard((na.name, nb.name))
-        self._partitions.discard((nb.name, na.name))
 
     def link_stats(self, where: Where) -> dict[str, int]:
         """Byte/packet counters of a node's eth0 (rx = received by the node), from `ip -s -j link`."""
@@ -610,6 +634,29 @@ class NetnsCluster:
         return n
 
     # process-level faults (for processes started by popen/spawn, or any Popen)
+
+    def pids(self, where: Where, match: str | None = None) -> list[int]:
+        """Processes in the namespace (`ip netns pids`), optionally only those whose command line contains
+        match (e.g. "l2fs.cli worker"): how a chaos command finds another launcher's node worker."""
+        out = _run(["ip", "netns", "pids", self.ns(where).netns]).stdout.split()
+        found = []
+        for pid in map(int, out):
+            try:
+                cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            if match is None or match in cmd:
+                found.append(pid)
+        return found
+
+    def signal_pids(self, where: Where, sig: int, match: str | None = None) -> list[int]:
+        """Send sig to the namespace's processes (see pids()); returns the pids signalled."""
+        sent = []
+        for pid in self.pids(where, match):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
+                sent.append(pid)
+        return sent
 
     @staticmethod
     def signal(p: subprocess.Popen[Any], sig: int) -> None:
@@ -664,7 +711,8 @@ def _close_all() -> None:
 # ---------- `l2fs netns ...` ----------
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """`l2fs netns up|cleanup|exec|list`: hold a cluster in the foreground, remove leftovers, run in a node."""
+    """`l2fs netns up|down|cleanup|exec|list|chaos`: hold a cluster in the foreground, remove one or the
+    leftovers, run in a node, inject a fault into a running cluster."""
     import argparse
     import sys
 
@@ -683,8 +731,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     ex.add_argument("netns", help="namespace name, e.g. kvt1a2b3c-n1")
     ex.add_argument("command", nargs=argparse.REMAINDER)
     sub.add_parser("list", help="our namespaces and their launchers")
+    dn = sub.add_parser("down", help="remove one cluster by prefix, even if its launcher is alive")
+    dn.add_argument("prefix")
+    ch = sub.add_parser("chaos", help="inject a fault into a running cluster")
+    ch.add_argument("prefix", help="the cluster's prefix, e.g. kvt1a2b3c (see `l2fs netns list`)")
+    ch.add_argument("fault", choices=["link-down", "link-up", "rate", "partition", "heal", "kill", "stop",
+                                      "cont"])
+    ch.add_argument("node", help="node-K (or K)")
+    ch.add_argument("arg", nargs="?", help="rate: RATE or none; partition/heal: the other node")
+    ch.add_argument("--kind", default="blackhole", help="partition: blackhole (drop) or prohibit (refuse)")
+    ch.add_argument("--match", default=None,
+                    help="kill/stop/cont: only processes whose command line contains this (default: all)")
     args = p.parse_args(argv)
     try:
+        if args.cmd == "down":
+            removed = cleanup(force=True, prefix=args.prefix)
+            for name in removed:
+                print(f"removed {name}")
+            return 0 if removed else 1
+        if args.cmd == "chaos":
+            return _chaos(args)
         if args.cmd == "cleanup":
             for name in cleanup(force=args.force):
                 print(f"removed {name}")
@@ -714,4 +780,35 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     except SystemExit as e:  # SIGTERM/SIGINT: `with` already removed everything
         return 0 if e.code in (128 + signal.SIGTERM, 128 + signal.SIGINT) else int(e.code or 0)
+    return 0
+
+
+def _chaos(args: Any) -> int:
+    """`l2fs netns chaos PREFIX FAULT NODE [ARG]` on a cluster held by another launcher."""
+    c = NetnsCluster.attach(args.prefix)
+
+    def node(text: str | None) -> Namespace:
+        if text is None:
+            raise NetnsError(f"{args.fault} needs a second node")
+        return c.ns(int(text) if text.isdigit() else text)
+
+    n = node(args.node)
+    if args.fault == "link-down":
+        c.link_down(n)
+    elif args.fault == "link-up":
+        c.link_up(n)
+    elif args.fault == "rate":
+        if args.arg is None:
+            raise NetnsError("rate needs RATE (e.g. 50mbit) or none")
+        c.set_rate(n, None if args.arg == "none" else args.arg)
+    elif args.fault == "partition":
+        c.partition(n, node(args.arg), kind=args.kind)
+    elif args.fault == "heal":
+        c.heal(n, node(args.arg))
+    else:
+        sig = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP, "cont": signal.SIGCONT}[args.fault]
+        pids = c.signal_pids(n, sig, args.match)
+        print(f"{args.fault}: {' '.join(map(str, pids)) or 'no process matched'}")
+        return 0 if pids else 1
+    print(f"{args.fault} {n.name}{' ' + args.arg if args.arg else ''}: done")
     return 0

@@ -243,3 +243,35 @@ def test_cli_up_holds_until_ctrl_c_then_removes_everything(netns_host: None) -> 
             p.kill()
     assert not any((NETNS_DIR / n).exists() for n in names)
     assert not (STATE_DIR / f"{info['prefix']}.json").exists()
+
+
+def _netns_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "l2fs.cli", "netns", *args], capture_output=True, text=True,
+                          cwd=ROOT, timeout=60)
+
+
+@pytest.mark.parametrize("netns_cluster", [{"nodes": 2, "link": "200mbit"}], indirect=True)
+def test_chaos_cli_on_a_cluster_held_by_another_launcher(netns_cluster: NetnsCluster) -> None:
+    c = netns_cluster
+    n2, n1 = echo_server(c, 2), echo_server(c, 1)
+    attached = NetnsCluster.attach(c.prefix)
+    assert [(n.name, n.addr) for n in attached.namespaces] == [(n.name, n.addr) for n in c.namespaces]
+    assert attached.rates == {"node-1": "200mbit", "node-2": "200mbit"}
+    r = _netns_cli("chaos", c.prefix, "partition", "node-1", "2", "--kind", "prohibit")
+    assert r.returncode == 0, r.stderr
+    assert not reaches(c, 1, n2) and not reaches(c, 2, n1)
+    assert _netns_cli("chaos", c.prefix, "heal", "1", "node-2").returncode == 0
+    assert reaches(c, 1, n2)
+    assert _netns_cli("chaos", c.prefix, "rate", "node-2", "50mbit").returncode == 0
+    assert NetnsCluster.attach(c.prefix).rates["node-2"] == "50mbit"
+    p = c.popen(2, ["sleep", "61"])
+    _wait_exec(p.pid)
+    r = _netns_cli("chaos", c.prefix, "kill", "node-2", "--match", "sleep 61")
+    assert r.returncode == 0 and str(p.pid) in r.stdout
+    assert p.wait(timeout=10) == -signal.SIGKILL
+    assert _netns_cli("chaos", c.prefix, "kill", "node-2", "--match", "nothing-like-this").returncode == 1
+    bad = _netns_cli("chaos", "kvt000000", "link-down", "node-1")
+    assert bad.returncode == 2 and "no cluster of ours" in bad.stderr
+    r = _netns_cli("down", c.prefix)
+    assert r.returncode == 0 and f"{c.prefix}-ctl" in r.stdout
+    assert not any((NETNS_DIR / ns.netns).exists() for ns in c.namespaces)
