@@ -627,6 +627,46 @@ class NetnsCluster:
         return {"rx_bytes": st["rx"]["bytes"], "tx_bytes": st["tx"]["bytes"],
                 "rx_packets": st["rx"]["packets"], "tx_packets": st["tx"]["packets"]}
 
+    def tcp_throughput(self, src: Where, dst: Where, nbytes: int = 50_000_000) -> float:
+        """Plain TCP throughput in bits/s of one connection from src to dst's address (sockets of this
+        process in the two namespaces; from the first byte sent to the receiver's acknowledgement of the
+        last). Benchmarks report it next to their own numbers to show whether the shaper was the bound."""
+        srv = self.socket(dst)
+        srv.bind((self.ns(dst).addr, 0))
+        srv.listen(1)
+        got: list[int] = []
+
+        def sink() -> None:
+            conn, _ = srv.accept()
+            with conn:
+                n = 0
+                while data := conn.recv(1 << 20):
+                    n += len(data)
+                got.append(n)
+                conn.sendall(b"k")
+
+        t = threading.Thread(target=sink, name="netns-sink", daemon=True)
+        t.start()
+        try:
+            with self.socket(src) as cl:
+                cl.settimeout(120)
+                cl.connect(srv.getsockname())
+                chunk = memoryview(bytes(1 << 20))
+                t0 = time.monotonic()
+                left = nbytes
+                while left > 0:
+                    cl.sendall(chunk[:left])
+                    left -= min(left, len(chunk))
+                cl.shutdown(socket.SHUT_WR)
+                ack = cl.recv(1)
+                elapsed = time.monotonic() - t0
+            t.join(10)
+        finally:
+            srv.close()
+        if ack != b"k" or got != [nbytes]:
+            raise NetnsError(f"throughput probe {self.ns(src).name} -> {self.ns(dst).name} lost data: {got}")
+        return nbytes * 8 / elapsed
+
     def _node(self, where: Where) -> Namespace:
         n = self.ns(where)
         if n is self.ctl:

@@ -3,7 +3,6 @@ sockets that live in the cluster's namespaces (no subprocess start-up in the mea
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 
@@ -62,44 +61,6 @@ def wait_reaches(c: NetnsCluster, where: Where, target: tuple[str, int], timeout
             return True
         time.sleep(0.1)
     return False
-
-
-def throughput_bits(c: NetnsCluster, src: Where, dst: Where, nbytes: int) -> float:
-    """Send nbytes over one TCP connection from src to dst's address; bits/s from the first byte sent
-    to the receiver's acknowledgement that all arrived."""
-    srv = c.socket(dst)
-    srv.bind((c.ns(dst).addr, 0))
-    srv.listen(1)
-    got: list[int] = []
-
-    def sink() -> None:
-        conn, _ = srv.accept()
-        n = 0
-        while data := conn.recv(1 << 20):
-            n += len(data)
-        got.append(n)
-        conn.sendall(b"k")
-        conn.close()
-
-    t = threading.Thread(target=sink, daemon=True)
-    t.start()
-    cl = c.socket(src)
-    cl.settimeout(60)
-    cl.connect(srv.getsockname())
-    chunk = b"\0" * (1 << 20)
-    t0 = time.monotonic()
-    left = nbytes
-    while left > 0:
-        cl.sendall(chunk[:left])
-        left -= min(left, len(chunk))
-    cl.shutdown(socket.SHUT_WR)
-    assert cl.recv(1) == b"k"
-    elapsed = time.monotonic() - t0
-    t.join(10)
-    cl.close()
-    srv.close()
-    assert got == [nbytes]
-    return nbytes * 8 / elapsed
 
 
 def host_net() -> dict[str, str]:

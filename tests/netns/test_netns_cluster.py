@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from netns_helpers import echo_server, host_net, reaches, throughput_bits, wait_reaches
+from netns_helpers import echo_server, host_net, reaches, wait_reaches
 
 from l2fs.netns import (
     NETNS_DIR,
@@ -66,14 +66,14 @@ def test_nodes_reach_each_other_and_host_is_untouched(netns_host: None) -> None:
 @pytest.mark.parametrize("netns_cluster", [{"nodes": 2, "link": "200mbit"}], indirect=True)
 def test_shaper_is_the_bound_and_rate_cut_is_live(netns_cluster: NetnsCluster) -> None:
     c = netns_cluster
-    shaped = throughput_bits(c, 1, 2, 10_000_000)  # ~0.4 s at 200 Mbit/s
+    shaped = c.tcp_throughput(1, 2, 10_000_000)  # ~0.4 s at 200 Mbit/s
     assert shaped < 2 * 200e6, f"{shaped / 1e6:.0f} Mbit/s over a 200mbit link: the shaper did not bind"
     c.set_rate(2, "50mbit")  # node-2's link only; it is on the path both ways
-    cut = throughput_bits(c, 1, 2, 2_500_000)
+    cut = c.tcp_throughput(1, 2, 2_500_000)
     assert cut < 2 * 50e6, f"{cut / 1e6:.0f} Mbit/s after a cut to 50mbit"
     c.set_rate(1, None)
     c.set_rate(2, None)
-    free = throughput_bits(c, 1, 2, 10_000_000)
+    free = c.tcp_throughput(1, 2, 10_000_000)
     # the same measurement without shapers is far above the rate, so the bounds above can fail
     assert free > 2 * 200e6, f"unshaped veth only {free / 1e6:.0f} Mbit/s: the test cannot tell"
 
