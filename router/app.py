@@ -117,6 +117,33 @@ class _Clock:
         return (time.perf_counter() - self.t_in - self.tok - self.upstream) * 1e3
 
 
+@dataclass
+class _Call:
+    """One proxied request as parsed and validated, plus what routing adds (tokens, L2 hit)."""
+
+    rid: str
+    path: str
+    kind: str
+    body: bytes
+    payload: dict[str, Any]
+    model: str
+    strategy: str
+    stream: bool
+    session: str | None
+    salt: str | None
+    headers: dict[str, str]
+    clock: _Clock
+    tokens: list[int] = field(default_factory=list)
+    l2: int = 0
+
+
+@dataclass
+class _Retry:
+    """An attempt that failed before anything reached the client: try another replica, else answer this."""
+
+    error: JSONResponse
+
+
 async def _wait_disconnect(request: Request) -> None:
     while True:
         msg = await request.receive()
@@ -258,7 +285,16 @@ class Router:
         return None
 
     async def proxy(self, request: Request, path: str, kind: str) -> Response:
-        t_in = time.perf_counter()
+        """parse/validate -> route inputs (tokens, L2) -> forward with retry -> finish (plain or stream)."""
+        call = await self._parse(request, path, kind)
+        if isinstance(call, Response):
+            return call
+        if (bad := await self._route_inputs(call)) is not None:
+            return bad
+        return await self._forward(request, call)
+
+    async def _parse(self, request: Request, path: str, kind: str) -> _Call | Response:
+        """Auth, body, JSON, model and strategy; an error response for anything the client got wrong."""
         rid = request.headers.get("x-request-id") or uuid.uuid4().hex
         if (denied := self._auth(request)) is not None:
             return denied
@@ -288,118 +324,136 @@ class Router:
         except UnknownStrategy as e:
             self.m.rejected.labels("bad_strategy").inc()
             return _err(400, str(e))
-        stream = bool(payload.get("stream"))
         session = request.headers.get(self.cfg.session_header)
         if session is None and isinstance(payload.get("user"), str):
             session = payload["user"]
-        tokens: list[int] = []
-        clock = _Clock(t_in)
-        if strategy != "roundrobin":
+        salt = payload.get("cache_salt") if isinstance(payload.get("cache_salt"), str) else None
+        return _Call(rid=rid, path=path, kind=kind, body=body, payload=payload, model=model, strategy=strategy,
+                     stream=bool(payload.get("stream")), session=session, salt=salt,
+                     headers=self._upstream_headers(request, rid), clock=_Clock(t_in))
+
+    async def _route_inputs(self, call: _Call) -> Response | None:
+        """Token ids (all but roundrobin) and the L2 hit (kvaware); a 400 for a prompt we cannot tokenize."""
+        if call.strategy != "roundrobin":
             t0 = time.perf_counter()
             try:
-                tokens = await self.tok.aencode(kind, payload)
+                call.tokens = await self.tok.aencode(call.kind, call.payload)
             except TokenizeError as e:
                 self.m.rejected.labels("bad_prompt").inc()
                 return _err(400, str(e))
-            clock.tok = time.perf_counter() - t0
-            self.m.tokenize.observe(clock.tok)
-        l2 = 0
-        if strategy == "kvaware" and self.cfg.l2_lookup is not None and tokens:
+            call.clock.tok = time.perf_counter() - t0
+            self.m.tokenize.observe(call.clock.tok)
+        if call.strategy == "kvaware" and self.cfg.l2_lookup is not None and call.tokens:
             with contextlib.suppress(Exception):  # L2 trouble is a miss, never an error
-                l2 = await asyncio.wait_for(self.cfg.l2_lookup(tokens, model), self.cfg.l2_timeout)
-        salt = payload.get("cache_salt") if isinstance(payload.get("cache_salt"), str) else None
-        headers = self._upstream_headers(request, rid)
+                call.l2 = await asyncio.wait_for(self.cfg.l2_lookup(call.tokens, call.model), self.cfg.l2_timeout)
+        return None
+
+    def _route(self, call: _Call, cands: list[Replica]) -> Decision:
+        d = self.policy.choose(call.strategy, cands, call.tokens, session=call.session, model=call.model,
+                               cache_salt=call.salt, l2_tokens=call.l2)
+        self.policy.record(call.strategy, d)
+        self.m.decisions.labels(call.strategy, d.reason).inc()
+        return d
+
+    async def _forward(self, request: Request, call: _Call) -> Response:
+        """Try replicas (best first) until one answers; retry only what never reached the client."""
         tried: set[str] = set()
         last_err: JSONResponse | None = None
-        assert self.client is not None
         for attempt in range(self.cfg.retries + 1):
             cands = [r for r in self.replicas.available() if r.url not in tried]
             if not cands:
                 break
-            d = self.policy.choose(strategy, cands, tokens, session=session, model=model, cache_salt=salt,
-                                   l2_tokens=l2)
-            self.policy.record(strategy, d)
-            r = d.replica
-            tried.add(r.url)
-            self.m.decisions.labels(strategy, d.reason).inc()
-            adm = _Admission(r, d, len(tokens), self.m)
+            d = self._route(call, cands)
+            tried.add(d.replica.url)
+            adm = _Admission(d.replica, d, len(call.tokens), self.m)
             if attempt == 0:
-                self.m.overhead.observe(clock.own_ms() / 1e3)
-            t_send = time.perf_counter()
-            send = asyncio.ensure_future(self._send(r.url + path, body, headers, stream))
-            disc = asyncio.ensure_future(_wait_disconnect(request))
-            try:
-                await asyncio.wait({send, disc}, return_when=asyncio.FIRST_COMPLETED)
-                clock.upstream += time.perf_counter() - t_send
-            except asyncio.CancelledError:
-                send.cancel()
-                disc.cancel()
-                adm.finish()
-                raise
-            if not send.done():
-                # the client left while the replica was still working: closing our side aborts it there
-                send.cancel()
-                with contextlib.suppress(BaseException):
-                    await send
-                adm.finish()
-                self.m.cancelled.labels("before_response").inc()
-                self.m.requests.labels(r.url, strategy, "499").inc()
-                return Response(status_code=499)
-            disc.cancel()
-            try:
-                resp, content = send.result()
-            except (TimeoutError, aiohttp.ClientError) as e:
-                adm.finish()
-                if not isinstance(e, TimeoutError) or isinstance(e, aiohttp.ConnectionTimeoutError):
-                    # not connected (refused, pool or connect timeout) or the connection broke before an answer
-                    # (disconnect, bad HTTP, payload error): retry on another replica, nothing reached the client
-                    if isinstance(e, aiohttp.ClientConnectorError):
-                        self.replicas.mark_down(r, f"{type(e).__name__}: {e}")  # refused: nobody listens
-                    else:
-                        self.replicas.soft_fail(r, type(e).__name__)
-                    self.m.retries.labels("connect").inc()
-                    last_err = _err(502, f"replica {r.url} failed: {type(e).__name__}", "upstream_error")
-                    continue
-                # no byte within upstream_timeout (headers, or the body when not streaming)
-                self.replicas.soft_fail(r, "timeout")
-                self.m.requests.labels(r.url, strategy, "504").inc()
-                return _err(504, f"replica {r.url} did not answer within {self.cfg.upstream_timeout}s",
-                            "upstream_timeout", **{"x-request-id": rid})
-            self.m.ttfb.observe(time.perf_counter() - t_send)
-            code = resp.status
-            if code < 500:
-                self.replicas.ok(r)
-            if code == 429 or code >= 500:
-                try:
-                    err_body = await resp.read() if stream else content
-                except (TimeoutError, aiohttp.ClientError):
-                    err_body = b""
-                resp.close()
-                adm.finish()
-                if code >= 500:
-                    self.replicas.mark_down(r, f"HTTP {code}")
-                self.m.retries.labels(str(code)).inc()
-                last_err = JSONResponse(_safe_json(err_body, code), status_code=code)
+                self.m.overhead.observe(call.clock.own_ms() / 1e3)
+            out = await self._attempt(request, call, d, adm)
+            if isinstance(out, _Retry):
+                last_err = out.error
                 continue
-            if not stream:
-                return self._finish_plain(resp, content, adm, rid, r, d, strategy, clock)
-            ctype = resp.headers.get("content-type", "")
-            if code == 200 and "text/event-stream" not in ctype:
-                resp.close()
-                adm.finish()
-                self.replicas.mark_down(r, f"stream answered with {ctype!r}")
-                last_err = _err(502, f"replica {r.url} answered a stream with {ctype or 'no content type'}",
-                                "upstream_error")
-                continue
-            self.m.requests.labels(r.url, strategy, str(code)).inc()
-            return StreamingResponse(self._pump(resp, adm), status_code=code,
-                                     headers=self._down_headers(resp, rid, r, d, decoded=False, clock=clock))
+            return out
         if last_err is not None:
-            last_err.headers["x-request-id"] = rid
-            self.m.requests.labels("none", strategy, str(last_err.status_code)).inc()
+            last_err.headers["x-request-id"] = call.rid
+            self.m.requests.labels("none", call.strategy, str(last_err.status_code)).inc()
             return last_err
         self.m.rejected.labels("no_replica").inc()
-        return _err(503, "no healthy replica available", "service_unavailable", **{"x-request-id": rid})
+        return _err(503, "no healthy replica available", "service_unavailable", **{"x-request-id": call.rid})
+
+    async def _attempt(self, request: Request, call: _Call, d: Decision, adm: _Admission) -> Response | _Retry:
+        """One upstream try on d.replica, raced against the client's disconnect."""
+        r, strategy = d.replica, call.strategy
+        t_send = time.perf_counter()
+        send = asyncio.ensure_future(self._send(r.url + call.path, call.body, call.headers, call.stream))
+        disc = asyncio.ensure_future(_wait_disconnect(request))
+        try:
+            await asyncio.wait({send, disc}, return_when=asyncio.FIRST_COMPLETED)
+            call.clock.upstream += time.perf_counter() - t_send
+        except asyncio.CancelledError:
+            send.cancel()
+            disc.cancel()
+            adm.finish()
+            raise
+        if not send.done():
+            # the client left while the replica was still working: closing our side aborts it there
+            send.cancel()
+            with contextlib.suppress(BaseException):
+                await send
+            adm.finish()
+            self.m.cancelled.labels("before_response").inc()
+            self.m.requests.labels(r.url, strategy, "499").inc()
+            return Response(status_code=499)
+        disc.cancel()
+        try:
+            resp, content = send.result()
+        except (TimeoutError, aiohttp.ClientError) as e:
+            adm.finish()
+            if not isinstance(e, TimeoutError) or isinstance(e, aiohttp.ConnectionTimeoutError):
+                # not connected (refused, pool or connect timeout) or the connection broke before an answer
+                # (disconnect, bad HTTP, payload error): retry on another replica, nothing reached the client
+                if isinstance(e, aiohttp.ClientConnectorError):
+                    self.replicas.mark_down(r, f"{type(e).__name__}: {e}")  # refused: nobody listens
+                else:
+                    self.replicas.soft_fail(r, type(e).__name__)
+                self.m.retries.labels("connect").inc()
+                return _Retry(_err(502, f"replica {r.url} failed: {type(e).__name__}", "upstream_error"))
+            # no byte within upstream_timeout (headers, or the body when not streaming)
+            self.replicas.soft_fail(r, "timeout")
+            self.m.requests.labels(r.url, strategy, "504").inc()
+            return _err(504, f"replica {r.url} did not answer within {self.cfg.upstream_timeout}s",
+                        "upstream_timeout", **{"x-request-id": call.rid})
+        self.m.ttfb.observe(time.perf_counter() - t_send)
+        code = resp.status
+        if code < 500:
+            self.replicas.ok(r)
+        if code == 429 or code >= 500:
+            try:
+                err_body = await resp.read() if call.stream else content
+            except (TimeoutError, aiohttp.ClientError):
+                err_body = b""
+            resp.close()
+            adm.finish()
+            if code >= 500:
+                self.replicas.mark_down(r, f"HTTP {code}")
+            self.m.retries.labels(str(code)).inc()
+            return _Retry(JSONResponse(_safe_json(err_body, code), status_code=code))
+        if not call.stream:
+            return self._finish_plain(resp, content, adm, call, d)
+        return self._finish_stream(resp, adm, call, d)
+
+    def _finish_stream(self, resp: aiohttp.ClientResponse, adm: _Admission, call: _Call,
+                       d: Decision) -> Response | _Retry:
+        r, code = d.replica, resp.status
+        ctype = resp.headers.get("content-type", "")
+        if code == 200 and "text/event-stream" not in ctype:
+            resp.close()
+            adm.finish()
+            self.replicas.mark_down(r, f"stream answered with {ctype!r}")
+            return _Retry(_err(502, f"replica {r.url} answered a stream with {ctype or 'no content type'}",
+                               "upstream_error"))
+        self.m.requests.labels(r.url, call.strategy, str(code)).inc()
+        return StreamingResponse(self._pump(resp, adm), status_code=code,
+                                 headers=self._down_headers(resp, call.rid, r, d, decoded=False, clock=call.clock))
 
     async def _send(self, url: str, body: bytes, headers: dict[str, str],
                     stream: bool) -> tuple[aiohttp.ClientResponse, bytes]:
@@ -414,8 +468,9 @@ class Router:
         finally:
             resp.close()  # after a full read the connection is already back in the pool: no-op then
 
-    def _finish_plain(self, resp: aiohttp.ClientResponse, content: bytes, adm: _Admission, rid: str, r: Replica,
-                      d: Decision, strategy: str, clock: _Clock) -> Response:
+    def _finish_plain(self, resp: aiohttp.ClientResponse, content: bytes, adm: _Admission, call: _Call,
+                      d: Decision) -> Response:
+        r, rid, strategy, clock = d.replica, call.rid, call.strategy, call.clock
         adm.first_byte()
         adm.finish()
         code = resp.status
