@@ -1,5 +1,5 @@
-"""Per-item results of batched RPCs (AllocateMany, CommitMany, ReserveLocalMany, AdoptLocalMany) and the
-wire protocol version rule. Why per item: one bad path or one lost race inside a batch must fail that item
+"""Per-item results of batched RPCs (AllocateMany, CommitMany, ReserveLocalMany, AdoptLocalMany), the
+wire protocol version rule and the worker manifest's format version. Why per item: one bad path or one lost race inside a batch must fail that item
 only, exactly as it would have failed its own unary call, never its neighbours."""
 
 from __future__ import annotations
@@ -22,6 +22,10 @@ R = TypeVar("R")
 # gets UNIMPLEMENTED from an older peer falls back to the unary calls.
 PROTOCOL_VERSION = 2
 MIN_PEER_VERSION = 1
+# Worker manifest format (SQLite `PRAGMA user_version` of each data dir's manifest): 0 = written before the
+# stamp, the same table as 1. A worker refuses to start on a manifest newer than it reads (it would misread
+# it) and stamps older ones it can read.
+MANIFEST_VERSION = 1
 
 _CODES = {c.value[0]: c for c in grpc.StatusCode}
 

@@ -11,11 +11,14 @@ import logging
 import os
 import re
 import socket
+import sqlite3
 import sys
 import threading
 import uuid
+from contextlib import closing
 from pathlib import Path
 
+from l2fs.batch import MANIFEST_VERSION
 from l2fs.common import (
     DEFAULT_MAX_FILE_SIZE,
     grpc_server,
@@ -101,6 +104,28 @@ def parse_data_dir(spec: str) -> tuple[Path, int, int]:
     return p, st.f_bavail * st.f_frsize, tier
 
 
+def manifest_too_new(dirs: list[tuple[Path, int, int]]) -> str | None:
+    """Why this worker must not open these data dirs (a manifest written by a newer format), or None.
+    Checked before the store opens them, so nothing is misread or rewritten."""
+    for path, _, _ in dirs:
+        f = path / "manifest.sqlite3"
+        if not f.exists():
+            continue
+        with closing(sqlite3.connect(f)) as db:
+            v = db.execute("PRAGMA user_version").fetchone()[0]
+        if v > MANIFEST_VERSION:
+            return (f"{f} has manifest format {v}; this worker reads formats up to {MANIFEST_VERSION}: "
+                    f"upgrade the worker (or give it an empty data dir)")
+    return None
+
+
+def stamp_manifests(store: Store) -> None:
+    """Mark unstamped (older, same-format) manifests with this format version."""
+    for d in store.dirs:
+        if d.db.execute("PRAGMA user_version").fetchone()[0] < MANIFEST_VERSION:
+            d.db.execute(f"PRAGMA user_version={MANIFEST_VERSION}")
+
+
 def _worker_id(first_dir: Path, node_id: str) -> str:
     """Stable across restarts: stored in the first data dir the first time."""
     f = first_dir / "worker_id"
@@ -164,9 +189,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.data_max_conns < 1 or args.data_idle_timeout <= 0:
         print("l2fs worker: need --data-max-conns >= 1 and --data-idle-timeout > 0", file=sys.stderr)
         return 2
+    why = manifest_too_new(dirs)
+    if why:
+        print(f"l2fs worker: {why}", file=sys.stderr)
+        return 2
     store = Store(dirs, high=args.high_watermark, low=args.low_watermark,
                   max_file_size=parse_size(args.max_file_size), max_reserved=args.max_reserved,
                   reservation_ttl=args.reservation_ttl)
+    stamp_manifests(store)
     worker = Worker(store, master=args.master, node_id=args.node_id,
                     worker_id=args.worker_id or _worker_id(dirs[0][0], args.node_id), host=args.host,
                     port=args.port, advertise=args.advertise, heartbeat_interval=args.heartbeat_interval,

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import os
 import shutil
+import sqlite3
 import subprocess
 import sys
 from collections.abc import Iterator
+from contextlib import closing
 from pathlib import Path
 
 import grpc
@@ -19,7 +21,8 @@ import pytest
 from l2fs_helpers import wait_until
 
 from l2fs import procs
-from l2fs.batch import PROTOCOL_VERSION, version_mismatch
+from l2fs.batch import MANIFEST_VERSION, PROTOCOL_VERSION, version_mismatch
+from l2fs.client import Client
 from l2fs.common import make_channel
 from l2fs.local import LocalCluster
 from l2fs.master import MasterService, serve
@@ -114,12 +117,12 @@ def _worker_args(master: str, base: Path, node: str) -> list[str]:
             f"{base / node}:1G", "--node-id", node, "--heartbeat-interval", "0.5"]
 
 
-def _roundtrip(c: object, prefix: str) -> None:
+def _roundtrip(c: Client, prefix: str) -> None:
     items = [(f"{prefix}/{i}", os.urandom(5000 + i)) for i in range(8)]
-    assert c.put_many(items) == [True] * 8  # type: ignore[attr-defined]
-    assert c.put_many(items[:2]) == [False, False]  # type: ignore[attr-defined]
+    assert c.put_many(items) == [True] * 8
+    assert c.put_many(items[:2]) == [False, False]
     for p, d in items:
-        assert c.get(p) == d  # type: ignore[attr-defined]
+        assert c.get(p) == d
 
 
 def test_new_master_serves_old_worker(old_tree: Path, tmp_path: Path) -> None:
@@ -141,8 +144,6 @@ def test_old_master_serves_new_worker_and_client(old_tree: Path, tmp_path: Path)
     master = f"127.0.0.1:{info['port']}"
     wproc, _ = _spawn(ROOT, "new-worker", _worker_args(master, tmp_path, "node-new"), tmp_path)
     try:
-        from l2fs.client import Client
-
         with Client(master, node_id="node-new") as c:
             wait_until(lambda: any(w.alive for w in c.report().workers), timeout=30)
             _roundtrip(c, "/v/oldmaster/local")
@@ -161,3 +162,30 @@ def test_old_master_serves_new_worker_and_client(old_tree: Path, tmp_path: Path)
     finally:
         procs.stop(wproc)
         procs.stop(mproc)
+
+
+# ---------- the worker manifest's format version ----------
+
+def _user_version(data_dir: Path) -> int:
+    with closing(sqlite3.connect(data_dir / "manifest.sqlite3")) as db:
+        return int(db.execute("PRAGMA user_version").fetchone()[0])
+
+
+def test_worker_stamps_old_manifest_and_refuses_a_newer_one(tmp_path: Path) -> None:
+    d = tmp_path / "node-m"
+    store = Store([(d, 1 << 20)])  # a manifest as every worker wrote it before the stamp
+    for dd in store.dirs:
+        dd.db.close()
+    assert _user_version(d) == 0
+    proc, _ = _spawn(ROOT, "stamping-worker", _worker_args("127.0.0.1:1", tmp_path, "node-m"), tmp_path)
+    try:
+        assert _user_version(d) == MANIFEST_VERSION  # read as format 1 and stamped
+    finally:
+        procs.stop(proc)
+    with closing(sqlite3.connect(d / "manifest.sqlite3")) as db:
+        db.execute("PRAGMA user_version=99")  # written by some future worker
+    out = subprocess.run([sys.executable, "-m", "l2fs.cli", *_worker_args("127.0.0.1:1", tmp_path, "node-m")],
+                         capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert out.returncode == 2
+    assert "manifest format 99" in out.stderr and f"up to {MANIFEST_VERSION}" in out.stderr
+    assert _user_version(d) == 99  # left as it was
