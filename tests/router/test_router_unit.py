@@ -1,0 +1,152 @@
+"""In-process unit tier for the router's data structures: PrefixTree, KVIndex and the Policy cost/strategies."""
+
+from __future__ import annotations
+
+import random
+import time
+
+import pytest
+
+from kvtier import contract
+from router.index import KVIndex, PrefixTree, block_keys, contiguous_match, root_key
+from router.policy import REGISTRY, Decision, Policy, UnknownStrategy
+from router.replicas import Replica
+
+pytestmark = pytest.mark.unit
+
+TOK = list(range(1000, 1064))  # 4 blocks of 16
+
+
+# -- keys ------------------------------------------------------------------------------------------------
+def test_block_keys_are_chained_full_blocks_only() -> None:
+    k = block_keys(TOK + [1, 2, 3], 16)
+    assert len(k) == 4 and k == block_keys(TOK, 16)
+    changed = block_keys([7, *TOK[1:]], 16)
+    assert all(a != b for a, b in zip(k, changed, strict=True))  # a change in block 0 changes every key
+    assert block_keys(TOK, 16, root_key("lora-a")) != k  # a LoRA / salt root is its own namespace
+    assert block_keys(TOK, 16, extra0=("salt", "s"))[0] != k[0]
+
+
+def test_contiguous_match_stops_at_the_first_gap() -> None:
+    have = {1: ["a", "b"], 2: ["a"], 3: ["a", "b"], 4: ["b"]}
+    assert contiguous_match([1, 2, 3, 4], lambda k: have.get(k, [])) == {"a": 3, "b": 1}
+    assert contiguous_match([9, 1], lambda k: have.get(k, [])) == {}
+
+
+# -- PrefixTree -------------------------------------------------------------------------------------------
+def test_prefix_tree_match_purge_ttl_and_lru_cap() -> None:
+    t = PrefixTree(max_blocks=6)
+    keys = block_keys(TOK, 16)
+    t.insert(keys[:3], "a")
+    t.insert(keys, "b")
+    assert t.match(keys) == {"a": 3, "b": 4}
+    t.purge("a")  # O(1) generation bump: a's entries no longer count
+    assert t.match(keys) == {"b": 4}
+    t.insert(keys[:2], "a")  # and new ones after the purge do
+    assert t.match(keys) == {"a": 2, "b": 4}
+    t.insert(keys[:1], "c", ttl=0.05)
+    assert t.match(keys)["c"] == 1
+    time.sleep(0.1)
+    assert "c" not in t.match(keys)  # speculative entries expire
+    other = block_keys(list(range(5000, 5064)), 16)
+    t.match(keys[:1])  # touch: keys[0] is now most recent
+    t.insert(other, "x")  # 4 + 4 > 6: the 2 least recently used blocks go
+    assert len(t) == 6 and keys[0] in t._nodes and keys[1] not in t._nodes
+
+
+# -- KVIndex ----------------------------------------------------------------------------------------------
+def test_kv_index_chains_engine_hashes_media_and_removal() -> None:
+    idx = KVIndex()
+    keys = block_keys(TOK, 16)
+    idx.stored("r", [11, 12], None, TOK[:32], 16, "GPU")
+    idx.stored("r", [13, 14], 12, TOK[32:], 16, "GPU")  # parent = engine hash of block 2
+    assert idx.match(keys) == {"r": (4, 4.0)} and len(idx) == 4 and idx.block_sizes() == {16}
+    idx.stored("s", [11], None, TOK[:16], 16, "CPU")
+    n, weighted = idx.match(keys)["s"]
+    assert n == 1 and weighted == pytest.approx(0.8)
+    idx.removed("r", [13], "GPU")
+    assert idx.match(keys)["r"][0] == 2
+    idx.stored("q", [99], 12345, TOK[:16], 16)  # parent never seen: chain unknown, counted, not indexed
+    assert idx.orphans == 1 and "q" not in idx.match(keys)
+    idx.clear("r")
+    assert "r" not in idx.match(keys) and idx.block_size("r") is None
+    idx.clear("s")
+    assert len(idx) == 0
+
+
+def test_kv_index_same_block_on_two_media_needs_both_removed() -> None:
+    idx = KVIndex()
+    key = block_keys(TOK[:16], 16)
+    idx.stored("r", [1], None, TOK[:16], 16, "GPU")
+    idx.stored("r", [1], None, TOK[:16], 16, "CPU")
+    idx.removed("r", [1], "GPU")
+    assert idx.match(key)["r"][0] == 1  # still on CPU
+    idx.removed("r", [1], "CPU")
+    assert idx.match(key) == {}
+
+
+def test_kv_index_salted_first_block_matches_request_keys() -> None:
+    idx = KVIndex()
+    idx.stored("r", [1, 2], None, TOK[:32], 16, extra_keys=[("salt-1",), None])
+    assert idx.match(block_keys(TOK[:32], 16, extra0=("salt", "salt-1")))["r"][0] == 2
+    assert idx.match(block_keys(TOK[:32], 16)) == {}
+
+
+# -- Policy -----------------------------------------------------------------------------------------------
+def reps(n: int) -> list[Replica]:
+    return [Replica(f"http://r{i}") for i in range(n)]
+
+
+def test_registry_is_the_contract_and_unknown_names_fail() -> None:
+    assert set(REGISTRY) == set(contract.STRATEGIES)
+    with pytest.raises(UnknownStrategy):
+        Policy().choose("fastest", reps(1), TOK)
+    with pytest.raises(LookupError):
+        Policy().choose("prefixaware", [], TOK)
+
+
+def test_cost_function() -> None:
+    p = Policy(decode_beta=0.1, l2_credit=0.5)
+    r = Replica("http://r", prefill_tokens=100, decode_tokens=1000)
+    assert p.cost(r, n=64, hit=0, l2_tokens=0) == pytest.approx(64 + 100 + 100)
+    assert p.cost(r, n=64, hit=32, l2_tokens=0) == pytest.approx(32 + 200)
+    assert p.cost(r, n=64, hit=16, l2_tokens=48) == pytest.approx(48 - 0.5 * 32 + 200)  # L2 half price
+    assert p.cost(r, n=64, hit=48, l2_tokens=16) == pytest.approx(16 + 200)  # L2 below the hit adds nothing
+
+
+def test_roundrobin_rotates() -> None:
+    p, rs = Policy(), reps(3)
+    assert [p.choose("roundrobin", rs, None).replica.url for _ in range(4)] == [r.url for r in rs + rs[:1]]
+
+
+def test_prefixaware_follows_the_prefix_and_yields_to_load() -> None:
+    p, rs = Policy(block_size=16, load_epsilon=0.25), reps(2)
+    p._rng = random.Random(1)
+    d = p.choose("prefixaware", rs, TOK)
+    assert d.reason == "least_cost" and d.uncached == 64 and len(d.keys) == 4
+    p.record("prefixaware", d)
+    again = p.choose("prefixaware", rs, TOK + [5] * 20)
+    assert again.replica is d.replica and again.reason == "cache_hit" and again.hit_tokens == 64
+    d.replica.inflight = 5  # over the bounded-load cap: affinity yields
+    moved = p.choose("prefixaware", rs, TOK)
+    assert moved.replica is not d.replica and moved.reason == "load_cap"
+
+
+def test_session_bonus_and_kvaware_uses_events_and_speculation() -> None:
+    p, rs = Policy(block_size=16), reps(2)
+    d = p.choose("session", rs, list(range(64)), session="s1")
+    other = next(r for r in rs if r is not d.replica)
+    other.prefill_tokens = 0
+    d.replica.prefill_tokens = 40  # busier, but within the session bonus
+    assert p.choose("session", rs, list(range(64)), session="s1").reason == "session"
+    # kvaware: engine events say r1 holds the prompt
+    p2, rs2 = Policy(block_size=16), reps(2)
+    p2.kv.stored(rs2[1].url, [1, 2, 3, 4], None, TOK, 16, "GPU")
+    d2 = p2.choose("kvaware", rs2, TOK)
+    assert d2.replica is rs2[1] and d2.reason == "cache_hit" and d2.hit_tokens == 64
+    # speculative: a prompt routed a moment ago counts before its events arrive
+    fresh = list(range(3000, 3032))
+    d3 = p2.choose("kvaware", rs2, fresh)
+    p2.record("kvaware", d3)
+    assert p2.choose("kvaware", rs2, fresh).replica is d3.replica
+    assert isinstance(d3, Decision) and d3.l2_tokens == 0
