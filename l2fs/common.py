@@ -24,9 +24,14 @@ MAX_NAME_LEN = 255
 DEFAULT_MAX_FILE_SIZE = 1 << 30
 FRAME = 4 << 20  # gRPC data frame size
 MAX_MSG = 64 << 20  # gRPC max message size (frames are well under it)
+MAX_STREAMS = 256  # concurrent calls on one client connection (our clients keep <= 64 in flight)
+# Server options. The receive limit stays MAX_MSG for every method because gRPC Python has no per-method
+# limit and RegisterWorker carries the worker's whole block report in one message (~250 B per block:
+# 64 MiB is ~250k blocks) until it is paged; unauthenticated calls never get that far (TokenInterceptor).
 GRPC_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MSG),
     ("grpc.max_receive_message_length", MAX_MSG),
+    ("grpc.max_concurrent_streams", MAX_STREAMS),
     ("grpc.so_reuseport", 0),
 ]
 CLIENT_OPTIONS = [
@@ -182,17 +187,23 @@ def write_port_file(path: str | None, **info: Any) -> None:
 # ---------- auth ----------
 
 class TokenInterceptor(grpc.ServerInterceptor):
-    """Rejects calls without `authorization: Bearer <token>` metadata (UNAUTHENTICATED)."""
+    """Rejects calls without `authorization: Bearer <token>` metadata (UNAUTHENTICATED), before their
+    request message is read.
+
+    Why request-streaming deny handlers for every method: gRPC Python reads a unary request whole before
+    it calls even a denying handler (a 60 MiB unauthenticated call cost the master its full size, several
+    at once +360 MiB). A handler for a request stream is called before any message is read, and the wire
+    does not tell unary from streaming, so the stranger's call ends with UNAUTHENTICATED after at most the
+    HTTP/2 flow-control window has been buffered."""
 
     def __init__(self, token: str) -> None:
         self._expected = f"Bearer {token}".encode()
 
-        def deny(_request: Any, context: grpc.ServicerContext) -> None:
+        def deny(_requests: Any, context: grpc.ServicerContext) -> Any:
             context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or bad l2fs bearer token")
 
-        self._deny_unary = grpc.unary_unary_rpc_method_handler(deny)
-        self._deny_stream_in = grpc.stream_unary_rpc_method_handler(deny)
-        self._deny_stream_out = grpc.unary_stream_rpc_method_handler(deny)
+        self._deny_unary_out = grpc.stream_unary_rpc_method_handler(deny)
+        self._deny_stream_out = grpc.stream_stream_rpc_method_handler(deny)
 
     def intercept_service(self, continuation: Callable, handler_call_details: Any) -> Any:
         md = dict(handler_call_details.invocation_metadata or ())
@@ -201,11 +212,9 @@ class TokenInterceptor(grpc.ServerInterceptor):
         if hmac.compare_digest(got, self._expected):  # constant time: no token-guessing by timing
             return continuation(handler_call_details)
         method = handler_call_details.method or ""
-        if method.endswith("/WriteBlock"):
-            return self._deny_stream_in
-        if method.endswith("/ReadBlock"):
+        if method.endswith("/ReadBlock"):  # the one server-streaming method
             return self._deny_stream_out
-        return self._deny_unary
+        return self._deny_unary_out
 
 
 def auth_metadata(token: str | None) -> tuple[tuple[str, str], ...] | None:
