@@ -216,18 +216,44 @@ def test_refuses_without_root_or_tools(monkeypatch: pytest.MonkeyPatch) -> None:
         netns.cleanup()
 
 
-def test_cli_up_holds_until_ctrl_c_then_removes_everything(netns_host: None) -> None:
+def _start_up(*args: str) -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, "-m", "l2fs.cli", "netns", "up", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=ROOT)
+
+
+def _described(p: subprocess.Popen[str]) -> dict:
+    """The names and addresses `l2fs netns up` prints (indented JSON) once its cluster is up."""
     import json
 
-    p = subprocess.Popen([sys.executable, "-m", "l2fs.cli", "netns", "up", "--nodes", "2", "--link", "1gbit"],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    lines: list[str] = []
+    while not lines or lines[-1] != "}\n":
+        line = p.stdout.readline() if p.stdout else ""
+        assert line, f"l2fs netns up exited early: {p.stderr.read() if p.stderr else ''}"
+        lines.append(line)
+    return json.loads("".join(lines))
+
+
+def test_launchers_started_at_once_get_distinct_subnets(netns_host: None) -> None:
+    ps = [_start_up("--nodes", "1") for _ in range(3)]
     try:
-        lines = []
-        while not lines or lines[-1] != "}\n":  # describe() printed as indented JSON
-            line = p.stdout.readline() if p.stdout else ""
-            assert line, f"l2fs netns up exited early: {p.stderr.read() if p.stderr else ''}"
-            lines.append(line)
-        info = json.loads("".join(lines))
+        infos = [_described(p) for p in ps]
+        nets = [ipaddress.ip_network(i["subnet"]) for i in infos]
+        assert len({i["prefix"] for i in infos}) == 3
+        assert not any(a.overlaps(b) for k, a in enumerate(nets) for b in nets[k + 1:]), nets
+        for p in ps:
+            p.terminate()
+        assert [p.wait(timeout=20) for p in ps] == [0, 0, 0]
+    finally:
+        for p in ps:
+            if p.poll() is None:
+                p.kill()
+    assert not any(n.startswith(tuple(i["prefix"] for i in infos)) for n in os.listdir(NETNS_DIR))
+
+
+def test_cli_up_holds_until_ctrl_c_then_removes_everything(netns_host: None) -> None:
+    p = _start_up("--nodes", "2", "--link", "1gbit")
+    try:
+        info = _described(p)
         names = [info["ctl"]["netns"], *(n["netns"] for n in info["nodes"])]
         assert all((NETNS_DIR / n).exists() for n in names)
         qdisc = subprocess.run(["tc", "-n", names[1], "qdisc", "show", "dev", "eth0"], capture_output=True,
