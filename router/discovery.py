@@ -139,13 +139,15 @@ class K8sDiscovery:
     def _run(self) -> None:
         from kubernetes import watch
 
+        loop = self._loop
+        assert loop is not None, "start() sets the loop before the thread runs"
         api = None
         while not self._stop.is_set():
             try:
                 api = api or self._api()
                 lst = api.list_namespaced_pod(self.namespace, label_selector=self.selector)
                 pods = {p.metadata.name: api.api_client.sanitize_for_serialization(p) for p in lst.items}
-                self._loop.call_soon_threadsafe(self._resync, pods)
+                loop.call_soon_threadsafe(self._resync, pods)
                 rv = lst.metadata.resource_version
                 kwargs: dict[str, Any] = {"label_selector": self.selector, "timeout_seconds": self.resync}
                 if rv and str(rv).isdigit():
@@ -159,7 +161,7 @@ class K8sDiscovery:
                     if not name:
                         continue
                     gone = ev["type"] == "DELETED"
-                    self._loop.call_soon_threadsafe(self._apply, name, None if gone else obj)
+                    loop.call_soon_threadsafe(self._apply, name, None if gone else obj)
             except Exception as e:  # noqa: BLE001 - API down or watch expired (410): back off, then list again
                 if self._stop.is_set():
                     break

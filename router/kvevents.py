@@ -205,7 +205,7 @@ class KVEventSubscriber:
         for seq, payload in got:
             if seq >= upto:
                 break
-            if seq == self.stats.last_seq + 1:  # type: ignore[operator]
+            if self.stats.last_seq is not None and seq == self.stats.last_seq + 1:
                 self._apply(seq, payload)
         return self.stats.last_seq == upto - 1
 
@@ -228,7 +228,7 @@ class KVEventSubscriber:
                 await self._run()
             except asyncio.CancelledError:
                 raise
-            except Exception:  # noqa: BLE001 - any bug or socket fault: restart, never stay blind
+            except Exception:  # any bug or socket fault (logged with its traceback): restart, never stay blind
                 log.exception("replica %s: KV event subscriber died; restarting in %.1fs", self.replica, delay)
             self.purge("subscriber_error")
             self.stats.restarts += 1
