@@ -24,7 +24,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if Path(str(item.fspath)).parent != here:
             continue
         uses = {"two_mounts", "mount_factory"} & set(getattr(item, "fixturenames", ()))
-        if uses or item.module.__name__ != "test_mount_fsspec":  # fsspec alone needs no FUSE
+        # fsspec alone needs no FUSE, nor do in-process unit tests
+        if uses or (item.module.__name__ != "test_mount_fsspec" and item.get_closest_marker("unit") is None):
             item.add_marker(pytest.mark.fuse)
             if not FUSE_OK:
                 item.add_marker(pytest.mark.skip(reason="needs /dev/fuse, root and fusermount3"))

@@ -86,3 +86,15 @@ def test_default_mount_is_root_only_for_writes(cluster: LocalCluster, open_dir: 
         assert r.returncode != 0, r.stdout
     finally:
         m.stop()
+
+
+@pytest.mark.unit
+def test_owner_and_memory_options_parse(tmp_path: Path) -> None:
+    """The new flags' values and refusals (in process: parse_args only)."""
+    from l2fs.fuse import parse_args
+
+    a = parse_args([str(tmp_path), "--master", "h:1", "--umask", "0027", "--uid", "1000", "--max-file-size", "1M"])
+    assert (a.umask, a.uid, a.gid, a.max_file_size, a.write_buffer) == (0o027, 1000, None, 1 << 20, 2 << 20)
+    for bad in (["--umask", "8"], ["--umask", "1777"], ["--write-buffer", "lots"], ["--max-file-size", "0"]):
+        with pytest.raises(SystemExit):
+            parse_args([str(tmp_path), "--master", "h:1", *bad])
