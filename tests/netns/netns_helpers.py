@@ -1,8 +1,9 @@
-"""Helpers for the network-namespace tests: TCP servers, probes and a throughput measurement made with
-sockets that live in the cluster's namespaces (no subprocess start-up in the measured path)."""
+"""Helpers for the network-namespace tests: TCP servers and reachability probes made with sockets of the
+test process that live in the cluster's namespaces (no subprocess start-up per probe), host snapshots."""
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 
@@ -71,5 +72,7 @@ def host_net() -> dict[str, str]:
     for key, argv in {"links": ["ip", "-o", "link", "show"], "route4": ["ip", "-4", "route", "show", "table", "all"],
                       "route6": ["ip", "-6", "route", "show", "table", "all"],
                       "addrs": ["ip", "-o", "addr", "show"]}.items():
-        out[key] = subprocess.run(argv, capture_output=True, text=True, check=True).stdout
+        text = subprocess.run(argv, capture_output=True, text=True, check=True).stdout
+        # address lifetimes and route expiry tick down on their own (DHCP, router adverts): not ours
+        out[key] = re.sub(r"(valid_lft|preferred_lft|expires) \S+", r"\1 -", text)
     return out
