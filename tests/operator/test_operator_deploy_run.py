@@ -14,6 +14,7 @@ import shutil
 import subprocess
 import sys
 import sysconfig
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -77,20 +78,20 @@ def as_other_user(cmd: list[str], env: dict[str, str], ids: dict[str, Any]) -> t
     return [system, "-c", boot, *cmd[1:]], {**env, "PYTHONPATH": f"{ROOT}:{site}"}
 
 
-def data_dir(tmp: Path) -> Path:
-    """The worker's hostPath: a dir a non-root worker (65532) can reach (pytest's tmp root is 0700)."""
-    tmp.chmod(0o755)
-    for parent in tmp.parents:
-        if parent == Path("/tmp") or parent == Path("/"):
-            break
-        parent.chmod(parent.stat().st_mode | 0o111)  # traversable only; nothing becomes readable
-    return tmp / "nvme"
+@pytest.fixture
+def hostpath() -> Iterator[Path]:
+    """A node path for processes that run as the manifests' non-root user (65532): outside pytest's tmp
+    tree, whose root pytest keeps 0700 (and re-chmods whenever any pytest session starts)."""
+    d = Path(tempfile.mkdtemp(prefix="kvtier-hostpath-"))
+    d.chmod(0o755)
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
 
 
 class Env:
     """The container environment: the rendered ConfigMap with local ports/paths, plus downward API values."""
 
-    def __init__(self, docs: list[dict[str, Any]], tmp: Path) -> None:
+    def __init__(self, docs: list[dict[str, Any]], tmp: Path, hostpath: Path) -> None:
         (cm,) = [d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"].startswith("kvtier-config")]
         self.vars: dict[str, str] = dict(cm["data"])
         mport = free_port()
@@ -98,7 +99,7 @@ class Env:
             "L2FS_MASTER_PORT": str(mport), "L2FS_MASTER": f"127.0.0.1:{mport}",
             "L2FS_MASTER_METRICS_PORT": str(free_port()), "L2FS_WORKER_PORT": str(free_port()),
             "L2FS_WORKER_DATA_PORT": str(free_port()), "L2FS_WORKER_METRICS_PORT": str(free_port()),
-            "L2FS_DATA_DIR": str(data_dir(tmp)), "L2FS_DATA_CAPACITY": "1G", "L2FS_MOUNT_PATH": str(tmp / "mnt"),
+            "L2FS_DATA_DIR": str(hostpath / "nvme"), "L2FS_DATA_CAPACITY": "1G", "L2FS_MOUNT_PATH": str(tmp / "mnt"),
             "NODE_NAME": "node-a", "POD_IP": "127.0.0.1",
         })
         self.procs: list[subprocess.Popen[bytes]] = []
@@ -184,8 +185,8 @@ def start_worker(base: list[dict[str, Any]], env: Env) -> subprocess.Popen[bytes
 
 
 @pytest.fixture
-def env(base: list[dict[str, Any]], tmp_path: Path) -> Iterator[Env]:
-    e = Env(base, tmp_path)
+def env(base: list[dict[str, Any]], tmp_path: Path, hostpath: Path) -> Iterator[Env]:
+    e = Env(base, tmp_path, hostpath)
     yield e
     mnt = e.vars["L2FS_MOUNT_PATH"]
     if os.path.ismount(mnt):
@@ -248,7 +249,7 @@ def test_mount_command_probes_and_prestop(base: list[dict[str, Any]], env: Env) 
     assert not env.probe(mount, "livenessProbe")
 
 
-def test_router_command_discovers_the_pods_the_webhook_labels(cluster: Any, tmp_path: Path) -> None:
+def test_router_command_discovers_the_pods_the_webhook_labels(cluster: Any, tmp_path: Path, hostpath: Path) -> None:
     """The g6e overlay's router container (its args, its ConfigMap) against the API emulator: it routes to
     the endpoint pod that carries the label the webhook adds, and ignores an unpatched one."""
     import copy
@@ -274,13 +275,15 @@ def test_router_command_discovers_the_pods_the_webhook_labels(cluster: Any, tmp_
     # the tokenizer init container's emptyDir, filled here with a locally trained tokenizer instead of S3
     from kvtier.devstack.tiny_model import build_tokenizer
 
-    data_dir(tmp_path)  # the router runs as its manifest's user (65532): it must reach the emptyDir
+    # the router runs as its manifest's user (65532): its emptyDir is a path that user can reach
     tok_mount = {m["name"]: m["mountPath"] for m in router["volumeMounts"]}["tokenizer"]
-    build_tokenizer(tmp_path / "tokenizer", 1000, 0)
-    router = {**router, "args": [str(tmp_path / "tokenizer") if a == tok_mount else a for a in router["args"]]}
+    build_tokenizer(hostpath / "tokenizer", 1000, 0)
+    router = {**router, "args": [str(hostpath / "tokenizer") if a == tok_mount else a for a in router["args"]]}
     rendered = load_yaml("rendered-v3.2-stripped.yaml")
     rendered["metadata"]["name"] = rendered["metadata"]["ownerReferences"][0]["name"] = "qwen2-7b"
-    patched = mutate(rendered, PatchConfig())
+    # the webhook's vLLM KV-event ports (named kv-events / kv-replay) on free local ports
+    events_port, replay_port = free_port(), free_port()
+    patched = mutate(rendered, PatchConfig(kv_events_port=events_port, kv_replay_port=replay_port))
 
     def pod(name: str, template: dict[str, Any], ip: str) -> dict[str, Any]:
         return {"apiVersion": "v1", "kind": "Pod",
@@ -293,7 +296,9 @@ def test_router_command_discovers_the_pods_the_webhook_labels(cluster: Any, tmp_
     core = client.CoreV1Api(cluster.api)
     core.create_namespaced_pod("team-a", pod("qwen2-7b-patched", patched["spec"]["template"], "127.0.0.1"))
     core.create_namespaced_pod("team-a", pod("qwen2-7b-unpatched", rendered["spec"]["template"], "127.0.0.2"))
-    replica = subprocess.Popen([sys.executable, "-m", "kvtier.devstack.testreplica", "--port", str(engine_port)], cwd=ROOT,
+    replica = subprocess.Popen([sys.executable, "-m", "kvtier.devstack.testreplica", "--port", str(engine_port),
+                                "--kv-events", f"tcp://127.0.0.1:{events_port}",
+                                "--kv-replay", f"tcp://127.0.0.1:{replay_port}"], cwd=ROOT,
                                stdout=open(tmp_path / "replica.log", "wb"), stderr=subprocess.STDOUT)
     env.procs.append(replica)
     try:
@@ -321,5 +326,20 @@ def test_router_command_discovers_the_pods_the_webhook_labels(cluster: Any, tmp_
         req.add_header("Authorization", "Bearer router-key")
         with urllib.request.urlopen(req, timeout=5) as r:
             assert r.status == 200
+        # the router found the pod's kv-events/kv-replay ports by name and indexes the engine's KV events
+        body = json.dumps({"model": "test-model", "prompt": "kv events " * 40, "max_tokens": 2}).encode()
+        req = urllib.request.Request(f"http://127.0.0.1:{router_port}/v1/completions", data=body, method="POST",
+                                     headers={"Authorization": "Bearer router-key", "Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=30) as r:
+            assert r.status == 200
+        deadline = time.monotonic() + 30
+        while True:
+            with urllib.request.urlopen(f"http://127.0.0.1:{router_port}/metrics", timeout=5) as r:
+                text = r.read().decode()
+            blocks = re.search(r"^kvtier_router_kv_index_blocks (\S+)$", text, re.M)
+            if blocks and float(blocks.group(1)) > 0:
+                break
+            assert time.monotonic() < deadline, "no KV event indexed:\n" + (tmp_path / "router.log").read_text()[-2000:]
+            time.sleep(0.5)
     finally:
         env.stop()
