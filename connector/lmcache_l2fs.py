@@ -68,7 +68,6 @@ class Breaker:
         self._down = False
         self._lock = threading.Lock()
         self._stop = threading.Event()
-        self.outages = 0
 
     def check(self) -> None:
         if self._down:
@@ -79,7 +78,6 @@ class Breaker:
             if self._down:
                 return
             self._down = True
-            self.outages += 1
         log.warning("kvtier: l2fs %s unreachable (%s): serving from L1 only until it is back "
                     "(probing every <= %.0f s)", self.what, err, self.cap)
         threading.Thread(target=self._probe_loop, name="kvtier-l2fs-probe", daemon=True).start()
