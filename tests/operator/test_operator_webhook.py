@@ -174,3 +174,19 @@ def test_owning_iec_decides_l2_choice_and_opt_in(cluster, tmp_path: Path) -> Non
         assert 'kvtier_webhook_iec_lookups_total{result="not_found"} 1.0' in text
     finally:
         hook.stop()
+
+
+def test_unreachable_api_leaves_the_deployment_to_decide(tmp_path: Path) -> None:
+    """No API server at --k8s-api: every review is still answered (the Deployment's own opt-in decides)."""
+    from l2fs.common import free_port
+
+    hook = start_webhook(tmp_path, "--k8s-api", f"http://127.0.0.1:{free_port()}")
+    try:
+        dep = load_yaml("rendered-v3.2-stripped.yaml")
+        assert check(apply(hook.review(dep, "CREATE"), dep), PatchConfig()) == []
+        plain = copy.deepcopy(dep)
+        del plain["metadata"]["annotations"]
+        assert "patch" not in hook.review(plain, "CREATE")
+        assert 'kvtier_webhook_iec_lookups_total{result="error"} 2.0' in hook.client.get(hook.url + "/metrics").text
+    finally:
+        hook.stop()
