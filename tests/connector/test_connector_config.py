@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import subprocess
 import sys
@@ -11,7 +12,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from connector.config import lmcache_config, main
+from connector.config import lmcache_config, main, replica_env
+from kvtier import contract
 from l2fs.local import LocalCluster
 
 
@@ -41,6 +43,29 @@ def test_config_mount_uses_lmcache_fs_connector() -> None:
     assert cfg["remote_storage_plugins"] == ["fs"]
     assert cfg["extra_config"]["remote_storage_plugin.fs.base_path"] == "/mnt/l2fs/kvtier/kv"
     assert "remote_storage_plugins" not in lmcache_config()  # L1 only
+
+
+@pytest.mark.unit
+def test_config_follows_the_key_contract() -> None:
+    """Replicas, router and operator agree because all three read kvtier.contract."""
+    from operator_patch.patch import PatchConfig
+
+    cfg = lmcache_config(l2fs_master="h:1")
+    ex = cfg["extra_config"]
+    assert cfg["chunk_size"] == contract.CHUNK_SIZE
+    assert cfg["pre_caching_hash_algorithm"] == contract.HASH_ALGORITHM
+    assert cfg["remote_storage_plugins"] == [contract.PLUGIN_NAME]
+    assert ex[f"remote_storage_plugin.{contract.PLUGIN_NAME}.module_path"] == contract.PLUGIN_MODULE
+    assert importlib.util.find_spec(contract.PLUGIN_MODULE) is not None
+    assert ex[f"remote_storage_plugin.{contract.PLUGIN_NAME}.prefix"] == contract.KV_PREFIX
+    assert replica_env(None)["PYTHONHASHSEED"] == contract.HASH_SEED
+    # mount mode: LMCache's fs base_path is <mount><prefix>, so its files are <prefix>/<name> in l2fs,
+    # which is where the router's mount-mode lookup (contract.mount_path) looks
+    base = lmcache_config(mount_path="/mnt/l2fs")["extra_config"]["remote_storage_plugin.fs.base_path"]
+    assert base == "/mnt/l2fs" + contract.KV_PREFIX
+    pc = PatchConfig()
+    assert (pc.prefix, pc.hash_seed, pc.plugin_module, pc.plugin_class, pc.plugin_name) == (
+        contract.KV_PREFIX, contract.HASH_SEED, contract.PLUGIN_MODULE, contract.PLUGIN_CLASS, contract.PLUGIN_NAME)
 
 
 def test_config_bad_input_is_a_clear_error(capsys: pytest.CaptureFixture[str]) -> None:
