@@ -208,6 +208,20 @@ class Procedure:
             self.say(f"updating the l2fs token in Secret {self.namespace}/{name} from {src_ns}/{name}")
             self.k.core.patch_namespaced_secret(name, self.namespace, {"data": {key: value}})
 
+    def token_problems(self) -> list[str]:
+        """Plugin mode: the token Secret the pods reference must exist in their namespace (or they never start)."""
+        from kubernetes.client.exceptions import ApiException
+
+        if self.cfg.mode != "plugin" or not self.cfg.token_secret:
+            return []
+        try:
+            data = _plain(self.k.core.read_namespaced_secret(self.cfg.token_secret, self.namespace)).get("data") or {}
+        except ApiException as e:
+            return [f"Secret {self.namespace}/{self.cfg.token_secret} (l2fs token): HTTP {e.status} {e.reason}; "
+                    "`apply` copies it from the l2fs namespace"]
+        return [] if data.get(self.cfg.token_key) else [
+            f"Secret {self.namespace}/{self.cfg.token_secret} has no key {self.cfg.token_key!r}"]
+
     def read(self, name: str, namespace: str) -> dict[str, Any]:
         return _plain(self.k.apps.read_namespaced_deployment(name, namespace))
 
@@ -385,6 +399,7 @@ class Procedure:
         dep, ctrl = self.preflight()
         name = dep["metadata"]["name"]
         problems = check(dep, self.cfg)
+        problems += self.token_problems()
         if not self.rolled_out(dep):
             problems.append(f"rollout not complete: status={json.dumps(dep.get('status') or {})}")
         if ctrl is not None and PAUSED_KEY in (ctrl["metadata"].get("annotations") or {}):

@@ -191,6 +191,12 @@ def test_plugin_mode_reflects_the_token_and_requires_it(cluster: Cluster, capsys
     c = cluster.deployment("team-a", "qwen2-7b")["spec"]["template"]["spec"]["containers"][0]
     assert [e["valueFrom"]["secretKeyRef"] for e in c["env"] if e["name"] == "L2FS_TOKEN"] == [
         {"name": "l2fs-token", "key": "token"}]  # not optional: a tokenless pod does not start
+    assert run(cluster, "verify", "team-a", "qwen2-7b", *flags) == 0
+    from kubernetes import client
+
+    client.CoreV1Api(cluster.api).delete_namespaced_secret("l2fs-token", "team-a")
+    assert run(cluster, "verify", "team-a", "qwen2-7b", *flags) == 1  # pods could not start
+    assert "Secret team-a/l2fs-token" in capsys.readouterr().out
     assert run(cluster, "apply", "team-a", "qwen2-7b", "--mode", "plugin", "--token-secret", "") == 0
     c = cluster.deployment("team-a", "qwen2-7b")["spec"]["template"]["spec"]["containers"][0]
     assert not [e for e in c["env"] if e["name"] == "L2FS_TOKEN"]
