@@ -102,3 +102,12 @@ def test_chunk_path_modes() -> None:
     assert contract.chunk_path("mount", "/kvtier/kv", "a/b", 1, 0, -255, "half") == "/kvtier/kv/a-SEP-b@1@0@-ff@half.data"
     with pytest.raises(ValueError):
         contract.chunk_path("s3", "/kvtier/kv", "m", 1, 0, 1, "half")
+
+
+@pytest.mark.unit
+def test_contract_is_a_stdlib_only_bottom_layer() -> None:
+    code = ("import sys; before = set(sys.modules); import kvtier.contract; "
+            "new = {m.split('.')[0] for m in set(sys.modules) - before}; "
+            "bad = sorted(new - set(sys.stdlib_module_names) - {'kvtier'}); print(bad); sys.exit(1 if bad else 0)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert out.returncode == 0, out.stdout + out.stderr
