@@ -93,7 +93,7 @@ class _Node:
     """One inode this mount has handed to the kernel."""
 
     __slots__ = ("ino", "path", "is_dir", "size", "mtime", "lookups", "opens", "writers", "unpublished",
-                 "detached", "snap", "snap_ident", "readers", "lock", "kident", "snap_direct")
+                 "detached", "snap", "snap_ident", "readers", "pins", "lock", "kident", "snap_direct")
 
     def __init__(self, ino: int, path: str, is_dir: bool, size: int = 0, mtime: float = 0.0) -> None:
         self.ino = ino
@@ -111,6 +111,7 @@ class _Node:
         self.snap: memoryview | None = None
         self.snap_ident: tuple[int, int] | None = None
         self.readers = 0  # open read-only handles; the snapshot is dropped when the last one closes
+        self.pins = 0  # opens in progress: they will use the snapshot, so it is not dropped under them
         self.lock: trio.Lock | None = None  # serialises snapshot loads of this inode
         # page-cache mode: the (size, crc32c) of the version whose pages the kernel may hold for this inode,
         # so an open of that same version keeps them (FOPEN_KEEP_CACHE) and any other open drops them
@@ -598,7 +599,15 @@ class L2Operations(pyfuse3.Operations):
                 if view is None:
                     raise pyfuse3.FUSEError(errno.ENOENT)
             else:
-                view, how = await self.snapshot(n)
+                n.pins += 1
+                try:
+                    view, how = await self.snapshot(n)
+                except BaseException:
+                    n.pins -= 1
+                    if n.readers + n.pins <= 0:  # the open failed and nothing else uses the snapshot
+                        self.drop_snapshot(n)
+                    raise
+                n.pins -= 1
             h = _Handle(n, data=view)
             if view is None:
                 h.want = n.kident
@@ -757,10 +766,8 @@ class L2Operations(pyfuse3.Operations):
         if not h.writable:
             n.readers -= 1
             h.data = None
-            if n.readers <= 0:  # the last reader: free the snapshot (the kernel page cache may keep pages)
-                if n.snap is not None:
-                    self.pool.give(n.snap)
-                n.snap, n.snap_ident, n.snap_direct = None, None, False
+            if n.readers + n.pins <= 0:  # the last reader: free the snapshot (the kernel may keep pages)
+                self.drop_snapshot(n)
         else:
             try:
                 await self.publish(h)
@@ -772,6 +779,12 @@ class L2Operations(pyfuse3.Operations):
             if n.unpublished and not n.writers:  # never published: it is gone
                 self.drop_unpublished(n)
         self.maybe_drop(n)
+
+    def drop_snapshot(self, n: _Node) -> None:
+        """Free n's snapshot into the pool: only when no open handle and no open in progress can use it."""
+        if n.snap is not None:
+            self.pool.give(n.snap)
+        n.snap, n.snap_ident, n.snap_direct = None, None, False
 
     async def access(self, inode: int, mode: int, ctx: pyfuse3.RequestContext) -> bool:
         if mode & os.W_OK and self.read_only:
@@ -966,7 +979,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         trio.run(_serve)
     except BaseException as e:  # noqa: BLE001 - unmount whatever happened
-        log.error("FUSE loop failed: %r", e)
+        log.exception("FUSE loop failed: %r", e)
         rc = 1
     finally:
         pyfuse3.close(unmount=True)
