@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import functools
 import logging
 import os
 import re
@@ -33,7 +34,7 @@ import stat as st
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
 import pyfuse3
@@ -790,6 +791,28 @@ class L2Operations(pyfuse3.Operations):
         if mode & os.W_OK and self.read_only:
             raise pyfuse3.FUSEError(errno.EROFS)
         return True
+
+
+def _guard(fn: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
+    """An unexpected exception in one request handler would end pyfuse3's loop, and with it the mount for
+    every process (ENOTCONN until someone runs fusermount3 -u): that request gets EIO instead."""
+    @functools.wraps(fn)
+    async def guarded(self: L2Operations, *args: Any) -> Any:
+        try:
+            return await fn(self, *args)
+        except pyfuse3.FUSEError:
+            raise
+        except Exception:
+            log.exception("%s failed: EIO", fn.__name__)
+            if fn.__name__ == "forget":  # no reply to send
+                return None
+            raise pyfuse3.FUSEError(errno.EIO) from None
+    return guarded
+
+
+for _op in ("lookup", "forget", "getattr", "setattr", "mkdir", "rmdir", "unlink", "rename", "statfs", "opendir",
+            "readdir", "releasedir", "open", "create", "read", "write", "flush", "fsync", "release", "access"):
+    setattr(L2Operations, _op, _guard(getattr(L2Operations, _op)))
 
 
 # -------------------------------------------------------------------- child-process helpers
