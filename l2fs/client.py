@@ -538,6 +538,8 @@ class Client:
             try:
                 adopted = self._many(address, call, "AdoptLocalMany", pb.AdoptManyRequest(items=areqs),
                                      "AdoptLocal", areqs)
+            except Unavailable as e:  # the worker went away after the reservation: another one, once
+                return unusable + [q for p in wrote for q in self._unreachable(p, e, deadline)]
             except L2fsError as e:
                 adopted = [e] * len(wrote)
             for p, a in zip(wrote, adopted, strict=True):
