@@ -49,7 +49,7 @@ class Worker:
             host, port, lambda s: pbg.add_WorkerServicer_to_server(WorkerService(store, wake.set), s),
             name="l2fs-worker", token=token, tls_cert=tls_cert, tls_key=tls_key, threads=threads)
         if not advertise and host in ("0.0.0.0", "::", ""):
-            advertise = f"{_host_ip()}:{self.port}"
+            advertise = f"{_host_ip(master)}:{self.port}"
         self.address = advertise or f"{host}:{self.port}"
         self.data: DataServer | None = None
         if data_port is not None and not tls:  # raw TCP is plaintext: TLS clusters use gRPC only
@@ -78,8 +78,22 @@ class Worker:
         self.server.stop(grace=1).wait()
 
 
-def _host_ip() -> str:
-    """This node's address as others see it (for workers bound to 0.0.0.0 without --advertise)."""
+def _host_ip(master: str = "") -> str:
+    """This node's address as others see it (for workers bound to 0.0.0.0 without --advertise).
+
+    The source address of the route to the master: hostname lookups often give 127.0.0.1, which no
+    other node can reach. A UDP connect sends nothing; it only asks the kernel which interface routes there.
+    """
+    first = master.split(",")[0].strip()
+    host = first.rpartition(":")[0].strip("[]") if ":" in first else first
+    if host:
+        try:
+            family = socket.AF_INET6 if ":" in host else socket.AF_INET
+            with socket.socket(family, socket.SOCK_DGRAM) as s:
+                s.connect((host, 9))
+                return str(s.getsockname()[0])
+        except OSError:
+            pass
     try:
         return socket.gethostbyname(socket.gethostname())
     except OSError:

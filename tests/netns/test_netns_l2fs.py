@@ -177,9 +177,6 @@ def test_node2_mount_reads_node1_file_over_the_link(l2fs_netns: Cluster, tmp_pat
     assert mount_type(mp) is None
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="known bug: a worker bound to 0.0.0.0 without --advertise advertises "
-                   "socket.gethostbyname(gethostname()) (l2fs/worker.py _host_ip), 127.0.0.1 here, and derives "
-                   "its data address from it; other nodes cannot reach that. Remove the xfail once fixed.")
 def test_worker_on_any_address_advertises_its_node_address(tmp_path: Path) -> None:
     require_host()
     with NetnsCluster(1) as c:
