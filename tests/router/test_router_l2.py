@@ -103,3 +103,15 @@ def test_router_imports_no_connector_lmcache_or_vllm() -> None:
             "print(bad); sys.exit(1 if bad else 0)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+@pytest.mark.unit
+def test_cli_l2fs_flags_are_checked_before_serving(capsys: pytest.CaptureFixture[str]) -> None:
+    from router.cli import build_parser, main
+
+    args = build_parser().parse_args(["--l2fs-mode", "mount"])
+    assert (args.l2fs_mode, args.l2fs_prefix, args.l2fs_hash_seed) == ("mount", "/kvtier/kv", "0")
+    assert main(["--replicas", "http://127.0.0.1:9", "--l2fs-master", "127.0.0.1:1", "--l2fs-hash-seed", "x"]) == 2
+    assert "PYTHONHASHSEED" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--l2fs-mode", "s3"])
