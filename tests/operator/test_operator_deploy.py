@@ -255,6 +255,8 @@ def test_g6e_example_endpoint_matches_router_and_webhook() -> None:
     assert int(router_cfg["data"]["ROUTER_ENGINE_PORT"]) == iec["spec"]["worker"]["modelInvocationPort"]["containerPort"]
     assert router_cfg["data"]["ROUTER_L2FS_MASTER"] == configmap(docs, "kvtier-config")["data"]["L2FS_MASTER"]
     assert router_cfg["data"]["ROUTER_L2FS_PREFIX"] == configmap(docs, "kvtier-config")["data"]["KVTIER_PREFIX"]
+    # the router's L2 lookup builds the file names of the mode the webhook gives the replicas
+    assert router_cfg["data"]["ROUTER_L2FS_MODE"] == configmap(docs, "kvtier-config")["data"]["KVTIER_MODE"]
     router = one(docs, "Deployment", "kvtier-router")
     assert router["metadata"]["namespace"] == ns and one(docs, "Role", "kvtier-router")["metadata"]["namespace"] == ns
     for ds in by_kind(docs, "DaemonSet"):
