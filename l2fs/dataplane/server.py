@@ -50,6 +50,7 @@ REFUSED = Counter("l2fs_worker_data_refused_total", "Data-plane connections refu
 PREAUTH_DROPPED = Counter("l2fs_worker_data_preauth_dropped_total",
                           "Data-plane connections closed before authenticating", ["reason"])
 
+ACCEPT_BATCH = 16
 _STATUS = {grpc.StatusCode.RESOURCE_EXHAUSTED: BUSY}  # anything else the store refuses is BAD
 
 
@@ -133,8 +134,10 @@ class DataServer:
                 self._drop(p, "timeout")
 
     def _accept_ready(self) -> bool:
-        """Accept every waiting connection into the pre-auth pool; False once the listener is closed."""
-        while True:
+        """Accept waiting connections into the pre-auth pool, at most ACCEPT_BATCH per loop turn so headers
+        that have arrived are read between batches (a burst of strangers must not push a client's ready
+        connection out of the pool before it is read); False once the listener is closed."""
+        for _ in range(ACCEPT_BATCH):
             try:
                 conn, addr = self.sock.accept()
             except BlockingIOError:
@@ -157,10 +160,13 @@ class DataServer:
                 continue
             self._pending[conn] = p
             self._per_ip[ip] = self._per_ip.get(ip, 0) + 1
+        return True
 
     def _handshake(self, p: _Pending) -> None:
         """Read what has arrived of the first request header; when complete, check it and hand the
         connection to a serving thread."""
+        if p.conn not in self._pending:  # pushed out earlier in this loop turn
+            return
         try:
             chunk = p.conn.recv(p.need())
         except BlockingIOError:
@@ -198,8 +204,9 @@ class DataServer:
             raise
 
     def _forget(self, p: _Pending) -> None:
-        """Take p out of the pre-auth pool (its socket stays open)."""
-        self._pending.pop(p.conn, None)
+        """Take p out of the pre-auth pool (its socket stays open); a no-op when it is already out."""
+        if self._pending.pop(p.conn, None) is None:
+            return
         with contextlib.suppress(KeyError, ValueError, OSError):
             self._sel.unregister(p.conn)
         n = self._per_ip.get(p.ip, 0) - 1
@@ -210,6 +217,8 @@ class DataServer:
 
     def _drop(self, p: _Pending, reason: str, status: int | None = None, msg: str = "") -> None:
         """Close a pre-auth connection, answering `status` first when given."""
+        if p.conn not in self._pending:
+            return
         self._forget(p)
         PREAUTH_DROPPED.labels(reason).inc()
         if status is None:

@@ -14,6 +14,7 @@ import threading
 import time
 from typing import Any
 
+import pytest
 from reliability_faults import DEADLINE, payload
 from test_reliability_security import TOKEN, _data_address
 
@@ -116,3 +117,47 @@ def test_unauthenticated_flood_does_not_lock_out_clients(make_cluster: Any) -> N
     assert not failed_puts, f"puts failed during the flood: {failed_puts[:3]}"
     # Unauthenticated connections were closed within the handshake deadline and reopened by the flood.
     assert flood.reconnects > 0
+
+
+def test_handshake_deadline_is_not_reset_by_trickling_and_per_address_cap(make_cluster: Any) -> None:
+    """A stranger sending one header byte every 0.5 s is closed at the handshake deadline (3 s) instead
+    of kept alive by each byte (before the fix: until 30 s after its last byte, i.e. forever). Then one
+    address may hold 16 handshaking connections, the 17th is answered BUSY, and once they are gone the
+    address's share is free again (nothing leaks in the per-address count)."""
+    cluster = make_cluster(workers=1, token=TOKEN)
+    c = cluster.client(timeout=DEADLINE, short_circuit=False)
+    assert c.put("/cap/a", b"a" * 1000) is True
+    addr, _ = _data_address(cluster.master, "/cap/a", MD)
+    host, port = addr.rsplit(":", 1)
+    s = socket.create_connection((host, int(port)), timeout=2, source_address=("127.0.0.3", 0))
+    t0, closed = time.monotonic(), False
+    for b in b"L2D1R\xff\x0f" * 4:  # a header promising a long token, one byte at a time
+        try:
+            s.send(bytes([b]))
+            time.sleep(0.5)
+        except OSError:
+            closed = True
+            break
+    with contextlib.suppress(OSError):
+        s.settimeout(1)
+        closed = closed or s.recv(16) == b""
+    s.close()
+    assert closed and time.monotonic() - t0 < 14, "a trickling unauthenticated connection was kept open"
+    for _round in range(2):
+        held = [socket.create_connection((host, int(port)), timeout=2, source_address=("127.0.0.3", 0))
+                for _ in range(16)]
+        try:
+            time.sleep(0.3)
+            for h in held:  # accepted and waiting: no answer (no BUSY, no close) yet
+                h.setblocking(False)
+                with pytest.raises(BlockingIOError):
+                    h.recv(16)
+            with socket.create_connection((host, int(port)), timeout=2, source_address=("127.0.0.3", 0)) as extra:
+                extra.settimeout(2)
+                assert extra.recv(1) == b"\x04"  # BUSY
+            # Another address is not affected, and an authenticated client is served.
+            assert cluster.client(timeout=DEADLINE, short_circuit=False).get("/cap/a") == b"a" * 1000
+        finally:
+            for h in held:
+                h.close()
+        time.sleep(0.5)  # the worker sees the closes
