@@ -325,12 +325,21 @@ class MasterService(pbg.MasterServicer):
         remote_deletes: list[tuple[str, str]] = []
         with self.lock:
             old = self.workers.get(request.worker_id)
-            if old is not None:  # a re-registration replaces the old one cleanly
-                self._drop_worker_files(old, "reregistered")
-            w = WorkerEntry(request.worker_id, request.node_id or request.worker_id, request.address,
-                            request.capacity, request.used, len(request.blocks), time.monotonic(),
-                            data_address=request.data_address)
-            self.workers[request.worker_id] = w
+            if request.continuation:  # more reports of the registration this worker just made
+                if old is None or not old.alive or old.address != request.address:
+                    raise RpcError(grpc.StatusCode.FAILED_PRECONDITION,
+                                   f"worker {request.worker_id}: report continues no live registration; "
+                                   f"register again")
+                w = old
+                w.last_seen = time.monotonic()
+                w.blocks += len(request.blocks)
+            else:
+                if old is not None:  # a re-registration replaces the old one cleanly
+                    self._drop_worker_files(old, "reregistered")
+                w = WorkerEntry(request.worker_id, request.node_id or request.worker_id, request.address,
+                                request.capacity, request.used, len(request.blocks), time.monotonic(),
+                                data_address=request.data_address)
+                self.workers[request.worker_id] = w
             for b in request.blocks:
                 if not BLOCK_ID.match(b.block_id):
                     continue  # not a block any worker of ours could hold: nothing to publish or delete

@@ -27,6 +27,8 @@ class MasterLink:
     """Heartbeat/registration loop on its own thread; setting `wake` (or calling `wake()`) sends pending
     removals/moves now instead of at the next heartbeat."""
 
+    REPORT_PART = 20_000  # block reports per registration message (~3 MB)
+
     def __init__(self, store: Store, *, master: str, tls_ca: str | None, token: str | None, worker_id: str,
                  node_id: str, address: str, data_address: str, heartbeat_interval: float,
                  wake: threading.Event | None = None) -> None:
@@ -52,20 +54,32 @@ class MasterLink:
         self._stop.set()
         self._wake.set()
 
-    def _register(self) -> None:
-        reports = self.store.reports()
-        resp = self.master.RegisterWorker(pb.RegisterRequest(
+    def _send(self, blocks: list[pb.BlockReport], continuation: bool = False) -> pb.RegisterResponse:
+        return self.master.RegisterWorker(pb.RegisterRequest(
             worker_id=self.worker_id, node_id=self.node_id, address=self.address,
-            capacity=self.store.capacity, used=self.store.used, blocks=reports, data_address=self.data_address,
-            protocol_version=self.protocol_version, min_protocol_version=self.min_peer_version),
-            timeout=30, metadata=self._md)
+            capacity=self.store.capacity, used=self.store.used, blocks=blocks, data_address=self.data_address,
+            protocol_version=self.protocol_version, min_protocol_version=self.min_peer_version,
+            continuation=continuation), timeout=30, metadata=self._md)
+
+    def _register(self) -> None:
+        """Register and report every sealed block: in parts of REPORT_PART blocks to a protocol-2 master (one
+        message for 500,000 blocks passed gRPC's 64 MiB limit and the namespace never came back), whole to an
+        older one (it would take each part for a fresh registration)."""
+        reports = self.store.reports()
+        resp = self._send(reports[:self.REPORT_PART])
         why = version_mismatch("worker", "master", resp.protocol_version, 0, mine=self.protocol_version,
                                my_min=self.min_peer_version)
         if why:  # the master took our blocks but we cannot work with it: say so and keep asking
             log.error("%s", why)
             raise VersionRefused(why)
         self.master_version = peer_version(resp.protocol_version)
-        for bid in resp.delete_blocks:
+        deletes = list(resp.delete_blocks)
+        if len(reports) > self.REPORT_PART and self.master_version < 2:
+            deletes = list(self._send(reports).delete_blocks)
+        else:
+            for i in range(self.REPORT_PART, len(reports), self.REPORT_PART):
+                deletes += self._send(reports[i:i + self.REPORT_PART], continuation=True).delete_blocks
+        for bid in deletes:
             self.store.delete(bid)
         with self.store.lock:
             self.store.removed.clear()  # the full report supersedes pending removals and moves

@@ -78,7 +78,7 @@ class ItemError(_message.Message):
     def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ..., kind: _Optional[str] = ..., errno_name: _Optional[str] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("worker_id", "node_id", "address", "capacity", "used", "blocks", "data_address", "protocol_version", "min_protocol_version")
+    __slots__ = ("worker_id", "node_id", "address", "capacity", "used", "blocks", "data_address", "protocol_version", "min_protocol_version", "continuation")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -88,6 +88,7 @@ class RegisterRequest(_message.Message):
     DATA_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     MIN_PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    CONTINUATION_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     node_id: str
     address: str
@@ -97,7 +98,8 @@ class RegisterRequest(_message.Message):
     data_address: str
     protocol_version: int
     min_protocol_version: int
-    def __init__(self, worker_id: _Optional[str] = ..., node_id: _Optional[str] = ..., address: _Optional[str] = ..., capacity: _Optional[int] = ..., used: _Optional[int] = ..., blocks: _Optional[_Iterable[_Union[BlockReport, _Mapping]]] = ..., data_address: _Optional[str] = ..., protocol_version: _Optional[int] = ..., min_protocol_version: _Optional[int] = ...) -> None: ...
+    continuation: bool
+    def __init__(self, worker_id: _Optional[str] = ..., node_id: _Optional[str] = ..., address: _Optional[str] = ..., capacity: _Optional[int] = ..., used: _Optional[int] = ..., blocks: _Optional[_Iterable[_Union[BlockReport, _Mapping]]] = ..., data_address: _Optional[str] = ..., protocol_version: _Optional[int] = ..., min_protocol_version: _Optional[int] = ..., continuation: bool = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
     __slots__ = ("delete_blocks", "protocol_version")

@@ -12,13 +12,21 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from pathlib import Path
 
+import grpc
 import pytest
 from l2fs_helpers import block_files, master_rpcs, wait_until
 
 from l2fs.client import AlreadyExists, InvalidArgument, InvalidPath, L2fsError
+from l2fs.common import make_channel
 from l2fs.local import LocalCluster
+from l2fs.master import MasterService, serve
+from l2fs.proto import l2fs_pb2 as pb
+from l2fs.proto import l2fs_pb2_grpc as pbg
+from l2fs.registration import MasterLink
+from l2fs.store import Store
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -177,3 +185,29 @@ def test_short_circuit_unwritable_falls_back_with_fresh_block(tmp_path: Path) ->
         with cl.client() as c:
             wait_until(lambda: c.report().used == 5 * 65536, timeout=5.0)  # no reservation left behind
         assert not [p for p in (cl.workers[0].data_dir).rglob("*") if p.is_file() and ".tmp" in p.name]
+
+
+@pytest.mark.unit
+def test_worker_reports_blocks_in_parts(tmp_path: Path) -> None:
+    """A worker with more blocks than one registration message carries reports them in parts (500,000
+    blocks in one message passed gRPC's 64 MiB limit and the namespace never came back); the master adds
+    the parts up, and refuses a part that continues no registration."""
+    service = MasterService(heartbeat_timeout=30.0)
+    server, port = serve("127.0.0.1", 0, service)
+    try:
+        store = Store([(tmp_path / "d", 1 << 24)])
+        for i in range(25):
+            store.receive(uuid.uuid4().hex, f"/parts/{i}", 10, i, iter([b"0123456789"]))
+        link = MasterLink(store, master=f"127.0.0.1:{port}", tls_ca=None, token=None, worker_id="w-parts",
+                          node_id="n1", address="127.0.0.1:9", data_address="", heartbeat_interval=1.0)
+        link.REPORT_PART = 4
+        link._register()  # noqa: SLF001
+        assert link.registered
+        assert sorted(service.files) == sorted(f"/parts/{i}" for i in range(25))
+        stub = pbg.MasterStub(make_channel(f"127.0.0.1:{port}", None))
+        with pytest.raises(grpc.RpcError) as e:
+            stub.RegisterWorker(pb.RegisterRequest(worker_id="nobody", address="127.0.0.1:8", continuation=True))
+        assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "register again" in e.value.details()
+    finally:
+        service.close()
+        server.stop(0)
