@@ -27,6 +27,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.requests import ClientDisconnect
 
+from router.admission import AdmissionConfig, Gate, Ticket
 from router.kvevents import DROPPED, KVEventSubscriber
 from router.metrics import Metrics
 from router.policy import STRATEGIES, Decision, Policy, UnknownStrategy
@@ -62,6 +63,7 @@ class RouterConfig:
     l2_lookup: Callable[[list[int], str], Awaitable[int]] | None = None  # (tokens, model) -> L2 hit tokens
     l2_timeout: float = 0.05  # an L2 lookup slower than this counts as a miss
     discovery: Any = None  # object with async start(replicas) / stop()
+    admission: AdmissionConfig = field(default_factory=AdmissionConfig)
 
 
 def _err(status: int, message: str, kind: str = "invalid_request_error", **headers: str) -> JSONResponse:
@@ -167,6 +169,10 @@ class Router:
         self.replicas.on_added.append(self._added)
         self.replicas.on_removed.append(self._removed)
         self.replicas.on_down.append(self._down)
+        self.gate = Gate(cfg.admission, lambda: len(self.replicas.available()))
+        self.m.queue_depth.set_function(lambda: self.gate.queued)
+        self.m.queue_depth_max.set_function(lambda: self.gate.queue_max_seen)
+        self.m.admitted.set_function(lambda: self.gate.active)
 
     # -- membership -------------------------------------------------------------------------------
     def _kv_change(self, replica: str, what: str, n: int) -> None:
@@ -289,9 +295,38 @@ class Router:
         call = await self._parse(request, path, kind)
         if isinstance(call, Response):
             return call
-        if (bad := await self._route_inputs(call)) is not None:
-            return bad
-        return await self._forward(request, call)
+        ticket = await self._admit(call)
+        if isinstance(ticket, Response):
+            return ticket
+        try:
+            resp = await self._route_inputs(call) or await self._forward(request, call)
+        except BaseException:
+            ticket.release()
+            raise
+        if isinstance(resp, StreamingResponse):  # the slot is held until the stream has been sent
+            resp.body_iterator = _release_after(resp.body_iterator, ticket)
+        else:
+            ticket.release()
+        return resp
+
+    def _reject(self, call: _Call, status: int, reason: str, message: str) -> JSONResponse:
+        """A fast 429/503 with Retry-After: no tokenization, no upstream call."""
+        self.m.rejected.labels(reason).inc()
+        self.m.requests.labels("none", call.strategy, str(status)).inc()
+        kind = "rate_limit_exceeded" if status == 429 else "service_unavailable"
+        return _err(status, message, kind, **{"x-request-id": call.rid,
+                                               "retry-after": str(max(1, self.cfg.admission.retry_after))})
+
+    async def _admit(self, call: _Call) -> Ticket | JSONResponse:
+        """The admission gate, before any expensive work: 503 with no replica up, else a slot, a bounded wait
+        for one, or 429 (queue full now, or no slot within the queue timeout)."""
+        if not self.replicas.available():
+            return self._reject(call, 503, "no_replica", "no healthy replica available")
+        self.gate.kick()
+        got = await self.gate.enter()
+        if isinstance(got, Ticket):
+            return got
+        return self._reject(call, 429, got, f"router overloaded ({got.replace('_', ' ')}); retry later")
 
     async def _parse(self, request: Request, path: str, kind: str) -> _Call | Response:
         """Auth, body, JSON, model and strategy; an error response for anything the client got wrong."""
@@ -359,9 +394,13 @@ class Router:
         """Try replicas (best first) until one answers; retry only what never reached the client."""
         tried: set[str] = set()
         last_err: JSONResponse | None = None
+        cap = self.cfg.admission.max_inflight_per_replica or 1 << 62
         for attempt in range(self.cfg.retries + 1):
-            cands = [r for r in self.replicas.available() if r.url not in tried]
+            avail = [r for r in self.replicas.available() if r.url not in tried]
+            cands = [r for r in avail if r.inflight < cap]  # a replica at its bound is not a candidate
             if not cands:
+                if avail and last_err is None:
+                    return self._reject(call, 429, "replica_full", "every replica is at its in-flight bound")
                 break
             d = self._route(call, cands)
             tried.add(d.replica.url)
@@ -377,8 +416,7 @@ class Router:
             last_err.headers["x-request-id"] = call.rid
             self.m.requests.labels("none", call.strategy, str(last_err.status_code)).inc()
             return last_err
-        self.m.rejected.labels("no_replica").inc()
-        return _err(503, "no healthy replica available", "service_unavailable", **{"x-request-id": call.rid})
+        return self._reject(call, 503, "no_replica", "no healthy replica available")
 
     async def _attempt(self, request: Request, call: _Call, d: Decision, adm: _Admission) -> Response | _Retry:
         """One upstream try on d.replica, raced against the client's disconnect."""
@@ -544,6 +582,14 @@ class Router:
             if sub.stats.lag_s:
                 self.m.kv_lag.labels(url).set(sub.stats.lag_s[-1])
         return Response(generate_latest(self.m.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+async def _release_after(it: AsyncIterator[Any], ticket: Ticket) -> AsyncIterator[Any]:
+    try:
+        async for chunk in it:
+            yield chunk
+    finally:
+        ticket.release()
 
 
 def _safe_json(body: bytes, code: int) -> dict[str, Any]:

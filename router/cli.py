@@ -49,6 +49,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--load-epsilon", type=float, default=0.25, help="no replica above (1+e) x mean in-flight")
     p.add_argument("--decode-beta", type=float, default=0.1, help="cost weight of active decode context tokens")
     p.add_argument("--session-header", default="x-session-id")
+    p.add_argument("--max-inflight", type=int, default=1024,
+                   help="requests in the router at once, all replicas together (0 = only the per-replica bound)")
+    p.add_argument("--max-inflight-per-replica", type=int, default=256,
+                   help="requests in flight to one replica (0 = unbounded; vLLM's default max_num_seqs is 256)")
+    p.add_argument("--max-queue", type=int, default=256,
+                   help="requests waiting for a slot; beyond it an immediate 429 with Retry-After")
+    p.add_argument("--queue-timeout", type=float, default=2.0,
+                   help="seconds a request may wait for a slot before its 429")
+    p.add_argument("--retry-after", type=int, default=1, help="Retry-After seconds sent with 429/503 rejects")
     p.add_argument("--k8s-selector", default=None, help="discover replicas: pods matching this label selector")
     p.add_argument("--k8s-namespace", default="default")
     p.add_argument("--k8s-port", default="8000", help="replica HTTP port: a number or a named container port")
@@ -94,6 +103,10 @@ def main(argv: list[str] | None = None) -> int:
         if f and not os.path.isfile(f):
             print(f"kvtier router: TLS file {f!r} not found", file=sys.stderr)
             return 2
+    for flag in ("max_inflight", "max_inflight_per_replica", "max_queue", "queue_timeout"):
+        if getattr(args, flag) < 0:
+            print(f"kvtier router: --{flag.replace('_', '-')} must be >= 0", file=sys.stderr)
+            return 2
     kv = _split(args.kv_events)
     if kv and len(kv) != len(replicas):
         print("kvtier router: --kv-events needs one entry per replica", file=sys.stderr)
@@ -101,6 +114,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import uvicorn
 
+    from router.admission import AdmissionConfig
     from router.app import RouterConfig, create_app
 
     discovery = None
@@ -128,7 +142,10 @@ def main(argv: list[str] | None = None) -> int:
         connect_timeout=args.connect_timeout, upstream_timeout=args.upstream_timeout, retries=args.retries,
         load_epsilon=args.load_epsilon, decode_beta=args.decode_beta, session_header=args.session_header.lower(),
         kv_endpoints=[x or None for x in kv], kv_replay_endpoints=[x or None for x in _split(args.kv_replay)],
-        l2_lookup=l2_lookup, discovery=discovery)
+        l2_lookup=l2_lookup, discovery=discovery,
+        admission=AdmissionConfig(max_inflight=args.max_inflight, max_inflight_per_replica=args.max_inflight_per_replica,
+                                  max_queue=args.max_queue, queue_timeout=args.queue_timeout,
+                                  retry_after=args.retry_after))
     app = create_app(cfg)
     sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

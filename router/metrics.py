@@ -34,6 +34,11 @@ class Metrics:
         self.inflight = Gauge("kvtier_router_inflight", "In-flight requests per replica", ["replica"], registry=r)
         self.inflight_prefill = Gauge("kvtier_router_inflight_prefill_tokens", "Admitted uncached prefill tokens",
                                       ["replica"], registry=r)
+        self.queue_depth = Gauge("kvtier_router_queue_depth", "Requests waiting in the admission queue", registry=r)
+        self.queue_depth_max = Gauge("kvtier_router_queue_depth_max", "Highest admission queue depth seen",
+                                     registry=r)
+        self.admitted = Gauge("kvtier_router_admitted", "Requests past the admission gate, not yet finished",
+                              registry=r)
         self.healthy = Gauge("kvtier_router_replica_up", "1 if the replica takes traffic", ["replica"], registry=r)
         self.kv_events = Counter("kvtier_router_kv_events", "KV events applied (and gaps/replays/purges)",
                                  ["replica", "type"], registry=r)

@@ -1,0 +1,73 @@
+"""Admission control against real processes: a router in front of slow test replicas, flooded past its bounds."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+from router_helpers import metric, wait_for
+
+BODY = {"model": "test-model", "prompt": "admission control " * 8, "max_tokens": 2}
+
+
+def _flood(url: str, n: int) -> list[httpx.Response]:
+    """n requests at once from one event loop, each on its own connection, so they reach the router together."""
+    async def run() -> list[httpx.Response]:
+        limits = httpx.Limits(max_connections=n, max_keepalive_connections=0)
+        async with httpx.AsyncClient(timeout=60, limits=limits) as c:
+            return await asyncio.gather(*(c.post(url + "/v1/completions",
+                                                  json={**BODY, "prompt": f"{i} {BODY['prompt']}"})
+                                          for i in range(n)))
+
+    return asyncio.run(run())
+
+
+def test_flood_beyond_bounds_gets_429_and_admitted_complete(cluster):
+    # 3 s per request on the replica, so the flood overlaps; the queue timeout is long enough for the queued
+    # requests to get a slot once the first four are done
+    rep = cluster.replica("--decode-ms-per-token", "1500", kv=False)
+    rt = cluster.router([rep], "--strategy", "prefixaware", "--max-inflight", "4", "--max-queue", "4",
+                        "--queue-timeout", "30", "--retry-after", "3")
+    out = _flood(rt.url, 24)
+    ok = [r for r in out if r.status_code == 200]
+    rejected = [r for r in out if r.status_code == 429]
+    assert len(ok) + len(rejected) == 24, [r.status_code for r in out]
+    # 4 in flight + 4 queued, all completed (more only if a slot came free before the flood was in)
+    assert 8 <= len(ok) <= 12 and len(rejected) >= 12
+    for r in rejected:
+        assert r.headers["retry-after"] == "3"
+        assert r.json()["error"]["type"] == "rate_limit_exceeded"
+    # rejected requests cost no upstream call (and no tokenization: only admitted ones were tokenized)
+    stats = rep.get("/admin/stats").json()
+    assert stats["requests"] == len(ok) and stats["max_inflight"] == 4
+    assert metric(rt, "kvtier_router_rejected_total", reason="queue_full") == len(rejected)
+    assert metric(rt, "kvtier_router_tokenize_seconds_count") == len(ok)
+    assert metric(rt, "kvtier_router_queue_depth_max") == 4  # filled to its bound, never beyond
+    assert metric(rt, "kvtier_router_queue_depth") == 0
+    assert metric(rt, "kvtier_router_admitted") == 0  # every slot released
+    # once the flood is over, the router takes traffic again
+    assert _flood(rt.url, 2)[0].status_code == 200
+
+
+def test_per_replica_bound_and_queue_timeout(cluster):
+    reps = [cluster.replica("--decode-ms-per-token", "2500", kv=False) for _ in range(2)]
+    rt = cluster.router(reps, "--strategy", "roundrobin", "--max-inflight", "0", "--max-inflight-per-replica", "2",
+                        "--max-queue", "3", "--queue-timeout", "0.2")
+    out = _flood(rt.url, 10)
+    codes = sorted(r.status_code for r in out)
+    assert codes == [200] * 4 + [429] * 6, codes  # 2 replicas x 2 slots
+    for rep in reps:
+        assert rep.get("/admin/stats").json()["max_inflight"] <= 2
+    assert metric(rt, "kvtier_router_rejected_total", reason="queue_full") == 3
+    assert metric(rt, "kvtier_router_rejected_total", reason="queue_timeout") == 3  # the 3 queued never got a slot
+    assert metric(rt, "kvtier_router_queue_depth_max") == 3
+
+
+def test_no_healthy_replica_is_a_fast_503_with_retry_after(cluster):
+    rep = cluster.replica(kv=False)
+    rt = cluster.router([rep])
+    rep.stop()
+    wait_for(lambda: rt.get("/health").status_code == 503)
+    r = rt.post("/v1/completions", json=BODY)
+    assert r.status_code == 503 and r.headers["retry-after"] == "1"
+    assert metric(rt, "kvtier_router_rejected_total", reason="no_replica") >= 1
