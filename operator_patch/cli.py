@@ -100,6 +100,7 @@ class Procedure:
         self.k, self.ns, self.cfg = kube, ns, cfg
         self.namespace: str = ns.namespace
         self.endpoint: str = ns.endpoint
+        self.iec: dict[str, Any] | None = None  # read by preflight
 
     def say(self, msg: str) -> None:
         print(f"operator-patch: {msg}", flush=True)
@@ -135,6 +136,7 @@ class Procedure:
             raise CliError(f"{IEC_KIND} {self.namespace}/{self.endpoint}: not taking over its L2: {why}. kvtier "
                            "provides L2 only for kvCacheSpec {enableL2Cache: true, l2CacheSpec: {l2CacheBackend: "
                            "tieredstorage}}; edit the endpoint first if that is what you want")
+        self.iec = iec  # decides the model revision (the KV prefix) in mutate
         dep = self.find_deployment(iec)
         ctrl = None if self.ns.no_pause else self.find_controller()
         return dep, ctrl
@@ -340,7 +342,7 @@ class Procedure:
     def apply(self) -> int:
         dep, ctrl = self.preflight()
         name = dep["metadata"]["name"]
-        mutate(dep, self.cfg)  # PatchError (e.g. no vLLM container) before any write
+        mutate(dep, self.cfg, self.iec)  # PatchError (e.g. no vLLM container) before any write
         self.reflect_token()  # before the pods that reference it start
         ctrl_paused = ctrl is not None and PAUSED_KEY in (ctrl["metadata"].get("annotations") or {})
         if not self.todo(dep) and not ctrl_paused and self.rolled_out(dep):
@@ -349,7 +351,7 @@ class Procedure:
         self.pause(ctrl)
         try:
             dep = self.read(name, self.namespace)  # the operator may have re-rendered before it stopped
-            mutate(dep, self.cfg)
+            mutate(dep, self.cfg, self.iec)
             if self.todo(dep):
                 self.drain(dep)
                 self.write(name, self.target, "patching")
@@ -370,14 +372,14 @@ class Procedure:
 
     def todo(self, dep: dict[str, Any]) -> bool:
         """True when the patch (or our bookkeeping) still has to be written."""
-        new = mutate(dep, self.cfg)
+        new = mutate(dep, self.cfg, self.iec)
         new["metadata"]["annotations"].pop(SNAPSHOT_KEY, None)
         old = json.loads(json.dumps(dep))
         (old["metadata"].get("annotations") or {}).pop(SNAPSHOT_KEY, None)
         return bool(diff(old, new))
 
     def target(self, dep: dict[str, Any]) -> dict[str, Any]:
-        new = mutate(dep, self.cfg)
+        new = mutate(dep, self.cfg, self.iec)
         ann = new["metadata"].setdefault("annotations", {})
         ann.setdefault(SNAPSHOT_KEY, snapshot(dep))  # first patch only: the operator's rendering
         ann[OPT_IN_KEY] = "enabled"  # so the webhook (if installed) keeps re-applying it

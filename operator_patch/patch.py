@@ -22,6 +22,10 @@ SNAPSHOT_KEY = "kvtier.io/original"  # CLI: pre-patch copy of what we change, fo
 PATCHED_KEY = "kvtier.io/patched"  # fingerprint of the PatchConfig that was applied
 ENDPOINT_LABEL = "kvtier.io/endpoint"  # pod label the kvtier router selects on
 STRATEGY_KEY = "kvtier.io/router-strategy"  # pod annotation: records the strategy (routers take it from their flag)
+# model revision: set by hand on the IEC (or the Deployment) to override; recorded on the patched pod template
+REVISION_KEY = "kvtier.io/model-revision"
+KV_PREFIX_KEY = "kvtier.io/kv-prefix"  # pod annotation: the l2fs directory this endpoint revision writes
+UNVERSIONED = "unversioned"  # no IEC and no annotation: still one namespace per endpoint
 IEC_GROUP = "inference.sagemaker.aws.amazon.com"
 IEC_KIND = "InferenceEndpointConfig"
 IEC_PLURAL = "inferenceendpointconfigs"
@@ -107,8 +111,12 @@ class PatchConfig:
 
     @property
     def remote_url(self) -> str:
-        """LMCache fs:// URL; host and port are placeholders its URL parser insists on."""
-        return f"fs://localhost:0{self.mount_path.rstrip('/')}/{self.prefix.strip('/')}/"
+        """LMCache fs:// URL of the base prefix (see url_for: pods get their revision's directory)."""
+        return self.url_for(self.prefix)
+
+    def url_for(self, prefix: str) -> str:
+        """LMCache fs:// URL of an l2fs directory; host and port are placeholders its URL parser insists on."""
+        return f"fs://localhost:0{self.mount_path.rstrip('/')}/{prefix.strip('/')}/"
 
     def fingerprint(self) -> str:
         """Short stable hash, stored on patched objects so `verify` can tell config drift."""
@@ -128,6 +136,47 @@ def owner_endpoint(obj: dict[str, Any]) -> str | None:
         if ref.get("kind") == IEC_KIND and str(ref.get("apiVersion", "")).startswith(IEC_GROUP + "/"):
             return ref.get("name")
     return None
+
+
+def iec_revision(iec: dict[str, Any]) -> str:
+    """Model revision of an endpoint, from its InferenceEndpointConfig (the webhook cannot read weights).
+
+    The annotation kvtier.io/model-revision wins (set it after replacing weights in place at the same
+    location). Else a hash of what names the weights: spec.modelName, modelSourceConfig (bucket, region,
+    location, ... ; not prefetchEnabled) and any model version (spec.modelVersion, JumpStartModel-style
+    spec.model.modelVersion), prefixed by that version when there is one, so the directory is readable."""
+    ann = str((_meta(iec).get("annotations") or {}).get(REVISION_KEY) or "").strip()
+    if ann:
+        return ann
+    spec = iec.get("spec") or {}
+    source = {k: v for k, v in (spec.get("modelSourceConfig") or {}).items() if k != "prefetchEnabled"}
+    model = spec.get("model") or {}
+    version = str(spec.get("modelVersion") or model.get("modelVersion") or source.get("modelVersion") or "")
+    ident = {"modelName": spec.get("modelName"), "source": source, "model": model, "version": version}
+    digest = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()
+    return f"{version}-{digest[:8]}" if version else f"src-{digest[:12]}"
+
+
+def model_revision(dep: dict[str, Any], iec: dict[str, Any] | None = None) -> str:
+    """The revision a patched pod's chunks are filed under: the IEC's (iec_revision), else the Deployment's
+    annotation, else the one recorded on its pod template by an earlier patch, else "unversioned"."""
+    if iec is not None:
+        return iec_revision(iec)
+    for meta in (_meta(dep), ((dep.get("spec") or {}).get("template") or {}).get("metadata") or {}):
+        value = str((meta.get("annotations") or {}).get(REVISION_KEY) or "").strip()
+        if value:
+            return value
+    return UNVERSIONED
+
+
+def endpoint_prefix(dep: dict[str, Any], cfg: PatchConfig, iec: dict[str, Any] | None = None) -> tuple[str, str]:
+    """(revision, l2fs directory) of this endpoint's chunks: <cfg.prefix>/<endpoint>/<revision>.
+
+    Why: every endpoint serves /opt/ml/model, LMCache's model name, so only the directory keeps two
+    endpoints, or two weight versions of one, from loading each other's KV."""
+    endpoint = owner_endpoint(dep) or _meta(dep).get("name") or "deployment"
+    revision = model_revision(dep, iec)
+    return revision, contract.revision_prefix(cfg.prefix, endpoint, revision)
 
 
 def opted_in(obj: dict[str, Any]) -> bool:
@@ -264,7 +313,7 @@ def _set_flag(words: list[str], flag: str, value: str) -> bool:
     return False
 
 
-def _extra_config(env: list[dict[str, Any]], cfg: PatchConfig) -> str:
+def _extra_config(env: list[dict[str, Any]], cfg: PatchConfig, kv_prefix: str, revision: str) -> str:
     """LMCACHE_EXTRA_CONFIG with the plugin keys merged over whatever the operator put there."""
     raw = _env_value(env, "LMCACHE_EXTRA_CONFIG")
     try:
@@ -278,7 +327,8 @@ def _extra_config(env: list[dict[str, Any]], cfg: PatchConfig) -> str:
         prefix + "module_path": cfg.plugin_module,
         prefix + "class_name": cfg.plugin_class,
         prefix + "master": cfg.master,
-        prefix + "prefix": cfg.prefix,
+        prefix + "prefix": kv_prefix,
+        prefix + "model_revision": revision,  # recorded in the connector's key-compat fingerprint
     })
     return json.dumps(extra, sort_keys=True, separators=(",", ":"))
 
@@ -359,17 +409,18 @@ def _patch_vllm_flags(c: dict[str, Any], cfg: PatchConfig) -> None:
                     or p.get("containerPort") == port["containerPort"])
 
 
-def _patch_worker(dep: dict[str, Any], cfg: PatchConfig) -> None:
+def _patch_worker(dep: dict[str, Any], cfg: PatchConfig, iec: dict[str, Any] | None = None) -> None:
     c = _containers(dep)[select_container(dep)]
     env: list[dict[str, Any]] = c.setdefault("env", [])
+    revision, kv_prefix = endpoint_prefix(dep, cfg, iec)
     _patch_vllm_flags(c, cfg)
     if cfg.mode == "mount":
-        _set_env(env, URL_VAR, cfg.remote_url)
+        _set_env(env, URL_VAR, cfg.url_for(kv_prefix))
     else:
         _drop_env(env, URL_VAR)
         _set_env(env, cfg.node_env, value_from={"fieldRef": {"fieldPath": "spec.nodeName"}})
         _set_env(env, "LMCACHE_REMOTE_STORAGE_PLUGINS", json.dumps([cfg.plugin_name]))
-        _set_env(env, "LMCACHE_EXTRA_CONFIG", _extra_config(env, cfg))
+        _set_env(env, "LMCACHE_EXTRA_CONFIG", _extra_config(env, cfg, kv_prefix, revision))
         if cfg.token_secret:
             # not optional: a pod without the token would only ever miss; better it does not start
             _set_env(env, TOKEN_VAR, value_from={"secretKeyRef": {"name": cfg.token_secret, "key": cfg.token_key}})
@@ -402,7 +453,10 @@ def _patch_worker(dep: dict[str, Any], cfg: PatchConfig) -> None:
     endpoint = owner_endpoint(dep) or _meta(dep).get("name")
     if endpoint:
         labels[ENDPOINT_LABEL] = endpoint
-    pod["metadata"].setdefault("annotations", {})[STRATEGY_KEY] = cfg.router_strategy
+    pod_ann = pod["metadata"].setdefault("annotations", {})
+    pod_ann[STRATEGY_KEY] = cfg.router_strategy
+    pod_ann[REVISION_KEY] = revision
+    pod_ann[KV_PREFIX_KEY] = kv_prefix  # where this endpoint revision's chunks are (for routers and humans)
 
 
 def _patch_router(dep: dict[str, Any], cfg: PatchConfig) -> None:
@@ -435,13 +489,14 @@ def wants_patch(obj: dict[str, Any], all_owned: bool = False, iec: dict[str, Any
     return opted_in(obj) or all_owned or (iec is not None and opted_in(iec))
 
 
-def mutate(dep: dict[str, Any], cfg: PatchConfig) -> dict[str, Any]:
-    """Patched deep copy of `dep`; raises PatchError (and changes nothing) when it cannot be patched."""
+def mutate(dep: dict[str, Any], cfg: PatchConfig, iec: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Patched deep copy of `dep`; raises PatchError (and changes nothing) when it cannot be patched.
+    `iec` (the owning InferenceEndpointConfig, when read) decides the model revision."""
     out = copy.deepcopy(dep)
     if is_router(out):
         _patch_router(out, cfg)
     else:
-        _patch_worker(out, cfg)
+        _patch_worker(out, cfg, iec)
     out.setdefault("metadata", {}).setdefault("annotations", {})[PATCHED_KEY] = cfg.fingerprint()
     return out
 
@@ -473,9 +528,9 @@ def diff(old: Any, new: Any, path: list[str] | None = None) -> list[dict[str, An
     return [{"op": "replace", "path": _ptr(path), "value": new}]
 
 
-def plan(dep: dict[str, Any], cfg: PatchConfig) -> list[dict[str, Any]]:
+def plan(dep: dict[str, Any], cfg: PatchConfig, iec: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     """JSON patch that applies `cfg` to `dep` ([] when already applied)."""
-    return diff(dep, mutate(dep, cfg))
+    return diff(dep, mutate(dep, cfg, iec))
 
 
 # ---------------------------------------------------------------- verify / revert
@@ -496,6 +551,11 @@ def check(dep: dict[str, Any], cfg: PatchConfig) -> list[str]:
         return [str(e)]
     env = c.get("env") or []
     urls = [e for e in env if e.get("name") == URL_VAR]
+    pod_ann = ((dep["spec"]["template"].get("metadata") or {}).get("annotations") or {})
+    kv_prefix = str(pod_ann.get(KV_PREFIX_KEY) or "")
+    if not kv_prefix.startswith(cfg.prefix.rstrip("/") + "/") or not pod_ann.get(REVISION_KEY):
+        problems.append(f"pod annotations {KV_PREFIX_KEY}/{REVISION_KEY}: want a revision directory under "
+                        f"{cfg.prefix}, have {kv_prefix or None}/{pod_ann.get(REVISION_KEY)}")
 
     def want(name: str, value: str) -> None:
         found = [e for e in env if e.get("name") == name]
@@ -503,8 +563,8 @@ def check(dep: dict[str, Any], cfg: PatchConfig) -> list[str]:
             problems.append(f"env {name}: want exactly one entry = {value!r}, have {found}")
 
     if cfg.mode == "mount":
-        if len(urls) != 1 or urls[0].get("value") != cfg.remote_url:
-            problems.append(f"env {URL_VAR}: want exactly one entry = {cfg.remote_url!r}, have {urls}")
+        if len(urls) != 1 or urls[0].get("value") != cfg.url_for(kv_prefix):
+            problems.append(f"env {URL_VAR}: want exactly one entry = {cfg.url_for(kv_prefix)!r}, have {urls}")
         mounts = [m for m in c.get("volumeMounts") or [] if m.get("name") == cfg.volume_name]
         if len(mounts) != 1 or mounts[0].get("mountPath") != cfg.mount_path:
             problems.append(f"container {c.get('name')!r}: want one volumeMount {cfg.volume_name} at {cfg.mount_path}")
@@ -515,6 +575,13 @@ def check(dep: dict[str, Any], cfg: PatchConfig) -> list[str]:
         if urls:
             problems.append(f"env {URL_VAR}: plugin mode wants none, have {urls}")
         want("LMCACHE_REMOTE_STORAGE_PLUGINS", json.dumps([cfg.plugin_name]))
+        try:
+            extra = json.loads(_env_value(env, "LMCACHE_EXTRA_CONFIG") or "{}")
+        except json.JSONDecodeError:
+            extra = {}
+        have = extra.get(f"remote_storage_plugin.{cfg.plugin_name}.prefix") if isinstance(extra, dict) else None
+        if have != kv_prefix:
+            problems.append(f"LMCACHE_EXTRA_CONFIG prefix: want {kv_prefix!r}, have {have!r}")
         if cfg.token_secret:
             tokens = [e for e in env if e.get("name") == TOKEN_VAR]
             ref = {"name": cfg.token_secret, "key": cfg.token_key}

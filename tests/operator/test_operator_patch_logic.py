@@ -60,8 +60,9 @@ def test_mount_mode_gives_exactly_one_l2_setting(shape: str) -> None:
     out = jsonpatch.apply_patch(dep, ops)
     validate(out)
     assert check(out, cfg) == []
-    assert env_entries(out, "LMCACHE_REMOTE_URL") == [{"name": "LMCACHE_REMOTE_URL",
-                                                        "value": "fs://localhost:0/mnt/l2fs/kvtier/kv/"}]
+    endpoint = dep["metadata"]["ownerReferences"][0]["name"]  # no IEC read: one namespace per endpoint
+    assert env_entries(out, "LMCACHE_REMOTE_URL") == [
+        {"name": "LMCACHE_REMOTE_URL", "value": f"fs://localhost:0/mnt/l2fs/kvtier/kv/{endpoint}/unversioned/"}]
     assert env_entries(out, "PYTHONHASHSEED") == [{"name": "PYTHONHASHSEED", "value": "0"}]
     assert env_entries(out, "LMCACHE_REMOTE_SERDE") == [{"name": "LMCACHE_REMOTE_SERDE", "value": "naive"}]
     mounts = [m for m in vllm(out)["volumeMounts"] if m["mountPath"] == "/mnt/l2fs"]
@@ -120,7 +121,8 @@ def test_plugin_mode(shape: str) -> None:
     extra = json.loads(env_entries(out, "LMCACHE_EXTRA_CONFIG")[0]["value"])
     assert extra["remote_storage_plugin.l2fs.module_path"] == "connector.lmcache_l2fs"
     assert extra["remote_storage_plugin.l2fs.master"] == "l2fs-master.kvtier:8995"
-    assert extra["remote_storage_plugin.l2fs.prefix"] == "/kvtier/kv"
+    assert extra["remote_storage_plugin.l2fs.prefix"] == f"/kvtier/kv/{dep['metadata']['ownerReferences'][0]['name']}/unversioned"
+    assert extra["remote_storage_plugin.l2fs.model_revision"] == "unversioned"
     if shape == "rendered-v3.2-stripped.yaml":  # the operator's own keys are kept
         assert extra["sagemaker_hyperpod_shared_memory_name"] == "ai_toolkit_cache"
     assert env_entries(out, "L2FS_NODE_ID") == [
@@ -139,7 +141,7 @@ def test_pvc_volume_source() -> None:
     cfg = PatchConfig(pvc_name="l2fs-rwx", mount_path="/mnt/kv", prefix="/cache/")
     out = jsonpatch.apply_patch(dep, plan(dep, cfg))
     validate(out)
-    assert env_entries(out, "LMCACHE_REMOTE_URL")[0]["value"] == "fs://localhost:0/mnt/kv/cache/"
+    assert env_entries(out, "LMCACHE_REMOTE_URL")[0]["value"] == "fs://localhost:0/mnt/kv/cache/qwen2-7b/unversioned/"
     vols = [v for v in out["spec"]["template"]["spec"]["volumes"] if v["name"] == "kvtier-l2fs"]
     assert vols == [{"name": "kvtier-l2fs", "persistentVolumeClaim": {"claimName": "l2fs-rwx"}}]
 
@@ -327,3 +329,25 @@ def test_defaults_agree_with_the_connector_and_router() -> None:
     assert plugin["remote_storage_plugin.l2fs.module_path"] == cfg.plugin_module
     assert plugin["remote_storage_plugin.l2fs.class_name"] == cfg.plugin_class
     assert importlib.util.find_spec(cfg.plugin_module) is not None
+
+
+def test_model_revision_sources() -> None:
+    """The IEC decides (its annotation, else a hash of modelName + source + version); without it the
+    Deployment's annotation, else what an earlier patch recorded on the pod template."""
+    from operator_patch.patch import REVISION_KEY, endpoint_prefix, iec_revision, model_revision, mutate
+
+    iec = {"spec": {"modelName": "m", "modelSourceConfig": {"modelLocation": "x", "prefetchEnabled": True}}}
+    rev = iec_revision(iec)
+    assert rev.startswith("src-") and rev == iec_revision(json.loads(json.dumps(iec)))
+    iec["spec"]["modelSourceConfig"]["prefetchEnabled"] = False  # not part of the weights' identity
+    assert iec_revision(iec) == rev
+    assert iec_revision({"spec": {**iec["spec"], "model": {"modelVersion": "1.2"}}}).startswith("1.2-")
+    iec["metadata"] = {"annotations": {REVISION_KEY: "weights-2026-11"}}
+    assert iec_revision(iec) == "weights-2026-11"
+    dep = load_yaml("rendered-v3.2-stripped.yaml")
+    assert model_revision(dep) == "unversioned"
+    out = mutate(dep, PatchConfig(), iec)
+    assert model_revision(out) == "weights-2026-11"  # a later pass without the IEC keeps the prefix
+    assert endpoint_prefix(out, PatchConfig()) == ("weights-2026-11", "/kvtier/kv/qwen2-7b/weights-2026-11")
+    dep["metadata"].setdefault("annotations", {})[REVISION_KEY] = "by-hand"
+    assert model_revision(dep) == "by-hand"

@@ -190,3 +190,61 @@ def test_unreachable_api_leaves_the_deployment_to_decide(tmp_path: Path) -> None
         assert 'kvtier_webhook_iec_lookups_total{result="error"} 2.0' in hook.client.get(hook.url + "/metrics").text
     finally:
         hook.stop()
+
+
+def test_kv_prefix_per_endpoint_and_model_version(cluster, tmp_path: Path) -> None:  # noqa: ANN001 - fixture
+    """One KV namespace per endpoint revision (kmock API server, real webhook process): two endpoints
+    serving the same /opt/ml/model get different prefixes; the same endpoint at a new model version (or
+    new weights location) gets a new one; an unchanged IEC keeps its prefix (re-renders stay warm)."""
+    from operator_patch.patch import KV_PREFIX_KEY, REVISION_KEY
+
+    group, plural = "inference.sagemaker.aws.amazon.com", "inferenceendpointconfigs"
+    tiered = {"enableL2Cache": True, "l2CacheSpec": {"l2CacheBackend": "tieredstorage"}}
+
+    def put_iec(name: str, location: str, version: str | None = None) -> None:
+        body = {"apiVersion": f"{group}/v1", "kind": "InferenceEndpointConfig",
+                "metadata": {"name": name, "namespace": "team-a", "annotations": {"kvtier.io/l2fs": "enabled"}},
+                "spec": {"modelName": "Qwen2-7B-Instruct", "kvCacheSpec": tiered,
+                         "modelSourceConfig": {"modelSourceType": "s3", "modelLocation": location,
+                                               "s3Storage": {"bucketName": "b", "region": "us-west-2"}}}}
+        if version:
+            body["spec"]["modelVersion"] = version
+        try:
+            cluster.custom.delete_namespaced_custom_object(group, "v1", "team-a", plural, name)
+        except Exception:  # noqa: BLE001 - first creation
+            pass
+        cluster.custom.create_namespaced_custom_object(group, "v1", "team-a", plural, body)
+
+    def patched(name: str) -> dict:
+        dep = load_yaml("rendered-v3.2-stripped.yaml")
+        dep["metadata"]["name"] = dep["metadata"]["ownerReferences"][0]["name"] = name
+        dep["spec"]["template"]["spec"]["containers"][0]["name"] = name
+        del dep["metadata"]["annotations"]  # the opt-in is on the IEC
+        out = apply(hook.review(dep, "CREATE"), dep)
+        assert check(out, PatchConfig()) == []
+        return out
+
+    def where(dep: dict) -> tuple[str, str]:
+        ann = dep["spec"]["template"]["metadata"]["annotations"]
+        url = [e["value"] for e in dep["spec"]["template"]["spec"]["containers"][0]["env"]
+               if e["name"] == "LMCACHE_REMOTE_URL"]
+        assert url == [f"fs://localhost:0/mnt/l2fs{ann[KV_PREFIX_KEY]}/"]
+        return ann[KV_PREFIX_KEY], ann[REVISION_KEY]
+
+    put_iec("ep-a", "qwen2-7b-instruct")
+    put_iec("ep-b", "qwen2-7b-instruct-finetuned")
+    hook = start_webhook(tmp_path, "--k8s-api", cluster.url)
+    try:
+        a1, rev_a1 = where(patched("ep-a"))
+        b1, _ = where(patched("ep-b"))
+        assert a1.startswith("/kvtier/kv/ep-a/") and b1.startswith("/kvtier/kv/ep-b/") and a1 != b1
+        assert where(patched("ep-a")) == (a1, rev_a1)  # same IEC, same prefix
+        put_iec("ep-a", "qwen2-7b-instruct", version="2")
+        a2, rev_a2 = where(patched("ep-a"))
+        assert a2 != a1 and rev_a2.startswith("2-")
+        put_iec("ep-a", "qwen2-7b-instruct", version="3")
+        a3 = where(patched("ep-a"))[0]
+        put_iec("ep-a", "qwen2-7b-instruct-v4", version="3")  # new weights location, version not bumped
+        assert len({a1, a2, a3, where(patched("ep-a"))[0]}) == 4
+    finally:
+        hook.stop()
