@@ -83,22 +83,50 @@ class PrefixTree:
         while len(nodes) > self.max_blocks:
             nodes.popitem(last=False)
 
-    def holders(self, key: int) -> list[str]:
+    def holders(self, key: int, now: float | None = None) -> list[str]:
         node = self._nodes.get(key)
         if not node:
             return []
-        now = time.monotonic()
+        if now is None:
+            now = time.monotonic()
         gen = self._gen
         return [r for r, (g, exp) in node.items() if gen.get(r) == g and exp > now]
 
     def match(self, keys: Sequence[int]) -> dict[str, int]:
         """Matched leading blocks per replica (also refreshes the LRU position of what matched)."""
-        m = contiguous_match(keys, self.holders)
+        m = self._contiguous(keys)
         best = max(m.values(), default=0)
         for k in keys[:best]:
             if k in self._nodes:
                 self._nodes.move_to_end(k)
         return m
+
+    def _contiguous(self, keys: Sequence[int]) -> dict[str, int]:
+        """contiguous_match over this tree, inlined: on the hot path of every request (one dict lookup per
+        block instead of two calls and a list and a set per block; ~10 % of the router's CPU at 200 req/s)."""
+        now = time.monotonic()  # once per request, not once per block
+        gen, nodes = self._gen, self._nodes
+        result: dict[str, int] = {}
+        alive: dict[str, tuple[int, float]] = {}
+        for i, k in enumerate(keys):
+            node = nodes.get(k)
+            if i == 0:
+                if not node:
+                    return result
+                alive = {r: e for r, e in node.items() if gen.get(r) == e[0] and e[1] > now}
+            elif node is None:
+                for r in alive:
+                    result[r] = i
+                return result
+            else:
+                for r in [r for r in alive if (e := node.get(r)) is None or gen.get(r) != e[0] or e[1] <= now]:
+                    result[r] = i
+                    del alive[r]
+            if not alive:
+                return result
+        for r in alive:
+            result[r] = len(keys)
+        return result
 
     def purge(self, replica: str) -> None:
         self._gen[replica] = self._gen.get(replica, 0) + 1

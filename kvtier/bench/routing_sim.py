@@ -320,13 +320,17 @@ def overhead(args: argparse.Namespace, tmp: Path, reps: list[P], model: str, run
     durs = [args.duration if r == args.rate else args.sweep_duration for r in rates]
     pool = overhead_requests(args, sum(int(r * d) for r, d in zip(rates, durs, strict=True)), model, args.seed)
     warm = overhead_requests(args, 100, model, args.seed + 10_000)
-    arms = ["direct"] + [s for s in args.strategies.split(",") if s]
+    names = ["direct"] + [s for s in args.strategies.split(",") if s]
+    arms = names * max(1, args.repeats)  # interleaved: every arm once, then again (the box's load drifts)
     summaries: list[dict[str, Any]] = []
     with (tmp / "overhead-requests.csv").open("w") as raw_f:
         raw_f.write("arm,target_rps,i,sched_s,lag_ms,e2e_ms,status,router_ms,tokenize_ms,replica\n")
         for arm in arms:
             rt = None
-            if arm != "direct":
+            if arm.startswith("vllm-router:"):
+                rt = start_vllm_router(args, tmp, reps, model, arm.split(":", 1)[1])
+                running.append(rt)
+            elif arm != "direct":
                 # KV events only where the strategy reads them (a kvaware deployment's flags)
                 rt = start_kvtier(args, tmp, reps, arm, kv=arm == "kvaware" or args.kv_events_all)
                 running.append(rt)
@@ -384,7 +388,7 @@ def overhead(args: argparse.Namespace, tmp: Path, reps: list[P], model: str, run
             return fmt(v, 1)
         return fmt(v, 3 if k.startswith(("router", "tok")) else 2)
 
-    order = sorted(summaries, key=lambda s: (s["target_rps"] != args.rate, s["target_rps"], arms.index(s["arm"])))
+    order = sorted(summaries, key=lambda s: (s["target_rps"] != args.rate, s["target_rps"], names.index(s["arm"])))
     print(f"\n# router overhead, open loop, {args.replicas} zero-cost test replicas, chat requests "
           f"({args.systems} shared system prompts of ~{args.system_words} words, {args.rounds} rounds, "
           f"max_tokens {args.max_tokens}); all times ms; KV events fed to "
@@ -397,7 +401,7 @@ def overhead(args: argparse.Namespace, tmp: Path, reps: list[P], model: str, run
           f"{args.sustain_p99_ms:.0f} ms")
     print(table([c[1] for c in cols], [[cell(k, s[k]) for k, _ in cols] for s in order]))
     print("\n# highest rate sustained (of those tried)")
-    for arm in arms:
+    for arm in names:
         ok = [s["target_rps"] for s in summaries if s["arm"] == arm and s["sustained"]]
         print(f"  {arm:<12} {max(ok):.0f} req/s" if ok else f"  {arm:<12} none of {sorted(rates)}")
     if args.out:
@@ -432,6 +436,19 @@ def start_kvtier(args: argparse.Namespace, tmp: Path, reps: list[P], strategy: s
                   "--log-level", "warning"], tmp / f"kvtier-{strategy}.log", r"listening on (http://\S+)")
 
 
+def start_vllm_router(args: argparse.Namespace, tmp: Path, reps: list[P], model: str, policy: str) -> P:
+    """The Rust `vllm-router` (pip extra `bench`) with one --policy in front of reps."""
+    exe = shutil.which("vllm-router") or str(Path(PY).parent / "vllm-router")
+    port = free_port()
+    cmd = [exe, "--host", "127.0.0.1", "--port", str(port), "--policy", policy, "--worker-urls",
+           *[r.url for r in reps], "--log-level", "warning", "--prometheus-port", str(free_port())]
+    if policy == "kv_aware":
+        for r in reps:
+            cmd += ["--kv-event-source", f"{r.url}={r.kv}", "--kv-event-replay-source", f"{r.url}={r.replay}"]
+        cmd += ["--kv-event-block-size", str(args.block_size), "--kv-event-model", model]
+    return spawn(cmd, tmp / f"vllm-router-{policy}.log", None, url=f"http://127.0.0.1:{port}")
+
+
 def cpu_seconds(pid: int) -> float:
     """utime + stime of a process (Linux /proc)."""
     f = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
@@ -463,7 +480,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--duration", type=float, default=25.0, help="--overhead: seconds at --rate")
     ap.add_argument("--sweep", default="25,50,100,150,300", help="--overhead: further rates ('' for none)")
     ap.add_argument("--sweep-duration", type=float, default=8.0)
-    ap.add_argument("--strategies", default="roundrobin,session,prefixaware,kvaware", help="--overhead arms")
+    ap.add_argument("--strategies", default="roundrobin,session,prefixaware,kvaware",
+                    help="--overhead arms: kvtier strategies and vllm-router:<policy> (e.g. vllm-router:cache_aware)")
+    ap.add_argument("--repeats", type=int, default=1, help="--overhead: run every arm this often, interleaved")
     ap.add_argument("--sustain-p99-ms", type=float, default=100.0,
                     help="--overhead: a rate counts as sustained only with e2e p99 at most this")
     ap.add_argument("--kv-events-all", action="store_true",
@@ -479,15 +498,7 @@ def router_configs(args: argparse.Namespace, tmp: Path, reps: list[P], model: st
         return start_kvtier(args, tmp, reps, strategy)
 
     def vllm_router(policy: str) -> P:
-        exe = shutil.which("vllm-router") or str(Path(PY).parent / "vllm-router")
-        port = free_port()
-        cmd = [exe, "--host", "127.0.0.1", "--port", str(port), "--policy", policy, "--worker-urls",
-               *[r.url for r in reps], "--log-level", "warning", "--prometheus-port", str(free_port())]
-        if policy == "kv_aware":
-            for r in reps:
-                cmd += ["--kv-event-source", f"{r.url}={r.kv}", "--kv-event-replay-source", f"{r.url}={r.replay}"]
-            cmd += ["--kv-event-block-size", str(args.block_size), "--kv-event-model", model]
-        return spawn(cmd, tmp / f"vllm-router-{policy}.log", None, url=f"http://127.0.0.1:{port}")
+        return start_vllm_router(args, tmp, reps, model, policy)
 
     configs: list[tuple[str, Any]] = [(f"kvtier {s}", lambda s=s: kvtier(s))
                                       for s in ("roundrobin", "session", "prefixaware", "kvaware")]
