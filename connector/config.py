@@ -56,6 +56,15 @@ def detect_device() -> str:
         return "cpu"
 
 
+def gpu_count() -> int:
+    """GPUs this process can see (0 without torch or CUDA): the `gpus` of gpu_plan on one machine."""
+    if detect_device() != "cuda":
+        return 0
+    import torch
+
+    return int(torch.cuda.device_count())
+
+
 @dataclass(frozen=True)
 class GpuSlot:
     """The GPUs of one replica and its share of their memory."""

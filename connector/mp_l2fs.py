@@ -35,7 +35,9 @@ ensure_log_handler()
 
 
 class L2fsL2AdapterConfig(L2AdapterConfigBase):
-    """adapter_params: master (or $L2FS_MASTER), node_id, prefix (/kvtier/mp), timeout (s), threads."""
+    """adapter_params: master (or $L2FS_MASTER), node_id, prefix (/kvtier/mp), timeout (s), threads, and
+    model_revision + namespace: objects then live under <prefix>/<namespace>/<model_revision>, so servers of
+    different weights never share them (kvtier.contract.revision_prefix)."""
 
     def __init__(self, master: str, node_id: str = "", prefix: str = contract.MP_PREFIX, timeout: float = 2.0,
                  threads: int = 8) -> None:
@@ -51,8 +53,9 @@ class L2fsL2AdapterConfig(L2AdapterConfigBase):
         threads = int(d.get("threads", 8))
         if timeout <= 0 or threads <= 0:
             raise ValueError("l2fs L2 adapter: timeout and threads must be positive")
-        return cls(master, str(d.get("node_id") or os.environ.get("L2FS_NODE_ID", "")),
-                   str(d.get("prefix", contract.MP_PREFIX)), timeout, threads)
+        prefix = contract.revision_prefix(str(d.get("prefix", contract.MP_PREFIX)), str(d.get("namespace") or ""),
+                                          str(d.get("model_revision") or ""))
+        return cls(master, str(d.get("node_id") or os.environ.get("L2FS_NODE_ID", "")), prefix, timeout, threads)
 
     @classmethod
     def help(cls) -> str:

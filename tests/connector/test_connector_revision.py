@@ -18,6 +18,8 @@ import pytest
 
 from connector.config import (
     GpuSlot,
+    detect_device,
+    gpu_count,
     gpu_plan,
     lmcache_config,
     replica_env,
@@ -135,6 +137,16 @@ def test_gpu_plan() -> None:
         gpu_plan(1, 4, 2, share=True)
     with pytest.raises(ValueError, match="repeat"):
         gpu_plan(1, 1, [0, 0])
+    assert gpu_count() == 0 or detect_device() == "cuda"  # this CPU machine: 0, and no vLLM import needed
+
+
+def test_mp_adapter_prefix_per_revision() -> None:
+    pytest.importorskip("lmcache")
+    from connector.mp_l2fs import L2fsL2AdapterConfig
+
+    assert L2fsL2AdapterConfig.from_dict({"master": "h:1"}).prefix == contract.MP_PREFIX
+    cfg = L2fsL2AdapterConfig.from_dict({"master": "h:1", "namespace": "ep", "model_revision": "r1"})
+    assert cfg.prefix == f"{contract.MP_PREFIX}/ep/r1"
 
 
 def test_lmcache_config_cli_revision_and_device(tmp_path: Path) -> None:
@@ -153,6 +165,10 @@ def test_lmcache_config_cli_revision_and_device(tmp_path: Path) -> None:
     assert out["lmcache"]["extra_config"]["remote_storage_plugin.l2fs.prefix"] == "/kvtier/kv/ep-a/v3"
     assert "--enforce-eager" not in out["args"] and out["args"][out["args"].index("--tensor-parallel-size") + 1] == "4"
     assert "VLLM_CPU_KVCACHE_SPACE" not in out["env"]
+    probe = ("import sys; from connector.config import detect_device, gpu_count; print(detect_device(), gpu_count()); "
+             "assert not {'vllm', 'lmcache'} & set(sys.modules), 'device detection imported vLLM/LMCache'")
+    r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
 
 
 def test_replicas_of_different_weights_never_share_chunks(tmp_path: Path, tiny_model: Path,
