@@ -31,7 +31,7 @@ KEY_FIELDS = ("model_name", "kv_dtype", "chunk_size", "hash_algorithm", "python_
 try:  # optional: a counter in whatever registry this process exports
     from prometheus_client import Counter
 
-    MISMATCH = Counter("kvtier_key_mismatch", "Replicas whose LMCache key fingerprint differs from ours")
+    MISMATCH: Any = Counter("kvtier_key_mismatch", "Replicas whose LMCache key fingerprint differs from ours")
 except Exception:  # noqa: BLE001 - duplicate registration or no prometheus_client
     MISMATCH = None
 

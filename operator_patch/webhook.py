@@ -160,7 +160,7 @@ def create_app(cfg: PatchConfig, all_owned: bool = False, iec_reader: IecReader 
         obj = req.get("object")
         if iec_reader is not None and isinstance(obj, dict) and (req.get("kind") or {}).get("kind") == "Deployment" \
                 and req.get("operation") in ("CREATE", "UPDATE"):
-            iec, result = iec_reader.get(obj, req.get("namespace") or (obj.get("metadata") or {}).get("namespace"))
+            iec, result = iec_reader.get(obj, req.get("namespace") or (obj.get("metadata") or {}).get("namespace") or "")
             lookups.labels(result).inc()
         return review_response(req, cfg, all_owned, iec)
 
