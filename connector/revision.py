@@ -10,7 +10,7 @@ What is hashed (sha256, first 12 hex digits), and why:
 * every weight file (*.safetensors, *.bin, *.pt, *.pth, *.gguf, recursive, sorted by relative path): its
   relative path and size, and
   - safetensors: the header (8-byte length + JSON: tensor names, dtypes, shapes, offsets), then the tensor
-    bytes: streamed whole when the file is at most `full_limit` bytes (default 256 MiB: small models,
+    bytes: streamed whole when the file is at most `full_limit` bytes (default 64 MiB: small models,
     every byte counts), otherwise SAMPLES windows of 1 MiB spread evenly over the data plus its last
     MiB. Reading 100+ GB of weights at every pod start is too slow; a fine-tune or a re-quantisation
     changes bytes everywhere, so samples catch it, but a change confined to unsampled bytes is NOT seen:
@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
-FULL_LIMIT = 256 << 20
+FULL_LIMIT = 64 << 20
 WINDOW = 1 << 20
 SAMPLES = 64
 
