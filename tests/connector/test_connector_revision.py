@@ -97,7 +97,7 @@ def test_revision_prefix_in_both_modes() -> None:
 
 
 @pytest.mark.unit
-def test_cuda_args_and_env_have_nothing_cpu_only() -> None:
+def test_cuda_args_and_env_have_nothing_cpu_only(monkeypatch: pytest.MonkeyPatch) -> None:
     args = vllm_args("/opt/ml/model", device="cuda", host="0.0.0.0", tensor_parallel_size=2,
                      gpu_memory_utilization=0.45)
     assert not set(CPU_ONLY) & set(args)
@@ -111,6 +111,10 @@ def test_cuda_args_and_env_have_nothing_cpu_only() -> None:
     assert not [k for k in env if k.startswith("VLLM_CPU_")]
     assert env["KVTIER_CPU_CONNECTOR"] == "0"  # connector.cpu_kv stays out: LMCache's CUDA connector
     assert env["CUDA_VISIBLE_DEVICES"] == "2,3" and env["PYTHONHASHSEED"] == contract.HASH_SEED
+    from connector import cpu_kv
+
+    monkeypatch.setenv("KVTIER_CPU_CONNECTOR", env["KVTIER_CPU_CONNECTOR"])
+    assert cpu_kv.install() is False  # the vLLM plugin entry point installs no hook in a cuda replica
     cpu = vllm_args("m")
     assert set(CPU_ONLY) <= set(cpu) and "--enable-prompt-tokens-details" in cpu
     assert cpu[cpu.index("--dtype") + 1] == "float32" and "--tensor-parallel-size" not in cpu
