@@ -253,3 +253,33 @@ def test_replicas_of_different_weights_never_share_chunks(tmp_path: Path, tiny_m
             for sm in managers:
                 sm.close()
             client.close()
+
+
+def test_same_name_other_revision_is_reported_loudly(tmp_path: Path, caplog: pytest.LogCaptureFixture,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two replicas of one served model name with different weights: KVTIER KEY MISMATCH naming the revision."""
+    import logging
+    from types import SimpleNamespace
+
+    from connector.fingerprint import record_and_check
+    from l2fs.local import LocalCluster
+
+    caplog.set_level(logging.ERROR, logger="kvtier.connector.fingerprint")
+    cfg = SimpleNamespace(chunk_size=256, pre_caching_hash_algorithm="builtin")
+    meta = SimpleNamespace(model_name="/opt/ml/model", kv_dtype="torch.bfloat16", chunk_size=256, world_size=1)
+    monkeypatch.setenv("PYTHONHASHSEED", "0")
+    with LocalCluster(tmp_path / "l2fs", workers=1) as cluster:
+        client = cluster.client()
+        try:
+            monkeypatch.setenv("KVTIER_REPLICA_ID", "old")
+            assert record_and_check(client, cfg, meta, revision="aaa") == []
+            monkeypatch.setenv("KVTIER_REPLICA_ID", "old-2")
+            assert record_and_check(client, cfg, meta, revision="aaa") == []
+            assert not [r for r in caplog.records if "KEY MISMATCH" in r.getMessage()]
+            monkeypatch.setenv("KVTIER_REPLICA_ID", "new")
+            bad = record_and_check(client, cfg, meta, revision="bbb")
+            assert {r["replica"] for r in bad} == {"old", "old-2"}
+            msgs = [r.getMessage() for r in caplog.records if "KVTIER KEY MISMATCH" in r.getMessage()]
+            assert msgs and "model_revision: ours='bbb' theirs='aaa'" in msgs[0] and "never loaded" in msgs[0]
+        finally:
+            client.close()
