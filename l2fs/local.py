@@ -1,4 +1,5 @@
-"""Local l2fs cluster on loopback: a master and N workers as real processes (each worker its own node).
+"""Local l2fs cluster: a master and N workers as real processes (each worker its own node), on loopback or,
+with a `l2fs.netns.NetnsCluster`, the master in its control namespace and worker K in node K's namespace.
 
 Used by `l2fs local`, tests and `kvtier up`:
 
@@ -12,6 +13,12 @@ Used by `l2fs local`, tests and `kvtier up`:
 
 The master keeps its port across kill_master()/start_master() so workers find it again; a restarted
 worker keeps its data dir (and so its blocks and worker id) but may get a new port.
+
+With `netns=NetnsCluster(...)` (the caller owns it and closes it after this cluster): every process binds
+its namespace's address (`cluster.master` is the control address, as nodes reach it), and
+`cluster.host_master` is a 127.0.0.1 forwarder to it for host-side clients (metadata: the workers' data
+addresses are reachable only from inside the namespaces). `cluster.mount(i, path)` starts node i's FUSE
+mount inside its namespace (visible to every process: only the network namespace is entered).
 """
 
 from __future__ import annotations
@@ -25,10 +32,13 @@ import time
 import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from l2fs import procs
 from l2fs.client import Client, L2fsError
+
+if TYPE_CHECKING:
+    from l2fs.netns import NetnsCluster
 
 
 @dataclass
@@ -42,10 +52,12 @@ class LocalWorker:
     metrics_port: int | None = None
     worker_id: str = ""
     extra_args: list[str] = field(default_factory=list)
+    host: str = "127.0.0.1"     # the address it binds and advertises (its node's, in a netns cluster)
+    where: Any = None           # its network namespace (a netns node), None on loopback
 
     @property
     def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
+        return f"{self.host}:{self.port}"
 
     @property
     def alive(self) -> bool:
@@ -65,7 +77,8 @@ class LocalCluster(procs.Started):
                  heartbeat_timeout: float = 10.0, heartbeat_interval: float = 1.0, token: str | None = None,
                  tls_cert: str | None = None, tls_key: str | None = None, tls_ca: str | None = None,
                  metrics: bool = True, master_args: list[str] | None = None,
-                 worker_args: list[str] | None = None, start_timeout: float = 30.0) -> None:
+                 worker_args: list[str] | None = None, start_timeout: float = 30.0,
+                 netns: NetnsCluster | None = None) -> None:
         self.base = Path(base_dir).resolve()
         self.base.mkdir(parents=True, exist_ok=True)
         (self.base / "logs").mkdir(exist_ok=True)
@@ -78,13 +91,32 @@ class LocalCluster(procs.Started):
         self.master_port = 0
         self.master_metrics_port: int | None = None
         self.master_proc: subprocess.Popen | None = None
+        self.netns = netns
+        if netns is not None and workers > len(netns.nodes):
+            raise ValueError(f"{workers} workers need {workers} namespace nodes, the cluster has {len(netns.nodes)}")
+        self.master_host = netns.ctl.addr if netns is not None else "127.0.0.1"
+        self._master_forward: Any = None
+        self.mounts: dict[int, tuple[Path, subprocess.Popen]] = {}
         self.workers = [LocalWorker(i, f"node-{i + 1}", self.base / f"worker-{i + 1}", capacity,
                                     extra_args=list(worker_args or [])) for i in range(workers)]
+        if netns is not None:
+            for w, n in zip(self.workers, netns.nodes, strict=False):
+                w.node_id, w.host, w.where = n.name, n.addr, n
         _LIVE.add(self)
 
     @property
     def master(self) -> str:
-        return f"127.0.0.1:{self.master_port}"
+        """The master's address as the nodes (and any process started in a namespace) reach it."""
+        return f"{self.master_host}:{self.master_port}"
+
+    @property
+    def host_master(self) -> str:
+        """The master's address for a process on the host: itself on loopback, else a 127.0.0.1 forwarder."""
+        if self.netns is None:
+            return self.master
+        if self._master_forward is None:
+            self._master_forward = self.netns.forward(self.master_port, where="ctl")
+        return str(self._master_forward.address)
 
     # ---------- lifecycle (context manager: procs.Started) ----------
 
@@ -96,6 +128,8 @@ class LocalCluster(procs.Started):
         self.wait_workers(len(self.workers))
 
     def stop(self) -> None:
+        for i in sorted(self.mounts):
+            self.unmount(i)
         for i in range(len(self.workers)):
             self.kill_worker(i, signal.SIGTERM)
         self.kill_master(signal.SIGTERM)
@@ -110,13 +144,18 @@ class LocalCluster(procs.Started):
             args += ["--tls-ca", self.tls_ca]
         return args
 
-    def _spawn(self, name: str, args: list[str], port_path: Path) -> tuple[subprocess.Popen, dict]:
+    def _argv(self, where: Any, argv: list[str]) -> list[str]:
+        """argv as started: inside `where`'s network namespace in a netns cluster."""
+        return self.netns.wrap(where, argv) if self.netns is not None else argv
+
+    def _spawn(self, name: str, args: list[str], port_path: Path,
+               where: Any = "ctl") -> tuple[subprocess.Popen, dict]:
         port_path.unlink(missing_ok=True)
         log_path = self.base / "logs" / f"{name}.log"
         env = dict(os.environ)
         env.pop("L2FS_TOKEN", None)  # only what this cluster was told
-        proc = procs.spawn([sys.executable, "-m", "l2fs.cli", *args, "--port-file", str(port_path)], log_path,
-                           env=env)
+        proc = procs.spawn(self._argv(where, [sys.executable, "-m", "l2fs.cli", *args, "--port-file",
+                                              str(port_path)]), log_path, env=env)
         try:
             info = procs.wait_ready(proc, procs.port_file(port_path), timeout=self.start_timeout,
                                     what=f"l2fs {name}", log_path=log_path, interval=0.05)
@@ -127,7 +166,7 @@ class LocalCluster(procs.Started):
 
     def start_master(self) -> None:
         """(Re)start the master on its previous port (a free one the first time)."""
-        args = ["master", "--host", "127.0.0.1", "--port", str(self.master_port),
+        args = ["master", "--host", self.master_host, "--port", str(self.master_port),
                 "--heartbeat-timeout", str(self.heartbeat_timeout), *self._security_args(), *self.master_args]
         if self.metrics:
             args += ["--metrics-port", "0"]
@@ -143,12 +182,12 @@ class LocalCluster(procs.Started):
         """(Re)start worker i on its data dir; with wait, return once the master lists it alive."""
         w = self.workers[i]
         spec = f"{w.data_dir}:{w.capacity}" if w.capacity else str(w.data_dir)
-        args = ["worker", "--master", self.master, "--host", "127.0.0.1", "--port", "0", "--data-dir", spec,
+        args = ["worker", "--master", self.master, "--host", w.host, "--port", "0", "--data-dir", spec,
                 "--node-id", w.node_id, "--heartbeat-interval", str(self.heartbeat_interval),
                 *self._security_args(), *w.extra_args]
         if self.metrics:
             args += ["--metrics-port", "0"]
-        w.proc, info = self._spawn(f"worker-{i + 1}", args, self.base / f"worker-{i + 1}.port")
+        w.proc, info = self._spawn(f"worker-{i + 1}", args, self.base / f"worker-{i + 1}.port", w.where)
         w.port, w.metrics_port, w.worker_id = info["port"], info.get("metrics_port"), info.get("worker_id", "")
         if wait:
             self.wait_workers(ids=[w.worker_id])
@@ -180,10 +219,44 @@ class LocalCluster(procs.Started):
                 time.sleep(0.05)
 
     def client(self, node_id: str | None = None, **kwargs: Any) -> Client:
-        """A Client for this cluster (token/TLS filled in); node_id enables local-first/short-circuit."""
+        """A Client for this cluster (token/TLS filled in); node_id enables local-first/short-circuit.
+        In a netns cluster it reaches the master through the host forwarder (metadata calls only)."""
         kwargs.setdefault("token", self.token)
         kwargs.setdefault("tls_ca", self.tls_ca)
-        return Client(self.master, node_id=node_id or "", **kwargs)
+        return Client(self.host_master, node_id=node_id or "", **kwargs)
+
+    def mount(self, i: int, mountpoint: str | os.PathLike[str], *args: str, timeout: float = 30.0) -> Path:
+        """Mount the cluster at mountpoint as worker i's node (`l2fs mount --node-id`, in its namespace)."""
+        from l2fs.fuse import mount_type
+
+        w = self.workers[i]
+        mp = Path(mountpoint).resolve()
+        mp.mkdir(parents=True, exist_ok=True)
+        log_path = self.base / "logs" / f"mount-{i + 1}.log"
+        argv = [sys.executable, "-m", "l2fs.cli", "mount", str(mp), "--master", self.master, "--node-id",
+                w.node_id, *self._security_args_client(), *args]
+        env = {k: v for k, v in os.environ.items() if k != "L2FS_TOKEN"}
+        proc = procs.spawn(self._argv(w.where, argv), log_path, env=env)
+        if self.netns is not None:
+            self.netns.register_mount(mp)  # a crashed launcher's mount is removed by netns.cleanup()
+        self.mounts[i] = (mp, proc)
+        procs.wait_ready(proc, lambda: mount_type(mp) == "fuse.l2fs", timeout=timeout,
+                         what=f"l2fs mount of {w.node_id}", log_path=log_path, interval=0.05)
+        return mp
+
+    def unmount(self, i: int) -> None:
+        """Stop node i's mount (SIGTERM unmounts cleanly); a lazy fusermount if it is still mounted."""
+        from l2fs.fuse import mount_type
+
+        mp, proc = self.mounts.pop(i)
+        procs.stop(proc, sig=signal.SIGTERM, grace=10)
+        if mount_type(mp) is not None:
+            subprocess.run(["fusermount3", "-u", "-z", str(mp)], capture_output=True, check=False)
+
+    def _security_args_client(self) -> list[str]:
+        """Token and CA for a client process (a mount): no server certificate."""
+        args = ["--token", self.token] if self.token else []
+        return args + (["--tls-ca", self.tls_ca] if self.tls_ca else [])
 
 
 _LIVE: weakref.WeakSet[LocalCluster] = weakref.WeakSet()
@@ -200,18 +273,28 @@ def _stop_all() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`l2fs local --workers 2 --dir ./.l2fs`: run a local cluster in the foreground until Ctrl-C."""
+    """`l2fs local --workers 2 --dir ./.l2fs [--netns [--link RATE]]`: run a cluster in the foreground until
+    Ctrl-C; `--cleanup` removes namespaces, mounts and processes left by crashed launchers."""
     import argparse
+    import contextlib
 
-    p = argparse.ArgumentParser(prog="l2fs local", description="Run a master and N workers on loopback.")
+    p = argparse.ArgumentParser(prog="l2fs local", description="Run a master and N workers on loopback, or "
+                                "each worker in its own network namespace (--netns).")
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--dir", default="./.l2fs", help="base dir for data, logs and port files")
     p.add_argument("--capacity", default=None, help="per-worker capacity, e.g. 2G (default: free disk)")
     p.add_argument("--heartbeat-timeout", type=float, default=10.0)
     p.add_argument("--token", default=None)
+    p.add_argument("--netns", action="store_true",
+                   help="master in a control network namespace, worker K in node K's (needs root, ip, tc, nsenter)")
+    p.add_argument("--link", default=None, metavar="RATE", help="with --netns: rate of each node's link, e.g. 2gbit")
+    p.add_argument("--cleanup", action="store_true",
+                   help="remove what crashed --netns launchers left (namespaces, mounts, processes), then exit")
     args = p.parse_args(argv)
-    cluster = LocalCluster(args.dir, args.workers, capacity=args.capacity,
-                           heartbeat_timeout=args.heartbeat_timeout, token=args.token)
+    if args.link and not args.netns:
+        p.error("--link needs --netns (loopback has no link to shape)")
+    if args.cleanup:
+        return _cleanup("l2fs local")
     stop = False
 
     def on_signal(*_: object) -> None:
@@ -220,16 +303,57 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    with cluster:
-        print(f"l2fs local cluster: master {cluster.master} (metrics http://127.0.0.1:"
-              f"{cluster.master_metrics_port}/metrics)", flush=True)
-        for w in cluster.workers:
-            print(f"  worker {w.worker_id} node={w.node_id} at {w.address} data={w.data_dir}", flush=True)
+    with contextlib.ExitStack() as outer:
+        net = None
+        if args.netns:
+            from l2fs.netns import NetnsCluster, NetnsError
+
+            try:
+                net = outer.enter_context(NetnsCluster(args.workers, link=args.link))
+            except NetnsError as e:
+                print(f"l2fs local: {e}", file=sys.stderr)
+                return 2
+        cluster = LocalCluster(args.dir, args.workers, capacity=args.capacity,
+                               heartbeat_timeout=args.heartbeat_timeout, token=args.token, netns=net)
+        with cluster:
+            _print_cluster(cluster)
+            while not stop:
+                time.sleep(0.2)
+                dead = [w for w in cluster.workers if not w.alive]
+                if dead or (cluster.master_proc is not None and cluster.master_proc.poll() is not None):
+                    print("l2fs local: a process exited unexpectedly; stopping", file=sys.stderr)
+                    return 1
+    return 0
+
+
+def _print_cluster(cluster: LocalCluster) -> None:
+    """Addresses of a started cluster, and how to use it from the host (or a node's namespace)."""
+    net = cluster.netns
+    print(f"l2fs local cluster: master {cluster.master} (metrics http://{cluster.master_host}:"
+          f"{cluster.master_metrics_port}/metrics)", flush=True)
+    for w in cluster.workers:
+        where = f" netns={w.where.netns}" if w.where is not None else ""
+        print(f"  worker {w.worker_id} node={w.node_id} at {w.address}{where} data={w.data_dir}", flush=True)
+    if net is None:
         print(f"export L2FS_MASTER={cluster.master}   # then: l2fs put/get/ls ... ; Ctrl-C stops", flush=True)
-        while not stop:
-            time.sleep(0.2)
-            dead = [w for w in cluster.workers if not w.alive]
-            if dead or (cluster.master_proc is not None and cluster.master_proc.poll() is not None):
-                print("l2fs local: a process exited unexpectedly; stopping", file=sys.stderr)
-                return 1
+        return
+    print(f"  namespaces {net.prefix}-*, subnet {net.subnet}, link {net.link or 'unshaped'}", flush=True)
+    print(f"from the host (metadata only): L2FS_MASTER={cluster.host_master} l2fs ls /", flush=True)
+    n1 = net.nodes[0].netns
+    print(f"as node-1: l2fs netns exec {n1} -- env L2FS_MASTER={cluster.master} L2FS_NODE_ID=node-1 "
+          f"l2fs put/get ...   ; Ctrl-C stops and removes everything", flush=True)
+
+
+def _cleanup(prog: str) -> int:
+    """`--cleanup`: l2fs.netns.cleanup() of launchers whose process is gone (live ones are left alone)."""
+    from l2fs.netns import NetnsError, cleanup
+
+    try:
+        removed = cleanup()
+    except NetnsError as e:
+        print(f"{prog}: {e}", file=sys.stderr)
+        return 2
+    for name in removed:
+        print(f"removed {name}")
+    print(f"{prog} --cleanup: {len(removed)} leftover(s) removed", flush=True)
     return 0
