@@ -1,8 +1,13 @@
-"""`kvtier up`: the whole stack on one machine, as real processes on loopback.
+"""`kvtier up`: the whole stack on one machine, as real processes on loopback (or one network namespace per node).
 
 l2fs master + N workers (each worker its own "node"), M vLLM CPU replicas with LMCache + the l2fs connector
 (replica i lives on node i mod N), and the cache-aware router in front. The same `Stack` is reused by the
 benchmarks (`kvtier bench ...`) so that they measure exactly what a user starts.
+
+--mode plugin (default): replicas use our LMCache connector to l2fs; --mode mount: each node runs `l2fs mount`
+(its own mountpoint under <dir>/mnt/<node>) and its replicas use stock LMCache `fs://` on it.
+--netns [--link RATE]: master and router in a control namespace, node K (worker, mount, replicas) in its own,
+each bound to its address, the router reached from the host through a 127.0.0.1 forwarder.
 
 A state file `<dir>/up.json` lists the endpoints, node ids and log files, so that other commands
 (`kvtier bench cross-pod --from-up <dir>/up.json`) can reuse a running stack instead of starting engines again.
@@ -31,6 +36,7 @@ from l2fs.common import free_port
 
 DEFAULT_DIR = Path(".kvtier")
 STATE_NAME = "up.json"
+MODES = ("plugin", "mount")
 
 
 def log(msg: str) -> None:
@@ -57,6 +63,8 @@ class ReplicaInfo:
     node_id: str
     log_path: str
     pid: int | None = None
+    bind_url: str = ""      # as the router and other nodes reach it (the node's address with --netns)
+    mount: str | None = None  # --mode mount: the node's l2fs mountpoint this replica's LMCache writes to
 
 
 @dataclass
@@ -72,6 +80,11 @@ class StackState:
     router_url: str | None
     strategy: str | None
     pid: int = field(default_factory=os.getpid)
+    mode: str = "plugin"                 # plugin (our connector) | mount (stock fs:// on l2fs mounts)
+    kv_prefix: str = ""                  # l2fs directory of the KV chunks (under each mount in mount mode)
+    mounts: dict[str, str] = field(default_factory=dict)  # node -> mountpoint (mount mode)
+    host_l2fs_master: str = ""           # the master as reached from the host (a forwarder with --netns)
+    netns: dict[str, Any] | None = None  # NetnsCluster.describe(): prefix, subnet, addresses, rates, forwards
 
     def save(self, path: Path) -> None:
         path.write_text(json.dumps(asdict(self), indent=2))
@@ -127,11 +140,21 @@ class Stack(procs.Started):
         parallel_start: bool = True,
         prefix_caching: bool = False,
         kv_cache_gb: float = 2.0,
+        mode: str = "plugin",
+        netns: bool = False,
+        link: str | None = None,
     ) -> None:
         if replicas < 1:
             raise ValueError("--replicas must be >= 1")
         if workers < 1:
             raise ValueError("--workers must be >= 1")
+        if mode not in MODES:
+            raise ValueError(f"--mode must be one of {', '.join(MODES)}")
+        if link and not netns:
+            raise ValueError("--link needs --netns")
+        self.mode, self.use_netns, self.link = mode, netns, link
+        self.net: Any = None  # the NetnsCluster with --netns
+        self.mounts: dict[str, str] = {}
         self.base = Path(base_dir).resolve()
         self.n_replicas = replicas
         self.n_workers = workers
@@ -169,21 +192,36 @@ class Stack(procs.Started):
         self._start_replicas(plan)
         if self.strategy:
             self._start_router()
+        from connector.config import DEFAULT_PREFIX
+
         state = StackState(dir=str(self.base), model=self.model, l2fs_master=self.cluster.master, nodes=nodes,
                            replicas=self.infos, kv_events=self.kv_events, router_url=self.router_url,
-                           strategy=self.strategy)
+                           strategy=self.strategy, mode=self.mode, kv_prefix=DEFAULT_PREFIX, mounts=self.mounts,
+                           host_l2fs_master=self.cluster.host_master,
+                           netns=self.net.describe() if self.net is not None else None)
         state.save(self.state_path)
         return state
 
     def _start_l2fs(self) -> list[str]:
-        """Master + workers on loopback; returns the node ids (one per worker)."""
+        """Master + workers (in their namespaces with --netns), and each node's mount in mount mode; returns the
+        node ids (one per worker)."""
         from l2fs.local import LocalCluster
 
+        if self.use_netns:
+            from l2fs.netns import NetnsCluster
+
+            self.net = NetnsCluster(self.n_workers, link=self.link)
+            self.net.__enter__()
+            log(f"network namespaces {self.net.prefix}-* (subnet {self.net.subnet}, link {self.link or 'unshaped'})")
         log(f"starting l2fs: master + {self.n_workers} workers (data under {self.base / 'l2fs'})")
-        self.cluster = LocalCluster(self.base / "l2fs", workers=self.n_workers)
+        self.cluster = LocalCluster(self.base / "l2fs", workers=self.n_workers, netns=self.net)
         self.cluster.__enter__()
         nodes = [w.node_id for w in self.cluster.workers]
         log(f"l2fs master at {self.cluster.master}, nodes {', '.join(nodes)}")
+        if self.mode == "mount":
+            for i, node in enumerate(nodes):
+                self.mounts[node] = str(self.cluster.mount(i, self.base / "mnt" / node))
+                log(f"{node}: l2fs mounted at {self.mounts[node]}")
         return nodes
 
     def _plan_replicas(self, nodes: list[str]) -> list[_Planned]:
@@ -193,8 +231,12 @@ class Stack(procs.Started):
             name = f"replica-{i + 1}"
             plan.append(_Planned(name, free_port(), nodes[i % len(nodes)], self.base / "logs" / f"{name}.log"))
             if self.prefix_caching:  # vLLM emits KV events only for prefix-cached blocks
-                self.kv_events.append(f"tcp://127.0.0.1:{free_port()}")
+                self.kv_events.append(f"tcp://{self._node_addr(plan[-1].node)}:{free_port()}")
         return plan
+
+    def _node_addr(self, node: str) -> str:
+        """The address a node's processes bind (127.0.0.1 on loopback)."""
+        return self.net.ns(node).addr if self.net is not None else "127.0.0.1"
 
     def _launch(self, i: int, p: _Planned, errors: list[BaseException]) -> None:
         """Thread body: start replica i; a failure is collected, reported once all launches returned."""
@@ -205,12 +247,19 @@ class Stack(procs.Started):
         if self.kv_events:
             extra += ["--kv-events-config", json.dumps({
                 "enable_kv_cache_events": True, "publisher": "zmq", "endpoint": self.kv_events[i]})]
+        where: dict[str, Any] = {}
+        if self.net is not None:  # bound to the node's address, in its namespace, reached via a forwarder
+            fwd = self.net.forward(p.port, where=p.node)
+            where = {"bind_host": self._node_addr(p.node), "reach": ("127.0.0.1", fwd.port),
+                     "wrap": lambda argv: self.net.wrap(p.node, argv)}
+        l2 = {"mount_path": self.mounts[p.node]} if self.mode == "mount" else {"l2fs_master": self.cluster.master}
         try:
             self._launched[i] = start_replica(
-                self.model, p.port, l2fs_master=self.cluster.master, node_id=p.node, l1_gb=self.l1_gb,
+                self.model, p.port, node_id=p.node, l1_gb=self.l1_gb,
                 log_path=p.log_path, max_model_len=self.max_model_len, prefix_caching=self.prefix_caching,
-                kv_cache_gb=self.kv_cache_gb, extra_args=extra, config_dir=self.base / "config", progress=False)
-            log(f"{p.name} healthy at http://127.0.0.1:{p.port}")
+                kv_cache_gb=self.kv_cache_gb, extra_args=extra, config_dir=self.base / "config", progress=False,
+                **l2, **where)
+            log(f"{p.name} healthy at {self._launched[i].url}")
         except BaseException as e:  # noqa: BLE001 - reported after all launches returned
             errors.append(e)
 
@@ -237,17 +286,25 @@ class Stack(procs.Started):
         if errors:
             raise RuntimeError(f"replica start failed: {errors[0]!r}") from errors[0]
         for i, p in enumerate(plan):
-            pid = getattr(getattr(self._launched[i], "proc", None), "pid", None)
-            self.infos.append(ReplicaInfo(p.name, f"http://127.0.0.1:{p.port}", p.node, str(p.log_path), pid))
+            rep = self._launched[i]
+            self.infos.append(ReplicaInfo(p.name, rep.url, p.node, str(p.log_path), rep.proc.pid,
+                                          bind_url=rep.bind_url, mount=self.mounts.get(p.node)))
 
     def _start_router(self) -> None:
         port = self.router_port or free_port()
-        urls = ",".join(r.url for r in self.infos)
-        cmd = router_command(urls, str(self.strategy), port, self.model, self.cluster.master, self.kv_events)
+        urls = ",".join(r.bind_url or r.url for r in self.infos)
+        host = self.net.ctl.addr if self.net is not None else "127.0.0.1"
+        cmd = router_command(urls, str(self.strategy), port, self.model, self.cluster.master, self.kv_events,
+                             host=host)
         log_path = self.base / "logs" / "router.log"
-        log(f"starting router ({self.strategy}) on port {port}; log {log_path}")
-        self.router = procs.spawn(cmd, log_path, die_with_parent=True)
-        self.router_url = f"http://127.0.0.1:{port}"
+        log(f"starting router ({self.strategy}) on {host}:{port}; log {log_path}")
+        if self.net is not None:  # in the control namespace; the host reaches it on 127.0.0.1:<--port or free>
+            self.router = procs.spawn(self.net.wrap("ctl", cmd), log_path, die_with_parent=True)
+            fwd = self.net.forward(port, where="ctl", listen_port=self.router_port)
+            self.router_url = f"http://{fwd.address}"
+        else:
+            self.router = procs.spawn(cmd, log_path, die_with_parent=True)
+            self.router_url = f"http://127.0.0.1:{port}"
         procs.wait_ready(self.router, lambda: procs.http_ok(f"{self.router_url}/health"), timeout=300,
                          what="router", log_path=log_path, interval=0.5)
         log(f"router healthy at {self.router_url}")
@@ -275,6 +332,9 @@ class Stack(procs.Started):
         if self.cluster is not None:
             log("stopping l2fs")
             self.cluster.__exit__(None, None, None)
+        if self.net is not None:
+            log(f"removing network namespaces {self.net.prefix}-*")
+            self.net.close()
         try:
             self.state_path.unlink()
         except OSError:
@@ -284,10 +344,10 @@ class Stack(procs.Started):
 
 
 def router_command(urls: str, strategy: str, port: int, model: str, l2fs_master: str | None,
-                   kv_events: list[str]) -> list[str]:
+                   kv_events: list[str], host: str = "127.0.0.1") -> list[str]:
     """`kvtier router` for this stack: the model's own tokenizer, vLLM CPU's 128-token blocks, L2 presence."""
     cmd = [sys.executable, "-m", "kvtier.cli", "router", "--replicas", urls, "--strategy", strategy,
-           "--port", str(port), "--host", "127.0.0.1", "--tokenizer", model, "--block-size", "128"]
+           "--port", str(port), "--host", host, "--tokenizer", model, "--block-size", "128"]
     if l2fs_master and importlib.util.find_spec("router.l2") is not None:  # router's optional L2 lookup
         cmd += ["--l2fs-master", l2fs_master]
     if kv_events:
@@ -310,7 +370,12 @@ def _print_endpoints(state: StackState, smoke: bool = False) -> None:
     print(f"  router ({state.strategy}): {state.router_url}")
     for r in state.replicas:
         print(f"  {r.name} ({r.node_id}): {r.url}   log {r.log_path}")
-    print(f"  l2fs master: {state.l2fs_master}   nodes: {', '.join(state.nodes)}")
+    print(f"  l2fs master: {state.l2fs_master}   nodes: {', '.join(state.nodes)}   mode: {state.mode}")
+    for node, mp in state.mounts.items():
+        print(f"  {node} l2fs mount: {mp}")
+    if state.netns:
+        print(f"  namespaces: {state.netns['prefix']}-* subnet {state.netns['subnet']}; from the host: master "
+              f"{state.host_l2fs_master}, router {state.router_url}")
     print(f"  state file: {Path(state.dir) / STATE_NAME}")
     target = state.router_url or state.replicas[0].url
     body = json.dumps({"model": state.model, "messages": [{"role": "user", "content": "Hello!"}],
@@ -336,6 +401,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-cache-gb", type=float, default=2.0, help="vLLM CPU KV cache (L0) per replica, GB")
     p.add_argument("--sequential", action="store_true", help="start engines one after another")
     p.add_argument("--smoke", action="store_true", help="send one request through the router, then stop")
+    p.add_argument("--mode", choices=MODES, default="plugin",
+                   help="plugin: LMCache + our l2fs connector (default); mount: each node's own `l2fs mount` "
+                   "and stock LMCache fs:// on it")
+    p.add_argument("--netns", action="store_true",
+                   help="one network namespace per node (needs root, ip, tc, nsenter); router on 127.0.0.1:--port")
+    p.add_argument("--link", default=None, metavar="RATE", help="with --netns: each node's link rate, e.g. 2gbit")
+    p.add_argument("--cleanup", action="store_true",
+                   help="remove namespaces, mounts and processes left by crashed --netns launchers, then exit")
     return p
 
 
@@ -353,11 +426,26 @@ def check_args(args: argparse.Namespace) -> str | None:
         return f"--model {args.model}: no such directory"
     if args.l1_gb <= 0 or args.kv_cache_gb <= 0:
         return "--l1-gb and --kv-cache-gb must be > 0"
+    if args.link and not args.netns:
+        return "--link needs --netns (loopback has no link to shape)"
+    if args.netns:
+        from l2fs.netns import NetnsError, check_host, parse_rate
+
+        try:
+            check_host()
+            if args.link:
+                parse_rate(args.link)
+        except (NetnsError, ValueError) as e:
+            return str(e)
     return None
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.cleanup:
+        from l2fs.local import cleanup_leftovers
+
+        return cleanup_leftovers("kvtier up")
     problem = check_args(args)
     if problem:
         print(f"kvtier up: {problem}", file=sys.stderr)
@@ -373,7 +461,8 @@ def main(argv: list[str] | None = None) -> int:
     stack = Stack(args.dir, replicas=args.replicas, workers=args.workers, model=args.model,
                   strategy=args.strategy, router_port=args.port, l1_gb=args.l1_gb,
                   max_model_len=args.max_model_len, parallel_start=not args.sequential,
-                  prefix_caching=args.prefix_caching, kv_cache_gb=args.kv_cache_gb)
+                  prefix_caching=args.prefix_caching, kv_cache_gb=args.kv_cache_gb, mode=args.mode,
+                  netns=args.netns, link=args.link)
     rc = 0
     try:
         state = stack.start()

@@ -21,6 +21,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -54,9 +55,11 @@ class Replica:
     config_path: Path | None
     env: dict[str, str] = field(default_factory=dict)
     host: str = "127.0.0.1"
+    bind_url: str = ""  # where it listens, as peers in its cluster reach it (its node's address in a netns)
 
     @property
     def url(self) -> str:
+        """Where this process reaches it (a 127.0.0.1 forwarder when it runs in a network namespace)."""
         return f"http://{self.host}:{self.port}"
 
     @property
@@ -146,13 +149,17 @@ def start_replica(model: str | Path, port: int, *, l2fs_master: str | None = Non
                   prefix_caching: bool = False, extra_env: dict[str, str] | None = None,
                   extra_args: list[str] | None = None, log_path: str | Path | None = None,
                   config_dir: str | Path | None = None, startup_timeout: float = 600.0,
-                  progress: bool = True, replica_id: str | None = None) -> Replica:
+                  progress: bool = True, replica_id: str | None = None, bind_host: str = "127.0.0.1",
+                  wrap: Callable[[list[str]], list[str]] | None = None,
+                  reach: tuple[str, int] | None = None) -> Replica:
     """Launch a vLLM CPU OpenAI server with LMCache (L1 + L2 on l2fs or a mount) and wait for /health.
 
     l2fs_master / mount_path: the L2 (at most one; neither = L1 only). node_id: this replica's node (for
     l2fs local-first placement). lmcache=False starts plain vLLM (no KV connector). extra_env overrides
     the generated env. Raises ReplicaError (with the log tail) if the server exits or is not healthy in
     startup_timeout seconds; the process group is killed in that case.
+    bind_host / wrap / reach (network-namespace nodes): the API server binds bind_host, its argv is
+    wrap(argv) (`nsenter --net=...`), and this process reaches it at reach (host, port), e.g. a forwarder.
     """
     model = str(model)
     served = served_model_name or model
@@ -170,14 +177,16 @@ def start_replica(model: str | Path, port: int, *, l2fs_master: str | None = Non
                                        kv_cache_gb=kv_cache_gb, lmcache=lmcache)}
     env["KVTIER_REPLICA_ID"] = replica_id or f"{node_id}-{port}"
     env.update(extra_env or {})
-    args = vllm_args(model, port=port, max_model_len=max_model_len, served_model_name=served_model_name,
+    args = vllm_args(model, port=port, host=bind_host, max_model_len=max_model_len, served_model_name=served_model_name,
                      lmcache=lmcache, prefix_caching=prefix_caching, extra=extra_args)
     header = f"kvtier replica {node_id} port {port}: {' '.join(args)}"
-    proc = procs.spawn([sys.executable, "-m", "vllm.entrypoints.openai.api_server", *args], log_path, env=env,
-                       header=header)
-    rep = Replica(proc=proc, port=port, model=model, served_model_name=served, node_id=node_id,
+    argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", *args]
+    proc = procs.spawn(wrap(argv) if wrap else argv, log_path, env=env, header=header)
+    host, reach_port = reach or ("127.0.0.1", port)
+    rep = Replica(proc=proc, port=reach_port, model=model, served_model_name=served, node_id=node_id,
                   log_path=log_path, config_path=cfg_path, env={k: env[k] for k in env if k not in os.environ
-                                                                or os.environ[k] != env[k]})
+                                                                or os.environ[k] != env[k]},
+                  host=host, bind_url=f"http://{bind_host}:{port}")
 
     def report(elapsed: float) -> None:
         print(f"[kvtier] waiting for replica {node_id}:{port} ({elapsed:.0f}s): {procs.tail(log_path, 1)[:160]}",
