@@ -57,6 +57,7 @@ class RouterConfig:
     upstream_timeout: float = 600.0  # max wait for the first byte / between bytes
     retries: int = 2
     load_epsilon: float = 0.25
+    prefix_affinity: bool = False  # several router processes: unseen prefixes go to a hash-chosen home
     decode_beta: float = 0.1
     session_header: str = "x-session-id"
     kv_endpoints: list[str | None] = field(default_factory=list)  # aligned with replicas
@@ -161,7 +162,8 @@ class Router:
             raise ValueError("--kv-events needs one endpoint per replica (same order as --replicas)")
         self.cfg = cfg
         self.m = Metrics()
-        self.policy = Policy(block_size=cfg.block_size, load_epsilon=cfg.load_epsilon, decode_beta=cfg.decode_beta)
+        self.policy = Policy(block_size=cfg.block_size, load_epsilon=cfg.load_epsilon, decode_beta=cfg.decode_beta,
+                             affinity=cfg.prefix_affinity)
         self.tok = Tokenizer(cfg.tokenizer)
         self.replicas = ReplicaSet(health_interval=cfg.health_interval, health_timeout=cfg.health_timeout,
                                    api_key=cfg.upstream_api_key)

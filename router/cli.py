@@ -49,6 +49,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--load-epsilon", type=float, default=0.25, help="no replica above (1+e) x mean in-flight")
     p.add_argument("--decode-beta", type=float, default=0.1, help="cost weight of active decode context tokens")
     p.add_argument("--session-header", default="x-session-id")
+    p.add_argument("--prefix-affinity", action="store_true",
+                   default=os.environ.get("KVTIER_ROUTER_PREFIX_AFFINITY", "") not in ("", "0", "false"),
+                   help="a prefix no replica is known to hold goes to the rendezvous-hash home of its first "
+                        "block (not the least loaded), so several router processes agree without sharing state "
+                        "(env KVTIER_ROUTER_PREFIX_AFFINITY)")
     p.add_argument("--max-inflight", type=int, default=1024,
                    help="requests in the router at once, all replicas together (0 = only the per-replica bound)")
     p.add_argument("--max-inflight-per-replica", type=int, default=256,
@@ -140,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
         api_key=args.api_key, upstream_api_key=args.upstream_api_key, max_body_bytes=args.max_body_bytes,
         health_interval=args.health_interval, health_timeout=args.health_timeout,
         connect_timeout=args.connect_timeout, upstream_timeout=args.upstream_timeout, retries=args.retries,
-        load_epsilon=args.load_epsilon, decode_beta=args.decode_beta, session_header=args.session_header.lower(),
+        load_epsilon=args.load_epsilon, decode_beta=args.decode_beta, prefix_affinity=args.prefix_affinity, session_header=args.session_header.lower(),
         kv_endpoints=[x or None for x in kv], kv_replay_endpoints=[x or None for x in _split(args.kv_replay)],
         l2_lookup=l2_lookup, discovery=discovery,
         admission=AdmissionConfig(max_inflight=args.max_inflight, max_inflight_per_replica=args.max_inflight_per_replica,

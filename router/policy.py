@@ -15,6 +15,7 @@ choice is Policy.least_cost for all of them. A new strategy is a class with @reg
 
 from __future__ import annotations
 
+import hashlib
 import math
 import random
 from collections import OrderedDict
@@ -55,6 +56,7 @@ class Policy:
     _rr: int = 0
     _sessions: OrderedDict[str, str] = field(default_factory=OrderedDict)
     _rng: random.Random = field(default_factory=random.Random)
+    affinity: bool = False  # a prefix no replica holds goes to its rendezvous-hash home (see _home)
 
     spec: PrefixTree = field(init=False)
 
@@ -85,6 +87,13 @@ class Policy:
         ties = [r for c, r in scored if c <= best + 1e-9]
         return ties[0] if len(ties) == 1 else self._rng.choice(ties)
 
+    def _home(self, toks: Sequence[int], elig: Sequence[Replica]) -> Replica:
+        """Rendezvous (highest-random-weight) hash of the prompt's first block over the eligible replicas:
+        every router process computes the same home for the same prefix without sharing any state, so N
+        routers send a new shared prefix to one replica, not to N. Seed-free (blake2b), unlike str hash."""
+        head = ",".join(map(str, toks[:self.block_size])).encode()
+        return max(elig, key=lambda r: hashlib.blake2b(head + b"|" + r.url.encode(), digest_size=8).digest())
+
     def cost(self, r: Replica, n: int, hit: float, l2_tokens: int) -> float:
         """The one cost every cache-aware strategy minimises (see the module docstring)."""
         uncached = n - hit - self.l2_credit * max(0.0, l2_tokens - hit)
@@ -113,10 +122,17 @@ class Policy:
             if strat.sticky and r.url == sticky:
                 cost -= self.session_bonus_frac * max(n, 1) + 1
             scored.append((cost, r))
-        r = self._pick_min(scored)
+        home = None
+        if self.affinity and toks and not any(hits.get(e.url, 0) > 0 for e in elig) and (
+                not strat.sticky or sticky not in {e.url for e in elig}):
+            home = r = self._home(toks, elig)  # nobody holds it: the home all routers agree on
+        else:
+            r = self._pick_min(scored)
         h = int(min(hits.get(r.url, 0.0), n))
         if strat.sticky and sticky == r.url:
             reason = "session"
+        elif home is not None:
+            reason = "affinity"
         elif h > 0:
             reason = "cache_hit"
         elif len(elig) < len(req.cands) and any(hits.get(c.url, 0) > 0 for c in req.cands if c not in elig):

@@ -25,16 +25,18 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import random
+import shlex
 import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -57,8 +59,11 @@ class P:
     url: str
     kv: str | None = None
     replay: str | None = None
+    peers: list[P] = field(default_factory=list)  # further router processes of the same arm (--routers)
 
     def stop(self) -> None:
+        for p in self.peers:
+            p.stop()
         procs.stop(self.proc, grace=5)
 
 
@@ -115,8 +120,10 @@ class Oracle:
         return max(0, cached - self.bs) if cached >= len(tokens) else cached
 
 
-async def run_chat(url: str, args: argparse.Namespace, model: str) -> dict[str, Any]:
+async def run_chat(urls: list[str], args: argparse.Namespace, model: str) -> dict[str, Any]:
+    """The chat workload; with several URLs (router processes) the client round-robins them per request."""
     rng = random.Random(args.seed)
+    sent = itertools.count()
     systems = [text(rng, args.system_words) for _ in range(args.systems)]
     oracle = Oracle(args.block_size)
     stats = {"prompt": 0, "cached": 0, "oracle": 0, "lat": [], "errors": 0, "n": 0}
@@ -132,7 +139,7 @@ async def run_chat(url: str, args: argparse.Namespace, model: str) -> dict[str, 
                 stats["oracle"] += oracle.hit(render(msgs))
             t0 = time.perf_counter()
             try:
-                r = await client.post(url + "/v1/chat/completions", json={
+                r = await client.post(urls[next(sent) % len(urls)] + "/v1/chat/completions", json={
                     "model": model, "messages": msgs, "max_tokens": args.max_tokens, "user": f"user-{u}"},
                     headers={"x-session-id": f"user-{u}"})
             except httpx.HTTPError:
@@ -431,9 +438,21 @@ def start_replicas(args: argparse.Namespace, tmp: Path, model: str, running: lis
 def start_kvtier(args: argparse.Namespace, tmp: Path, reps: list[P], strategy: str, kv: bool = True) -> P:
     """`kvtier router` (router.cli: the production uvicorn settings) in front of reps, fed their KV events."""
     events = ["--kv-events", ",".join(r.kv for r in reps), "--kv-replay", ",".join(r.replay for r in reps)]
-    return spawn([PY, "-m", "router.cli", "--port", "0", "--replicas", ",".join(r.url for r in reps),
-                  "--strategy", strategy, "--block-size", str(args.block_size), *(events if kv else []),
-                  "--log-level", "warning"], tmp / f"kvtier-{strategy}.log", r"listening on (http://\S+)")
+    extra = shlex.split(getattr(args, "router_args", "") or "")
+
+    def one(i: int) -> P:
+        return spawn([PY, "-m", "router.cli", "--port", "0", "--replicas", ",".join(r.url for r in reps),
+                      "--strategy", strategy, "--block-size", str(args.block_size), *(events if kv else []),
+                      "--log-level", "warning", *extra], tmp / f"kvtier-{strategy}-{i}.log",
+                     r"listening on (http://\S+)")
+
+    rt = one(0)
+    try:  # --routers N: N independent processes, each with its own state (peers stop with the first)
+        rt.peers = [one(i) for i in range(1, max(1, getattr(args, "routers", 1)))]
+    except BaseException:
+        rt.stop()
+        raise
+    return rt
 
 
 def start_vllm_router(args: argparse.Namespace, tmp: Path, reps: list[P], model: str, policy: str) -> P:
@@ -482,6 +501,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--sweep-duration", type=float, default=8.0)
     ap.add_argument("--strategies", default="roundrobin,session,prefixaware,kvaware",
                     help="--overhead arms: kvtier strategies and vllm-router:<policy> (e.g. vllm-router:cache_aware)")
+    ap.add_argument("--routers", type=int, default=1,
+                    help="chat mode: N kvtier router processes per arm, the client round-robins them per request")
+    ap.add_argument("--router-args", default="", help="extra flags for every kvtier router (one string)")
     ap.add_argument("--repeats", type=int, default=1, help="--overhead: run every arm this often, interleaved")
     ap.add_argument("--sustain-p99-ms", type=float, default=100.0,
                     help="--overhead: a rate counts as sustained only with e2e p99 at most this")
@@ -515,7 +537,7 @@ def measure_router(name: str, rt: P, reps: list[P], args: argparse.Namespace, mo
                    direct_lat: list[float], direct_serial: list[float]) -> dict[str, Any]:
     """One router's row: the chat workload (hit rate, balance), then open-loop and serial overhead."""
     before = replica_stats(reps)
-    res = asyncio.run(run_chat(rt.url, args if not args.skip_chat else argparse.Namespace(
+    res = asyncio.run(run_chat([rt.url, *(x.url for x in rt.peers)], args if not args.skip_chat else argparse.Namespace(
         **{**vars(args), "users": 1, "rounds": 1}), model))
     after = replica_stats(reps)
     served = [a["requests"] - b["requests"] for a, b in zip(after, before, strict=True)]
@@ -553,7 +575,8 @@ def print_report(args: argparse.Namespace, rows: list[dict[str, Any]], direct_la
     """The comparison table (markdown) and each router's ratios against kvtier roundrobin."""
     print(f"\n# routing bench: {args.users} users x {args.rounds} rounds, {args.systems} shared system prompts "
           f"(~{args.system_words} words), {args.replicas} test replicas, block {args.block_size}, "
-          f"prefill {args.prefill_us_per_token} us/token, decode {args.decode_ms_per_token} ms/token")
+          f"prefill {args.prefill_us_per_token} us/token, decode {args.decode_ms_per_token} ms/token; "
+          f"{args.routers} process(es) per kvtier router, client round-robin; kvtier flags: {args.router_args!r}")
     print("# overhead: open loop, zero-cost replicas; 'via' = through the router, 'ovh' = via minus the "
           "client round-robining the replicas itself; 'int' = kvtier's own pre-send histogram (bucket bound)")
     print(f"# serial (one at a time, zero-cost replicas) direct: p50 {pct(direct_serial, 50)*1e3:.2f} ms, "
