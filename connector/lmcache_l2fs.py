@@ -285,22 +285,49 @@ class L2fsConnector(RemoteConnector):
 
     # ---- put -----------------------------------------------------------------------------------------
     def _put_sync(self, key: Any, memory_obj: Any) -> None:
-        if self._closed:
+        self._put_many_sync([key], [memory_obj])
+
+    def _put_many_sync(self, keys: list[Any], memory_objs: list[Any]) -> None:
+        """The whole batch in one `put_many` (one AllocateMany + one CommitMany on the master); each chunk
+        is its own put-if-absent, and a failed chunk only costs that chunk a future miss."""
+        from l2fs.client import Unavailable
+
+        if self._closed or not keys:
             return
+        counted = False
+
+        def put_batch() -> list[Any]:
+            nonlocal counted
+            items = []
+            for key, memory_obj in zip(keys, memory_objs, strict=True):
+                data = memory_obj.byte_array
+                md = RemoteMetadata(len(data), memory_obj.get_shapes(), memory_obj.get_dtypes(),
+                                    memory_obj.get_memory_format())
+                blob = bytearray(md.serialize())
+                blob += data
+                items.append((self.path(key), blob))
+            results = self.client.put_many(items, if_absent=True, return_exceptions=True)
+            for key, r in zip(keys, results, strict=True):
+                if isinstance(r, BaseException):
+                    self.stats["put_fail"] += 1
+                    log.warning("kvtier: l2fs put %s failed: %s", key.chunk_hash, r)
+                else:
+                    self.stats["put" if r else "put_exists"] += 1
+            counted = True
+            down = next((r for r in results if isinstance(r, Unavailable)), None)
+            if down is not None:
+                raise down  # counted above; the breaker sees the outage
+            return results
+
         try:
-            self.breaker.check()
-            data = memory_obj.byte_array
-            md = RemoteMetadata(len(data), memory_obj.get_shapes(), memory_obj.get_dtypes(),
-                                memory_obj.get_memory_format())
-            blob = bytearray(md.serialize())
-            blob += data
-            published = self._guard(lambda: self.client.put(self.path(key), blob, if_absent=True))
-            self.stats["put" if published else "put_exists"] += 1
+            self._guard(put_batch)
         except L2Down:
-            self.stats["put_fail"] += 1
+            if not counted:  # the breaker was open: nothing was tried
+                self.stats["put_fail"] += len(keys)
         except Exception as e:  # noqa: BLE001 - a failed store only costs a future miss
-            self.stats["put_fail"] += 1
-            log.warning("kvtier: l2fs put %s failed: %s", key.chunk_hash, e)
+            if not counted:
+                self.stats["put_fail"] += len(keys)
+            log.warning("kvtier: l2fs batched put of %d chunks failed: %s", len(keys), e)
 
     async def put(self, key: Any, memory_obj: Any) -> None:
         # InstrumentedRemoteConnector drops the reference after we return; we only read the bytes.
@@ -310,7 +337,7 @@ class L2fsConnector(RemoteConnector):
         return True
 
     async def batched_put(self, keys: list[Any], memory_objs: list[Any]) -> None:
-        await asyncio.gather(*(self.put(k, m) for k, m in zip(keys, memory_objs, strict=True)))
+        await self._run(self._put_many_sync, list(keys), list(memory_objs))
 
     # ---- misc ----------------------------------------------------------------------------------------
     def remove_sync(self, key: Any) -> bool:

@@ -119,9 +119,17 @@ class L2fsL2Adapter(L2AdapterInterface):
     def _store(self, tid: L2TaskId, keys: list[Any], objects: list[Any]) -> None:
         ok, total, new_keys, sizes = True, 0, [], []
         try:
-            for key, obj in zip(keys, objects, strict=True):
-                data = memoryview(_bytes(obj))
-                if self.client.put(self._path(key), data, if_absent=True):
+            datas = [memoryview(_bytes(obj)) for obj in objects]
+            # one put_many for the task (one AllocateMany + one CommitMany); a failed chunk fails the task's
+            # result but not its neighbours, which are published and announced
+            results = self.client.put_many([(self._path(k), d) for k, d in zip(keys, datas, strict=True)],
+                                           if_absent=True, return_exceptions=True)
+            for key, data, r in zip(keys, datas, results, strict=True):
+                if isinstance(r, BaseException):
+                    log.warning("kvtier MP l2fs store of one chunk failed: %s", r)
+                    ok = False
+                    continue
+                if r:
                     new_keys.append(key)
                     sizes.append(len(data))
                 total += len(data)

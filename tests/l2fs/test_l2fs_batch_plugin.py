@@ -1,0 +1,68 @@
+"""The LMCache plugin hands a whole `batched_put` down to one `put_many` (issue 17.1): LMCache's own
+StorageManager/RemoteBackend over our plugin against a real LocalCluster, counted on the master's RPC metrics."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import pytest
+
+pytest.importorskip("lmcache")
+
+import torch  # noqa: E402
+from l2fs_helpers import master_rpcs, wait_until  # noqa: E402
+from lmcache.utils import CacheEngineKey  # noqa: E402
+from lmcache.v1.config import LMCacheEngineConfig  # noqa: E402
+from lmcache.v1.event_manager import EventManager  # noqa: E402
+from lmcache.v1.memory_management import MemoryFormat  # noqa: E402
+from lmcache.v1.metadata import LMCacheMetadata  # noqa: E402
+from lmcache.v1.storage_backend.storage_manager import StorageManager  # noqa: E402
+
+from connector import keys as ckeys  # noqa: E402
+from connector.config import lmcache_config  # noqa: E402
+from l2fs.local import LocalCluster  # noqa: E402
+
+MODEL = "org/batch-model"
+SHAPE = torch.Size([2, 4, 256, 128])
+PREFIX = "/kvtier/kv"
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    with LocalCluster(tmp_path_factory.mktemp("l2fs-batch-plugin"), workers=2) as c:
+        yield c
+
+
+def _manager(master: str) -> StorageManager:
+    d = lmcache_config(chunk_size=256, l1_gb=0.1, l2fs_master=master, node_id="node-1", prefix=PREFIX,
+                       l2_timeout=2.0)
+    d.pop("remote_serde")
+    meta = LMCacheMetadata(model_name=MODEL, world_size=1, local_world_size=1, worker_id=0, local_worker_id=0,
+                           kv_dtype=torch.float32, kv_shape=(4, 2, 256, 2, 64))
+    return StorageManager(LMCacheEngineConfig.from_defaults(**d), meta, EventManager())
+
+
+def test_batched_put_is_one_allocate_many_and_one_commit_many(cluster: LocalCluster) -> None:
+    sm = _manager(cluster.master)
+    try:
+        keys = [CacheEngineKey(model_name=MODEL, world_size=1, worker_id=0, chunk_hash=7000 + i,
+                               dtype=torch.float32) for i in range(8)]
+        objs = []
+        for _ in keys:
+            obj = sm.allocate(SHAPE, torch.float32, MemoryFormat.KV_2LTD)
+            obj.tensor.normal_()
+            objs.append(obj)
+        with cluster.client() as c:
+            # the plugin's own file names for these keys (one per chunk)
+            before = master_rpcs(cluster)
+            sm.batched_put(keys, objs)
+            paths = [ckeys.key_path(PREFIX, k) for k in keys]
+            wait_until(lambda: c.prefix_lookup(paths) == len(paths), timeout=20.0)
+            time.sleep(0.2)  # let the metrics of the last call land
+            after = master_rpcs(cluster)
+        assert after.get("AllocateMany", 0) - before.get("AllocateMany", 0) == 1
+        assert after.get("CommitMany", 0) - before.get("CommitMany", 0) == 1
+        assert after.get("Allocate", 0) == before.get("Allocate", 0)
+    finally:
+        sm.close()
