@@ -111,6 +111,10 @@ class Env:
         if exe.exists():
             cmd[0] = str(exe)
         env = {**os.environ, **self.vars, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+        # a container starts with the manifest's env, not this test process's: LMCache, once imported by an
+        # earlier test in this process, exports PROMETHEUS_MULTIPROC_DIR (a root-owned /tmp dir), which a
+        # non-root child's prometheus_client would then fail to open
+        env.pop("PROMETHEUS_MULTIPROC_DIR", None)
         sc = c.get("securityContext") or {}
         ids: dict[str, Any] = {}
         if os.geteuid() == 0 and sc.get("runAsUser"):  # the manifest's non-root user, as the kubelet would
