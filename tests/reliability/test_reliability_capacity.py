@@ -1,4 +1,4 @@
-"""Capacity: a full cache evicts, it never fails writes (issue 8, point 4).
+"""Capacity: a full cache evicts, it never fails writes.
 
 Writing 3x the cluster's capacity never raises ENOSPC (or any error); usage reported by the master and
 bytes really on disk stay at or below the high watermark; and on a skewed (Zipf) cache-aside trace the

@@ -1,4 +1,4 @@
-"""32 concurrent writers of one key plus readers of it (issue 8, point 5).
+"""32 concurrent writers of one key plus readers of it.
 
 Exactly one version is published (exactly one put returns True, the rest are successful no-ops);
 every read sees nothing or one whole object, and once a reader has seen a version it never sees

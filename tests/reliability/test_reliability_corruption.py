@@ -1,7 +1,7 @@
 """Corruption of stored blocks: bit flips, truncation, extension, deletion behind the worker's back.
 
 A damaged block is detected on read, reported as a miss (never returned), and dropped from the
-namespace so lookups stop claiming it; the path can then be written again (issue 8, point 3).
+namespace so lookups stop claiming it; the path can then be written again.
 LMCache-level "output identical to a recompute under corruption" lives in the connector suite.
 """
 

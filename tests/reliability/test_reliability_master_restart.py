@@ -1,7 +1,7 @@
 """Master killed (-9) and restarted: the namespace comes back from worker block reports, nothing lost.
 
 Also checks what must NOT come back: a deleted file stays deleted, a renamed file keeps its new name,
-and an overwriting rename keeps the newer object (issue 8, point 2).
+and an overwriting rename keeps the newer object.
 """
 
 from __future__ import annotations

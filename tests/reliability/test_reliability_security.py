@@ -1,4 +1,4 @@
-"""Access control and bad input on the l2fs gRPC surface (issue 8, point 7).
+"""Access control and bad input on the l2fs gRPC surface.
 
 Token: with --token, every master and worker RPC without the right bearer token is rejected
 (UNAUTHENTICATED), including a rogue worker trying to register and a stranger reading or deleting blocks.

@@ -1,6 +1,6 @@
 """Worker faults under load: kill -9 and SIGSTOP during reads and writes.
 
-What must hold (issue 8, point 1): no client call outlives its deadline; every failure is a miss (None
+What must hold: no client call outlives its deadline; every failure is a miss (None
 or an l2fs error, never wrong bytes); no torn object is ever visible; the master drops the dead worker
 within its heartbeat timeout; a restarted worker re-reports its persisted blocks and they read back whole.
 """
