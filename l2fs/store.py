@@ -10,6 +10,7 @@ miss. Both transports (gRPC, raw-TCP data plane) write through `Store.receive` a
 
 from __future__ import annotations
 
+import io
 import logging
 import os
 import sqlite3
@@ -19,7 +20,7 @@ import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO
+from typing import IO, cast
 
 import crc32c
 import grpc
@@ -123,8 +124,9 @@ def _file_crc(f: IO[bytes], size: int) -> int:
     buf = bytearray(min(FRAME, max(size, 1)))
     mv = memoryview(buf)
     crc, left = 0, size
+    reader = cast(io.BufferedIOBase, f)  # what open() gives for "rb"; IO[bytes] does not declare readinto
     while left:
-        n = f.readinto(mv[:min(left, len(buf))])
+        n = reader.readinto(mv[:min(left, len(buf))])
         if not n:
             return -1
         crc = crc32c.crc32c(mv[:n], crc, 1)  # GIL released while checksumming

@@ -19,7 +19,7 @@ BAD_PATHS = ["relative/x", "/a/../../etc/passwd", "/a//b", "/nul\x00x", "", "/" 
 
 
 @pytest.fixture(scope="module")
-def bcluster(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
+def bcluster(tmp_path_factory: pytest.TempPathFactory):
     with LocalCluster(tmp_path_factory.mktemp("bad"), workers=1, capacity="256M", heartbeat_timeout=2,
                       heartbeat_interval=0.3, master_args=["--max-file-size", "8M"],
                       worker_args=["--max-file-size", "8M"]) as c:

@@ -140,7 +140,7 @@ async def test_async_client(cluster: LocalCluster) -> None:
         assert (await ac.stat("/async/0")).size == len(data)
 
 
-def test_duplicate_content_detector(tmp_path) -> None:  # noqa: ANN001
+def test_duplicate_content_detector(tmp_path) -> None:
     with LocalCluster(tmp_path / "dup", workers=1, capacity="256M") as cl:
         c = cl.client(node_id="node-1")
         chunk = os.urandom(64 * 1024)

@@ -15,7 +15,7 @@ CAP = 40 * MB
 
 
 @pytest.fixture()
-def ecluster(tmp_path):  # noqa: ANN001, ANN201
+def ecluster(tmp_path):
     with LocalCluster(tmp_path / "evict", workers=1, capacity="40M", heartbeat_interval=0.2) as c:
         yield c
 

@@ -16,7 +16,7 @@ HB_TIMEOUT = 2.0
 
 
 @pytest.fixture(scope="module")
-def fcluster(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
+def fcluster(tmp_path_factory: pytest.TempPathFactory):
     with LocalCluster(tmp_path_factory.mktemp("faults"), workers=2, capacity="1G",
                       heartbeat_timeout=HB_TIMEOUT, heartbeat_interval=0.3) as c:
         yield c
@@ -129,7 +129,7 @@ def test_concurrent_put_if_absent_publishes_one_version(fcluster: LocalCluster) 
     wait_until(lambda: copies() == 1, timeout=5)
 
 
-def test_put_moves_on_from_a_dead_worker_the_master_still_lists(tmp_path) -> None:  # noqa: ANN001
+def test_put_moves_on_from_a_dead_worker_the_master_still_lists(tmp_path) -> None:
     # a long heartbeat timeout: the master keeps placing on the dead worker for a while
     with LocalCluster(tmp_path / "pm", workers=2, capacity="1G", heartbeat_timeout=30) as cl:
         c = cl.client(node_id="node-2", timeout=3.0)
@@ -146,7 +146,7 @@ def test_put_moves_on_from_a_dead_worker_the_master_still_lists(tmp_path) -> Non
         assert time.monotonic() - t0 < 10.0
 
 
-def test_stalled_master_keeps_workers_when_it_resumes(tmp_path) -> None:  # noqa: ANN001
+def test_stalled_master_keeps_workers_when_it_resumes(tmp_path) -> None:
     with LocalCluster(tmp_path / "stall", workers=1, capacity="256M", heartbeat_timeout=3.0,
                       heartbeat_interval=0.3) as cl:
         c = cl.client(node_id="node-1")

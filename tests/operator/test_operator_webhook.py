@@ -134,7 +134,7 @@ def test_bad_flags_fail_fast(tmp_path: Path) -> None:
     assert r.returncode == 2 and "--tls-cert" in r.stderr
 
 
-def test_owning_iec_decides_l2_choice_and_opt_in(cluster, tmp_path: Path) -> None:  # noqa: ANN001 - fixture
+def test_owning_iec_decides_l2_choice_and_opt_in(cluster, tmp_path: Path) -> None:
     """The webhook reads the owning InferenceEndpointConfig from the API server (kmock): an opt-in on the
     IEC is enough, a Redis or L2-disabled endpoint is left alone even when the Deployment opted in, and
     an IEC it cannot find leaves the Deployment to decide."""
@@ -192,7 +192,7 @@ def test_unreachable_api_leaves_the_deployment_to_decide(tmp_path: Path) -> None
         hook.stop()
 
 
-def test_kv_prefix_per_endpoint_and_model_version(cluster, tmp_path: Path) -> None:  # noqa: ANN001 - fixture
+def test_kv_prefix_per_endpoint_and_model_version(cluster, tmp_path: Path) -> None:
     """One KV namespace per endpoint revision (kmock API server, real webhook process): two endpoints
     serving the same /opt/ml/model get different prefixes; the same endpoint at a new model version (or
     new weights location) gets a new one; an unchanged IEC keeps its prefix (re-renders stay warm)."""
