@@ -99,7 +99,7 @@ class Env:
             "L2FS_MASTER_PORT": str(mport), "L2FS_MASTER": f"127.0.0.1:{mport}",
             "L2FS_MASTER_METRICS_PORT": str(free_port()), "L2FS_WORKER_PORT": str(free_port()),
             "L2FS_WORKER_DATA_PORT": str(free_port()), "L2FS_WORKER_METRICS_PORT": str(free_port()),
-            "L2FS_DATA_DIR": str(hostpath / "nvme"), "L2FS_DATA_CAPACITY": "1G", "L2FS_MOUNT_PATH": str(tmp / "mnt"),
+            "L2FS_DATA_DIR": str(hostpath / "nvme"), "L2FS_DATA_CAPACITY": "1G", "L2FS_MOUNT_PATH": str(hostpath / "mnt"),
             "NODE_NAME": "node-a", "POD_IP": "127.0.0.1",
         })
         self.procs: list[subprocess.Popen[bytes]] = []
@@ -236,6 +236,7 @@ def test_mount_command_probes_and_prestop(base: list[dict[str, Any]], env: Env) 
     start_worker(base, env)
     mnt = Path(env.vars["L2FS_MOUNT_PATH"])
     assert not env.probe(mount, "readinessProbe")  # nothing mounted yet: not ready
+    env.vars.update(L2FS_MOUNT_UID="1000", L2FS_MOUNT_GID="1000")  # a non-root vLLM container's ids
     proc = env.start(mount, "mount.log")
     env.wait_probe(mount, "readinessProbe", proc, "mount.log")
     assert env.probe(mount, "livenessProbe")
@@ -245,6 +246,13 @@ def test_mount_command_probes_and_prestop(base: list[dict[str, Any]], env: Env) 
     (chunk / "k.data.tmp").write_bytes(b"x" * 4096)
     os.replace(chunk / "k.data.tmp", chunk / "k.data")
     assert (chunk / "k.data").read_bytes() == b"x" * 4096
+    # the configured owner (uid 1000) writes like LMCache does; another non-root uid reads but cannot write
+    write = f"printf y > {chunk}/u.data.tmp && mv {chunk}/u.data.tmp {chunk}/u.data"
+    as_uid = ["setpriv", "--reuid", "1000", "--regid", "1000", "--clear-groups", "sh", "-c", write]
+    assert subprocess.run(as_uid, timeout=30).returncode == 0 and (chunk / "u.data").read_bytes() == b"y"
+    other = ["setpriv", "--reuid", "1001", "--regid", "1001", "--clear-groups", "sh", "-c",
+             f"cat {chunk}/u.data >/dev/null && ! (printf z > {chunk}/o.data) 2>/dev/null"]
+    assert subprocess.run(other, timeout=30).returncode == 0 and not (chunk / "o.data").exists()
     # preStop unmounts; the daemon then exits and liveness fails
     pre = expand(mount["lifecycle"]["preStop"]["exec"]["command"], env.vars)
     assert subprocess.run(pre, env={**os.environ, **env.vars}, timeout=30).returncode == 0
