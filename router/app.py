@@ -309,9 +309,8 @@ class Router:
             ticket.release()
             raise
         if isinstance(resp, StreamingResponse):  # the slot is held until the stream has been sent
-            resp.body_iterator = _release_after(resp.body_iterator, ticket)
-        else:
-            ticket.release()
+            return _Held(resp, ticket)
+        ticket.release()
         return resp
 
     def _reject(self, call: _Call, status: int, reason: str, message: str) -> JSONResponse:
@@ -594,12 +593,20 @@ def _proxy_env() -> bool:
     return any(k.lower().endswith("_proxy") and k.lower() != "no_proxy" and v for k, v in os.environ.items())
 
 
-async def _release_after(it: AsyncIterator[Any], ticket: Ticket) -> AsyncIterator[Any]:
-    try:
-        async for chunk in it:
-            yield chunk
-    finally:
-        ticket.release()
+class _Held(StreamingResponse):
+    """A streaming response that gives its admission slot back once sent, however it ends: wrapping the
+    ASGI call (not the body iterator) also covers a client that leaves before the first chunk, when Starlette
+    cancels the send without ever starting the iterator."""
+
+    def __init__(self, resp: StreamingResponse, ticket: Ticket) -> None:  # takes over resp's state as is
+        self.__dict__.update(resp.__dict__)
+        self.ticket = ticket
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.ticket.release()
 
 
 def _safe_json(body: bytes, code: int) -> dict[str, Any]:
