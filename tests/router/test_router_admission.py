@@ -71,3 +71,22 @@ def test_no_healthy_replica_is_a_fast_503_with_retry_after(cluster):
     r = rt.post("/v1/completions", json=BODY)
     assert r.status_code == 503 and r.headers["retry-after"] == "1"
     assert metric(rt, "kvtier_router_rejected_total", reason="no_replica") >= 1
+
+
+def test_streams_hold_their_slot_until_sent_and_give_it_back(cluster):
+    rep = cluster.replica("--decode-ms-per-token", "300", kv=False)
+    rt = cluster.router([rep], "--max-inflight", "1", "--max-queue", "0")
+    body = {**BODY, "stream": True, "max_tokens": 4}
+    with httpx.stream("POST", rt.url + "/v1/completions", json=body, timeout=30) as s:
+        assert s.status_code == 200
+        chunks = s.iter_raw()  # keep the iterator: dropping it closes the response (the client leaves)
+        next(chunks)  # the first chunk is in: the stream is still being sent
+        busy = httpx.post(rt.url + "/v1/completions", json=BODY, timeout=30)
+        assert busy.status_code == 429 and busy.headers["retry-after"] == "1"  # the one slot is the stream's
+        # the client leaves mid-stream: the slot must come back anyway
+    wait_for(lambda: metric(rt, "kvtier_router_admitted") == 0)
+    assert httpx.post(rt.url + "/v1/completions", json=BODY, timeout=30).status_code == 200
+    with httpx.stream("POST", rt.url + "/v1/completions", json=body, timeout=30) as s:
+        assert b"[DONE]" in b"".join(s.iter_raw())  # read to the end
+    wait_for(lambda: metric(rt, "kvtier_router_admitted") == 0)
+    assert metric(rt, "kvtier_router_rejected_total", reason="queue_full") == 1
