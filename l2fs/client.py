@@ -115,6 +115,7 @@ class ClusterReport:
 
 
 _TRANSIENT = {grpc.StatusCode.UNAVAILABLE}
+PUT_BATCH = 256  # items per AllocateMany/CommitMany (master CPU per put is flat from ~256 on, see docs/l2fs.md)
 
 
 def _trailer(e: grpc.RpcError, name: str) -> str | None:
@@ -361,11 +362,15 @@ class Client:
             except InvalidPath as e:
                 put.result = e
             puts.append(put)
-        pending = [p for p in puts if p.result is None]
-        self._forget(*(p.path for p in pending))  # a location looked up before this put may be out of date
-        deadline = time.monotonic() + max(self.timeout, sum(p.mv.nbytes for p in pending) / 200e6)  # >= 200 MB/s
-        while pending:
-            pending = self._put_round(pending, if_absent, deadline)
+        todo = [p for p in puts if p.result is None]
+        self._forget(*(p.path for p in todo))  # a location looked up before this put may be out of date
+        # at most PUT_BATCH items per round trip, each slice with its own deadline: a batch of thousands gets
+        # the time its items would have had, and the master holds its lock for a bounded batch
+        for i in range(0, len(todo), PUT_BATCH):
+            pending = todo[i:i + PUT_BATCH]
+            deadline = time.monotonic() + max(self.timeout, sum(p.mv.nbytes for p in pending) / 200e6)  # 200 MB/s
+            while pending:
+                pending = self._put_round(pending, if_absent, deadline)
         results = [p.result for p in puts]
         if not return_exceptions:
             for r in results:
