@@ -294,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.link and not args.netns:
         p.error("--link needs --netns (loopback has no link to shape)")
     if args.cleanup:
-        return _cleanup("l2fs local")
+        return cleanup_leftovers("l2fs local")
     stop = False
 
     def on_signal(*_: object) -> None:
@@ -344,7 +344,7 @@ def _print_cluster(cluster: LocalCluster) -> None:
           f"l2fs put/get ...   ; Ctrl-C stops and removes everything", flush=True)
 
 
-def _cleanup(prog: str) -> int:
+def cleanup_leftovers(prog: str) -> int:
     """`--cleanup`: l2fs.netns.cleanup() of launchers whose process is gone (live ones are left alone)."""
     from l2fs.netns import NetnsError, cleanup
 
