@@ -143,6 +143,9 @@ class Stack(procs.Started):
         mode: str = "plugin",
         netns: bool = False,
         link: str | None = None,
+        device: str | None = None,
+        tensor_parallel_size: int = 1,
+        share_gpus: bool = False,
     ) -> None:
         if replicas < 1:
             raise ValueError("--replicas must be >= 1")
@@ -152,7 +155,11 @@ class Stack(procs.Started):
             raise ValueError(f"--mode must be one of {', '.join(MODES)}")
         if link and not netns:
             raise ValueError("--link needs --netns")
+        if tensor_parallel_size < 1:
+            raise ValueError("--tensor-parallel-size must be >= 1")
         self.mode, self.use_netns, self.link = mode, netns, link
+        self.device, self.tp, self.share_gpus = device, tensor_parallel_size, share_gpus
+        self.gpu_slots: list[Any] = []  # one GpuSlot (cuda) or None (cpu) per replica
         self.net: Any = None  # the NetnsCluster with --netns
         self.mounts: dict[str, str] = {}
         self.base = Path(base_dir).resolve()
@@ -187,6 +194,7 @@ class Stack(procs.Started):
         self.base.mkdir(parents=True, exist_ok=True)
         (self.base / "logs").mkdir(exist_ok=True)
         self.model = self.model_arg or str(default_model(self.base))
+        self.gpu_slots = self.plan_gpus()  # too few GPUs fails here, before anything started
         nodes = self._start_l2fs()
         plan = self._plan_replicas(nodes)
         self._start_replicas(plan)
@@ -224,6 +232,17 @@ class Stack(procs.Started):
                 log(f"{node}: l2fs mounted at {self.mounts[node]}")
         return nodes
 
+    def plan_gpus(self, gpus: int | None = None) -> list[Any]:
+        """Per replica: its GpuSlot (CUDA_VISIBLE_DEVICES, TP group, memory share) with --device cuda, else
+        None. gpus: how many this machine has (default: what torch sees)."""
+        from connector.config import detect_device, gpu_count, gpu_plan
+
+        self.device = self.device or detect_device()
+        if self.device != "cuda":
+            return [None] * self.n_replicas
+        return list(gpu_plan(self.n_replicas, self.tp, gpu_count() if gpus is None else gpus,
+                             share=self.share_gpus))
+
     def _plan_replicas(self, nodes: list[str]) -> list[_Planned]:
         """Name, port, node (round-robin over the l2fs nodes) and log of each replica; KV event endpoints."""
         plan = []
@@ -242,7 +261,9 @@ class Stack(procs.Started):
         """Thread body: start replica i; a failure is collected, reported once all launches returned."""
         from kvtier.devstack.replica import start_replica
 
-        log(f"starting {p.name} on {p.node}, port {p.port} (vLLM CPU engine, ~1 min; log {p.log_path})")
+        gpu = self.gpu_slots[i] if self.gpu_slots else None
+        engine = f"vLLM CUDA engine on GPU {','.join(map(str, gpu.devices))}" if gpu else "vLLM CPU engine, ~1 min"
+        log(f"starting {p.name} on {p.node}, port {p.port} ({engine}; log {p.log_path})")
         extra = ["--enable-prompt-tokens-details"]  # usage.cached_tokens: per-request hit evidence
         if self.kv_events:
             extra += ["--kv-events-config", json.dumps({
@@ -258,7 +279,7 @@ class Stack(procs.Started):
                 self.model, p.port, node_id=p.node, l1_gb=self.l1_gb,
                 log_path=p.log_path, max_model_len=self.max_model_len, prefix_caching=self.prefix_caching,
                 kv_cache_gb=self.kv_cache_gb, extra_args=extra, config_dir=self.base / "config", progress=False,
-                **l2, **where)
+                device=self.device or "cpu", gpu=self.gpu_slots[i] if self.gpu_slots else None, **l2, **where)
             log(f"{p.name} healthy at {self._launched[i].url}")
         except BaseException as e:  # noqa: BLE001 - reported after all launches returned
             errors.append(e)
@@ -407,6 +428,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--netns", action="store_true",
                    help="one network namespace per node (needs root, ip, tc, nsenter); router on 127.0.0.1:--port")
     p.add_argument("--link", default=None, metavar="RATE", help="with --netns: each node's link rate, e.g. 2gbit")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                   help="cuda: GPU replicas (no CPU-only flags, GPUs assigned per replica); auto: cuda if torch sees one")
+    p.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs per replica with --device cuda")
+    p.add_argument("--share-gpus", action="store_true",
+                   help="--device cuda: more replicas than GPU groups share them (memory utilization split)")
     p.add_argument("--cleanup", action="store_true",
                    help="remove namespaces, mounts and processes left by crashed --netns launchers, then exit")
     return p
@@ -428,6 +454,15 @@ def check_args(args: argparse.Namespace) -> str | None:
         return "--l1-gb and --kv-cache-gb must be > 0"
     if args.link and not args.netns:
         return "--link needs --netns (loopback has no link to shape)"
+    if args.tensor_parallel_size < 1:
+        return "--tensor-parallel-size must be >= 1"
+    if args.device == "cuda":
+        from connector.config import gpu_count, gpu_plan
+
+        try:
+            gpu_plan(args.replicas, args.tensor_parallel_size, gpu_count(), share=args.share_gpus)
+        except ValueError as e:
+            return f"--device cuda: {e}"
     if args.netns:
         from l2fs.netns import NetnsError, check_host, parse_rate
 
@@ -462,7 +497,8 @@ def main(argv: list[str] | None = None) -> int:
                   strategy=args.strategy, router_port=args.port, l1_gb=args.l1_gb,
                   max_model_len=args.max_model_len, parallel_start=not args.sequential,
                   prefix_caching=args.prefix_caching, kv_cache_gb=args.kv_cache_gb, mode=args.mode,
-                  netns=args.netns, link=args.link)
+                  netns=args.netns, link=args.link, device=None if args.device == "auto" else args.device,
+                  tensor_parallel_size=args.tensor_parallel_size, share_gpus=args.share_gpus)
     rc = 0
     try:
         state = stack.start()

@@ -28,7 +28,7 @@ from typing import Any
 
 import yaml
 
-from connector.config import lmcache_config, replica_env, vllm_args
+from connector.config import GpuSlot, lmcache_config, replica_env, vllm_args
 from l2fs import procs
 
 
@@ -151,7 +151,8 @@ def start_replica(model: str | Path, port: int, *, l2fs_master: str | None = Non
                   config_dir: str | Path | None = None, startup_timeout: float = 600.0,
                   progress: bool = True, replica_id: str | None = None, bind_host: str = "127.0.0.1",
                   wrap: Callable[[list[str]], list[str]] | None = None,
-                  reach: tuple[str, int] | None = None) -> Replica:
+                  reach: tuple[str, int] | None = None, device: str = "cpu",
+                  gpu: GpuSlot | None = None) -> Replica:
     """Launch a vLLM CPU OpenAI server with LMCache (L1 + L2 on l2fs or a mount) and wait for /health.
 
     l2fs_master / mount_path: the L2 (at most one; neither = L1 only). node_id: this replica's node (for
@@ -160,6 +161,8 @@ def start_replica(model: str | Path, port: int, *, l2fs_master: str | None = Non
     startup_timeout seconds; the process group is killed in that case.
     bind_host / wrap / reach (network-namespace nodes): the API server binds bind_host, its argv is
     wrap(argv) (`nsenter --net=...`), and this process reaches it at reach (host, port), e.g. a forwarder.
+    device / gpu: "cuda" drops every CPU-only argument and env (connector.config), and `gpu` (a GpuSlot of
+    connector.config.gpu_plan) pins the replica to its GPUs with its share of their memory.
     """
     model = str(model)
     served = served_model_name or model
@@ -174,11 +177,13 @@ def start_replica(model: str | Path, port: int, *, l2fs_master: str | None = Non
                              node_id=node_id)
         cfg_path.write_text(yaml.safe_dump(cfg, sort_keys=False))
     env = {**os.environ, **replica_env(cfg_path, node_id=node_id, l2fs_master=l2fs_master,
-                                       kv_cache_gb=kv_cache_gb, lmcache=lmcache)}
+                                       kv_cache_gb=kv_cache_gb, lmcache=lmcache, device=device, gpu=gpu)}
     env["KVTIER_REPLICA_ID"] = replica_id or f"{node_id}-{port}"
     env.update(extra_env or {})
     args = vllm_args(model, port=port, host=bind_host, max_model_len=max_model_len, served_model_name=served_model_name,
-                     lmcache=lmcache, prefix_caching=prefix_caching, extra=extra_args)
+                     lmcache=lmcache, prefix_caching=prefix_caching, extra=extra_args, device=device,
+                     tensor_parallel_size=len(gpu.devices) if gpu else 1,
+                     gpu_memory_utilization=gpu.memory_utilization if gpu else None)
     header = f"kvtier replica {node_id} port {port}: {' '.join(args)}"
     argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", *args]
     proc = procs.spawn(wrap(argv) if wrap else argv, log_path, env=env, header=header)
