@@ -88,3 +88,27 @@ def write_results(out: Path, name: str, summary: dict[str, Any], raw: list[dict[
             w.writerows(raw)
         paths.append(cpath)
     return paths
+
+
+SHAPER_BOUND_TOLERANCE = 0.15
+
+
+def shaper_bound(measured_bps: float, link: str | None) -> bool | None:
+    """Was the tc shaper the bound? Measured TCP within 15% of the --link rate (None when unshaped).
+    A number far below the rate means the CPU (or something else) was the bound, not the link."""
+    if not link:
+        return None
+    from l2fs.netns import parse_rate
+
+    rate = parse_rate(link)
+    return abs(measured_bps - rate) <= SHAPER_BOUND_TOLERANCE * rate
+
+
+def link_line(measured_bps: list[float], link: str | None, what: str) -> str:
+    """One line for the report: the plain TCP throughput of the link and whether the shaper bound it."""
+    med = pct(measured_bps, 50)
+    rate = link or "unshaped"
+    bound = shaper_bound(med, link)
+    verdict = "" if bound is None else (" -> the shaper was the bound" if bound
+                                        else " -> NOT the shaper's rate: something else (CPU) was the bound")
+    return f"{what} (link {rate}): plain TCP {fmt(med / 1e9, 2)} Gbit/s p50 of {len(measured_bps)}{verdict}"
