@@ -200,10 +200,15 @@ class KVIndex:
             holders[replica] = max(holders.get(replica, 0.0), w)
 
     def _drop(self, replica: str, key: int) -> None:
+        """One engine block fewer maps to key on replica; the replica stops holding it at zero."""
         rc = self._refcount.get((key, replica), 0) - 1
         if rc > 0:
             self._refcount[(key, replica)] = rc
             return
+        self._release(replica, key)
+
+    def _release(self, replica: str, key: int) -> None:
+        """replica no longer holds key at all (whatever its count was)."""
         self._refcount.pop((key, replica), None)
         holders = self._holders.get(key)
         if holders is not None:
@@ -226,12 +231,7 @@ class KVIndex:
         if rb is None:
             return
         for key in rb.engine_to_key.values():
-            self._refcount.pop((key, replica), None)
-            holders = self._holders.get(key)
-            if holders is not None:
-                holders.pop(replica, None)
-                if not holders:
-                    del self._holders[key]
+            self._release(replica, key)
 
     def holders(self, key: int) -> dict[str, float]:
         return self._holders.get(key, {})
