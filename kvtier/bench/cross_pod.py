@@ -15,6 +15,12 @@ Two ways to name the replicas:
   --from-up .kvtier/up.json (or nothing: a stack is started here)   URLs resolved from `kvtier up`'s state file,
                                                  then the same HTTP measurement, plus what only a local stack
                                                  shows: l2fs bytes written by A and LMCache's log lines
+
+Local stacks: --mode plugin (our connector) | mount (stock LMCache fs:// on each node's own l2fs mount), and
+--netns [--link RATE] (each node in a network namespace, its link shaped; see docs/netns.md); with --from-up
+these come from up.json. The plain TCP throughput between A's node and B's node (the shaped link in --netns,
+loopback otherwise) is measured in the same run and printed next to the table, with whether the shaper was the
+bound.
 """
 
 from __future__ import annotations
@@ -35,7 +41,7 @@ from urllib.parse import urlsplit
 
 import httpx
 
-from kvtier.bench.common import fmt, pct, table, write_results
+from kvtier.bench.common import fmt, link_line, pct, shaper_bound, table, write_results
 from kvtier.up import log
 
 CHUNK = 256
@@ -484,6 +490,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="reuse a running `kvtier up` (its <dir>/up.json) instead of starting a stack")
     p.add_argument("--dir", type=Path, default=Path(".kvtier/bench-cross-pod"), help="stack dir if started here")
     p.add_argument("--l1-gb", type=float, default=1.0)
+    p.add_argument("--mode", choices=("plugin", "mount"), default=None,
+                   help="stack started here: plugin (our connector, default) or mount (stock fs:// on each node's "
+                   "l2fs mount); with --from-up it is read from up.json")
+    p.add_argument("--netns", action="store_true",
+                   help="stack started here: each node in its own network namespace (docs/netns.md)")
+    p.add_argument("--link", default=None, metavar="RATE", help="with --netns: each node's link rate, e.g. 2gbit")
+    p.add_argument("--tcp-mb", type=float, default=50.0,
+                   help="MB per plain TCP probe of the A-node -> B-node link (3 probes, after the sweep)")
     p.add_argument("--seed", type=int, default=None,
                    help="prompt seed (default: a fresh one per run, recorded, so a rerun is cold too)")
     p.add_argument("--out", type=Path, default=Path("bench-results"), help="where JSON/CSV/PNG go")
@@ -497,8 +511,41 @@ def _local_targets(state: Any, api_key: str | None) -> tuple[Target, Target, Loc
     if not others:
         raise SystemExit("kvtier bench cross-pod: needs two replicas on different l2fs nodes")
     b = others[0]
-    probe = LocalProbe(state.l2fs_master, {a.name: a.log_path, b.name: b.log_path})
+    # with --netns the master's own address is inside the namespaces: the host reaches it by a forwarder
+    probe = LocalProbe(state.host_l2fs_master or state.l2fs_master, {a.name: a.log_path, b.name: b.log_path})
     return (Target(a.name, a.url, a.node_id, api_key), Target(b.name, b.url, b.node_id, api_key), probe)
+
+
+def link_tcp(state: Any, a: Target, b: Target, nbytes: int, net: Any = None) -> tuple[list[float], str | None]:
+    """Plain TCP throughput (bits/s, 3 probes) from A's node to B's node and the link rate: over the stack's
+    namespaces (net, or attached by up.json's prefix) or, without --netns, over loopback."""
+    if not state.netns:
+        from kvtier.bench.l2 import tcp_stream_gbps
+
+        return [g * 8e9 for g in tcp_stream_gbps(nbytes, 3)], None
+    from l2fs.netns import NetnsCluster
+
+    if net is None:
+        net = NetnsCluster.attach(state.netns["prefix"])
+    rates = {n["name"]: n.get("rate") for n in state.netns["nodes"]}
+    link = rates.get(a.node) or rates.get(b.node)
+    return [net.tcp_throughput(a.node, b.node, nbytes) for _ in range(3)], link
+
+
+def _check_stack_args(args: argparse.Namespace, http_mode: bool) -> str | None:
+    """The stack options only make sense for a stack started here: an error message, or None."""
+    if args.link and not args.netns:
+        return "--link needs --netns (loopback has no link to shape)"
+    if (http_mode or args.from_up) and (args.mode or args.netns):
+        return "--mode/--netns/--link are for a stack started here (--from-up reads them from up.json)"
+    if args.link:
+        from l2fs.netns import NetnsError, parse_rate
+
+        try:
+            parse_rate(args.link)
+        except NetnsError as e:
+            return str(e)
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -521,7 +568,23 @@ def main(argv: list[str] | None = None) -> int:
     if http_mode and args.from_up:
         print("kvtier bench cross-pod: --replica-a/--replica-b and --from-up exclude each other", file=sys.stderr)
         return 2
+    bad = _check_stack_args(args, http_mode)
+    if bad:
+        print(f"kvtier bench cross-pod: {bad}", file=sys.stderr)
+        return 2
     seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(4), "little")
+    tcp_bps: list[float] = []
+    link: str | None = None
+    state: Any = None
+    nbytes = int(args.tcp_mb * 1e6)
+
+    def measure_local(state: Any, net: Any = None) -> list[dict[str, Any]]:
+        nonlocal tcp_bps, link
+        a, b, probe = _local_targets(state, args.api_key)
+        log(f"stack: mode {state.mode}, " + (f"netns {state.netns['prefix']}-*" if state.netns else "loopback"))
+        out = measure(a, b, probe, state.model)
+        tcp_bps, link = link_tcp(state, a, b, nbytes, net)
+        return out
 
     def measure(a: Target, b: Target, probe: LocalProbe | None, model: str) -> list[dict[str, Any]]:
         encode = local_tokenizer(args.tokenizer) if args.tokenizer else remote_tokenizer(a, model)
@@ -544,28 +607,41 @@ def main(argv: list[str] | None = None) -> int:
         if args.from_up:
             state = StackState.load(args.from_up)
             model = state.model
-            raw = measure(*_local_targets(state, args.api_key), model)
+            raw = measure_local(state)
         else:
             with Stack(args.dir, replicas=2, workers=2, model=args.model, strategy=None, l1_gb=args.l1_gb,
-                       max_model_len=max(8192, max(lengths) + 64)) as stack:
+                       max_model_len=max(8192, max(lengths) + 64), mode=args.mode or "plugin",
+                       netns=args.netns, link=args.link) as stack:
                 state = StackState.load(stack.state_path)
                 model = state.model
-                raw = measure(*_local_targets(state, args.api_key), model)
+                raw = measure_local(state, stack.net)
     rows, text = summarize(raw, lengths)
+    stack_mode = state.mode if state is not None else None
+    netns = bool(state is not None and state.netns)
+    if state is not None:
+        where = f"netns link {link or 'unshaped'}" if netns else "loopback"
+        print(f"cross-pod: mode {stack_mode}, {where}")
     print(text)
     print(goals(rows))
     for line in notes(raw):
         print(line)
+    if tcp_bps:
+        print(link_line(tcp_bps, link, "A's node -> B's node" if netns else "loopback, A -> B"))
     args.out.mkdir(parents=True, exist_ok=True)
     png: Path | None = args.out / "cross_pod.png"
-    where = f"{args.replica_a} -> {args.replica_b}" if http_mode else "local kvtier up, CPU"
+    where = (f"{args.replica_a} -> {args.replica_b}" if http_mode else
+             f"local kvtier up, CPU, {stack_mode}, " + (f"netns {link or 'unshaped'}" if netns else "loopback"))
     try:
         plot(rows, png, f"kvtier cross-pod TTFT, {Path(model).name}, {where} ({reps} reps)")
     except ImportError:  # the kvtier image (in-cluster Job) has no matplotlib: table + JSON/CSV only
         print("no matplotlib: plot skipped (pip install matplotlib, or kvtier[bench])")
         png = None
     summary = {"mode": "http" if http_mode else "local", "replica_a": args.replica_a, "replica_b": args.replica_b,
-               "lengths": lengths, "reps": reps, "model": model, "seed": seed, "rows": rows, "notes": notes(raw)}
+               "lengths": lengths, "reps": reps, "model": model, "seed": seed, "rows": rows, "notes": notes(raw),
+               "l2_mode": stack_mode, "netns": netns, "link": link,
+               "link_tcp_gbit": pct(tcp_bps, 50) / 1e9 if tcp_bps else None,
+               "link_tcp_gbit_all": [b / 1e9 for b in tcp_bps],
+               "shaper_bound": shaper_bound(pct(tcp_bps, 50), link) if tcp_bps else None}
     for p in [*write_results(args.out, "cross_pod", summary, raw), *([png] if png else [])]:
         print(f"wrote {p}")
     return 0

@@ -41,10 +41,16 @@ def test_bench_l2_netns_quick(tmp_path: Path) -> None:
 
 @pytest.mark.unit
 @pytest.mark.parametrize(("args", "message"), [
-    (["--link", "2gbit"], "--link needs --netns"),
-    (["--netns", "--link", "fast"], "bad rate 'fast'"),
+    (["l2", "--link", "2gbit"], "--link needs --netns"),
+    (["l2", "--netns", "--link", "fast"], "bad rate 'fast'"),
+    (["cross-pod", "--link", "2gbit"], "--link needs --netns"),
+    (["cross-pod", "--netns", "--link", "fast"], "bad rate 'fast'"),
+    (["cross-pod", "--from-up", "up.json", "--netns"], "--from-up reads them from up.json"),
+    (["cross-pod", "--replica-a", "http://a", "--replica-b", "http://b", "--mode", "mount"],
+     "are for a stack started here"),
 ])
-def test_bench_l2_argument_errors(args: list[str], message: str) -> None:
-    r = subprocess.run([*KVTIER, "bench", "l2", *args], capture_output=True, text=True, timeout=60)
+def test_bench_argument_errors(args: list[str], message: str) -> None:
+    """Exit 2 with a clear message before anything (namespaces, l2fs, vLLM) is started."""
+    r = subprocess.run([*KVTIER, "bench", *args], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2, r.stdout + r.stderr
     assert message in r.stderr
