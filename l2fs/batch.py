@@ -51,7 +51,8 @@ def version_mismatch(me: str, peer: str, peer_v: int, peer_min: int, *, mine: in
 def item_error(e: Exception) -> pb.ItemError:
     """An item's failure as it travels in a batched response (same code/kind/errno as the unary call)."""
     if isinstance(e, PathError):
-        return pb.ItemError(code=grpc.StatusCode.INVALID_ARGUMENT.value[0], message=str(e), kind="path")
+        return pb.ItemError(code=grpc.StatusCode.INVALID_ARGUMENT.value[0], message=str(e), kind="path",
+                            errno_name=e.errno_name)
     if isinstance(e, RpcError):
         return pb.ItemError(code=e.code.value[0], message=str(e), errno_name=e.errno_name or "")
     return pb.ItemError(code=grpc.StatusCode.INTERNAL.value[0], message=f"{type(e).__name__}: {e}")

@@ -219,7 +219,9 @@ def _check(path: str) -> str:
     try:
         return norm_path(path)
     except PathError as e:
-        raise InvalidPath(str(e)) from None
+        exc = InvalidPath(str(e))
+        exc.errno = getattr(errno, e.errno_name)
+        raise exc from None
 
 
 class Client:

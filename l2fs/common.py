@@ -58,7 +58,12 @@ def check_block_id(bid: str) -> str:
 
 
 class PathError(ValueError):
-    """A path that l2fs refuses (mapped to INVALID_ARGUMENT / InvalidPath)."""
+    """A path that l2fs refuses (mapped to INVALID_ARGUMENT / InvalidPath). errno_name travels like
+    RpcError's (ENAMETOOLONG for over-long names, EINVAL otherwise), so no client parses the text."""
+
+    def __init__(self, msg: str, errno_name: str = "EINVAL") -> None:
+        super().__init__(msg)
+        self.errno_name = errno_name
 
 
 class RpcError(Exception):
@@ -87,7 +92,7 @@ def rpc_handler(latency: Any, errors: Any | None = None) -> Callable[[Callable],
             except PathError as e:
                 if errors is not None:
                     errors.labels(name, "INVALID_ARGUMENT").inc()
-                context.set_trailing_metadata(((ERROR_KIND_KEY, "path"),))
+                context.set_trailing_metadata(((ERROR_KIND_KEY, "path"), ("l2fs-errno", e.errno_name)))
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
             except RpcError as e:
                 if errors is not None:
@@ -120,7 +125,7 @@ def norm_path(path: str) -> str:
     if not isinstance(path, str) or not path:
         raise PathError("path must be a non-empty string")
     if len(path.encode("utf-8", "surrogatepass")) > MAX_PATH_LEN:
-        raise PathError(f"path longer than {MAX_PATH_LEN} bytes")
+        raise PathError(f"path longer than {MAX_PATH_LEN} bytes", "ENAMETOOLONG")
     if not path.startswith("/"):
         raise PathError(f"path must be absolute (start with '/'): {path!r}")
     if any(ord(c) < 32 or ord(c) == 127 for c in path):
@@ -135,7 +140,7 @@ def norm_path(path: str) -> str:
         if p in (".", ".."):
             raise PathError(f"path has a '.' or '..' component: {path!r}")
         if len(p.encode()) > MAX_NAME_LEN:
-            raise PathError(f"path component longer than {MAX_NAME_LEN} bytes")
+            raise PathError(f"path component longer than {MAX_NAME_LEN} bytes", "ENAMETOOLONG")
     return "/" + "/".join(parts)
 
 

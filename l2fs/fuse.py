@@ -45,7 +45,6 @@ from l2fs.client import (
     Client,
     FileInfo,
     InvalidArgument,
-    InvalidPath,
     L2fsError,
     NotFound,
     PermissionDenied,
@@ -72,15 +71,12 @@ def errno_of(exc: BaseException) -> int:
     named = getattr(exc, "errno", None)  # set by the client from the server's `l2fs-errno` metadata
     if isinstance(named, int) and named:
         return named
-    msg = str(exc).lower()
     if isinstance(exc, NotFound):
         return errno.ENOENT
     if isinstance(exc, AlreadyExists):
         return errno.EEXIST
-    if isinstance(exc, InvalidPath):
-        return errno.ENAMETOOLONG if "longer than" in msg else errno.EINVAL
-    if isinstance(exc, InvalidArgument):
-        return errno.EFBIG if "max file size" in msg else errno.EINVAL
+    if isinstance(exc, InvalidArgument):  # InvalidPath included; ENAMETOOLONG/EFBIG arrive as .errno above
+        return errno.EINVAL
     if isinstance(exc, PermissionDenied):
         return errno.EACCES
     return errno.EIO  # Unavailable (dead master/worker) and anything unexpected

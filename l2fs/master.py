@@ -425,7 +425,7 @@ class MasterService(pbg.MasterServicer):
             raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, "cannot write to '/'")
         if request.size > self.max_file_size:
             raise RpcError(grpc.StatusCode.INVALID_ARGUMENT,
-                           f"file of {request.size} bytes exceeds the max file size {self.max_file_size}")
+                           f"file of {request.size} bytes exceeds the max file size {self.max_file_size}", "EFBIG")
         with self.lock:
             if request.if_absent and path in self.files:
                 return pb.AllocateResponse(exists=True)

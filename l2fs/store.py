@@ -246,7 +246,7 @@ class Store:
         always admitted, so a single large write works): beyond it RESOURCE_EXHAUSTED, a write miss."""
         if size < 0 or size > self.max_file_size:
             raise RpcError(grpc.StatusCode.INVALID_ARGUMENT,
-                           f"block of {size} bytes exceeds the max file size {self.max_file_size}")
+                           f"block of {size} bytes exceeds the max file size {self.max_file_size}", "EFBIG")
         with self.lock:
             if bid in self.blocks or bid in self.reservations:
                 raise RpcError(grpc.StatusCode.ALREADY_EXISTS, f"block {bid} already exists")
