@@ -24,6 +24,8 @@ class Metrics:
                                   registry=r)
         self.tokenize = Histogram("kvtier_router_tokenize_seconds", "Prompt tokenization time", buckets=_FAST,
                                   registry=r)
+        self.tokenize_fallback = Counter("kvtier_router_tokenize_fallback",
+                                         "Requests routed by bytes because the replica /tokenize failed", registry=r)
         self.ttfb = Histogram("kvtier_router_upstream_first_byte_seconds", "Upstream time to first byte",
                               registry=r)
         self.predicted_cached = Counter("kvtier_router_predicted_cached_tokens",

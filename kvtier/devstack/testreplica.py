@@ -107,7 +107,7 @@ class Engine:
         self.prefill_lock = asyncio.Lock()
         self.fault = args.fault
         self.stats = {"requests": 0, "completed": 0, "cancelled": 0, "prompt_tokens": 0, "cached_tokens": 0,
-                      "inflight": 0, "max_inflight": 0}
+                      "inflight": 0, "max_inflight": 0, "tokenize": 0}
         self.request_ids: list[str] = []
         self.pub: Publisher | None = None
         self.seed = hashlib.sha256(args.hash_seed.encode()).digest()
@@ -326,6 +326,19 @@ def create_app(args: argparse.Namespace) -> FastAPI:
 
         return StreamingResponse(gen(), media_type="text/event-stream")
 
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        """vLLM's /tokenize: {"model", "prompt"} or {"model", "messages", ...} -> {"tokens": [...], "count"}."""
+        eng.stats["tokenize"] += 1
+        if eng.fault in ("500", "tokenize"):
+            return JSONResponse({"error": {"message": "injected failure"}}, status_code=500)
+        body = await request.json()
+        try:
+            tokens = eng.tok.encode("chat" if "messages" in body else "completion", body)
+        except TokenizeError as e:
+            return JSONResponse({"error": {"message": str(e)}}, status_code=400)
+        return JSONResponse({"count": len(tokens), "max_model_len": 1 << 20, "tokens": tokens, "token_strs": None})
+
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         return await handle(request, "completion")
@@ -354,7 +367,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill-us-per-token", type=float, default=0.0)
     p.add_argument("--decode-ms-per-token", type=float, default=0.0)
     p.add_argument("--max-tokens", type=int, default=4)
-    p.add_argument("--fault", default="ok", help="ok|500|429|garbage|hang|down")
+    p.add_argument("--fault", default="ok", help="ok|500|429|garbage|hang|down|tokenize (only /tokenize fails)")
     return p
 
 
