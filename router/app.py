@@ -33,7 +33,7 @@ from router.kvevents import DROPPED, KVEventSubscriber
 from router.metrics import Metrics
 from router.policy import STRATEGIES, Decision, Policy, UnknownStrategy
 from router.replicas import Replica, ReplicaSet
-from router.tokens import TokenizeError, Tokenizer
+from router.tokens import RemoteTokenizeFailed, TokenizeError, Tokenizer
 
 log = logging.getLogger("kvtier.router")
 
@@ -62,8 +62,10 @@ class RouterConfig:
     session_header: str = "x-session-id"
     kv_endpoints: list[str | None] = field(default_factory=list)  # aligned with replicas
     kv_replay_endpoints: list[str | None] = field(default_factory=list)
-    l2_lookup: Callable[[list[int], str], Awaitable[int]] | None = None  # (tokens, model) -> L2 hit tokens
+    # (tokens, model, kv prefix or None for the default) -> L2 hit tokens
+    l2_lookup: Callable[[list[int], str, str | None], Awaitable[int]] | None = None
     l2_timeout: float = 0.05  # an L2 lookup slower than this counts as a miss
+    tokenize_timeout: float = 2.0  # a replica /tokenize slower than this: route this request by bytes
     discovery: Any = None  # object with async start(replicas) / stop()
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
 
@@ -138,7 +140,7 @@ class _Call:
     headers: dict[str, str]
     clock: _Clock
     tokens: list[int] = field(default_factory=list)
-    l2: int = 0
+    l2: dict[str | None, int] = field(default_factory=dict)  # L2 hit per kv-prefix (None: --l2fs-prefix)
 
 
 @dataclass
@@ -164,7 +166,10 @@ class Router:
         self.m = Metrics()
         self.policy = Policy(block_size=cfg.block_size, load_epsilon=cfg.load_epsilon, decode_beta=cfg.decode_beta,
                              affinity=cfg.prefix_affinity)
-        self.tok = Tokenizer(cfg.tokenizer)
+        self.tok = Tokenizer(cfg.tokenizer, fallback_replica=True)
+        self.tok.remote = self._remote_tokenize
+        self._tok_next = 0  # round-robin over the replicas for /tokenize
+        self._tok_headers = {"authorization": f"Bearer {cfg.upstream_api_key}"} if cfg.upstream_api_key else {}
         self.replicas = ReplicaSet(health_interval=cfg.health_interval, health_timeout=cfg.health_timeout,
                                    api_key=cfg.upstream_api_key)
         self.subs: dict[str, KVEventSubscriber] = {}
@@ -371,21 +376,51 @@ class Router:
                      stream=bool(payload.get("stream")), session=session, salt=salt,
                      headers=self._upstream_headers(request, rid), clock=_Clock(t_in))
 
+    async def _remote_tokenize(self, kind: str, req: dict[str, Any]) -> list[int]:
+        """Token ids from a replica's vLLM /tokenize (the router has no tokenizer of its own); raises on failure."""
+        ups = self.replicas.available()
+        if not ups or self.client is None:
+            raise RuntimeError("no replica up to tokenize")
+        r = ups[self._tok_next % len(ups)]
+        self._tok_next += 1
+        timeout = aiohttp.ClientTimeout(total=self.cfg.tokenize_timeout)
+        async with self.client.post(r.url + "/tokenize", json=req, headers=self._tok_headers,
+                                    timeout=timeout) as resp:
+            if resp.status != 200:
+                raise RuntimeError(f"{r.url}/tokenize answered {resp.status}")
+            got = (await resp.json(content_type=None)).get("tokens")
+        if not isinstance(got, list) or not all(type(t) is int for t in got):
+            raise RuntimeError(f"{r.url}/tokenize: no token list in the answer")
+        return got
+
     async def _route_inputs(self, call: _Call) -> Response | None:
         """Token ids (all but roundrobin) and the L2 hit (kvaware); a 400 for a prompt we cannot tokenize."""
         if call.strategy != "roundrobin":
             t0 = time.perf_counter()
             try:
                 call.tokens = await self.tok.aencode(call.kind, call.payload)
+            except RemoteTokenizeFailed as e:  # routed by bytes this time; the request itself goes on
+                call.tokens = e.ids
+                self.m.tokenize_fallback.inc()
             except TokenizeError as e:
                 self.m.rejected.labels("bad_prompt").inc()
                 return _err(400, str(e))
             call.clock.tok = time.perf_counter() - t0
             self.m.tokenize.observe(call.clock.tok)
         if call.strategy == "kvaware" and self.cfg.l2_lookup is not None and call.tokens:
-            with contextlib.suppress(Exception):  # L2 trouble is a miss, never an error
-                call.l2 = await asyncio.wait_for(self.cfg.l2_lookup(call.tokens, call.model), self.cfg.l2_timeout)
+            # one lookup per distinct kv-prefix among the replicas (each revision's chunks are its own)
+            prefixes = sorted({r.kv_prefix for r in self.replicas.available()}, key=lambda p: p or "")
+            got = await asyncio.gather(*(self._l2(call, p) for p in prefixes))
+            call.l2 = dict(zip(prefixes, got, strict=True))
         return None
+
+    async def _l2(self, call: _Call, prefix: str | None) -> int:
+        """L2 hit under one kv-prefix; trouble or a slow answer is a miss, never an error."""
+        assert self.cfg.l2_lookup is not None
+        try:
+            return await asyncio.wait_for(self.cfg.l2_lookup(call.tokens, call.model, prefix), self.cfg.l2_timeout)
+        except Exception:  # noqa: BLE001
+            return 0
 
     def _route(self, call: _Call, cands: list[Replica]) -> Decision:
         d = self.policy.choose(call.strategy, cands, call.tokens, session=call.session, model=call.model,

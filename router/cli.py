@@ -25,8 +25,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "(per request: header X-Kvtier-Strategy)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8080, help="0 picks a free port (printed on stdout)")
-    p.add_argument("--tokenizer", default="bytes",
-                   help="model path / hub id for AutoTokenizer + chat template ('bytes' = UTF-8 bytes, tests only)")
+    p.add_argument("--tokenizer", default="replica",
+                   help="model path / hub id for AutoTokenizer + chat template; 'replica' (default, and the "
+                        "fallback when the path cannot be loaded) asks a replica's vLLM /tokenize; "
+                        "'bytes' = UTF-8 bytes (tests only)")
     p.add_argument("--block-size", type=int, default=16, help="engine KV block size in tokens")
     p.add_argument("--kv-events", default="", help="comma-separated ZMQ PUB endpoints, one per replica "
                    "(tcp://host:5557); empty entries allowed")
@@ -75,6 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "(LMCache fs:// on an l2fs mount); decides the file names looked up")
     p.add_argument("--l2fs-prefix", default=contract.KV_PREFIX,
                    help="l2fs directory the replicas write chunks under")
+    p.add_argument("--l2fs-timeout", type=float, default=0.05,
+                   help="seconds an L2 presence lookup may take before it counts as a miss")
     p.add_argument("--l2fs-chunk-size", type=int, default=contract.CHUNK_SIZE, help="LMCache chunk size in tokens")
     p.add_argument("--l2fs-model-name", default=None,
                    help="model name in LMCache keys (the replicas' --model; default: the request's model)")
@@ -147,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
         connect_timeout=args.connect_timeout, upstream_timeout=args.upstream_timeout, retries=args.retries,
         load_epsilon=args.load_epsilon, decode_beta=args.decode_beta, prefix_affinity=args.prefix_affinity, session_header=args.session_header.lower(),
         kv_endpoints=[x or None for x in kv], kv_replay_endpoints=[x or None for x in _split(args.kv_replay)],
-        l2_lookup=l2_lookup, discovery=discovery,
+        l2_lookup=l2_lookup, l2_timeout=args.l2fs_timeout, discovery=discovery,
         admission=AdmissionConfig(max_inflight=args.max_inflight, max_inflight_per_replica=args.max_inflight_per_replica,
                                   max_queue=args.max_queue, queue_timeout=args.queue_timeout,
                                   retry_after=args.retry_after))

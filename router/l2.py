@@ -60,15 +60,17 @@ class L2Lookup:
                 self._hash_cache.popitem(last=False)
         return got
 
-    def paths(self, tokens: list[int], model: str) -> list[str]:
+    def paths(self, tokens: list[int], model: str, prefix: str | None = None) -> list[str]:
+        """Chunk file names under `prefix` (a replica's announced kv-prefix), else under --l2fs-prefix."""
         name = self.model_name or model
-        return [contract.chunk_path(self.mode, self.prefix, name, self.world_size, self.worker_id, h, self.dtype)
+        where = prefix.rstrip("/") if prefix else self.prefix
+        return [contract.chunk_path(self.mode, where, name, self.world_size, self.worker_id, h, self.dtype)
                 for h in self.chunk_hashes(tokens)]
 
-    def lookup(self, tokens: list[int], model: str) -> int:
+    def lookup(self, tokens: list[int], model: str, prefix: str | None = None) -> int:
         """Blocking: leading tokens present in L2 (0 on any error: a miss, never a failure)."""
         try:
-            paths = self.paths(tokens, model)
+            paths = self.paths(tokens, model, prefix)
             if not paths:
                 return 0
             return int(self._connect().prefix_lookup(paths)) * self.chunk_size
@@ -85,5 +87,5 @@ class L2Lookup:
         except Exception as e:  # noqa: BLE001 - a dead master at start-up is a miss, as later
             log.warning("l2fs lookup unavailable: %s (kvaware will see no L2 hits)", e)
 
-    async def __call__(self, tokens: list[int], model: str) -> int:
-        return await asyncio.get_running_loop().run_in_executor(self._pool, self.lookup, tokens, model)
+    async def __call__(self, tokens: list[int], model: str, prefix: str | None = None) -> int:
+        return await asyncio.get_running_loop().run_in_executor(self._pool, self.lookup, tokens, model, prefix)

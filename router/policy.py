@@ -19,7 +19,7 @@ import hashlib
 import math
 import random
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from kvtier.contract import STRATEGIES  # re-exported: router.policy.STRATEGIES stays importable
@@ -101,7 +101,7 @@ class Policy:
 
     def choose(self, strategy: str, cands: Sequence[Replica], tokens: Sequence[int] | None, *,
                session: str | None = None, model: str | None = None, cache_salt: str | None = None,
-               l2_tokens: int = 0) -> Decision:
+               l2_tokens: int | Mapping[str | None, int] = 0) -> Decision:
         if not cands:
             raise LookupError("no replica available")
         return REGISTRY[self.check_strategy(strategy)].choose(self, RouteRequest(
@@ -118,7 +118,7 @@ class Policy:
         elig = self._eligible(req.cands)
         scored = []
         for r in elig:
-            cost = self.cost(r, n, min(hits.get(r.url, 0.0), n), req.l2_tokens)
+            cost = self.cost(r, n, min(hits.get(r.url, 0.0), n), req.l2_of(r))
             if strat.sticky and r.url == sticky:
                 cost -= self.session_bonus_frac * max(n, 1) + 1
             scored.append((cost, r))
@@ -144,7 +144,7 @@ class Policy:
             self._sessions.move_to_end(req.session)
             while len(self._sessions) > self.max_sessions:
                 self._sessions.popitem(last=False)
-        return Decision(r, reason, h, req.l2_tokens, int(n - h), keys)
+        return Decision(r, reason, h, req.l2_of(r), int(n - h), keys)
 
     def record(self, strategy: str, d: Decision) -> None:
         """Remember where this prefix went (what that means is the strategy's)."""
@@ -160,7 +160,13 @@ class RouteRequest:
     session: str | None = None
     model: str | None = None
     cache_salt: str | None = None
-    l2_tokens: int = 0
+    l2_tokens: int | Mapping[str | None, int] = 0  # one L2 hit for all, or per kv-prefix (None: the default)
+
+    def l2_of(self, r: Replica) -> int:
+        """The L2 hit replica r can load: the one under the kv-prefix its pod announces."""
+        if isinstance(self.l2_tokens, int):
+            return self.l2_tokens
+        return self.l2_tokens.get(r.kv_prefix, 0)
 
 
 class Strategy:

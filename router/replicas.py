@@ -23,6 +23,7 @@ class Replica:
     url: str  # base URL, no trailing slash
     kv_endpoint: str | None = None
     kv_replay_endpoint: str | None = None
+    kv_prefix: str | None = None  # l2fs directory of its chunks (pod annotation kvtier.io/kv-prefix); None: --l2fs-prefix
     healthy: bool = True  # optimistic until the first check says otherwise
     ejected_until: float = 0.0
     fails: int = 0  # consecutive request failures
@@ -54,12 +55,14 @@ class ReplicaSet:
         self._task: asyncio.Task[None] | None = None
         self._client: httpx.AsyncClient | None = None
 
-    def add(self, url: str, *, kv_endpoint: str | None = None, kv_replay_endpoint: str | None = None) -> Replica:
+    def add(self, url: str, *, kv_endpoint: str | None = None, kv_replay_endpoint: str | None = None,
+            kv_prefix: str | None = None) -> Replica:
         url = url.rstrip("/")
         r = self.replicas.get(url)
         if r is not None:
+            r.kv_prefix = kv_prefix  # an annotation change on a known pod
             return r
-        r = Replica(url, kv_endpoint, kv_replay_endpoint)
+        r = Replica(url, kv_endpoint, kv_replay_endpoint, kv_prefix)
         self.replicas[url] = r
         log.info("replica added: %s", url)
         for cb in self.on_added:

@@ -150,3 +150,17 @@ def test_session_bonus_and_kvaware_uses_events_and_speculation() -> None:
     p2.record("kvaware", d3)
     assert p2.choose("kvaware", rs2, fresh).replica is d3.replica
     assert isinstance(d3, Decision) and d3.l2_tokens == 0
+
+
+def test_kvaware_credits_l2_per_replica_kv_prefix():
+    """An L2 hit counts only for replicas whose announced kv-prefix holds it; no annotation = the default."""
+    p = Policy(block_size=16)
+    a, b, c = Replica("http://a", kv_prefix="/kvtier/kv/ep/rev-1"), Replica("http://b", kv_prefix="/kvtier/kv/ep/rev-2"), \
+        Replica("http://c")
+    toks = list(range(5000, 5512))
+    d = p.choose("kvaware", [a, b, c], toks, l2_tokens={"/kvtier/kv/ep/rev-2": 512, None: 0, "/kvtier/kv/ep/rev-1": 0})
+    assert d.replica is b and d.l2_tokens == 512
+    d = p.choose("kvaware", [a, b, c], list(range(6000, 6512)), l2_tokens={None: 256})
+    assert d.replica is c and d.l2_tokens == 256  # unannotated replica: the --l2fs-prefix lookup
+    d = p.choose("kvaware", [a], list(range(7000, 7512)), l2_tokens=128)  # one number: shared by all
+    assert d.l2_tokens == 128
