@@ -443,7 +443,7 @@ def start_kvtier(args: argparse.Namespace, tmp: Path, reps: list[P], strategy: s
     def one(i: int) -> P:
         return spawn([PY, "-m", "router.cli", "--port", "0", "--replicas", ",".join(r.url for r in reps),
                       "--strategy", strategy, "--block-size", str(args.block_size), *(events if kv else []),
-                      "--log-level", "warning", *extra], tmp / f"kvtier-{strategy}-{i}.log",
+                      "--log-level", "warning", "--tokenizer", "bytes", *extra], tmp / f"kvtier-{strategy}-{i}.log",
                      r"listening on (http://\S+)")
 
     rt = one(0)
