@@ -107,8 +107,8 @@ def shaper_bound(measured_bps: float, link: str | None) -> bool | None:
 def link_line(measured_bps: list[float], link: str | None, what: str) -> str:
     """One line for the report: the plain TCP throughput of the link and whether the shaper bound it."""
     med = pct(measured_bps, 50)
-    rate = link or "unshaped"
+    rate = f"link {link}" if link else ("no link" if what.startswith("loopback") else "link unshaped")
     bound = shaper_bound(med, link)
     verdict = "" if bound is None else (" -> the shaper was the bound" if bound
                                         else " -> NOT the shaper's rate: something else (CPU) was the bound")
-    return f"{what} (link {rate}): plain TCP {fmt(med / 1e9, 2)} Gbit/s p50 of {len(measured_bps)}{verdict}"
+    return f"{what} ({rate}): plain TCP {fmt(med / 1e9, 2)} Gbit/s p50 of {len(measured_bps)}{verdict}"
