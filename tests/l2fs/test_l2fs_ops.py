@@ -109,7 +109,10 @@ def test_proto_regenerates_identically(tmp_path: Path) -> None:
 def test_worker_not_ready_without_master(tmp_path: Path) -> None:
     with LocalCluster(tmp_path / "ready", workers=1, heartbeat_interval=0.2) as cl:
         w = cl.workers[0]
-        assert _http(w.metrics_port, "/readyz")[0] == 200
+        deadline = time.monotonic() + 10  # the master lists the worker a moment before the worker's
+        while _http(w.metrics_port, "/readyz")[0] != 200:  # registration call returns and marks it ready
+            assert time.monotonic() < deadline, "worker never ready with its master up"
+            time.sleep(0.1)
         cl.kill_master()
         deadline = time.monotonic() + 10
         while _http(w.metrics_port, "/readyz")[0] != 503:

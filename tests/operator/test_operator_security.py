@@ -62,7 +62,9 @@ def test_router_api_key_one_replica_tokenizer_and_event_ports(rendered: dict[str
     for target in ("router", "overlays/hyperpod-g6e"):
         docs = rendered[target]
         dep = one(docs, "Deployment", "kvtier-router")
-        assert dep["spec"]["replicas"] == 1  # routing state is per process
+        # 2 routers agree without sharing state only with --prefix-affinity (measured: docs/results.md)
+        assert dep["spec"]["replicas"] == 2
+        assert {"name": "KVTIER_ROUTER_PREFIX_AFFINITY", "value": "1"} in dep["spec"]["template"]["spec"]["containers"][0]["env"]
         spec = dep["spec"]["template"]["spec"]
         c = spec["containers"][0]
         key = env_of(c, "KVTIER_ROUTER_API_KEY")[0]["valueFrom"]["secretKeyRef"]

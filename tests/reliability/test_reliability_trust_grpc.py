@@ -18,9 +18,11 @@ from test_reliability_security import TOKEN
 
 CALLS = 16
 SIZE = 60 << 20
-# Growth allowed: what the master buffers per connection before the refusal (flow-control windows) plus
-# allocator noise; 16 calls read whole would be ~1 GiB, one call alone 60 MiB.
-BOUND = 48 << 20
+# Growth allowed: what the master buffers per connection before the refusal (HTTP/2 flow-control windows,
+# which BDP probing grows with timing) plus allocator noise: +15 MiB on a quiet box, +50 and +58 MiB seen with
+# other jobs loading it. The calls are sent together, so a regression reads all 16 (~1 GiB, as before the
+# fix: +568 MiB peak); the bound sits far below that and above the window noise.
+BOUND = 128 << 20
 BIG = [("grpc.max_send_message_length", 1 << 30), ("grpc.max_receive_message_length", 1 << 30)]
 
 
