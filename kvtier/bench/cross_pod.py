@@ -278,7 +278,9 @@ class L2Meter:
         return r.files, r.used
 
     def wait_stored(self, before: tuple[int, int], min_new_files: int, timeout: float = 30.0) -> tuple[int, int]:
-        """Wait until A's asynchronous L2 writes for this prompt landed (>= min_new_files and stable)."""
+        """Wait until A's asynchronous L2 writes for this prompt landed (>= min_new_files and stable). Files
+        are the master's namespace (immediate); used bytes are what workers said in their last heartbeat, so
+        they are awaited too, or a row would read 0 bytes and the next one this row's."""
         deadline = time.monotonic() + timeout
         last, stable_since = self.snapshot(), time.monotonic()
         while time.monotonic() < deadline:
@@ -286,7 +288,8 @@ class L2Meter:
             cur = self.snapshot()
             if cur != last:
                 last, stable_since = cur, time.monotonic()
-            elif cur[0] - before[0] >= min_new_files and time.monotonic() - stable_since > 0.3:
+            elif (cur[0] - before[0] >= min_new_files and (min_new_files == 0 or cur[1] > before[1])
+                  and time.monotonic() - stable_since > 0.3):
                 break
         return last[0] - before[0], last[1] - before[1]
 
