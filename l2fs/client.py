@@ -313,11 +313,17 @@ class Client:
             if remaining <= 0:
                 break
             i = self._current
+            # wait_for_ready: a call that fails fast never drives the reconnect, and the channel's shared
+            # subchannel came back 4.5 s (14.7 s on a loaded box) after a master restart instead of <= 1 s.
+            # With several masters, one attempt is capped so a dead one does not hold the whole deadline.
+            attempt = remaining if len(self._master_stubs) == 1 else min(remaining, self._MASTER_ATTEMPT)
             try:
-                return getattr(self._master_stubs[i], method)(request, timeout=remaining, metadata=self._md)
+                return getattr(self._master_stubs[i], method)(request, timeout=attempt, metadata=self._md,
+                                                              wait_for_ready=True)
             except grpc.RpcError as e:
                 last = e
-                if e.code() not in _TRANSIENT:
+                capped = attempt < remaining and e.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+                if e.code() not in _TRANSIENT and not capped:
                     raise _error(e) from None
                 if len(self._master_stubs) > 1:
                     self._current = (i + 1) % len(self._master_stubs)
@@ -564,6 +570,7 @@ class Client:
 
     _LOCATED_MAX = 65536
     _MASTER_PAUSE = 1.0  # seconds lookups skip the master after it was unreachable
+    _MASTER_ATTEMPT = 1.0  # seconds one call may wait for one of several masters before the next is tried
 
     def _pause_master(self) -> None:
         """The master just failed a lookup: for a moment, answer lookups from what we know, without waiting."""

@@ -59,7 +59,10 @@ class MasterLink:
             worker_id=self.worker_id, node_id=self.node_id, address=self.address,
             capacity=self.store.capacity, used=self.store.used, blocks=blocks, data_address=self.data_address,
             protocol_version=self.protocol_version, min_protocol_version=self.min_peer_version,
-            continuation=continuation), timeout=30, metadata=self._md)
+            continuation=continuation), timeout=30, metadata=self._md,
+            # waits for the master to come back: a fail-fast call does not drive gRPC's reconnect, and
+            # re-registration after a master restart took 4-15 s instead of <= 1 s (the backoff cap)
+            wait_for_ready=True)
 
     def _register(self) -> None:
         """Register and report every sealed block: in parts of REPORT_PART blocks to a protocol-2 master (one
