@@ -442,10 +442,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="workers in node network namespaces; cross node crosses a real (veth) link")
     p.add_argument("--link", default=None, metavar="RATE", help="with --netns: each node's link rate, e.g. 2gbit")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)  # an arm inside a node (--netns)
+    p.add_argument("--metadata", action="store_true",
+                   help="the master's metadata rates instead (own flags: kvtier bench l2 --metadata --help)")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--metadata" in argv:  # a different benchmark with its own flags (kvtier/bench/l2_metadata.py)
+        from kvtier.bench.l2_metadata import main as metadata_main
+
+        return metadata_main([a for a in argv if a != "--metadata"])
     args = build_parser().parse_args(argv)
     if args.child:
         print(json.dumps(child_main(json.load(sys.stdin))))

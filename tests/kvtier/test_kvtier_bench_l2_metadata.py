@@ -1,0 +1,76 @@
+"""`kvtier bench l2 --metadata`: the master-rate benchmark runs end to end on real l2fs processes, and its
+path-hash router (the several-masters prototype) answers lookups like one namespace would."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from kvtier.bench.l2_metadata import ShardRouter
+from l2fs.local import LocalCluster
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _kvtier(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "kvtier.cli", *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def test_bench_l2_metadata_quick(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    r = _kvtier("bench", "l2", "--metadata", "--quick", "--out", str(out), "--dir", str(tmp_path))
+    assert r.returncode == 0, r.stdout + r.stderr
+    summary = json.loads((out / "l2_metadata.json").read_text())["summary"]
+    [row] = summary["sizes"]
+    assert row["files"] == 400 and row["published"] == 400 and row["put_errors"] == 0 and row["stat_errors"] == 0
+    assert row["files_in_namespace"] >= 400  # the rebuilt namespace has every file again
+    for key in ("puts_per_s", "master_cpu_ms_per_put", "stat_per_s", "prefix_paths_per_s", "empty_grpc_per_s",
+                "report_rpcs_per_s", "rebuild_s"):
+        assert row[key] > 0, key
+    mib = summary["mib"]
+    for key in ("put_dataplane_gbps", "put_short_circuit_gbps", "tcp_gbps", "dataplane_vs_tcp"):
+        assert mib[key] > 0, key
+    arms = [(p["arm"], p["shards"]) for p in summary["past_one_master"]]
+    want = [("l2fs masters by path hash", 1), ("l2fs masters by path hash", 2)]
+    if shutil.which("redis-server"):
+        want.append(("redis namespace (MGET + SET NX)", 1))
+    assert arms == want
+    for p in summary["past_one_master"]:
+        assert p["published"] == 400 and p["put_errors"] == 0 and p["lookup_errors"] == 0, p
+        assert p["puts_per_s"] > 0 and p["prefix_paths_per_s"] > 0, p
+    assert summary["past_one_master"][1]["files_per_master"][0] > 0
+    assert summary["past_one_master"][1]["files_per_master"][1] > 0
+    for header in ("master CPU ms/put", "empty gRPC /s", "rebuild s", "data plane / TCP", "Past one master"):
+        assert header in r.stdout, header
+
+
+def test_shard_router_prefix_lookup(tmp_path: Path) -> None:
+    """Each master knows only its shard; the router's recombined prefix lookup stops at the first miss of the
+    whole chain whichever master owns it, and puts land on the master the hash names."""
+    with LocalCluster(tmp_path / "a", workers=1) as a, LocalCluster(tmp_path / "b", workers=1) as b:
+        router = ShardRouter([a.master, b.master], node_id="node-1")
+        try:
+            chain = [f"/kv/m/{i:04x}" for i in range(24)]
+            gap = 13
+            assert all(router.put_many([(p, b"x" * 100) for i, p in enumerate(chain) if i != gap]))
+            assert router.prefix_lookup(chain) == gap
+            assert router.prefix_lookup(chain[:gap]) == gap
+            assert router.put_many([(chain[gap], b"x")]) == [True]
+            assert router.prefix_lookup(chain) == len(chain)
+            assert router.prefix_lookup(["/kv/m/absent"] + chain) == 0
+            owners = [router.shard(p) for p in chain]
+            assert {0, 1} <= set(owners)
+            with a.client() as ca, b.client() as cb:
+                assert ca.report().files == owners.count(0) and cb.report().files == owners.count(1)
+                assert all((ca if s == 0 else cb).exists(p) for p, s in zip(chain, owners, strict=True))
+        finally:
+            router.close()
+
+
+def test_bench_l2_metadata_bad_input() -> None:
+    r = _kvtier("bench", "l2", "--metadata", "--files", "abc", timeout=60)
+    assert r.returncode == 2 and "comma-separated integers" in r.stderr
