@@ -3,6 +3,10 @@
 What must hold: no client call outlives its deadline; every failure is a miss (None
 or an l2fs error, never wrong bytes); no torn object is ever visible; the master drops the dead worker
 within its heartbeat timeout; a restarted worker re-reports its persisted blocks and they read back whole.
+
+These stay on loopback on purpose: SIGKILL and SIGSTOP are process faults (a dead or frozen worker whose
+kernel still holds or resets its sockets), not link faults. A node that becomes unreachable (its link down,
+a partition) is tested on a network-namespace cluster in test_reliability_network.py.
 """
 
 from __future__ import annotations
