@@ -9,7 +9,8 @@ by bytes (issue 17). One run prints, with the load average next to each figure:
    8 threads, master RSS per file, rebuild time after kill -9 of the master, and the loopback RPC floor of
    the same run: an empty gRPC unary call to a trivial server and the master's cheapest call (Report),
    both from 8 threads;
-2. 1 MiB puts (`put_many`, data plane and short-circuit) next to a loopback TCP stream of the same bytes;
+2. 1 MiB puts (`put_many`, data plane and short-circuit) next to the same bytes as 16 MiB puts over the data
+   plane and as a loopback TCP stream;
 3. past one master (--shards, default 1,2,4): N independent masters (each with its own 2 workers on
    node-1/node-2), the clients routing by path hash (`ShardRouter`: put_many split per shard in parallel,
    prefix lookups fanned out and recombined), and the namespace ops a put costs the master done on a
@@ -288,28 +289,36 @@ def run_size(cluster: LocalCluster, files: int, batch: int, seconds: float) -> d
     return out
 
 
+BIG = 16 * MIB
+
+
 def run_mib(cluster: LocalCluster, count: int, batch: int) -> dict[str, Any]:
-    """1 MiB objects through put_many (a node without a worker: the data plane; node-1: short-circuit) and a
+    """1 MiB objects through put_many (a node without a worker: the data plane; node-1: short-circuit), the
+    same bytes as 16 MiB objects over the data plane (its byte limit once metadata is amortized) and a
     loopback TCP stream of the same bytes in 1 MiB messages, in the same run."""
     from kvtier.bench.l2 import tcp_stream_gbps
 
     out: dict[str, Any] = {"objects": count, "batch": batch}
-    data = os.urandom(MIB)
-    for key, node in (("dataplane", "bench-elsewhere"), ("short_circuit", cluster.workers[0].node_id)):
+    arms = (("dataplane", "bench-elsewhere", MIB, batch), ("short_circuit", cluster.workers[0].node_id, MIB, batch),
+            ("dataplane_16mib", "bench-elsewhere", BIG, 1))
+    for key, node, size, per_call in arms:
+        data = os.urandom(size)
+        n = max(1, count * MIB // size)
         with cluster.client(node_id=node, timeout=60.0) as c:
             c.put(f"/bench-mib/{key}/warmup", data)
-            paths = [f"/bench-mib/{key}/{os.getpid()}-{i}" for i in range(count)]
+            paths = [f"/bench-mib/{key}/{os.getpid()}-{i}" for i in range(n)]
             t0 = time.perf_counter()
             done = 0
-            for i in range(0, count, batch):
-                done += sum(1 for r in c.put_many([(p, data) for p in paths[i:i + batch]]) if r)
-            out[f"put_{key}_gbps"] = round(done * MIB / (time.perf_counter() - t0) / 1e9, 3)
+            for i in range(0, n, per_call):
+                done += sum(1 for r in c.put_many([(p, data) for p in paths[i:i + per_call]]) if r)
+            out[f"put_{key}_gbps"] = round(done * size / (time.perf_counter() - t0) / 1e9, 3)
             for p in paths:
                 c.rm(p)
     per = tcp_stream_gbps(MIB, count)
     out["tcp_gbps"] = round(count / sum(1 / g for g in per), 3)  # all the bytes / all the time
     out["dataplane_vs_tcp"] = round(out["put_dataplane_gbps"] / out["tcp_gbps"], 3)
     out["short_circuit_vs_tcp"] = round(out["put_short_circuit_gbps"] / out["tcp_gbps"], 3)
+    out["dataplane_vs_16mib"] = round(out["put_dataplane_gbps"] / out["put_dataplane_16mib_gbps"], 3)
     out["load"] = _load()
     return out
 
@@ -458,11 +467,14 @@ def report(rows: list[dict[str, Any]], mib: dict[str, Any] | None, past: list[di
                        "2 workers (RPC floor: empty gRPC call to a trivial server, and Report, 8 threads)")]
     if mib:
         out.append(table(["1 MiB objects", "put_many data plane GB/s", "put_many short-circuit GB/s",
-                          "loopback TCP GB/s", "data plane / TCP", "short-circuit / TCP", "load"],
+                          "16 MiB puts data plane GB/s", "loopback TCP GB/s", "data plane / TCP",
+                          "short-circuit / TCP", "1 MiB / 16 MiB (data plane)", "load"],
                          [[fmt(mib["objects"]), fmt(mib["put_dataplane_gbps"], 3),
-                           fmt(mib["put_short_circuit_gbps"], 3), fmt(mib["tcp_gbps"], 3),
-                           fmt(mib["dataplane_vs_tcp"], 2), fmt(mib["short_circuit_vs_tcp"], 2), fmt(mib["load"])]],
-                         title="1 MiB puts vs a loopback TCP stream of the same bytes (same run)"))
+                           fmt(mib["put_short_circuit_gbps"], 3), fmt(mib["put_dataplane_16mib_gbps"], 3),
+                           fmt(mib["tcp_gbps"], 3), fmt(mib["dataplane_vs_tcp"], 2),
+                           fmt(mib["short_circuit_vs_tcp"], 2), fmt(mib["dataplane_vs_16mib"], 2), fmt(mib["load"])]],
+                         title=f"1 MiB puts (put_many, batches of {mib['batch']}) vs the same bytes as 16 MiB puts "
+                               "and as a loopback TCP stream (same run)"))
     if past:
         out.append(table(["arm", "masters", "files", "puts/s (4 procs)", "namespace CPU ms/put", "prefix paths/s",
                           "errors", "load put/lookup"],

@@ -32,7 +32,8 @@ def test_bench_l2_metadata_quick(tmp_path: Path) -> None:
                 "report_rpcs_per_s", "rebuild_s"):
         assert row[key] > 0, key
     mib = summary["mib"]
-    for key in ("put_dataplane_gbps", "put_short_circuit_gbps", "tcp_gbps", "dataplane_vs_tcp"):
+    for key in ("put_dataplane_gbps", "put_short_circuit_gbps", "put_dataplane_16mib_gbps", "tcp_gbps",
+                "dataplane_vs_tcp", "dataplane_vs_16mib"):
         assert mib[key] > 0, key
     arms = [(p["arm"], p["shards"]) for p in summary["past_one_master"]]
     want = [("l2fs masters by path hash", 1), ("l2fs masters by path hash", 2)]
