@@ -275,6 +275,11 @@ def cleanup(*, force: bool = False, prefix: str | None = None) -> list[str]:
     return removed
 
 
+def clusters() -> dict[str, bool]:
+    """Our clusters on this machine by prefix, and whether each one's launcher is still alive."""
+    return {p: _owner_alive(_read_state(p)) for p in _our_namespaces()}
+
+
 def netem_available(netns: str) -> bool:
     """Whether the kernel has the netem qdisc (per-packet delay/loss), probed on the namespace's loopback."""
     r = _run(["tc", "-n", netns, "qdisc", "add", "dev", "lo", "root", "netem", "delay", "1ms"], check=False)
@@ -531,7 +536,7 @@ class NetnsCluster:
         """A namespace by object, 1-based node index, "ctl" or node name ("node-2")."""
         if isinstance(where, Namespace):
             return where
-        if isinstance(where, int):
+        if isinstance(where, int) and 1 <= where <= len(self.nodes):
             return self.nodes[where - 1]
         for n in self.namespaces:
             if where in (n.name, n.netns):
@@ -618,6 +623,25 @@ class NetnsCluster:
         na, nb = self.ns(a), self.ns(b)
         for x, y in ((na, nb), (nb, na)):
             _run(["ip", "-n", x.netns, "route", "del", f"{y.addr}/32"], check=False)
+
+    def fault_state(self) -> dict[str, dict[str, Any]]:
+        """What is cut right now, per namespace: its address, and for a node its rate and whether its link is
+        up; `cut_from`: the namespaces it holds a partition route to (works on an attached handle too)."""
+        by_addr = {ns.addr: ns.name for ns in self.namespaces}
+        out: dict[str, dict[str, Any]] = {}
+        for ns in self.namespaces:
+            st: dict[str, Any] = {"addr": ns.addr}
+            if ns is not self.ctl:
+                link = json.loads(_run(["ip", "-n", ns.netns, "-j", "link", "show", "dev", ns.iface]).stdout)[0]
+                st.update(rate=self.rates[ns.name], link="up" if "UP" in link.get("flags", []) else "down")
+            cut = []
+            for kind in ("blackhole", "prohibit", "unreachable"):
+                for line in _run(["ip", "-n", ns.netns, "route", "show", "type", kind]).stdout.splitlines():
+                    addr = line.split()[1].removesuffix("/32") if len(line.split()) > 1 else ""
+                    cut.append(f"{by_addr.get(addr, addr)} ({kind})")
+            st["cut_from"] = cut
+            out[ns.name] = st
+        return out
 
     def link_stats(self, where: Where) -> dict[str, int]:
         """Byte/packet counters of a node's eth0 (rx = received by the node), from `ip -s -j link`."""
@@ -775,8 +799,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     dn.add_argument("prefix")
     ch = sub.add_parser("chaos", help="inject a fault into a running cluster")
     ch.add_argument("prefix", help="the cluster's prefix, e.g. kvt1a2b3c (see `l2fs netns list`)")
-    ch.add_argument("fault", choices=["link-down", "link-up", "rate", "partition", "heal", "kill", "stop",
-                                      "cont"])
+    ch.add_argument("fault", choices=CHAOS_FAULTS)
     ch.add_argument("node", help="node-K (or K)")
     ch.add_argument("arg", nargs="?", help="rate: RATE or none; partition/heal: the other node")
     ch.add_argument("--kind", default="blackhole", help="partition: blackhole (drop) or prohibit (refuse)")
@@ -823,32 +846,46 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-def _chaos(args: Any) -> int:
-    """`l2fs netns chaos PREFIX FAULT NODE [ARG]` on a cluster held by another launcher."""
-    c = NetnsCluster.attach(args.prefix)
+CHAOS_FAULTS = ("link-down", "link-up", "rate", "partition", "heal", "kill", "stop", "cont")
 
-    def node(text: str | None) -> Namespace:
+
+def chaos(c: NetnsCluster, fault: str, node: str, arg: str | None = None, *, kind: str = "blackhole",
+          match: str | None = None) -> tuple[bool, str]:
+    """One fault on a (usually attached) cluster: the code behind `l2fs netns chaos` and `kvtier chaos`.
+
+    node: node-K, K, or ctl where it makes sense (partition/heal: the control namespace = master, router);
+    arg: rate: RATE or none; partition/heal: the other namespace. kill/stop/cont signal the node's processes
+    whose command line contains match (all of them when None). Returns (something was done, message)."""
+    def ns(text: str | None) -> Namespace:
         if text is None:
-            raise NetnsError(f"{args.fault} needs a second node")
+            raise NetnsError(f"{fault} needs a second node (node-K or ctl)")
         return c.ns(int(text) if text.isdigit() else text)
 
-    n = node(args.node)
-    if args.fault == "link-down":
+    if fault not in CHAOS_FAULTS:
+        raise NetnsError(f"unknown fault {fault!r}; one of {', '.join(CHAOS_FAULTS)}")
+    n = ns(node)
+    if fault == "link-down":
         c.link_down(n)
-    elif args.fault == "link-up":
+    elif fault == "link-up":
         c.link_up(n)
-    elif args.fault == "rate":
-        if args.arg is None:
+    elif fault == "rate":
+        if arg is None:
             raise NetnsError("rate needs RATE (e.g. 50mbit) or none")
-        c.set_rate(n, None if args.arg == "none" else args.arg)
-    elif args.fault == "partition":
-        c.partition(n, node(args.arg), kind=args.kind)
-    elif args.fault == "heal":
-        c.heal(n, node(args.arg))
+        c.set_rate(n, None if arg == "none" else arg)
+    elif fault == "partition":
+        c.partition(n, ns(arg), kind=kind)
+    elif fault == "heal":
+        c.heal(n, ns(arg))
     else:
-        sig = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP, "cont": signal.SIGCONT}[args.fault]
-        pids = c.signal_pids(n, sig, args.match)
-        print(f"{args.fault}: {' '.join(map(str, pids)) or 'no process matched'}")
-        return 0 if pids else 1
-    print(f"{args.fault} {n.name}{' ' + args.arg if args.arg else ''}: done")
-    return 0
+        sig = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP, "cont": signal.SIGCONT}[fault]
+        pids = c.signal_pids(n, sig, match)
+        return bool(pids), f"{fault} {n.name}: {' '.join(map(str, pids)) or 'no process matched'}"
+    return True, f"{fault} {n.name}{' ' + arg if arg else ''}: done"
+
+
+def _chaos(args: Any) -> int:
+    """`l2fs netns chaos PREFIX FAULT NODE [ARG]` on a cluster held by another launcher."""
+    done, message = chaos(NetnsCluster.attach(args.prefix), args.fault, args.node, args.arg, kind=args.kind,
+                          match=args.match)
+    print(message)
+    return 0 if done else 1

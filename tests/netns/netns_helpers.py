@@ -4,12 +4,17 @@ test process that live in the cluster's namespaces (no subprocess start-up per p
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
 from l2fs.netns import NetnsCluster, NetnsError, Where, check_host
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def require_host() -> None:
@@ -66,8 +71,6 @@ def wait_reaches(c: NetnsCluster, where: Where, target: tuple[str, int], timeout
 
 def host_net() -> dict[str, str]:
     """The host's own interfaces and routes (v4 and v6), to show a cluster leaves them alone."""
-    import subprocess
-
     out = {}
     for key, argv in {"links": ["ip", "-o", "link", "show"], "route4": ["ip", "-4", "route", "show", "table", "all"],
                       "route6": ["ip", "-6", "route", "show", "table", "all"],
@@ -76,3 +79,25 @@ def host_net() -> dict[str, str]:
         # address lifetimes and route expiry tick down on their own (DHCP, router adverts): not ours
         out[key] = re.sub(r"(valid_lft|preferred_lft|expires) \S+", r"\1 -", text)
     return out
+
+
+def wait_line(proc: subprocess.Popen[str], pattern: str, seen: list[str], timeout: float = 60) -> re.Match[str]:
+    """Read the launcher's stdout until a line matches (all lines kept in seen, for the failure message)."""
+    deadline = time.monotonic() + timeout
+    assert proc.stdout is not None
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        seen.append(line)
+        m = re.search(pattern, "".join(seen), re.S)
+        if m:
+            return m
+    raise AssertionError(f"no {pattern!r} in the launcher's output: {''.join(seen)}")
+
+
+def launch_local(tmp_path: Path, workers: int) -> subprocess.Popen[str]:
+    """`l2fs local --netns` in its own session (so the test can signal its whole group)."""
+    return subprocess.Popen([sys.executable, "-m", "l2fs.cli", "local", "--netns", "--workers", str(workers),
+                             "--dir", str(tmp_path / "l2fs")], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)

@@ -8,11 +8,10 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
-from netns_helpers import require_host
+from netns_helpers import launch_local, require_host, wait_line
 
 from l2fs.netns import NETNS_DIR, NetnsCluster
 
@@ -20,35 +19,13 @@ ROOT = Path(__file__).resolve().parents[2]
 PY = [sys.executable, "-m", "l2fs.cli"]
 
 
-def _wait_line(proc: subprocess.Popen[str], pattern: str, seen: list[str], timeout: float = 60) -> re.Match[str]:
-    """Read the launcher's stdout until a line matches (all lines kept in seen, for the failure message)."""
-    deadline = time.monotonic() + timeout
-    assert proc.stdout is not None
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            break
-        seen.append(line)
-        m = re.search(pattern, "".join(seen), re.S)
-        if m:
-            return m
-    raise AssertionError(f"no {pattern!r} in the launcher's output: {''.join(seen)}")
-
-
-def _launch(tmp_path: Path, workers: int) -> subprocess.Popen[str]:
-    """`l2fs local --netns` in its own session (so the test can signal its whole group)."""
-    return subprocess.Popen([*PY, "local", "--netns", "--workers", str(workers), "--dir", str(tmp_path / "l2fs")],
-                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-
-
 @pytest.mark.timeout(180)
 def test_l2fs_local_netns_node2_reads_node1_over_the_link(tmp_path: Path) -> None:
     require_host()
-    proc = _launch(tmp_path, 2)
+    proc = launch_local(tmp_path, 2)
     seen: list[str] = []
     try:
-        m = _wait_line(proc, r"master (\S+) .*namespaces (kvt[0-9a-f]{6})-\*.*Ctrl-C stops", seen)
+        m = wait_line(proc, r"master (\S+) .*namespaces (kvt[0-9a-f]{6})-\*.*Ctrl-C stops", seen)
         master, prefix = m.group(1), m.group(2)
         c = NetnsCluster.attach(prefix)
         assert master.startswith(c.ctl.addr + ":"), "the master is not bound to the control address"
@@ -85,10 +62,10 @@ def test_link_without_netns_is_refused() -> None:
 def test_l2fs_local_cleanup_removes_a_crashed_launchers_cluster(tmp_path: Path) -> None:
     """A launcher SIGKILLed while it holds namespaces: `l2fs local --cleanup` removes them."""
     require_host()
-    proc = _launch(tmp_path, 1)
+    proc = launch_local(tmp_path, 1)
     seen: list[str] = []
     try:
-        prefix = _wait_line(proc, r"namespaces (kvt[0-9a-f]{6})-\*", seen).group(1)
+        prefix = wait_line(proc, r"namespaces (kvt[0-9a-f]{6})-\*", seen).group(1)
     finally:
         os.killpg(proc.pid, signal.SIGKILL)  # the launcher and the l2fs processes of its group
         proc.wait(timeout=30)
