@@ -53,6 +53,7 @@ class RouterConfig:
     max_body_bytes: int = 8 << 20
     health_interval: float = 2.0
     health_timeout: float = 1.0
+    load_scrape_interval: float = 1.0  # read each replica's vLLM load gauges this often (0: off); replicas.py
     connect_timeout: float = 2.0
     upstream_timeout: float = 600.0  # max wait for the first byte / between bytes
     retries: int = 2
@@ -171,7 +172,7 @@ class Router:
         self._tok_next = 0  # round-robin over the replicas for /tokenize
         self._tok_headers = {"authorization": f"Bearer {cfg.upstream_api_key}"} if cfg.upstream_api_key else {}
         self.replicas = ReplicaSet(health_interval=cfg.health_interval, health_timeout=cfg.health_timeout,
-                                   api_key=cfg.upstream_api_key)
+                                   api_key=cfg.upstream_api_key, scrape_interval=cfg.load_scrape_interval)
         self.subs: dict[str, KVEventSubscriber] = {}
         self.client: aiohttp.ClientSession | None = None
         self.replicas.on_added.append(self._added)
@@ -608,7 +609,8 @@ class Router:
 
     def health(self) -> JSONResponse:
         reps = [{"url": r.url, "up": r.available, "inflight": r.inflight, "prefill_tokens": r.prefill_tokens,
-                 "served": r.served} for r in self.replicas.replicas.values()]
+                 "served": r.served, "external_running": r.ext_running, "external_waiting": r.ext_waiting}
+                for r in self.replicas.replicas.values()]
         up = any(r["up"] for r in reps)
         return JSONResponse({"status": "ok" if up else "no_replicas", "replicas": reps,
                              "strategies": list(STRATEGIES), "default_strategy": self.cfg.strategy},
@@ -617,6 +619,9 @@ class Router:
     def metrics(self) -> Response:
         self.m.kv_blocks.set(len(self.policy.kv))
         self.m.tree_blocks.set(len(self.policy.tree))
+        for r in self.replicas.replicas.values():
+            self.m.external.labels(r.url, "running").set(r.ext_running)
+            self.m.external.labels(r.url, "waiting").set(r.ext_waiting)
         for url, sub in self.subs.items():
             if sub.stats.lag_s:
                 self.m.kv_lag.labels(url).set(sub.stats.lag_s[-1])

@@ -44,6 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-body-bytes", type=int, default=8 << 20)
     p.add_argument("--health-interval", type=float, default=2.0)
     p.add_argument("--health-timeout", type=float, default=1.0)
+    p.add_argument("--load-scrape-interval", type=float, default=1.0,
+                   help="seconds between reads of each replica's /metrics (vllm:num_requests_running/waiting), so "
+                        "load other routers sent counts in routing; 0 = only this router's own in-flight counts")
     p.add_argument("--connect-timeout", type=float, default=2.0)
     p.add_argument("--upstream-timeout", type=float, default=600.0,
                    help="seconds to wait for a replica's first byte (and between bytes)")
@@ -112,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
         if f and not os.path.isfile(f):
             print(f"kvtier router: TLS file {f!r} not found", file=sys.stderr)
             return 2
-    for flag in ("max_inflight", "max_inflight_per_replica", "max_queue", "queue_timeout"):
+    for flag in ("max_inflight", "max_inflight_per_replica", "max_queue", "queue_timeout", "load_scrape_interval"):
         if getattr(args, flag) < 0:
             print(f"kvtier router: --{flag.replace('_', '-')} must be >= 0", file=sys.stderr)
             return 2
@@ -148,6 +151,7 @@ def main(argv: list[str] | None = None) -> int:
         replicas=replicas, strategy=args.strategy, tokenizer=args.tokenizer, block_size=args.block_size,
         api_key=args.api_key, upstream_api_key=args.upstream_api_key, max_body_bytes=args.max_body_bytes,
         health_interval=args.health_interval, health_timeout=args.health_timeout,
+        load_scrape_interval=args.load_scrape_interval,
         connect_timeout=args.connect_timeout, upstream_timeout=args.upstream_timeout, retries=args.retries,
         load_epsilon=args.load_epsilon, decode_beta=args.decode_beta, prefix_affinity=args.prefix_affinity, session_header=args.session_header.lower(),
         kv_endpoints=[x or None for x in kv], kv_replay_endpoints=[x or None for x in _split(args.kv_replay)],

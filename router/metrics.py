@@ -36,6 +36,9 @@ class Metrics:
         self.inflight = Gauge("kvtier_router_inflight", "In-flight requests per replica", ["replica"], registry=r)
         self.inflight_prefill = Gauge("kvtier_router_inflight_prefill_tokens", "Admitted uncached prefill tokens",
                                       ["replica"], registry=r)
+        self.external = Gauge("kvtier_router_replica_external_requests",
+                              "Other routers' requests on a replica (its vLLM load gauges minus ours, last scrape)",
+                              ["replica", "state"], registry=r)
         self.queue_depth = Gauge("kvtier_router_queue_depth", "Requests waiting in the admission queue", registry=r)
         self.queue_depth_max = Gauge("kvtier_router_queue_depth_max", "Highest admission queue depth seen",
                                      registry=r)

@@ -1,11 +1,14 @@
 """Routing decisions: one cost for every cache-aware strategy, a bounded-load cap and random tie-break.
 
 cost(r) = uncached_prefill_tokens(r) + inflight_prefill_tokens(r) + beta * active_decode_tokens(r)
-          - session_bonus(r)
+          + n * (ext_waiting(r) + beta * ext_running(r)) - session_bonus(r)
+
+The ext_* terms are other routers' requests on r (scraped from the replica's own metrics, see
+router/replicas.py); we do not know their sizes, so each counts as one request of this one's size n.
 
 uncached(r) = n - hit(r) - l2_credit * max(0, l2_hit - hit(r)): blocks in a replica's L0/L1 are free, blocks
 only in L2 (reachable by every replica) are cheaper than recompute but not free. A replica is eligible only
-while its in-flight count stays under ceil((1+eps) * mean after admission) (bounded-load hashing), so a hot
+while its load (ours + other routers') stays under ceil((1+eps) * mean after admission) (bounded-load hashing), so a hot
 shared prompt can never pin all traffic to one replica; affinity yields, it is a score, not a pin.
 
 One class per strategy (REGISTRY, names from kvtier.contract.STRATEGIES): a cache-aware strategy only says
@@ -77,9 +80,9 @@ class Policy:
         return name
 
     def _eligible(self, cands: Sequence[Replica]) -> list[Replica]:
-        total = sum(r.inflight for r in cands) + 1
+        total = sum(r.load for r in cands) + 1
         cap = math.ceil((1 + self.load_epsilon) * total / len(cands))
-        ok = [r for r in cands if r.inflight < cap]
+        ok = [r for r in cands if r.load < cap]
         return ok or list(cands)
 
     def _pick_min(self, scored: list[tuple[float, Replica]]) -> Replica:
@@ -97,7 +100,8 @@ class Policy:
     def cost(self, r: Replica, n: int, hit: float, l2_tokens: int) -> float:
         """The one cost every cache-aware strategy minimises (see the module docstring)."""
         uncached = n - hit - self.l2_credit * max(0.0, l2_tokens - hit)
-        return uncached + r.prefill_tokens + self.decode_beta * r.decode_tokens
+        ext = n * (r.ext_waiting + self.decode_beta * r.ext_running)
+        return uncached + r.prefill_tokens + self.decode_beta * r.decode_tokens + ext
 
     def choose(self, strategy: str, cands: Sequence[Replica], tokens: Sequence[int] | None, *,
                session: str | None = None, model: str | None = None, cache_salt: str | None = None,

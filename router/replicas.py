@@ -1,7 +1,11 @@
 """Replica set: membership (static or discovered), health, passive ejection and the router's own load counters.
 
-Load is what this router has admitted and not finished (tracked at admit, first byte and finish), not
-scraped metrics: scrapes are seconds stale, and concurrent bursts would all see the same old numbers.
+Load has two parts. What this router has admitted and not finished (tracked at admit, first byte and finish)
+is exact and fresh: concurrent bursts see each other at once. What OTHER routers sent is derived from the
+replica itself: every `scrape_interval` we read vLLM's `vllm:num_requests_running` / `vllm:num_requests_waiting`
+from its /metrics and subtract what we had in flight there at that moment; the rest is everyone else's
+(`Replica.ext_running` / `ext_waiting`). So N routers see the same load without sharing any state; that part
+is a scrape old, which is fine for load that other routers hold for seconds.
 """
 
 from __future__ import annotations
@@ -32,20 +36,59 @@ class Replica:
     prefill_tokens: int = 0  # uncached prompt tokens admitted and not yet at first byte
     decode_tokens: int = 0  # context tokens of requests past first byte and not finished
     served: int = 0
+    ext_running: float = 0.0  # other routers' requests running on it (scraped, see the module docstring)
+    ext_waiting: float = 0.0  # other routers' requests queued in it
+    scraped_at: float = 0.0  # monotonic time of the last good scrape (0: never)
     meta: dict[str, str] = field(default_factory=dict)
 
     @property
     def available(self) -> bool:
         return self.healthy and time.monotonic() >= self.ejected_until
 
+    @property
+    def load(self) -> float:
+        """Requests on this replica: ours (exact, now) plus other routers' (from its last scrape)."""
+        return self.inflight + self.ext_running + self.ext_waiting
+
+    def scraped(self, running: float, waiting: float, own: int) -> None:
+        """Record one /metrics reading; `own` = our in-flight count when it was taken. The engine counts our
+        requests too; the surplus is other routers'. Requests we have admitted but not yet delivered make
+        `own` too large for a moment: clamped at 0, never negative load. Waiting ones are others' first."""
+        ext = max(0.0, running + waiting - own)
+        self.ext_waiting = min(waiting, ext)
+        self.ext_running = ext - self.ext_waiting
+        self.scraped_at = time.monotonic()
+
+
+RUNNING, WAITING = "vllm:num_requests_running", "vllm:num_requests_waiting"
+
+
+def parse_load(text: str) -> tuple[float, float] | None:
+    """(running, waiting) summed over label sets (one per engine / model) from a Prometheus text page;
+    None when the page has neither (not a vLLM: no load signal, not zero load)."""
+    got = {RUNNING: 0.0, WAITING: 0.0}
+    seen = False
+    for line in text.splitlines():
+        if not line.startswith("vllm:num_requests_"):
+            continue
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in got:
+            try:
+                got[name] += float(line.rsplit(" ", 1)[1])
+                seen = True
+            except (ValueError, IndexError):
+                continue
+    return (got[RUNNING], got[WAITING]) if seen else None
+
 
 class ReplicaSet:
     """All known replicas; the `on_*` callbacks keep indexes and subscribers in step with membership."""
 
     def __init__(self, *, health_interval: float = 2.0, health_timeout: float = 1.0, eject_seconds: float | None = None,
-                 api_key: str | None = None) -> None:
+                 api_key: str | None = None, scrape_interval: float = 0.0) -> None:
         self.replicas: dict[str, Replica] = {}
         self.health_interval = health_interval
+        self.scrape_interval = scrape_interval  # 0: no scraping, only this router's own load counts
         self.health_timeout = health_timeout
         self.eject_seconds = eject_seconds if eject_seconds is not None else health_interval
         self.on_added: list[Callable[[Replica], None]] = []
@@ -53,6 +96,8 @@ class ReplicaSet:
         self.on_down: list[Callable[[Replica], None]] = []
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._task: asyncio.Task[None] | None = None
+        self._scrape_task: asyncio.Task[None] | None = None
+        self.scrape_errors = 0
         self._client: httpx.AsyncClient | None = None
 
     def add(self, url: str, *, kv_endpoint: str | None = None, kv_replay_endpoint: str | None = None,
@@ -130,14 +175,42 @@ class ReplicaSet:
                 await self.check_all()
             await asyncio.sleep(self.health_interval)
 
+    async def scrape(self, r: Replica) -> None:
+        """One /metrics read of r; a failure or a page without vLLM's load gauges leaves the old reading,
+        which expires after 3 intervals (then other routers' load counts as 0 again: we know nothing)."""
+        assert self._client is not None
+        own = r.inflight  # taken before the read: requests that finish meanwhile only make `own` larger
+        try:
+            resp = await self._client.get(r.url + "/metrics", timeout=self.health_timeout, headers=self._headers)
+            got = parse_load(resp.text) if resp.status_code == 200 else None
+        except (httpx.HTTPError, OSError):
+            got = None
+        if got is not None:
+            r.scraped(got[0], got[1], min(own, r.inflight))
+            return
+        self.scrape_errors += 1
+        if r.scraped_at and time.monotonic() - r.scraped_at > 3 * self.scrape_interval:
+            r.ext_running = r.ext_waiting = 0.0
+            r.scraped_at = 0.0
+
+    async def _scrape_loop(self) -> None:
+        while True:
+            with contextlib.suppress(Exception):
+                await asyncio.gather(*(self.scrape(r) for r in list(self.replicas.values()) if r.available))
+            await asyncio.sleep(self.scrape_interval)
+
     def start(self) -> None:
         self._client = httpx.AsyncClient(limits=httpx.Limits(max_connections=64))
-        self._task = asyncio.get_running_loop().create_task(self._loop(), name="health")
+        loop = asyncio.get_running_loop()
+        self._task = loop.create_task(self._loop(), name="health")
+        if self.scrape_interval > 0:
+            self._scrape_task = loop.create_task(self._scrape_loop(), name="load-scrape")
 
     async def stop(self) -> None:
-        if self._task:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        for task in (self._task, self._scrape_task):
+            if task:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         if self._client:
             await self._client.aclose()

@@ -107,7 +107,7 @@ class Engine:
         self.prefill_lock = asyncio.Lock()
         self.fault = args.fault
         self.stats = {"requests": 0, "completed": 0, "cancelled": 0, "prompt_tokens": 0, "cached_tokens": 0,
-                      "inflight": 0, "max_inflight": 0, "tokenize": 0}
+                      "inflight": 0, "max_inflight": 0, "tokenize": 0, "waiting": 0}
         self.request_ids: list[str] = []
         self.pub: Publisher | None = None
         self.seed = hashlib.sha256(args.hash_seed.encode()).digest()
@@ -192,8 +192,12 @@ def create_app(args: argparse.Namespace) -> FastAPI:
     @app.get("/metrics")
     async def metrics() -> Response:
         s = eng.stats
-        return PlainTextResponse(f"vllm:prefix_cache_queries_total {s['prompt_tokens']}\n"
-                                 f"vllm:prefix_cache_hits_total {s['cached_tokens']}\n")
+        # vLLM's names: the router derives other routers' load from the two request gauges
+        lbl = f'{{engine="0",model_name="{args.model}"}}'
+        return PlainTextResponse(f"vllm:prefix_cache_queries_total{lbl} {s['prompt_tokens']}\n"
+                                 f"vllm:prefix_cache_hits_total{lbl} {s['cached_tokens']}\n"
+                                 f"vllm:num_requests_running{lbl} {s['inflight'] - s['waiting']}.0\n"
+                                 f"vllm:num_requests_waiting{lbl} {s['waiting']}.0\n")
 
     @app.get("/admin/stats")
     async def stats() -> Response:
@@ -258,9 +262,16 @@ def create_app(args: argparse.Namespace) -> FastAPI:
         cid = f"cmpl-{uuid.uuid4().hex}"
 
         async def prefill() -> int:
-            async with eng.prefill_lock:
+            s["waiting"] += 1  # queued for the one compute engine (vLLM's "waiting")
+            try:
+                await eng.prefill_lock.acquire()
+            finally:
+                s["waiting"] -= 1
+            try:
                 cached = await eng.admit(tokens)
                 await asyncio.sleep((len(tokens) - cached) * args.prefill_us_per_token / 1e6)
+            finally:
+                eng.prefill_lock.release()
             s["prompt_tokens"] += len(tokens)
             s["cached_tokens"] += cached
             return cached
