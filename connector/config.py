@@ -4,6 +4,8 @@
                           [--chunk-size 256] [--out lmcache.yaml] [--format yaml|env|args|all|json]
                           [--device cuda|cpu] [--tensor-parallel-size N] [--dtype auto|bfloat16|float16|float32]
                           [--host 0.0.0.0] [--model-path DIR | --model-revision R] [--namespace ENDPOINT]
+                          [--kv-salt-file PATH]   # or env KVTIER_KV_SALT_FILE / KVTIER_KV_SALT
+    kvtier lmcache-config salt-secret --name N [--namespace NS]   # a new endpoint KV-salt Secret (YAML)
     kvtier lmcache-config check --l2fs-master H:P --model M   # key-compat records, exit 1 on mismatch
 
 Why one place: every replica that should share L2 must agree on chunk size, hash algorithm, PYTHONHASHSEED,
@@ -20,6 +22,10 @@ imported for that. `gpu_plan` assigns GPUs to the replicas of one machine.
 Revisions: with `--model-path` (hashed, connector.revision) or `--model-revision`, or when `--model` is a
 local directory, chunks go under <prefix>/<namespace>/<revision> (kvtier.contract.revision_prefix) and the
 revision is recorded in the key-compat fingerprint: different weights never share a chunk.
+
+Tenant isolation: with a KV salt (`--kv-salt-file`, else env KVTIER_KV_SALT_FILE / KVTIER_KV_SALT) the chunks
+go one level deeper, under <prefix>[/<namespace>/<revision>]/salt@<hmac> (kvtier.contract.salted_prefix), in
+both L2 modes; only holders of the salt (the endpoint's replicas and the router) can compute its chunk paths.
 """
 
 from __future__ import annotations
@@ -120,11 +126,12 @@ def resolve_revision(model: str | None = None, *, model_path: str | Path | None 
 def lmcache_config(*, chunk_size: int = contract.CHUNK_SIZE, l1_gb: float = 2.0, l2fs_master: str | None = None,
                    mount_path: str | None = None, node_id: str | None = None, prefix: str = DEFAULT_PREFIX,
                    l2_timeout: float = 1.0, extra: dict[str, Any] | None = None, model_revision: str = "",
-                   namespace: str = "") -> dict[str, Any]:
+                   namespace: str = "", salt: bytes | str | None = None) -> dict[str, Any]:
     """The LMCache (in-process, LMCacheConnectorV1) config as a dict (dump it as YAML).
 
     A `model_revision` puts the chunks under <prefix>/<namespace>/<revision> (both modes) and, in plugin
-    mode, tells the connector the revision for its key-compat fingerprint."""
+    mode, tells the connector the revision for its key-compat fingerprint. A `salt` (tenant isolation)
+    moves them into that directory's salt@<hmac> subdirectory; None/empty keeps today's paths."""
     if l2fs_master and mount_path:
         raise ValueError("choose one L2: --l2fs-master or --mount, not both")
     if chunk_size <= 0 or l1_gb <= 0:
@@ -140,7 +147,7 @@ def lmcache_config(*, chunk_size: int = contract.CHUNK_SIZE, l1_gb: float = 2.0,
         "extra_config": {},
     }
     ex = cfg["extra_config"]
-    prefix = contract.revision_prefix(prefix, namespace, model_revision)
+    prefix = contract.salted_prefix(contract.revision_prefix(prefix, namespace, model_revision), salt)
     if l2fs_master:
         plug = f"remote_storage_plugin.{contract.PLUGIN_NAME}"
         cfg["remote_storage_plugins"] = [contract.PLUGIN_NAME]
@@ -265,10 +272,44 @@ def _check(argv: list[str]) -> int:
     return 1 if bad else 0
 
 
+def salt_secret(name: str, namespace: str = "", salt: bytes | str | None = None) -> dict[str, Any]:
+    """A Kubernetes Secret holding an endpoint's KV salt (key "salt") and its directory name (key "dir").
+
+    Why both: kvtier code (the router, `lmcache-config`) derives the directory from the salt; stock LMCache
+    pods (mount mode) cannot, so the webhook expands "dir" into their fs:// URL. A new random salt unless
+    one is given."""
+    import secrets
+
+    raw = contract.check_salt(salt if salt else secrets.token_hex(32))
+    meta: dict[str, Any] = {"name": name, "labels": {"app.kubernetes.io/part-of": "kvtier"}}
+    if namespace:
+        meta["namespace"] = namespace
+    return {"apiVersion": "v1", "kind": "Secret", "type": "Opaque", "metadata": meta,
+            "stringData": {contract.SALT_SECRET_KEY: raw.decode(), contract.SALT_DIR_SECRET_KEY: contract.salt_component(raw)}}
+
+
+def _salt_secret(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="kvtier lmcache-config salt-secret",
+                                description="print a new endpoint KV-salt Secret (kubectl apply -f -)")
+    p.add_argument("--name", required=True, help="Secret name (the endpoint's kvtier.io/kv-salt-secret annotation)")
+    p.add_argument("--namespace", default="", help="the endpoint's namespace")
+    p.add_argument("--salt-file", help="use this salt instead of a new random one")
+    a = p.parse_args(argv)
+    try:
+        salt = contract.read_salt(a.salt_file) if a.salt_file else None
+    except (ValueError, OSError) as e:
+        print(f"kvtier lmcache-config salt-secret: {e}", file=sys.stderr)
+        return 2
+    print(yaml.safe_dump(salt_secret(a.name, a.namespace, salt), sort_keys=False), end="")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["check"]:
         return _check(argv[1:])
+    if argv[:1] == ["salt-secret"]:
+        return _salt_secret(argv[1:])
     p = argparse.ArgumentParser(prog="kvtier lmcache-config", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="MODEL", help="model path or HF name (for the vLLM args)")
     l2 = p.add_mutually_exclusive_group()
@@ -292,6 +333,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--namespace", help="endpoint or model name above the revision (default: --served-model-name, "
                                        "else the model directory's name)")
     p.add_argument("--served-model-name")
+    p.add_argument("--kv-salt-file", help="file holding this endpoint's secret KV salt (tenant isolation; "
+                                          "default: env KVTIER_KV_SALT_FILE, else KVTIER_KV_SALT, else none)")
     p.add_argument("--out", type=Path, help="write the YAML here (default: print)")
     p.add_argument("--format", default="all", choices=["yaml", "env", "args", "all", "json"])
     a = p.parse_args(argv)
@@ -299,9 +342,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         revision = resolve_revision(a.model, model_path=a.model_path, revision=a.model_revision)
         namespace = a.namespace or a.served_model_name or Path(a.model_path or a.model).name or a.model
+        salt = contract.read_salt(a.kv_salt_file) if a.kv_salt_file else contract.env_salt()
         cfg = lmcache_config(chunk_size=a.chunk_size, l1_gb=a.l1_gb, l2fs_master=a.l2fs_master,
                              mount_path=a.mount, node_id=a.node_id, prefix=a.prefix, model_revision=revision,
-                             namespace=namespace)
+                             namespace=namespace, salt=salt)
         args = vllm_args(a.model, port=a.port, host=a.host, max_model_len=a.max_model_len, dtype=a.dtype,
                          served_model_name=a.served_model_name, device=device,
                          tensor_parallel_size=a.tensor_parallel_size)

@@ -17,6 +17,9 @@ against real LMCache + vLLM keys and fails loudly when the versions below change
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+import os
 import struct
 import sys
 from collections.abc import Iterator, Sequence
@@ -73,6 +76,66 @@ def revision_prefix(prefix: str, namespace: str, revision: str) -> str:
     if not namespace:
         raise ValueError("a model revision needs a namespace (endpoint or model name)")
     return f"{prefix.rstrip('/')}/{esc(namespace)}/{esc(revision)}"
+
+
+# ======================================================================================================
+# Tenant isolation: a secret salt per endpoint (or tenant) mixed into the chunk directory.
+# Chunk hashes are computable from a prompt (below), so whoever can look a path up in l2fs (or time TTFT)
+# can test what an endpoint was sent. With a salt, an endpoint revision's chunks live one level deeper,
+# in <revision prefix>/salt@<HMAC-SHA256(salt, label)[:32 hex]>: writers (both L2 modes: the
+# plugin's prefix and LMCache fs://'s base_path) and the router's L2 lookup compute the same directory,
+# a party without the salt cannot. '@' is %-escaped in every plugin model directory, so a salt directory
+# never collides with one; mount mode's flat files all end in ".data". No salt = the plain prefix.
+# ======================================================================================================
+SALT_ENV = "KVTIER_KV_SALT"  # the salt itself (tests, dev); a file is preferred in pods
+SALT_FILE_ENV = "KVTIER_KV_SALT_FILE"  # path of a file holding the salt (a mounted Secret key)
+SALT_SECRET_KEY = "salt"  # key of the salt in the endpoint's Secret
+SALT_DIR_SECRET_KEY = "dir"  # key of the derived directory component (stock LMCache pods cannot hash)
+SALT_DIR_TAG = "salt@"
+SALT_MIN_BYTES = 16
+
+
+def check_salt(salt: bytes | str) -> bytes:
+    """The salt as bytes; ValueError when it is too short to be a secret (an empty salt means none)."""
+    raw = salt.encode() if isinstance(salt, str) else bytes(salt)
+    raw = raw.strip()
+    if len(raw) < SALT_MIN_BYTES:
+        raise ValueError(f"a KV salt needs at least {SALT_MIN_BYTES} bytes of secret (e.g. `openssl rand -hex 32`),"
+                         f" got {len(raw)}")
+    return raw
+
+
+def salt_component(salt: bytes | str) -> str:
+    """Directory name a salt gives its chunks: HMAC-SHA256 keyed by the salt over a fixed label, so the
+    name reveals nothing of the salt. It does not depend on the prefix on purpose: stock LMCache pods
+    (mount mode) cannot hash, so the webhook hands them this name precomputed from the endpoint's Secret
+    (key "dir"), and it must stay valid when the model revision (the directory above it) changes."""
+    mac = hmac.new(check_salt(salt), b"kvtier-kv-salt-v1", hashlib.sha256)
+    return SALT_DIR_TAG + mac.hexdigest()[:32]
+
+
+def salted_prefix(prefix: str, salt: bytes | str | None) -> str:
+    """l2fs directory of a (revision) prefix's chunks under `salt`; no/empty salt = `prefix` unchanged."""
+    base = prefix.rstrip("/") or "/"
+    if not salt:
+        return base
+    return f"{base.rstrip('/')}/{salt_component(salt)}"
+
+
+def read_salt(path: str | os.PathLike[str]) -> bytes:
+    """The salt held in a file (a mounted Secret key): its bytes without surrounding whitespace."""
+    with open(path, "rb") as f:
+        return check_salt(f.read())
+
+
+def env_salt(environ: dict[str, str] | None = None) -> bytes | None:
+    """The salt from KVTIER_KV_SALT_FILE (wins) or KVTIER_KV_SALT, else None (no salt: today's keys)."""
+    env = os.environ if environ is None else environ
+    if env.get(SALT_FILE_ENV):
+        return read_salt(env[SALT_FILE_ENV])
+    if env.get(SALT_ENV):
+        return check_salt(env[SALT_ENV])
+    return None
 
 
 def plugin_name(model_name: str, world_size: int, worker_id: int, chunk_hash: int, dtype: str,

@@ -7,19 +7,27 @@ replicas' PYTHONHASHSEED); where the chunk lands depends on the replicas' L2 mod
 kvtier.contract computes both the hashes (pure Python, no LMCache, no PYTHONHASHSEED needed here) and the
 names; we ask the master how many leading paths exist (`Client.prefix_lookup`, one RPC, pins nothing).
 Any failure is a miss.
+
+Salted endpoints (tenant isolation, kvtier.contract.salted_prefix) write one directory deeper; the router
+holds their salts: env KVTIER_KV_SALT_FILE / KVTIER_KV_SALT for --l2fs-prefix itself, and KVTIER_KV_SALT_DIR,
+a directory with one file per endpoint (named as the endpoint's directory under --l2fs-prefix, e.g. a mounted
+Secret with one key per endpoint), for the replicas' announced kv-prefixes. No salt file = unsalted paths.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from collections import OrderedDict
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from kvtier import contract
 
 log = logging.getLogger("kvtier.router.l2")
+SALT_DIR_ENV = "KVTIER_KV_SALT_DIR"  # router: one salt file per endpoint directory under --l2fs-prefix
 
 
 class L2Lookup:
@@ -28,7 +36,8 @@ class L2Lookup:
     def __init__(self, master: str, *, mode: str = "plugin", prefix: str = contract.KV_PREFIX,
                  chunk_size: int = contract.CHUNK_SIZE, hash_seed: str = contract.HASH_SEED,
                  model_name: str | None = None, dtype: str = "float", world_size: int = 1, worker_id: int = 0,
-                 rpc_timeout: float = 0.5, client: Any = None) -> None:
+                 rpc_timeout: float = 0.5, client: Any = None, salts: Mapping[str, bytes | str] | None = None,
+                 salt_dir: str | None = None) -> None:
         if mode not in contract.L2_MODES:
             raise ValueError(f"unknown l2fs mode {mode!r}; choose one of {', '.join(contract.L2_MODES)}")
         contract.none_hash(hash_seed)  # a bad seed fails at start-up, not as a silent miss per request
@@ -40,6 +49,33 @@ class L2Lookup:
         self._pool = ThreadPoolExecutor(2, thread_name_prefix="kvtier-l2")
         self._hash_cache: OrderedDict[tuple[int, ...], list[int]] = OrderedDict()
         self.errors = 0
+        # tenant isolation: salt per (unsalted) prefix, then per endpoint file in salt_dir (env by default)
+        self.salts = {k.rstrip("/"): contract.check_salt(v) for k, v in (salts or {}).items()}
+        default = contract.env_salt()
+        if default and self.prefix not in self.salts:
+            self.salts[self.prefix] = default
+        self.salt_dir = salt_dir if salt_dir is not None else os.environ.get(SALT_DIR_ENV) or None
+        self._salt_files: dict[str, tuple[float, bytes]] = {}
+
+    def salt_for(self, prefix: str) -> bytes | None:
+        """The salt of a chunk directory: configured for it, else its endpoint's file in salt_dir, else None."""
+        if prefix in self.salts:
+            return self.salts[prefix]
+        if not self.salt_dir or not prefix.startswith(self.prefix + "/"):
+            return None
+        endpoint = prefix[len(self.prefix) + 1:].split("/", 1)[0]
+        if endpoint in ("", ".", ".."):
+            return None
+        path = os.path.join(self.salt_dir, endpoint)
+        try:
+            mtime = os.stat(path).st_mtime
+        except OSError:
+            return None  # an unsalted endpoint
+        got = self._salt_files.get(path)
+        if got is None or got[0] != mtime:  # a rotated Secret is re-read
+            got = (mtime, contract.read_salt(path))
+            self._salt_files[path] = got
+        return got[1]
 
     def _connect(self) -> Any:
         if self._client is None:
@@ -64,6 +100,7 @@ class L2Lookup:
         """Chunk file names under `prefix` (a replica's announced kv-prefix), else under --l2fs-prefix."""
         name = self.model_name or model
         where = prefix.rstrip("/") if prefix else self.prefix
+        where = contract.salted_prefix(where, self.salt_for(where))
         return [contract.chunk_path(self.mode, where, name, self.world_size, self.worker_id, h, self.dtype)
                 for h in self.chunk_hashes(tokens)]
 
