@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import re
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
@@ -25,6 +26,13 @@ STRATEGY_KEY = "kvtier.io/router-strategy"  # pod annotation: records the strate
 # model revision: set by hand on the IEC (or the Deployment) to override; recorded on the patched pod template
 REVISION_KEY = "kvtier.io/model-revision"
 KV_PREFIX_KEY = "kvtier.io/kv-prefix"  # pod annotation: the l2fs directory this endpoint revision writes
+# tenant isolation: name of a Secret (in the endpoint's namespace, keys "salt" and "dir", see
+# `kvtier lmcache-config salt-secret`) on the IEC or Deployment; recorded on the patched pod template
+KV_SALT_SECRET_KEY = "kvtier.io/kv-salt-secret"
+SALT_DIR_VAR = "KVTIER_KV_SALT_DIR"  # env from the Secret's "dir", expanded by kubelet into the chunk directory
+SALT_VOLUME = "kvtier-kv-salt"
+SALT_MOUNT_PATH = "/etc/kvtier/kv-salt"
+_DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
 UNVERSIONED = "unversioned"  # no IEC and no annotation: still one namespace per endpoint
 IEC_GROUP = "inference.sagemaker.aws.amazon.com"
 IEC_KIND = "InferenceEndpointConfig"
@@ -177,6 +185,25 @@ def endpoint_prefix(dep: dict[str, Any], cfg: PatchConfig, iec: dict[str, Any] |
     endpoint = owner_endpoint(dep) or _meta(dep).get("name") or "deployment"
     revision = model_revision(dep, iec)
     return revision, contract.revision_prefix(cfg.prefix, endpoint, revision)
+
+
+def salt_secret(dep: dict[str, Any], iec: dict[str, Any] | None = None) -> str:
+    """Name of the endpoint's KV-salt Secret ("" = unsalted): the Deployment's annotation, else the IEC's,
+    else the one recorded on the pod template by an earlier patch (an operator re-render keeps it)."""
+    template_meta = ((dep.get("spec") or {}).get("template") or {}).get("metadata") or {}
+    for meta in (_meta(dep), _meta(iec or {}), template_meta):
+        name = str((meta.get("annotations") or {}).get(KV_SALT_SECRET_KEY) or "").strip()
+        if name:
+            if len(name) > 253 or not _DNS_SUBDOMAIN.fullmatch(name):
+                raise PatchError(f"annotation {KV_SALT_SECRET_KEY}={name!r} is not a Secret name")
+            return name
+    return ""
+
+
+def chunk_dir(kv_prefix: str, secret: str) -> str:
+    """The directory patched pods write: the revision prefix, plus the salt directory when salted (kubelet
+    expands $(KVTIER_KV_SALT_DIR) from the Secret: the pod spec never holds the salt or the name)."""
+    return f"{kv_prefix.rstrip('/')}/$({SALT_DIR_VAR})" if secret else kv_prefix
 
 
 def opted_in(obj: dict[str, Any]) -> bool:
@@ -413,14 +440,16 @@ def _patch_worker(dep: dict[str, Any], cfg: PatchConfig, iec: dict[str, Any] | N
     c = _containers(dep)[select_container(dep)]
     env: list[dict[str, Any]] = c.setdefault("env", [])
     revision, kv_prefix = endpoint_prefix(dep, cfg, iec)
+    secret = salt_secret(dep, iec)
+    _patch_salt(dep, c, secret)
     _patch_vllm_flags(c, cfg)
     if cfg.mode == "mount":
-        _set_env(env, URL_VAR, cfg.url_for(kv_prefix))
+        _set_env(env, URL_VAR, cfg.url_for(chunk_dir(kv_prefix, secret)))
     else:
         _drop_env(env, URL_VAR)
         _set_env(env, cfg.node_env, value_from={"fieldRef": {"fieldPath": "spec.nodeName"}})
         _set_env(env, "LMCACHE_REMOTE_STORAGE_PLUGINS", json.dumps([cfg.plugin_name]))
-        _set_env(env, "LMCACHE_EXTRA_CONFIG", _extra_config(env, cfg, kv_prefix, revision))
+        _set_env(env, "LMCACHE_EXTRA_CONFIG", _extra_config(env, cfg, chunk_dir(kv_prefix, secret), revision))
         if cfg.token_secret:
             # not optional: a pod without the token would only ever miss; better it does not start
             _set_env(env, TOKEN_VAR, value_from={"secretKeyRef": {"name": cfg.token_secret, "key": cfg.token_key}})
@@ -457,6 +486,33 @@ def _patch_worker(dep: dict[str, Any], cfg: PatchConfig, iec: dict[str, Any] | N
     pod_ann[STRATEGY_KEY] = cfg.router_strategy
     pod_ann[REVISION_KEY] = revision
     pod_ann[KV_PREFIX_KEY] = kv_prefix  # where this endpoint revision's chunks are (for routers and humans)
+    if secret:
+        pod_ann[KV_SALT_SECRET_KEY] = secret  # the router needs this endpoint's salt to find its chunks
+    else:
+        pod_ann.pop(KV_SALT_SECRET_KEY, None)
+
+
+def _patch_salt(dep: dict[str, Any], c: dict[str, Any], secret: str) -> None:
+    """Tenant isolation: the salt Secret's "dir" as the FIRST env entry (kubelet expands $(VAR) only from
+    entries above it) and the Secret mounted read-only (KVTIER_KV_SALT_FILE: kvtier code in the pod, e.g.
+    `kvtier lmcache-config`). Without a Secret, everything of an earlier salted patch is removed."""
+    env: list[dict[str, Any]] = c.setdefault("env", [])
+    pod_spec = dep["spec"]["template"]["spec"]
+    _drop_env(env, SALT_DIR_VAR)
+    if not secret:
+        _drop_env(env, contract.SALT_FILE_ENV)
+        for holder, key in ((c, "volumeMounts"), (pod_spec, "volumes")):
+            if holder.get(key):
+                holder[key] = [x for x in holder[key] if x.get("name") != SALT_VOLUME]
+        return
+    env.insert(0, {"name": SALT_DIR_VAR,
+                   "valueFrom": {"secretKeyRef": {"name": secret, "key": contract.SALT_DIR_SECRET_KEY}}})
+    _set_env(env, contract.SALT_FILE_ENV, f"{SALT_MOUNT_PATH}/{contract.SALT_SECRET_KEY}")
+    _upsert(c.setdefault("volumeMounts", []), {"name": SALT_VOLUME, "mountPath": SALT_MOUNT_PATH, "readOnly": True},
+            lambda m: m.get("name") == SALT_VOLUME or m.get("mountPath") == SALT_MOUNT_PATH)
+    _upsert(pod_spec.setdefault("volumes", []), {"name": SALT_VOLUME, "secret": {"secretName": secret,
+                                                                                 "defaultMode": 0o440}},
+            lambda v: v.get("name") == SALT_VOLUME)
 
 
 def _patch_router(dep: dict[str, Any], cfg: PatchConfig) -> None:
@@ -562,9 +618,18 @@ def check(dep: dict[str, Any], cfg: PatchConfig) -> list[str]:
         if len(found) != 1 or found[0].get("value") != value:
             problems.append(f"env {name}: want exactly one entry = {value!r}, have {found}")
 
+    secret = str(pod_ann.get(KV_SALT_SECRET_KEY) or "")
+    if secret:
+        ref = {"name": secret, "key": contract.SALT_DIR_SECRET_KEY}
+        if not env or env[0].get("name") != SALT_DIR_VAR or (env[0].get("valueFrom") or {}).get("secretKeyRef") != ref:
+            problems.append(f"env {SALT_DIR_VAR}: want it first, from secret {ref}")
+        vols = [v for v in dep["spec"]["template"]["spec"].get("volumes") or [] if v.get("name") == SALT_VOLUME]
+        if len(vols) != 1 or (vols[0].get("secret") or {}).get("secretName") != secret:
+            problems.append(f"pod spec: want one volume {SALT_VOLUME} of secret {secret!r}")
+    kv_dir = chunk_dir(kv_prefix, secret)
     if cfg.mode == "mount":
-        if len(urls) != 1 or urls[0].get("value") != cfg.url_for(kv_prefix):
-            problems.append(f"env {URL_VAR}: want exactly one entry = {cfg.url_for(kv_prefix)!r}, have {urls}")
+        if len(urls) != 1 or urls[0].get("value") != cfg.url_for(kv_dir):
+            problems.append(f"env {URL_VAR}: want exactly one entry = {cfg.url_for(kv_dir)!r}, have {urls}")
         mounts = [m for m in c.get("volumeMounts") or [] if m.get("name") == cfg.volume_name]
         if len(mounts) != 1 or mounts[0].get("mountPath") != cfg.mount_path:
             problems.append(f"container {c.get('name')!r}: want one volumeMount {cfg.volume_name} at {cfg.mount_path}")
@@ -580,8 +645,8 @@ def check(dep: dict[str, Any], cfg: PatchConfig) -> list[str]:
         except json.JSONDecodeError:
             extra = {}
         have = extra.get(f"remote_storage_plugin.{cfg.plugin_name}.prefix") if isinstance(extra, dict) else None
-        if have != kv_prefix:
-            problems.append(f"LMCACHE_EXTRA_CONFIG prefix: want {kv_prefix!r}, have {have!r}")
+        if have != kv_dir:
+            problems.append(f"LMCACHE_EXTRA_CONFIG prefix: want {kv_dir!r}, have {have!r}")
         if cfg.token_secret:
             tokens = [e for e in env if e.get("name") == TOKEN_VAR]
             ref = {"name": cfg.token_secret, "key": cfg.token_key}
