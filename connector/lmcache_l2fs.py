@@ -12,6 +12,11 @@ Configure (what `kvtier lmcache-config` writes):
       remote_storage_plugin.l2fs.timeout: 1.0               # per l2fs call, seconds
       remote_storage_plugin.l2fs.model_revision: 3f9a...    # optional: weights identity, for the fingerprint
                                                             # (the prefix already ends in <namespace>/<revision>)
+      remote_storage_plugin.l2fs.prefill_tokens_per_s: 900  # optional ($KVTIER_PREFILL_TOKENS_PER_S): the
+                                                            # engine's prefill rate; L2 hits are claimed only
+                                                            # while loading beats recomputing (connector.loadgate)
+      remote_storage_plugin.l2fs.load_margin: 1.0           # optional: claim while rate >= margin x needed
+      remote_storage_plugin.l2fs.rate_probe_interval: 5.0   # optional: seconds between probes while not claiming
 
 Design (why):
 * File = LMCache fs-connector format (RemoteMetadata header + raw bytes) at a reversible name
@@ -23,6 +28,9 @@ Design (why):
   stops calling an unreachable master for a back-off period (one warning per outage), so requests do not
   each wait for an RPC deadline: L1-only service until l2fs is back.
 * A header that does not match the file length / chunk geometry is treated as a corrupted chunk: miss.
+* Every chunk is stored with its absolute index in the prompt as l2fs order hint (connector.positions), so
+  l2fs evicts the deepest chunks of a prefix chain first and a cached prefix stays whole.
+* L2 hits are claimed only while loading them beats recomputing them (connector.loadgate).
 """
 
 from __future__ import annotations
@@ -42,7 +50,9 @@ from lmcache.v1.storage_backend.connector import ConnectorAdapter, ConnectorCont
 from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
 
 from connector import keys as ckeys
+from connector import positions
 from connector.fingerprint import record_and_check
+from connector.loadgate import LoadGate
 from connector.logs import ensure_log_handler
 from kvtier import contract
 
@@ -134,7 +144,14 @@ class L2fsConnector(RemoteConnector):
         self.pool = ThreadPoolExecutor(int(_opt(cfg, plugin, "threads", 8)), thread_name_prefix="kvtier-l2fs")
         self.breaker = Breaker(f"master {self.master}", lambda: self.client.ls("/"))
         self.stats = {"get_hit": 0, "get_miss": 0, "corrupt": 0, "put": 0, "put_exists": 0, "put_fail": 0,
-                      "bytes_read": 0, "read_s": 0.0}
+                      "bytes_read": 0, "read_s": 0.0, "gated": 0, "probes": 0}
+        self.timeout = timeout
+        positions.install_inprocess()  # chunk hash -> index in the prompt, for the order hints of puts
+        prefill = _opt(cfg, plugin, "prefill_tokens_per_s") or os.environ.get("KVTIER_PREFILL_TOKENS_PER_S") or 0
+        self.gate = LoadGate(self.single_token_size, float(prefill),
+                             margin=float(_opt(cfg, plugin, "load_margin", 1.0)),
+                             probe_interval=float(_opt(cfg, plugin, "rate_probe_interval", 5.0)))
+        self._probe_paths: list[str] = []  # the last loaded batch (up to 8 chunks): what a probe re-reads
         self._meta = local_cpu_backend.metadata
         self._tls = threading.local()  # one reusable read buffer per pool thread
         self._closed = False
@@ -173,6 +190,8 @@ class L2fsConnector(RemoteConnector):
 
     # ---- contains ------------------------------------------------------------------------------------
     def exists_sync(self, key: Any) -> bool:
+        if not self._claiming():
+            return False
         try:
             return bool(self._guard(lambda: self.client.exists(self.path(key))))
         except Exception:  # noqa: BLE001 - fault = miss
@@ -189,11 +208,68 @@ class L2fsConnector(RemoteConnector):
         if not keys:
             return 0
         try:
-            return int(self._guard(lambda: self.client.prefix_lookup([self.path(k) for k in keys])))
+            n = int(self._guard(lambda: self.client.prefix_lookup([self.path(k) for k in keys])))
         except Exception as e:  # noqa: BLE001
             if not isinstance(e, L2Down):
                 log.debug("prefix lookup failed: %s", e)
             return 0
+        if n and not self._claiming():
+            self.stats["gated"] += n
+            self.gate.gated(n)
+            return 0  # loading them would take longer than recomputing them: the engine recomputes
+        return n
+
+    # ---- never slower than recompute (connector.loadgate) ---------------------------------------------
+    def _claiming(self) -> bool:
+        """Claim L2 hits now? When not, start a background probe if one is due."""
+        if self.gate.allow():
+            return True
+        if self.gate.start_probe():
+            threading.Thread(target=self._probe, name="kvtier-l2fs-rate-probe", daemon=True).start()
+        return False
+
+    def _probe(self) -> None:
+        """Re-read the last loaded batch (same parallelism as a load) and feed the rate estimate."""
+        try:
+            paths = list(self._probe_paths)
+            if not paths or self._closed or self.breaker.down:
+                self.gate.forget()  # nothing to measure with: claim again, the next real load measures
+                return
+            size = self.remote_metadata_bytes + self.full_chunk_size_bytes
+
+            def read(path: str) -> tuple[int, bool]:
+                try:
+                    n = self.client.get_into(path, bytearray(size))
+                    return (n or 0), n is not None
+                except Exception:  # noqa: BLE001 - a timeout: time spent, no bytes
+                    return 0, True
+
+            # One sample per probe interval (not a burst of them): probes then sample a bursty L2 (a worker
+            # that stalls and catches up) in proportion to time, as requests would, and do not reopen the
+            # gate in a short good moment. Recovery takes a few intervals (the average has to catch up).
+            t0 = time.perf_counter()
+            with ThreadPoolExecutor(len(paths), thread_name_prefix="kvtier-l2fs-probe") as ex:
+                got = list(ex.map(read, paths))
+            dt = time.perf_counter() - t0
+            self.stats["probes"] += 1
+            if not any(found for _, found in got):
+                self.gate.forget()  # evicted since: no sample
+            else:
+                self.gate.observe(sum(n for n, _ in got), dt)
+        except Exception as e:  # noqa: BLE001 - a probe never raises
+            log.debug("L2 rate probe failed: %s", e)
+        finally:
+            self.gate.probe_done()
+
+    def _measured(self, keys: list[Any], objs: list[Any], seconds: float) -> None:
+        """One load batch for the rate estimate: delivered bytes over its wall time. An all-miss batch
+        that came back fast says nothing about the rate; a slow one (a stalled worker) counts with 0 bytes."""
+        hits = [(k, o) for k, o in zip(keys, objs, strict=False) if o is not None]
+        nbytes = sum(self.remote_metadata_bytes + o.get_size() for _, o in hits)
+        if nbytes or seconds >= self.timeout / 2:
+            self.gate.observe(nbytes, seconds)
+        if hits:
+            self._probe_paths = [self.path(k) for k, _ in hits[:8]]
 
     def support_batched_async_contains(self) -> bool:
         return True
@@ -275,13 +351,19 @@ class L2fsConnector(RemoteConnector):
 
     async def batched_get(self, keys: list[Any]) -> list[Any]:
         """One StatMany for the batch, then parallel fetches on our pool; one None per miss."""
+        t0 = time.perf_counter()
         await self._run(self._locate_sync, keys)
-        return list(await asyncio.gather(*(self.get(k) for k in keys)))
+        objs = list(await asyncio.gather(*(self.get(k) for k in keys)))
+        self._measured(keys, objs, time.perf_counter() - t0)
+        return objs
 
     async def batched_get_non_blocking(self, lookup_id: str, keys: list[Any]) -> list[Any]:
         """The base class's (parallel get(), keep the hit prefix), after one StatMany for the batch."""
+        t0 = time.perf_counter()
         await self._run(self._locate_sync, keys)
-        return await super().batched_get_non_blocking(lookup_id, keys)
+        objs = await super().batched_get_non_blocking(lookup_id, keys)
+        self._measured(list(keys)[:len(objs)], list(objs), time.perf_counter() - t0)
+        return objs
 
     # ---- put -----------------------------------------------------------------------------------------
     def _put_sync(self, key: Any, memory_obj: Any) -> None:
@@ -306,7 +388,10 @@ class L2fsConnector(RemoteConnector):
                 blob = bytearray(md.serialize())
                 blob += data
                 items.append((self.path(key), blob))
-            results = self.client.put_many(items, if_absent=True, return_exceptions=True)
+            # each chunk's index from the start of its prompt (not the batch order: a batch may extend a
+            # cached prefix), so l2fs evicts the deepest chunks of a chain first
+            hints = positions.INDEX.hints(k.chunk_hash for k in keys)
+            results = self.client.put_many(items, if_absent=True, order_hints=hints, return_exceptions=True)
             for key, r in zip(keys, results, strict=True):
                 if isinstance(r, BaseException):
                     self.stats["put_fail"] += 1

@@ -8,7 +8,9 @@ Contract (LMCache's L2AdapterInterface): non-blocking submit_* calls, three dist
 completion, results popped/queried exactly once, lookup answers a bitmap, load copies into caller-owned
 buffers, close() is idempotent. Files hold the raw object bytes (like LMCache's fs L2 adapter) under
 reversible names (connector.keys). Lookups are one StatMany RPC per batch. Any l2fs fault is a miss or a
-failed store (-1), never an exception to the caller.
+failed store (-1), never an exception to the caller. Stores pass each chunk's index in its prompt as l2fs
+order hint (connector.positions: recorded where the server hashes a session's tokens), so l2fs evicts the
+deepest chunks of a prefix chain first.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from lmcache.v1.distributed.l2_adapters.config import L2AdapterConfigBase
 from lmcache.v1.platform import create_event_notifier
 
 from connector import keys as ckeys
+from connector import positions
 from connector.logs import ensure_log_handler
 from kvtier import contract
 
@@ -80,6 +83,7 @@ class L2fsL2Adapter(L2AdapterInterface):
             config = L2fsL2AdapterConfig.from_dict(config)
         self.cfg = config
         self.client = Client(config.master, node_id=config.node_id, timeout=config.timeout)
+        positions.install_mp()  # ObjectKey.chunk_hash -> index in the prompt, for the order hints of stores
         self._pool = ThreadPoolExecutor(config.threads, thread_name_prefix="kvtier-mp-l2fs")
         self._store_efd = create_event_notifier()
         self._lookup_efd = create_event_notifier()
@@ -123,7 +127,8 @@ class L2fsL2Adapter(L2AdapterInterface):
             # one put_many for the task (one AllocateMany + one CommitMany); a failed chunk fails the task's
             # result but not its neighbours, which are published and announced
             results = self.client.put_many([(self._path(k), d) for k, d in zip(keys, datas, strict=True)],
-                                           if_absent=True, return_exceptions=True)
+                                           if_absent=True, return_exceptions=True,
+                                           order_hints=positions.INDEX.hints(k.chunk_hash for k in keys))
             for key, data, r in zip(keys, datas, results, strict=True):
                 if isinstance(r, BaseException):
                     log.warning("kvtier MP l2fs store of one chunk failed: %s", r)

@@ -45,10 +45,12 @@ def _metadata() -> LMCacheMetadata:
                            kv_dtype=torch.float32, kv_shape=(4, 2, 256, 2, 64))
 
 
-def _manager(master: str, node: str, **over) -> StorageManager:
+def _manager(master: str, node: str, extra: dict | None = None, **over) -> StorageManager:
+    """A real LMCache StorageManager whose L2 is our plugin; `extra`: more extra_config keys."""
     d = lmcache_config(chunk_size=256, l1_gb=0.1, l2fs_master=master, node_id=node, prefix=PREFIX,
                        l2_timeout=1.0)
     d.pop("remote_serde")
+    d["extra_config"] = {**d["extra_config"], **(extra or {})}
     d.update(over)
     cfg = LMCacheEngineConfig.from_defaults(**d)
     return StorageManager(cfg, _metadata(), EventManager())
