@@ -28,7 +28,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.requests import ClientDisconnect
 
+from router.accounting import CacheAccounting
 from router.admission import AdmissionConfig, Gate, Ticket
+from router.index import MEDIUM_WEIGHT
 from router.kvevents import DROPPED, KVEventSubscriber
 from router.metrics import Metrics
 from router.policy import STRATEGIES, Decision, Policy, UnknownStrategy
@@ -40,6 +42,7 @@ log = logging.getLogger("kvtier.router")
 HOP = {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer", "trailers",
        "transfer-encoding", "upgrade", "host", "content-length", "authorization", "date", "server"}
 STRATEGY_HEADER = "x-kvtier-strategy"
+TIER_COST = {"L1": 0.2, "L2": 0.5}  # defaults: the CPU medium weight 0.8 and the L2 credit 0.5 of before
 
 
 @dataclass
@@ -60,6 +63,9 @@ class RouterConfig:
     load_epsilon: float = 0.25
     prefix_affinity: bool = False  # several router processes: unseen prefixes go to a hash-chosen home
     decode_beta: float = 0.1
+    # per-token cost of a cached token, relative to recomputing it (1.0): L0 (the replica's GPU cache) is free;
+    # L1 = blocks its KV events place on CPU, L2 = chunks only in l2fs (any replica can load them)
+    tier_cost: dict[str, float] = field(default_factory=lambda: dict(TIER_COST))
     session_header: str = "x-session-id"
     kv_endpoints: list[str | None] = field(default_factory=list)  # aligned with replicas
     kv_replay_endpoints: list[str | None] = field(default_factory=list)
@@ -165,8 +171,17 @@ class Router:
             raise ValueError("--kv-events needs one endpoint per replica (same order as --replicas)")
         self.cfg = cfg
         self.m = Metrics()
+        self.acct = CacheAccounting(self.m.registry)
+        cost = {**TIER_COST, **cfg.tier_cost}
+        if not all(0.0 <= v <= 1.0 for v in cost.values()) or set(cost) != set(TIER_COST):
+            raise ValueError(f"tier costs are L1/L2 in [0, 1], got {cfg.tier_cost}")
         self.policy = Policy(block_size=cfg.block_size, load_epsilon=cfg.load_epsilon, decode_beta=cfg.decode_beta,
-                             affinity=cfg.prefix_affinity)
+                             affinity=cfg.prefix_affinity, l2_credit=1.0 - cost["L2"])
+        # the event index weighs a block by its medium when it is stored (process-wide table: one router per
+        # process in production; set before any event arrives)
+        MEDIUM_WEIGHT["CPU"] = MEDIUM_WEIGHT["cpu"] = 1.0 - cost["L1"]
+        for tier, v in (("L0", 0.0), *cost.items()):
+            self.m.tier_cost.labels(tier).set(v)
         self.tok = Tokenizer(cfg.tokenizer, fallback_replica=True)
         self.tok.remote = self._remote_tokenize
         self._tok_next = 0  # round-robin over the replicas for /tokenize
@@ -530,7 +545,8 @@ class Router:
             return _Retry(_err(502, f"replica {r.url} answered a stream with {ctype or 'no content type'}",
                                "upstream_error"))
         self.m.requests.labels(r.url, call.strategy, str(code)).inc()
-        return StreamingResponse(self._pump(resp, adm), status_code=code,
+        return StreamingResponse(self._pump(resp, adm, lambda tail: self._stream_usage(tail, d, call)),
+                                 status_code=code,
                                  headers=self._down_headers(resp, call.rid, r, d, decoded=False, clock=call.clock))
 
     async def _send(self, url: str, body: bytes, headers: dict[str, str],
@@ -562,11 +578,12 @@ class Router:
                 self.m.requests.labels(r.url, strategy, "502").inc()
                 return _err(502, f"replica {r.url} returned an invalid response", "upstream_error",
                             **{"x-request-id": rid})
-            self._count_usage(obj, d)
+            self._count_usage(obj, d, call)
         self.m.requests.labels(r.url, strategy, str(code)).inc()
         return Response(content, status_code=code, headers=self._down_headers(resp, rid, r, d, decoded=True, clock=clock))
 
-    def _count_usage(self, obj: dict[str, Any], d: Decision) -> None:
+    def _count_usage(self, obj: dict[str, Any], d: Decision, call: _Call) -> None:
+        """Predicted vs engine-reported cached tokens (router/accounting.py); roundrobin predicts nothing."""
         usage = obj.get("usage")
         if not isinstance(usage, dict):
             return
@@ -575,15 +592,40 @@ class Router:
         if isinstance(cached, int):
             self.m.actual_cached.inc(cached)
             self.m.predicted_cached.inc(d.hit_tokens)
-            if isinstance(usage.get("prompt_tokens"), int):
-                self.m.prompt_tokens.inc(usage["prompt_tokens"])
+            n = usage.get("prompt_tokens")
+            if isinstance(n, int):
+                self.m.prompt_tokens.inc(n)
+            if call.tokens:
+                bs = self.policy.kv.block_size(d.replica.url) or self.cfg.block_size
+                self.acct.record(d.hit_tokens, d.l2_tokens, cached, n if isinstance(n, int) else len(call.tokens),
+                                 bs)
 
-    async def _pump(self, resp: aiohttp.ClientResponse, adm: _Admission) -> AsyncIterator[bytes]:
-        """Zero-buffer SSE passthrough; returning early (client gone) closes the upstream connection."""
+    def _stream_usage(self, tail: bytes, d: Decision, call: _Call) -> None:
+        """The usage block of a finished stream (its last chunk, sent with stream_options.include_usage)."""
+        i = tail.rfind(b'"usage"')
+        if i < 0:
+            return
+        j, k = tail.rfind(b"data:", 0, i), tail.find(b"\n", i)
+        try:
+            obj = json.loads(tail[j + 5:k if k >= 0 else len(tail)])
+        except ValueError:
+            return
+        if isinstance(obj, dict):
+            self._count_usage(obj, d, call)
+
+    async def _pump(self, resp: aiohttp.ClientResponse, adm: _Admission,
+                    on_end: Callable[[bytes], None]) -> AsyncIterator[bytes]:
+        """Zero-buffer SSE passthrough; returning early (client gone) closes the upstream connection. The last
+        16 KiB are kept for on_end (the usage chunk) once the stream has ended normally."""
+        tail = bytearray()
         try:
             async for chunk in resp.content.iter_any():
                 adm.first_byte()
+                tail += chunk
+                if len(tail) > 16384:
+                    del tail[:-16384]
                 yield chunk
+            on_end(bytes(tail))
         except (TimeoutError, aiohttp.ClientError) as e:  # upstream died mid-stream: end the stream
             log.warning("upstream %s broke mid-stream: %s", adm.r.url, e)
         except (asyncio.CancelledError, GeneratorExit):

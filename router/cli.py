@@ -17,6 +17,23 @@ def _split(v: str | None) -> list[str]:
     return [x.strip() for x in v.split(",")] if v else []
 
 
+def parse_tier_cost(v: str) -> dict[str, float]:
+    """'L1=0.2,L2=0.5' -> {'L1': 0.2, 'L2': 0.5}; tiers L1/L2 only, each in [0, 1]."""
+    out: dict[str, float] = {}
+    for item in _split(v):
+        tier, sep, num = item.partition("=")
+        if not sep or tier.upper() not in ("L1", "L2"):
+            raise ValueError(f"{item!r}: expected L1=<cost> or L2=<cost>")
+        try:
+            cost = float(num)
+        except ValueError:
+            raise ValueError(f"{item!r}: cost is not a number") from None
+        if not 0.0 <= cost <= 1.0:
+            raise ValueError(f"{item!r}: cost must be in [0, 1] (recomputing a token costs 1)")
+        out[tier.upper()] = cost
+    return out
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvtier router", description=__doc__)
     p.add_argument("--replicas", default=os.environ.get("KVTIER_REPLICAS", ""),
@@ -53,6 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--retries", type=int, default=2, help="other replicas to try before the first byte")
     p.add_argument("--load-epsilon", type=float, default=0.25, help="no replica above (1+e) x mean in-flight")
     p.add_argument("--decode-beta", type=float, default=0.1, help="cost weight of active decode context tokens")
+    p.add_argument("--tier-cost", default="L1=0.2,L2=0.5",
+                   help="routing cost of one cached token by tier, relative to recomputing it (1); L0 is free. "
+                        "L1 = blocks the replica's KV events place on CPU, L2 = chunks only in l2fs")
     p.add_argument("--session-header", default="x-session-id")
     p.add_argument("--prefix-affinity", action="store_true",
                    default=os.environ.get("KVTIER_ROUTER_PREFIX_AFFINITY", "") not in ("", "0", "false"),
@@ -119,6 +139,11 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(args, flag) < 0:
             print(f"kvtier router: --{flag.replace('_', '-')} must be >= 0", file=sys.stderr)
             return 2
+    try:
+        tier_cost = parse_tier_cost(args.tier_cost)
+    except ValueError as e:
+        print(f"kvtier router: --tier-cost: {e}", file=sys.stderr)
+        return 2
     kv = _split(args.kv_events)
     if kv and len(kv) != len(replicas):
         print("kvtier router: --kv-events needs one entry per replica", file=sys.stderr)
@@ -153,7 +178,8 @@ def main(argv: list[str] | None = None) -> int:
         health_interval=args.health_interval, health_timeout=args.health_timeout,
         load_scrape_interval=args.load_scrape_interval,
         connect_timeout=args.connect_timeout, upstream_timeout=args.upstream_timeout, retries=args.retries,
-        load_epsilon=args.load_epsilon, decode_beta=args.decode_beta, prefix_affinity=args.prefix_affinity, session_header=args.session_header.lower(),
+        load_epsilon=args.load_epsilon, decode_beta=args.decode_beta, tier_cost=tier_cost,
+        prefix_affinity=args.prefix_affinity, session_header=args.session_header.lower(),
         kv_endpoints=[x or None for x in kv], kv_replay_endpoints=[x or None for x in _split(args.kv_replay)],
         l2_lookup=l2_lookup, l2_timeout=args.l2fs_timeout, discovery=discovery,
         admission=AdmissionConfig(max_inflight=args.max_inflight, max_inflight_per_replica=args.max_inflight_per_replica,

@@ -39,6 +39,8 @@ class Metrics:
         self.external = Gauge("kvtier_router_replica_external_requests",
                               "Other routers' requests on a replica (its vLLM load gauges minus ours, last scrape)",
                               ["replica", "state"], registry=r)
+        self.tier_cost = Gauge("kvtier_router_tier_cost", "Routing cost of one cached token per tier (recompute = 1)",
+                               ["tier"], registry=r)
         self.queue_depth = Gauge("kvtier_router_queue_depth", "Requests waiting in the admission queue", registry=r)
         self.queue_depth_max = Gauge("kvtier_router_queue_depth_max", "Highest admission queue depth seen",
                                      registry=r)
