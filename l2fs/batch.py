@@ -26,6 +26,9 @@ MIN_PEER_VERSION = 1
 # stamp, the same table as 1. A worker refuses to start on a manifest newer than it reads (it would misread
 # it) and stamps older ones it can read.
 MANIFEST_VERSION = 1
+# Master journal of pending deletes/renames (`l2fs master --journal`, SQLite `PRAGMA user_version`): a master
+# refuses to start on a journal newer than it reads.
+JOURNAL_VERSION = 1
 
 _CODES = {c.value[0]: c for c in grpc.StatusCode}
 

@@ -1,14 +1,17 @@
 """l2fs master: in-memory namespace (dirs, files -> block -> worker), worker registry, placement.
 
-No Raft and no journal: the namespace is soft state. Workers persist a manifest of their sealed blocks
-and re-report it on (re)registration, so a restarted master rebuilds the namespace from block reports.
-KV data is recomputable, so anything lost in that window only costs cache misses.
+No Raft: the namespace is soft state. Workers persist a manifest of their sealed blocks and re-report it
+on (re)registration, so a restarted master rebuilds the namespace from block reports. KV data is
+recomputable, so anything lost in that window only costs cache misses. What must not come back from those
+reports (deleted files, old names of renamed files, overwritten blocks) waits in `l2fs.journal.PendingOps`
+(on disk with `--journal`) until the worker has confirmed it.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import sqlite3
 import sys
 import threading
 import time
@@ -40,6 +43,7 @@ from l2fs.common import (
     wait_for_stop_signal,
     write_port_file,
 )
+from l2fs.journal import JournalError, PendingOps
 from l2fs.proto import l2fs_pb2 as pb
 from l2fs.proto import l2fs_pb2_grpc as pbg
 
@@ -58,6 +62,8 @@ COMMITS = Counter("l2fs_master_commits_total", "File commits", ["result"])
 DUPLICATES = Gauge("l2fs_master_duplicate_content_files",
                    "Files (>= 4 KiB) with the same size+crc32c as another file: likely diverging cache keys")
 DROPPED = Counter("l2fs_master_dropped_files_total", "Files dropped from the namespace", ["reason"])
+PENDING = Gauge("l2fs_master_pending_namespace_ops",
+                "Deletes/renames acknowledged to clients that their worker has not confirmed yet")
 
 
 @dataclass(slots=True)
@@ -103,8 +109,13 @@ class MasterService(pbg.MasterServicer):
     min_peer_version = MIN_PEER_VERSION
 
     def __init__(self, *, heartbeat_timeout: float = 10.0, max_file_size: int = DEFAULT_MAX_FILE_SIZE,
-                 token: str | None = None, tls_ca: str | None = None, allocation_ttl: float = 600.0) -> None:
+                 token: str | None = None, tls_ca: str | None = None, allocation_ttl: float = 600.0,
+                 journal: str | None = None) -> None:
         self.heartbeat_timeout = heartbeat_timeout
+        # Deletes/renames a worker has not confirmed: applied to its block reports, pushed until it acks.
+        self.pending = PendingOps(journal)
+        self._send_locks: dict[str, threading.Lock] = {}  # one push at a time per worker: acks stay ordered
+        self._push_wake = threading.Event()
         self.allocation_ttl = allocation_ttl
         # Blocks allocated but not committed yet (block id -> (worker id, expiry)), and those given up on: an
         # expired allocation, or one whose worker re-registered before the commit. An abandoned block is never
@@ -125,6 +136,8 @@ class MasterService(pbg.MasterServicer):
         self._bg = futures.ThreadPoolExecutor(8, thread_name_prefix="l2fs-master-bg")
         self._stop = threading.Event()
         threading.Thread(target=self._sweeper, name="l2fs-sweeper", daemon=True).start()
+        threading.Thread(target=self._pusher, name="l2fs-pending", daemon=True).start()
+        PENDING.set(len(self.pending))
 
     # ---------- helpers (call with lock held unless noted) ----------
 
@@ -299,7 +312,69 @@ class MasterService(pbg.MasterServicer):
 
     def close(self) -> None:
         self._stop.set()
+        self._push_wake.set()
         self._bg.shutdown(wait=False, cancel_futures=True)
+        self.pending.close()
+
+    # ---------- pending namespace changes ----------
+
+    PUSH_BATCH = 10_000  # changes per DeleteBlocks/SetPaths call
+
+    def _record(self, changes: list[tuple[str, str, str | None]]) -> None:
+        """Make (worker, block, new path | None = delete) changes durable before they are acknowledged."""
+        try:
+            self.pending.record(changes)
+        except JournalError as e:
+            log.error("%s", e)
+            raise RpcError(grpc.StatusCode.UNAVAILABLE, f"{e}: the operation was not applied") from e
+        PENDING.set(len(self.pending))
+
+    def _push(self, wid: str, timeout: float = 1.0, lock_wait: float = 0.25) -> bool:
+        """Send one worker its pending changes (deletes, then new paths) and forget what it acknowledged.
+        False when it is not live, is unreachable, or another push to it is under way (that one, or the
+        pusher's next round, carries our change: a client call never waits for more than one attempt)."""
+        with self.lock:
+            w = self.workers.get(wid)
+            if w is None or not w.alive:
+                return False
+            address = w.address
+            send_lock = self._send_locks.setdefault(wid, threading.Lock())
+        if not send_lock.acquire(timeout=lock_wait):
+            return False
+        try:
+            ops = self.pending.batch(wid, self.PUSH_BATCH)  # read under the send lock: the newest state
+            if not ops:
+                return True
+            deletes = [b for b, p in ops.items() if p is None]
+            moves = [(b, p) for b, p in ops.items() if p is not None]
+            stub, md = self._worker_stub(address), auth_metadata(self._token)
+            try:
+                if deletes:
+                    stub.DeleteBlocks(pb.BlockIds(block_ids=deletes), timeout=timeout, metadata=md)
+                if moves:
+                    stub.SetPaths(pb.SetPathsRequest(block_ids=[b for b, _ in moves], paths=[p for _, p in moves]),
+                                  timeout=timeout, metadata=md)
+            except grpc.RpcError as e:
+                log.warning("worker %s: %d pending namespace change(s) not confirmed yet (%s)", wid, len(ops),
+                            e.code())
+                return False
+            self.pending.acked(wid, ops)
+            PENDING.set(len(self.pending))
+            return True
+        finally:
+            send_lock.release()
+
+    def _pusher(self) -> None:
+        """Retries every pending change until its worker confirms it (woken by registrations)."""
+        while not self._stop.is_set():
+            self._push_wake.wait(1.0)
+            self._push_wake.clear()
+            for wid in self.pending.workers():
+                if self._stop.is_set():
+                    return
+                for _ in range(100):  # more than one batch; bounded, a failing journal must not spin
+                    if not self._push(wid, timeout=2.0, lock_wait=2.0) or wid not in self.pending.workers():
+                        break
 
     # ---------- worker-facing ----------
 
@@ -322,7 +397,7 @@ class MasterService(pbg.MasterServicer):
             log.error("refusing registration: %s", why)
             raise RpcError(grpc.StatusCode.FAILED_PRECONDITION, why)
         reject: list[str] = []
-        remote_deletes: list[tuple[str, str]] = []
+        remote_deletes: list[tuple[str, str, str | None]] = []
         with self.lock:
             old = self.workers.get(request.worker_id)
             if request.continuation:  # more reports of the registration this worker just made
@@ -347,8 +422,12 @@ class MasterService(pbg.MasterServicer):
                     self._abandon(b.block_id)  # sealed, never committed: its put did not return success
                     reject.append(b.block_id)
                     continue
+                has_op, new_path = self.pending.lookup(w.worker_id, b.block_id)
+                if has_op and new_path is None:  # deleted or overwritten while the worker was away
+                    reject.append(b.block_id)
+                    continue
                 try:
-                    path = norm_path(b.path)
+                    path = norm_path(new_path if has_op and new_path is not None else b.path)  # renamed meanwhile
                 except PathError:
                     reject.append(b.block_id)
                     continue
@@ -358,16 +437,16 @@ class MasterService(pbg.MasterServicer):
                         reject.append(b.block_id)
                         continue
                     self._drop_file(path)
-                    remote_deletes.append((cur.worker_id, cur.block_id))
+                    remote_deletes.append((cur.worker_id, cur.block_id, None))
                 try:
                     self._add_file(path, FileEntry(b.block_id, w.worker_id, b.size, b.crc32c, b.mtime,
                                                    b.order_hint, b.local_path))
                 except RpcError:  # path clashes with a directory: that block cannot be published
                     reject.append(b.block_id)
             self._update_gauges()
-        for wid, bid in remote_deletes:
-            if wid != request.worker_id:
-                self._tell_worker(wid, "DeleteBlocks", pb.BlockIds(block_ids=[bid]), wait=False)
+        # a displaced older copy on another worker must not come back with that worker's next report either
+        self._record(remote_deletes)
+        self._push_wake.set()  # this worker (and those) get their pending changes now
         log.info("registered worker %s node=%s at %s: %d blocks (%d rejected)", request.worker_id,
                  request.node_id, request.address, len(request.blocks), len(reject))
         return pb.RegisterResponse(delete_blocks=reject, protocol_version=self.protocol_version)
@@ -474,12 +553,15 @@ class MasterService(pbg.MasterServicer):
         return pb.CommitManyResponse(items=items)
 
     def _delete_orphans(self, orphans: list[tuple[str, str]]) -> None:
-        """Blocks that lost a put-if-absent race or were replaced: one DeleteBlocks per worker, in the background."""
-        by_worker: dict[str, list[str]] = {}
-        for wid, bid in orphans:
-            by_worker.setdefault(wid, []).append(bid)
-        for wid, ids in by_worker.items():
-            self._tell_worker(wid, "DeleteBlocks", pb.BlockIds(block_ids=ids), wait=False)
+        """Blocks that lost a put-if-absent race or were replaced: pending deletes (so a re-report never
+        publishes them again), pushed in the background."""
+        if not orphans:
+            return
+        try:
+            self._record([(wid, bid, None) for wid, bid in orphans])
+        except RpcError:  # the commit itself is done; the orphan is only kept until its worker re-registers
+            return
+        self._push_wake.set()
 
     def _commit(self, request: pb.CommitRequest, orphans: list[tuple[str, str]]) -> pb.CommitResponse:
         path = norm_path(request.path)
@@ -601,10 +683,12 @@ class MasterService(pbg.MasterServicer):
             if path in self.children:
                 self._rmdir(path)
                 return pb.DeleteResponse(removed=True)
-            e = self._drop_file(path)
-        if e is None:
-            return pb.DeleteResponse(removed=False)
-        self._tell_worker(e.worker_id, "DeleteBlocks", pb.BlockIds(block_ids=[e.block_id]), wait=True)
+            e = self.files.get(path)
+            if e is None:
+                return pb.DeleteResponse(removed=False)
+            self._record([(e.worker_id, e.block_id, None)])  # durable before the namespace changes
+            self._drop_file(path)
+        self._push(e.worker_id)  # one attempt now; the pusher retries until the worker confirms
         return pb.DeleteResponse(removed=True)
 
     @_rpc
@@ -619,8 +703,7 @@ class MasterService(pbg.MasterServicer):
             return pb.Empty()
         if dst.startswith(src + "/"):
             raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, f"cannot move {src} inside itself", "EINVAL")
-        moved: list[tuple[str, str, str]] = []  # (worker_id, block_id, new path)
-        replaced: FileEntry | None = None
+        changes: list[tuple[str, str, str | None]] = []  # (worker, block, new path | None = deleted)
         with self.lock:
             if src in self.files:
                 if dst in self.children:
@@ -628,11 +711,14 @@ class MasterService(pbg.MasterServicer):
                 if dst in self.files and not request.overwrite:
                     raise RpcError(grpc.StatusCode.ALREADY_EXISTS, f"{dst} already exists")
                 self._ensure_dirs(parent_of(dst))
-                replaced = self._drop_file(dst)
-                e = self._drop_file(src)
-                assert e is not None
+                e, old = self.files[src], self.files.get(dst)
+                if old is not None:
+                    changes.append((old.worker_id, old.block_id, None))
+                changes.append((e.worker_id, e.block_id, dst))
+                self._record(changes)  # durable before the namespace changes
+                self._drop_file(dst)
+                self._drop_file(src)
                 self._add_file(dst, e)
-                moved.append((e.worker_id, e.block_id, dst))
             elif src in self.children:
                 if dst in self.files:
                     raise RpcError(grpc.StatusCode.FAILED_PRECONDITION, f"{dst} is a file", "ENOTDIR")
@@ -646,6 +732,8 @@ class MasterService(pbg.MasterServicer):
                 prefix = src + "/"
                 subdirs = sorted(d for d in self.children if d == src or d.startswith(prefix))
                 subfiles = [p for p in self.files if p.startswith(prefix)]
+                changes = [(self.files[p].worker_id, self.files[p].block_id, dst + p[len(src):]) for p in subfiles]
+                self._record(changes)
                 entries = [(p, self._drop_file(p)) for p in subfiles]
                 for d in reversed(subdirs):
                     kids = self.children.pop(d)
@@ -653,23 +741,13 @@ class MasterService(pbg.MasterServicer):
                     self.children.get(parent_of(d), set()).discard(d.rsplit("/", 1)[1])
                 for d in subdirs:
                     self._ensure_dirs(dst + d[len(src):])
-                for p, e in entries:
-                    assert e is not None
-                    np_ = dst + p[len(src):]
-                    self._add_file(np_, e)
-                    moved.append((e.worker_id, e.block_id, np_))
+                for p, moved in entries:
+                    assert moved is not None
+                    self._add_file(dst + p[len(src):], moved)
             else:
                 raise RpcError(grpc.StatusCode.NOT_FOUND, f"{src}: no such file or directory")
-        by_worker: dict[str, tuple[list[str], list[str]]] = {}
-        for wid, bid, p in moved:
-            ids, paths = by_worker.setdefault(wid, ([], []))
-            ids.append(bid)
-            paths.append(p)
-        for wid, (ids, paths) in by_worker.items():
-            self._tell_worker(wid, "SetPaths", pb.SetPathsRequest(block_ids=ids, paths=paths), wait=True)
-        if replaced is not None:
-            self._tell_worker(replaced.worker_id, "DeleteBlocks",
-                              pb.BlockIds(block_ids=[replaced.block_id]), wait=True)
+        for wid in dict.fromkeys(w for w, _, _ in changes):  # one attempt now; the pusher retries
+            self._push(wid)
         return pb.Empty()
 
     @_rpc
@@ -683,7 +761,8 @@ class MasterService(pbg.MasterServicer):
     def health(self) -> dict:
         with self.lock:
             alive = sum(w.alive for w in self.workers.values())
-            return {"ok": True, "role": "master", "workers_alive": alive, "files": len(self.files)}
+            return {"ok": True, "role": "master", "workers_alive": alive, "files": len(self.files),
+                    "pending_namespace_ops": len(self.pending)}
 
 
 def serve(host: str, port: int, service: MasterService, *, token: str | None = None,
@@ -709,6 +788,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--allocation-ttl", type=float, default=600.0,
                    help="seconds a put may take from Allocate to Commit; older uncommitted blocks are deleted "
                         "and never published (default 600)")
+    p.add_argument("--journal", default=None,
+                   help="SQLite file (on a volume) where deletes and renames wait until their worker confirms "
+                        "them, so they survive a master restart; without it they wait in memory")
     p.add_argument("--token", default=None, help="require this bearer token (also $L2FS_TOKEN)")
     p.add_argument("--tls-cert")
     p.add_argument("--tls-key")
@@ -723,9 +805,13 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     token = args.token or os.environ.get("L2FS_TOKEN") or None
-    service = MasterService(heartbeat_timeout=args.heartbeat_timeout,
-                            max_file_size=parse_size(args.max_file_size), token=token, tls_ca=args.tls_ca,
-                            allocation_ttl=args.allocation_ttl)
+    try:
+        service = MasterService(heartbeat_timeout=args.heartbeat_timeout,
+                                max_file_size=parse_size(args.max_file_size), token=token, tls_ca=args.tls_ca,
+                                allocation_ttl=args.allocation_ttl, journal=args.journal)
+    except (JournalError, OSError, sqlite3.Error) as e:
+        print(f"l2fs master: cannot open the journal: {e}", file=sys.stderr)
+        return 2
     server, port = serve(args.host, args.port, service, token=token, tls_cert=args.tls_cert,
                          tls_key=args.tls_key)
     metrics_port = None
