@@ -6,7 +6,13 @@ Replica A (node-1) prefills a 2,100-token prompt cold and LMCache writes its chu
 they are l2fs files on node-1. Replica B (node-2), which never saw the prompt, loads them through node-2's
 mount: the same greedy tokens and logprobs, and the chunk bytes crossed the link (worker-1 served them,
 node-2's veth received them), not a shared local directory. Replaces the loopback twin
-tests/mount/test_mount_crosspod.py. Run: flock /tmp/kvtier-vllm.lock .venv/bin/pytest tests/netns/test_netns_crosspod.py
+tests/mount/test_mount_crosspod.py.
+
+The same in plugin mode (`kvtier up --netns`, LMCache + our native l2fs connector in each engine, its client on
+the replica's node): A's chunks are l2fs files on node-1 (local-first), B loads them through its own
+connector's client on node-2, and the bytes crossed the link (worker-1's metrics, node-2's veth). Its
+loopback twin is test_cross_pod_hit_is_exact in tests/connector/test_connector_crosspod.py.
+Run: flock /tmp/kvtier-vllm.lock .venv/bin/pytest tests/netns/test_netns_crosspod.py
 """
 
 from __future__ import annotations
@@ -25,8 +31,9 @@ import pytest
 from netns_helpers import require_host
 
 from kvtier.up import Stack
+from l2fs.client import Client, FileInfo, L2fsError
 
-pytestmark = [pytest.mark.vllm, pytest.mark.fuse, pytest.mark.timeout(1500)]
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1500)]
 
 N_TOKENS = 2100  # 8 full chunks of 256 + a partial one
 CHUNK = 256
@@ -55,49 +62,95 @@ def _bytes_read(stack: Stack, i: int) -> float:
     return float(m.group(1))
 
 
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Iterator[Stack]:
+def _l2fs_files(c: Client, root: str) -> dict[str, FileInfo]:
+    """Every file under an l2fs directory, by path (a walk of List calls through the master)."""
+    out: dict[str, FileInfo] = {}
+    todo = [root]
+    while todo:
+        d = todo.pop()
+        try:
+            entries = c.ls(d)
+        except L2fsError:
+            continue  # not created yet
+        for e in entries:
+            path = e.path if e.path.startswith("/") else f"{d.rstrip('/')}/{e.path}"
+            if e.is_dir:
+                todo.append(path)
+            else:
+                out[path] = e
+    return out
+
+
+@pytest.fixture(scope="module", params=[pytest.param("mount", marks=pytest.mark.fuse), "plugin"])
+def stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
+          tiny_model: Path) -> Iterator[Stack]:
+    """The two-replica --netns stack in that mode (one mode at a time: module scope, parametrized)."""
     require_host()
-    if not os.path.exists("/dev/fuse") or shutil.which("fusermount3") is None:
+    if request.param == "mount" and (not os.path.exists("/dev/fuse") or shutil.which("fusermount3") is None):
         pytest.skip("needs /dev/fuse and fusermount3")
-    base = tmp_path_factory.mktemp("netns-crosspod")
+    base = tmp_path_factory.mktemp(f"netns-crosspod-{request.param}")
     with Stack(base, replicas=2, workers=2, model=str(tiny_model), strategy=None, l1_gb=0.5, kv_cache_gb=1,
-               mode="mount", netns=True) as st:
+               mode=request.param, netns=True) as st:
         yield st
 
 
-def test_cross_pod_hit_through_each_nodes_mount_crosses_the_link(stack: Stack, tiny_model: Path) -> None:
-    vocab = json.loads((tiny_model / "config.json").read_text())["vocab_size"]
+def _check_layout(stack: Stack, mode: str) -> dict:
     a, b = stack.replicas
     assert (a.node_id, b.node_id) == ("node-1", "node-2")
     state = json.loads(stack.state_path.read_text())
-    assert state["mode"] == "mount" and state["netns"]["prefix"] == stack.net.prefix
+    assert state["mode"] == mode and state["netns"]["prefix"] == stack.net.prefix
     for r, n in zip(state["replicas"], stack.net.nodes, strict=True):  # each replica bound to its node
-        assert r["bind_url"].startswith(f"http://{n.addr}:") and r["mount"] == state["mounts"][n.name]
-    m1, m2 = Path(state["mounts"]["node-1"]), Path(state["mounts"]["node-2"])
+        assert r["bind_url"].startswith(f"http://{n.addr}:")
+        if mode == "mount":
+            assert r["mount"] == state["mounts"][n.name]
+    return state
 
-    ids = _ids(7, vocab)
+
+def _b_loads_over_the_link(stack: Stack, ids: list[int], cold: tuple[list, list], chunk_bytes: int) -> None:
+    """Replica B (node-2) serves the prompt from L2: every full chunk retrieved, the same greedy tokens and
+    logprobs as A's cold run, and at least the chunk bytes served by worker-1 and received by node-2."""
+    b = stack.replicas[1]
     full = N_TOKENS // CHUNK * CHUNK
-    _, cold_tokens, cold_lp = a.stream_greedy(ids, max_tokens=MAX_NEW)
-    assert a.lmcache_hits()[-1][1:] == (N_TOKENS, 0)
-    deadline = time.monotonic() + 60
-    while len(_chunk_files(m1)) < full // CHUNK:
-        assert time.monotonic() < deadline, f"only {len(_chunk_files(m1))} chunks reached node-1's mount"
-        time.sleep(0.2)
-    chunk_bytes = full // CHUNK * max(f.stat().st_size for f in _chunk_files(m1))  # what B must load
-    with stack.cluster.client() as c:  # they are l2fs files on node-1 (the writer's node)
-        info = c.stat("/" + str(_chunk_files(m1)[0].relative_to(m1)))
-    assert info is not None and info.nodes == ["node-1"]
-
     served0, rx0 = _bytes_read(stack, 0), stack.net.link_stats("node-2")["rx_bytes"]
     n_retr = len(b.lmcache_retrievals())
     _, tokens, lp = b.stream_greedy(ids, max_tokens=MAX_NEW)
     assert b.lmcache_hits()[-1][1:] == (N_TOKENS, full)
     retr = b.lmcache_retrievals()
     assert len(retr) == n_retr + 1 and retr[-1]["tokens"] == full
-    assert tokens == cold_tokens
-    assert max(abs(x - y) for x, y in zip(lp, cold_lp, strict=True)) <= 1e-4
+    assert tokens == cold[0]
+    assert max(abs(x - y) for x, y in zip(lp, cold[1], strict=True)) <= 1e-4
     # the chunks came over node-2's link from node-1's worker
     assert _bytes_read(stack, 0) - served0 >= chunk_bytes
     assert stack.net.link_stats("node-2")["rx_bytes"] - rx0 >= chunk_bytes
-    assert len(_chunk_files(m2)) >= full // CHUNK  # node-2's mount shows the same l2fs files
+
+
+def test_cross_pod_hit_crosses_the_link(stack: Stack, tiny_model: Path) -> None:
+    mode = stack.mode
+    state = _check_layout(stack, mode)
+    vocab = json.loads((tiny_model / "config.json").read_text())["vocab_size"]
+    a = stack.replicas[0]
+    ids = _ids(7, vocab)
+    n_chunks = N_TOKENS // CHUNK
+    with stack.cluster.client() as c:  # through the host forwarder: metadata only
+        before = set(_l2fs_files(c, state["kv_prefix"])) if mode == "plugin" else set()
+        _, cold_tokens, cold_lp = a.stream_greedy(ids, max_tokens=MAX_NEW)
+        assert a.lmcache_hits()[-1][1:] == (N_TOKENS, 0)
+        deadline = time.monotonic() + 60
+        if mode == "mount":
+            m1, m2 = Path(state["mounts"]["node-1"]), Path(state["mounts"]["node-2"])
+            while len(_chunk_files(m1)) < n_chunks:
+                assert time.monotonic() < deadline, f"only {len(_chunk_files(m1))} chunks reached node-1's mount"
+                time.sleep(0.2)
+            sizes = [f.stat().st_size for f in _chunk_files(m1)]
+            infos = [c.stat("/" + str(_chunk_files(m1)[0].relative_to(m1)))]
+        else:
+            while len(new := {p: i for p, i in _l2fs_files(c, state["kv_prefix"]).items() if p not in before}) \
+                    < n_chunks:
+                assert time.monotonic() < deadline, f"only {len(new)} chunks written by A's connector"
+                time.sleep(0.2)
+            sizes, infos = [i.size for i in new.values()], list(new.values())
+    # they are l2fs files on node-1 (the writer's node): B must fetch them over its link
+    assert all(i is not None and i.nodes == ["node-1"] for i in infos), infos
+    _b_loads_over_the_link(stack, ids, (cold_tokens, cold_lp), n_chunks * max(sizes))
+    if mode == "mount":
+        assert len(_chunk_files(m2)) >= n_chunks  # node-2's mount shows the same l2fs files
