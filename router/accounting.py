@@ -29,6 +29,7 @@ class CacheAccounting:
         self.matched = dict.fromkeys(TIERS, 0)
         self.actual = 0
         self.requests = 0
+        self.last_matched_l2 = 0  # of the latest record(): tokens attributed to loads past the engine's cache
         self.c_pred = Counter("kvtier_router_cache_predicted_tokens",
                               "Prompt tokens predicted cached on the chosen replica, by tier (capped like vLLM)",
                               ["tier"], registry=registry)
@@ -58,6 +59,7 @@ class CacheAccounting:
         p2 = p_all - p0
         m_all = min(p_all, actual)
         m0 = min(p0, m_all)
+        self.last_matched_l2 = m_all - m0
         for tier, p, m in (("L0", p0, m0), ("L2", p2, m_all - m0), ("all", p_all, m_all)):
             self.predicted[tier] += p
             self.matched[tier] += m
@@ -79,8 +81,8 @@ class TierCostCalibrator:
     """Measures what a token loaded from outside the engine's own cache costs, relative to recomputing one.
 
     Per streamed answer: y = time from sending it to its first chunk (prefill), x1 = tokens the engine
-    computed (prompt - cached), x2 = tokens it loaded through the KV connector (the cached tokens beyond the
-    router's L0 prediction, as attributed above). A least-squares fit y = a + b1*x1 + b2*x2 over running sums
+    computed (prompt - cached), x2 = tokens it loaded through the KV connector (the matched L2 part of the
+    prediction, as attributed above: only predicted L2 tokens count). A least-squares fit y = a + b1*x1 + b2*x2 over running sums
     gives the per-token times; cost_L2 = b2 / b1, clamped to [0, 1]. Queueing in the engine is noise in y
     (it adds to a, and to b's when it correlates with load), hence many samples and a fit only when both x's
     vary. x2 lumps LMCache's CPU tier (L1) with l2fs (L2): the usage block cannot tell them apart.

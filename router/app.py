@@ -28,7 +28,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.requests import ClientDisconnect
 
-from router.accounting import CacheAccounting
+from router.accounting import CacheAccounting, TierCostCalibrator
 from router.admission import AdmissionConfig, Gate, Ticket
 from router.index import MEDIUM_WEIGHT
 from router.kvevents import DROPPED, KVEventSubscriber
@@ -66,6 +66,7 @@ class RouterConfig:
     # per-token cost of a cached token, relative to recomputing it (1.0): L0 (the replica's GPU cache) is free;
     # L1 = blocks its KV events place on CPU, L2 = chunks only in l2fs (any replica can load them)
     tier_cost: dict[str, float] = field(default_factory=lambda: dict(TIER_COST))
+    calibrate_l2: bool = False  # fit the L2 cost from measured prefill times (TierCostCalibrator); tier_cost starts it
     session_header: str = "x-session-id"
     kv_endpoints: list[str | None] = field(default_factory=list)  # aligned with replicas
     kv_replay_endpoints: list[str | None] = field(default_factory=list)
@@ -88,6 +89,8 @@ class _Admission:
     def __init__(self, r: Replica, d: Decision, n_tokens: int, m: Metrics) -> None:
         self.r, self.uncached, self.n, self.m = r, d.uncached, n_tokens, m
         self.state = 0
+        self.t0 = time.perf_counter()
+        self.first_s: float | None = None  # send -> first byte (for a stream: the prefill), tier calibration
         r.inflight += 1
         r.prefill_tokens += self.uncached
         self._gauges()
@@ -99,6 +102,7 @@ class _Admission:
     def first_byte(self) -> None:
         if self.state == 0:
             self.state = 1
+            self.first_s = time.perf_counter() - self.t0
             self.r.prefill_tokens -= self.uncached
             self.r.decode_tokens += self.n
             self._gauges()
@@ -182,6 +186,7 @@ class Router:
         MEDIUM_WEIGHT["CPU"] = MEDIUM_WEIGHT["cpu"] = 1.0 - cost["L1"]
         for tier, v in (("L0", 0.0), *cost.items()):
             self.m.tier_cost.labels(tier).set(v)
+        self.calibrator = TierCostCalibrator() if cfg.calibrate_l2 else None
         self.tok = Tokenizer(cfg.tokenizer, fallback_replica=True)
         self.tok.remote = self._remote_tokenize
         self._tok_next = 0  # round-robin over the replicas for /tokenize
@@ -545,7 +550,7 @@ class Router:
             return _Retry(_err(502, f"replica {r.url} answered a stream with {ctype or 'no content type'}",
                                "upstream_error"))
         self.m.requests.labels(r.url, call.strategy, str(code)).inc()
-        return StreamingResponse(self._pump(resp, adm, lambda tail: self._stream_usage(tail, d, call)),
+        return StreamingResponse(self._pump(resp, adm, lambda tail: self._stream_usage(tail, d, call, adm.first_s)),
                                  status_code=code,
                                  headers=self._down_headers(resp, call.rid, r, d, decoded=False, clock=call.clock))
 
@@ -582,8 +587,9 @@ class Router:
         self.m.requests.labels(r.url, strategy, str(code)).inc()
         return Response(content, status_code=code, headers=self._down_headers(resp, rid, r, d, decoded=True, clock=clock))
 
-    def _count_usage(self, obj: dict[str, Any], d: Decision, call: _Call) -> None:
-        """Predicted vs engine-reported cached tokens (router/accounting.py); roundrobin predicts nothing."""
+    def _count_usage(self, obj: dict[str, Any], d: Decision, call: _Call, prefill_s: float | None = None) -> None:
+        """Predicted vs engine-reported cached tokens (router/accounting.py); roundrobin predicts nothing.
+        prefill_s (streams: send to first chunk) feeds the L2 cost calibration when it is on."""
         usage = obj.get("usage")
         if not isinstance(usage, dict):
             return
@@ -597,10 +603,21 @@ class Router:
                 self.m.prompt_tokens.inc(n)
             if call.tokens:
                 bs = self.policy.kv.block_size(d.replica.url) or self.cfg.block_size
-                self.acct.record(d.hit_tokens, d.l2_tokens, cached, n if isinstance(n, int) else len(call.tokens),
-                                 bs)
+                n = n if isinstance(n, int) else len(call.tokens)
+                self.acct.record(d.hit_tokens, d.l2_tokens, cached, n, bs)
+                if self.calibrator is not None and prefill_s is not None:
+                    self._calibrate(prefill_s, n - cached, self.acct.last_matched_l2)
 
-    def _stream_usage(self, tail: bytes, d: Decision, call: _Call) -> None:
+    def _calibrate(self, prefill_s: float, computed: int, loaded: int) -> None:
+        """--tier-cost L2=auto: refit every 64 samples; until the fit exists the configured start value holds."""
+        cal = self.calibrator
+        assert cal is not None
+        cal.add(prefill_s, computed, loaded)
+        if cal.n % 64 == 0 and (cost := cal.l2_cost()) is not None:
+            self.policy.l2_credit = 1.0 - cost
+            self.m.tier_cost.labels("L2").set(cost)
+
+    def _stream_usage(self, tail: bytes, d: Decision, call: _Call, prefill_s: float | None) -> None:
         """The usage block of a finished stream (its last chunk, sent with stream_options.include_usage)."""
         i = tail.rfind(b'"usage"')
         if i < 0:
@@ -611,7 +628,7 @@ class Router:
         except ValueError:
             return
         if isinstance(obj, dict):
-            self._count_usage(obj, d, call)
+            self._count_usage(obj, d, call, prefill_s)
 
     async def _pump(self, resp: aiohttp.ClientResponse, adm: _Admission,
                     on_end: Callable[[bytes], None]) -> AsyncIterator[bytes]:

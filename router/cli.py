@@ -17,13 +17,18 @@ def _split(v: str | None) -> list[str]:
     return [x.strip() for x in v.split(",")] if v else []
 
 
-def parse_tier_cost(v: str) -> dict[str, float]:
-    """'L1=0.2,L2=0.5' -> {'L1': 0.2, 'L2': 0.5}; tiers L1/L2 only, each in [0, 1]."""
+def parse_tier_cost(v: str) -> tuple[dict[str, float], bool]:
+    """'L1=0.2,L2=0.5' -> ({'L1': 0.2, 'L2': 0.5}, False); tiers L1/L2 only, each in [0, 1]. 'L2=auto' (or
+    'L2=auto:0.4', the value used until the first fit) -> calibrated from measured prefill times: True."""
     out: dict[str, float] = {}
+    auto = False
     for item in _split(v):
         tier, sep, num = item.partition("=")
         if not sep or tier.upper() not in ("L1", "L2"):
-            raise ValueError(f"{item!r}: expected L1=<cost> or L2=<cost>")
+            raise ValueError(f"{item!r}: expected L1=<cost> or L2=<cost>|auto[:start]")
+        if tier.upper() == "L2" and (num.lower() == "auto" or num.lower().startswith("auto:")):
+            auto = True
+            num = num[5:] if num[4:5] == ":" else "0.5"
         try:
             cost = float(num)
         except ValueError:
@@ -31,7 +36,7 @@ def parse_tier_cost(v: str) -> dict[str, float]:
         if not 0.0 <= cost <= 1.0:
             raise ValueError(f"{item!r}: cost must be in [0, 1] (recomputing a token costs 1)")
         out[tier.upper()] = cost
-    return out
+    return out, auto
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -72,7 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--decode-beta", type=float, default=0.1, help="cost weight of active decode context tokens")
     p.add_argument("--tier-cost", default="L1=0.2,L2=0.5",
                    help="routing cost of one cached token by tier, relative to recomputing it (1); L0 is free. "
-                        "L1 = blocks the replica's KV events place on CPU, L2 = chunks only in l2fs")
+                        "L1 = blocks the replica's KV events place on CPU, L2 = chunks only in l2fs; L2=auto[:start] "
+                        "fits it from streamed requests' prefill times (docs/router.md)")
     p.add_argument("--session-header", default="x-session-id")
     p.add_argument("--prefix-affinity", action="store_true",
                    default=os.environ.get("KVTIER_ROUTER_PREFIX_AFFINITY", "") not in ("", "0", "false"),
@@ -140,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"kvtier router: --{flag.replace('_', '-')} must be >= 0", file=sys.stderr)
             return 2
     try:
-        tier_cost = parse_tier_cost(args.tier_cost)
+        tier_cost, calibrate_l2 = parse_tier_cost(args.tier_cost)
     except ValueError as e:
         print(f"kvtier router: --tier-cost: {e}", file=sys.stderr)
         return 2
@@ -178,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
         health_interval=args.health_interval, health_timeout=args.health_timeout,
         load_scrape_interval=args.load_scrape_interval,
         connect_timeout=args.connect_timeout, upstream_timeout=args.upstream_timeout, retries=args.retries,
-        load_epsilon=args.load_epsilon, decode_beta=args.decode_beta, tier_cost=tier_cost,
+        load_epsilon=args.load_epsilon, decode_beta=args.decode_beta, tier_cost=tier_cost, calibrate_l2=calibrate_l2,
         prefix_affinity=args.prefix_affinity, session_header=args.session_header.lower(),
         kv_endpoints=[x or None for x in kv], kv_replay_endpoints=[x or None for x in _split(args.kv_replay)],
         l2_lookup=l2_lookup, l2_timeout=args.l2fs_timeout, discovery=discovery,

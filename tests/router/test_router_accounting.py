@@ -76,8 +76,10 @@ def test_tier_costs_are_configurable_and_checked():
     from router.cli import main, parse_tier_cost
     from router.index import MEDIUM_WEIGHT
 
-    assert parse_tier_cost("l2=0.1, L1=0") == {"L2": 0.1, "L1": 0.0}
-    for bad in ("L3=0.1", "L2", "L2=x", "L2=1.5"):
+    assert parse_tier_cost("l2=0.1, L1=0") == ({"L2": 0.1, "L1": 0.0}, False)
+    assert parse_tier_cost("L2=auto") == ({"L2": 0.5}, True)
+    assert parse_tier_cost("L2=auto:0.3") == ({"L2": 0.3}, True)
+    for bad in ("L3=0.1", "L2", "L2=x", "L2=1.5", "L2=autox", "L1=auto"):
         with pytest.raises(ValueError):
             parse_tier_cost(bad)
     assert main(["--replicas", "http://a:1", "--tier-cost", "L2=2"]) == 2
@@ -107,3 +109,20 @@ def test_calibrator_recovers_the_relative_cost_of_loaded_tokens():
     for _ in range(10):
         flat.add(0.1, 100, 0)  # nothing ever loaded: no estimate, not a made-up one
     assert flat.l2_cost() is None
+
+
+@pytest.mark.unit
+def test_auto_l2_cost_replaces_the_start_value_once_fitted():
+    import random
+
+    from router.app import Router, RouterConfig
+
+    rt = Router(RouterConfig(replicas=["http://a:1"], tier_cost={"L2": 0.5}, calibrate_l2=True))
+    assert rt.policy.l2_credit == 0.5
+    rng = random.Random(3)
+    for _ in range(128):  # loaded tokens cost 10 % of computed ones
+        x1, x2 = rng.randint(0, 1000), rng.randint(0, 1000)
+        rt._calibrate(0.01 + 1e-4 * x1 + 1e-5 * x2, x1, x2)
+    assert rt.policy.l2_credit == pytest.approx(0.9, abs=1e-6)
+    line = next(ln for ln in rt.metrics().body.decode().splitlines() if ln.startswith('kvtier_router_tier_cost{tier="L2"}'))
+    assert float(line.split()[-1]) == pytest.approx(0.1)
