@@ -19,6 +19,7 @@ import errno
 import functools
 import logging
 import os
+import stat
 import threading
 import time
 from collections import OrderedDict
@@ -197,11 +198,17 @@ class _Put:
     tries: int = 0
 
 
+# The reserved temp name must be new: never written through a symlink planted there (it could point
+# anywhere this process may write), never over a file someone else put there first.
+_TMP_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
 def _write_file(tmp_path: str, mv: memoryview) -> bool:
     """Write a short-circuit temp file; False when this process cannot (no such dir here, permissions,
-    disk full): the caller releases the reservation and writes over the network instead."""
+    disk full, something already at the name): the caller releases the reservation and writes over the
+    network instead, with a fresh block id."""
     try:
-        fd = os.open(tmp_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        fd = os.open(tmp_path, _TMP_FLAGS, 0o644)
     except OSError:
         return False
     try:
@@ -761,10 +768,13 @@ class Client:
 
     def _read_local(self, loc: pb.Location, st: pb.FileStat, into: memoryview | None) -> bytes | int | None:
         try:
-            with open(loc.local_path, "rb", buffering=0) as f:
+            # O_NOFOLLOW: a link planted at a block's name is not read through (O_NONBLOCK: nor a FIFO hung on)
+            fd = os.open(loc.local_path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+            with os.fdopen(fd, "rb", buffering=0) as f:
                 result: bytes | int | None = None
-                if os.fstat(f.fileno()).st_size != st.size:
-                    ok = False  # truncated or extended behind the worker's back
+                fst = os.fstat(f.fileno())
+                if not stat.S_ISREG(fst.st_mode) or fst.st_size != st.size:
+                    ok = False  # not a plain file, or truncated or extended behind the worker's back
                 elif into is not None:
                     ok, result = self._readinto_verified(f, into, st), st.size
                 else:
