@@ -238,6 +238,12 @@ def grpc_floor(seconds: float) -> float:
         srv.join()
 
 
+def _master(cluster: LocalCluster) -> psutil.Process:
+    if cluster.master_proc is None:
+        raise RuntimeError("l2fs master not running")
+    return psutil.Process(cluster.master_proc.pid)
+
+
 def _cpu(procs_: Sequence[psutil.Process]) -> float:
     return sum(sum(p.cpu_times()[:2]) for p in procs_)
 
@@ -245,7 +251,7 @@ def _cpu(procs_: Sequence[psutil.Process]) -> float:
 def run_size(cluster: LocalCluster, files: int, batch: int, seconds: float) -> dict[str, Any]:
     """Fill the namespace with `files` 4 KiB objects and measure every rate at that size."""
     run = f"n{files}-{os.getpid()}-{int(time.time())}"
-    master = psutil.Process(cluster.master_proc.pid)
+    master = _master(cluster)
     rss0, cpu0 = master.memory_info().rss, _cpu([master])
     per = files // PROCS
     wall, published, errors = _run_procs(
@@ -329,7 +335,7 @@ def run_shards(base: Path, shards: int, files: int, batch: int, seconds: float) 
         cls = [stack.enter_context(LocalCluster(base / f"s{shards}-{i}", workers=2, capacity="8G",
                                                 heartbeat_timeout=30.0)) for i in range(shards)]
         masters = [c.master for c in cls]
-        mprocs = [psutil.Process(c.master_proc.pid) for c in cls]
+        mprocs = [_master(c) for c in cls]
         run = f"s{shards}-{os.getpid()}-{int(time.time())}"
         per = files // PROCS
         cpu0 = _cpu(mprocs)
