@@ -187,11 +187,16 @@ def endpoint_prefix(dep: dict[str, Any], cfg: PatchConfig, iec: dict[str, Any] |
     return revision, contract.revision_prefix(cfg.prefix, endpoint, revision)
 
 
-def salt_secret(dep: dict[str, Any], iec: dict[str, Any] | None = None) -> str:
-    """Name of the endpoint's KV-salt Secret ("" = unsalted): the Deployment's annotation, else the IEC's,
-    else the one recorded on the pod template by an earlier patch (an operator re-render keeps it)."""
-    template_meta = ((dep.get("spec") or {}).get("template") or {}).get("metadata") or {}
-    for meta in (_meta(dep), _meta(iec or {}), template_meta):
+def salt_secret(dep: dict[str, Any], iec: dict[str, Any] | None = None, old: dict[str, Any] | None = None) -> str:
+    """Name of the endpoint's KV-salt Secret ("" = unsalted): the Deployment's annotation, else the IEC's
+    when it was read (it is authoritative then: removing it there unsalts the next rendering), else the one
+    recorded on the pod template by an earlier patch, in this object or in `old` (the object an UPDATE
+    replaces): an operator re-render while the IEC cannot be read stays salted instead of failing open."""
+    def template_meta(obj: dict[str, Any] | None) -> dict[str, Any]:
+        return (((obj or {}).get("spec") or {}).get("template") or {}).get("metadata") or {}
+
+    sources = [_meta(dep)] + ([_meta(iec)] if iec is not None else [template_meta(dep), template_meta(old)])
+    for meta in sources:
         name = str((meta.get("annotations") or {}).get(KV_SALT_SECRET_KEY) or "").strip()
         if name:
             if len(name) > 253 or not _DNS_SUBDOMAIN.fullmatch(name):
@@ -436,11 +441,12 @@ def _patch_vllm_flags(c: dict[str, Any], cfg: PatchConfig) -> None:
                     or p.get("containerPort") == port["containerPort"])
 
 
-def _patch_worker(dep: dict[str, Any], cfg: PatchConfig, iec: dict[str, Any] | None = None) -> None:
+def _patch_worker(dep: dict[str, Any], cfg: PatchConfig, iec: dict[str, Any] | None = None,
+                  old: dict[str, Any] | None = None) -> None:
     c = _containers(dep)[select_container(dep)]
     env: list[dict[str, Any]] = c.setdefault("env", [])
     revision, kv_prefix = endpoint_prefix(dep, cfg, iec)
-    secret = salt_secret(dep, iec)
+    secret = salt_secret(dep, iec, old)
     _patch_salt(dep, c, secret)
     _patch_vllm_flags(c, cfg)
     if cfg.mode == "mount":
@@ -545,14 +551,16 @@ def wants_patch(obj: dict[str, Any], all_owned: bool = False, iec: dict[str, Any
     return opted_in(obj) or all_owned or (iec is not None and opted_in(iec))
 
 
-def mutate(dep: dict[str, Any], cfg: PatchConfig, iec: dict[str, Any] | None = None) -> dict[str, Any]:
+def mutate(dep: dict[str, Any], cfg: PatchConfig, iec: dict[str, Any] | None = None,
+           old: dict[str, Any] | None = None) -> dict[str, Any]:
     """Patched deep copy of `dep`; raises PatchError (and changes nothing) when it cannot be patched.
-    `iec` (the owning InferenceEndpointConfig, when read) decides the model revision."""
+    `iec` (the owning InferenceEndpointConfig, when read) decides the model revision; `old` (the object an
+    UPDATE replaces) keeps a recorded KV salt when the IEC could not be read."""
     out = copy.deepcopy(dep)
     if is_router(out):
         _patch_router(out, cfg)
     else:
-        _patch_worker(out, cfg, iec)
+        _patch_worker(out, cfg, iec, old)
     out.setdefault("metadata", {}).setdefault("annotations", {})[PATCHED_KEY] = cfg.fingerprint()
     return out
 
@@ -584,9 +592,10 @@ def diff(old: Any, new: Any, path: list[str] | None = None) -> list[dict[str, An
     return [{"op": "replace", "path": _ptr(path), "value": new}]
 
 
-def plan(dep: dict[str, Any], cfg: PatchConfig, iec: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+def plan(dep: dict[str, Any], cfg: PatchConfig, iec: dict[str, Any] | None = None,
+         old: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     """JSON patch that applies `cfg` to `dep` ([] when already applied)."""
-    return diff(dep, mutate(dep, cfg, iec))
+    return diff(dep, mutate(dep, cfg, iec, old))
 
 
 # ---------------------------------------------------------------- verify / revert

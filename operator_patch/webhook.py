@@ -130,7 +130,8 @@ def review_response(req: dict[str, Any], cfg: PatchConfig, all_owned: bool = Fal
         return resp
     if wants_patch(obj, all_owned, iec):
         try:
-            ops = plan(obj, cfg, iec)  # the IEC (when read) decides the model revision
+            old = req.get("oldObject") if isinstance(req.get("oldObject"), dict) else None
+            ops = plan(obj, cfg, iec, old)  # the IEC (when read) decides the model revision and the KV salt
         except PatchError as e:
             resp["warnings"] = [f"kvtier webhook: {name} admitted unpatched: {e}"]
             log.warning("not patching %s: %s", name, e)

@@ -167,3 +167,37 @@ def test_webhook_mounts_the_iec_salt_secret(cluster, tmp_path: Path) -> None:
         assert stored_dep["spec"]["template"]["spec"]["containers"][0]["env"][0]["name"] == SALT_DIR_VAR
     finally:
         hook.stop()
+
+
+@pytest.mark.unit
+def test_salt_survives_a_rerender_only_while_the_iec_is_unread() -> None:
+    """An operator re-render drops the recorded annotation; while the IEC cannot be read the replaced object
+    (`old`) keeps the endpoint salted (no fail-open); a readable IEC without the annotation unsalts it."""
+    cfg = PatchConfig()
+    salted = mutate(_salted(load_yaml(SHAPE)), cfg)
+    rerender = load_yaml(SHAPE)  # the operator's fresh rendering: no annotation anywhere
+    kept = mutate(rerender, cfg, old=salted)
+    assert check(kept, cfg) == [] and _container(kept)["env"][0]["name"] == SALT_DIR_VAR
+    assert kept["spec"]["template"]["metadata"]["annotations"][KV_SALT_SECRET_KEY] == "ep-a-kv-salt"
+    iec = {"metadata": {"name": "qwen2-7b", "annotations": {}}, "spec": {}}
+    assert SALT_DIR_VAR not in json.dumps(mutate(rerender, cfg, iec, old=salted))
+    iec["metadata"]["annotations"][KV_SALT_SECRET_KEY] = "ep-a-kv-salt"
+    assert _container(mutate(rerender, cfg, iec))["env"][0]["name"] == SALT_DIR_VAR
+
+
+def test_webhook_keeps_the_salt_when_the_api_is_unreachable(tmp_path: Path) -> None:
+    """Real webhook process, no API server: an UPDATE re-render of a salted endpoint stays salted."""
+    from l2fs.common import free_port
+
+    hook = start_webhook(tmp_path, "--k8s-api", f"http://127.0.0.1:{free_port()}")
+    try:
+        dep = _salted(load_yaml(SHAPE))
+        patched = jsonpatch.apply_patch(dep, json.loads(base64.b64decode(hook.review(dep, "CREATE")["patch"])))
+        rerender = load_yaml(SHAPE)
+        resp = hook.review(rerender, "UPDATE", old=patched)
+        out = jsonpatch.apply_patch(rerender, json.loads(base64.b64decode(resp["patch"])))
+        assert check(out, PatchConfig()) == []
+        assert _container(out)["env"][0]["valueFrom"]["secretKeyRef"]["name"] == "ep-a-kv-salt"
+        assert out["spec"]["template"]["metadata"]["annotations"][KV_SALT_SECRET_KEY] == "ep-a-kv-salt"
+    finally:
+        hook.stop()
