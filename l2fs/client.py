@@ -77,6 +77,11 @@ class Unavailable(L2fsError, ConnectionError):
     """Master (or every candidate worker) unreachable within the deadline."""
 
 
+class QuotaExceeded(L2fsError):
+    """The path's prefix is at its L2 quota (`l2fs master --prefix-quota`): a write miss. Not Unavailable on
+    purpose: the cluster is up, and callers that open a circuit breaker on outages must not trip on it."""
+
+
 class PermissionDenied(L2fsError, PermissionError):
     """Authentication/authorization failed (bad or missing token)."""
 
@@ -140,8 +145,13 @@ def _errno(e: grpc.RpcError) -> int | None:
 def _error(e: grpc.RpcError) -> L2fsError:
     """Map a gRPC status to the client's exception types (message kept; `.errno` set when the server
     named one, so callers such as the FUSE mount need not parse messages)."""
-    exc = _error_type(e)
-    code = _errno(e)
+    return _with_errno(_error_type(e), _errno(e))
+
+
+def _with_errno(exc: L2fsError, code: int | None) -> L2fsError:
+    """`exc` with the errno the server named; a prefix quota refusal (EDQUOT) becomes QuotaExceeded."""
+    if code == errno.EDQUOT:
+        exc = QuotaExceeded(str(exc))
     if code is not None:
         exc.errno = code
     return exc
@@ -153,11 +163,8 @@ def _error_type(e: grpc.RpcError) -> L2fsError:
 
 def _item_error(err: pb.ItemError) -> L2fsError:
     """One failed item of a batched call, as the exception its unary call would have raised."""
-    exc = _exception(status_code(err), err.message, err.kind)
     code = getattr(errno, err.errno_name, None) if err.errno_name else None
-    if isinstance(code, int):
-        exc.errno = code
-    return exc
+    return _with_errno(_exception(status_code(err), err.message, err.kind), code if isinstance(code, int) else None)
 
 
 def _exception(code: grpc.StatusCode, msg: str, kind: str | None) -> L2fsError:

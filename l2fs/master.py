@@ -62,6 +62,8 @@ COMMITS = Counter("l2fs_master_commits_total", "File commits", ["result"])
 DUPLICATES = Gauge("l2fs_master_duplicate_content_files",
                    "Files (>= 4 KiB) with the same size+crc32c as another file: likely diverging cache keys")
 DROPPED = Counter("l2fs_master_dropped_files_total", "Files dropped from the namespace", ["reason"])
+QUOTA_REFUSED = Counter("l2fs_master_quota_refusals_total", "Writes refused by a --prefix-quota", ["prefix"])
+PREFIX_USED = Gauge("l2fs_master_prefix_used_bytes", "Bytes of files under a --prefix-quota prefix", ["prefix"])
 PENDING = Gauge("l2fs_master_pending_namespace_ops",
                 "Deletes/renames acknowledged to clients that their worker has not confirmed yet")
 
@@ -110,8 +112,16 @@ class MasterService(pbg.MasterServicer):
 
     def __init__(self, *, heartbeat_timeout: float = 10.0, max_file_size: int = DEFAULT_MAX_FILE_SIZE,
                  token: str | None = None, tls_ca: str | None = None, allocation_ttl: float = 600.0,
-                 journal: str | None = None) -> None:
+                 journal: str | None = None, prefix_quotas: dict[str, int] | None = None) -> None:
         self.heartbeat_timeout = heartbeat_timeout
+        # Per-prefix byte quotas (tenant isolation): a prefix at its quota gets write misses instead of
+        # evicting everyone else's blocks. Counted on published files; checked at Allocate and Commit.
+        self.quotas = {norm_path(k): v for k, v in (prefix_quotas or {}).items()}
+        self.quota_used = dict.fromkeys(self.quotas, 0)
+        # bytes allocated under a quota prefix and not committed yet: a batch of puts must not write (and make
+        # the worker evict for) more than the quota before its first commit is checked
+        self.quota_inflight = dict.fromkeys(self.quotas, 0)
+        self._alloc_charge: dict[str, tuple[str, int]] = {}  # block id -> (path, size) charged in flight
         # Deletes/renames a worker has not confirmed: applied to its block reports, pushed until it acks.
         self.pending = PendingOps(journal)
         self._send_locks: dict[str, threading.Lock] = {}  # one push at a time per worker: acks stay ordered
@@ -165,6 +175,7 @@ class MasterService(pbg.MasterServicer):
         if w is not None:
             w.files.add(path)
         self._count_content(entry, +1)
+        self._charge(path, entry.size)
         FILES.set(len(self.files))
 
     def _drop_file(self, path: str) -> FileEntry | None:
@@ -179,6 +190,7 @@ class MasterService(pbg.MasterServicer):
         if w is not None:
             w.files.discard(path)
         self._count_content(e, -1)
+        self._charge(path, -e.size)
         FILES.set(len(self.files))
         return e
 
@@ -198,6 +210,40 @@ class MasterService(pbg.MasterServicer):
             else:
                 self.content[key] = n - 1
         DUPLICATES.set(self.duplicates)
+
+    def _quotas_of(self, path: str) -> list[str]:
+        return [q for q in self.quotas if path == q or path.startswith(q.rstrip("/") + "/")]
+
+    def _charge(self, path: str, size: int) -> None:
+        for q in self._quotas_of(path):
+            self.quota_used[q] += size
+            PREFIX_USED.labels(q).set(self.quota_used[q])
+
+    def _uncharge_allocation(self, bid: str) -> None:
+        """An allocation under a quota prefix was committed, refused or given up: its bytes are no longer
+        in flight."""
+        charged = self._alloc_charge.pop(bid, None)
+        if charged is not None:
+            for q in self._quotas_of(charged[0]):
+                self.quota_inflight[q] -= charged[1]
+
+    def _check_quota(self, moves: list[tuple[str | None, str | None, int]]) -> None:
+        """Refuse (RESOURCE_EXHAUSTED, EDQUOT) when (old path | None, new path | None, bytes) moves would take
+        a prefix that grows past its quota; a prefix may always shrink."""
+        if not self.quotas:
+            return
+        delta: dict[str, int] = {}
+        for old, new, size in moves:
+            for q in self._quotas_of(old) if old else ():
+                delta[q] = delta.get(q, 0) - size
+            for q in self._quotas_of(new) if new else ():
+                delta[q] = delta.get(q, 0) + size
+        for q, d in delta.items():
+            if d > 0 and self.quota_used[q] + self.quota_inflight[q] + d > self.quotas[q]:
+                QUOTA_REFUSED.labels(q).inc()
+                raise RpcError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                               f"prefix {q} is at its quota ({self.quota_used[q]} of {self.quotas[q]} bytes used, "
+                               f"{d} more asked): a write miss", "EDQUOT")
 
     def _location(self, e: FileEntry) -> pb.Location:
         w = self.workers[e.worker_id]
@@ -266,7 +312,9 @@ class MasterService(pbg.MasterServicer):
         """Add to a bounded block-id memory (allocations, abandoned): the oldest entry goes first."""
         memory[bid] = value
         if len(memory) > self.ALLOC_MEMORY:
-            memory.popitem(last=False)
+            old, _ = memory.popitem(last=False)
+            if memory is self.allocations:
+                self._uncharge_allocation(old)
 
     def _abandon(self, bid: str) -> None:
         self._remember(self.abandoned, bid, None)
@@ -279,6 +327,7 @@ class MasterService(pbg.MasterServicer):
             if expiry > now:
                 break
             self.allocations.popitem(last=False)
+            self._uncharge_allocation(bid)
             self._abandon(bid)
             out.setdefault(wid, []).append(bid)
         return out
@@ -418,6 +467,7 @@ class MasterService(pbg.MasterServicer):
             for b in request.blocks:
                 if not BLOCK_ID.match(b.block_id):
                     continue  # not a block any worker of ours could hold: nothing to publish or delete
+                self._uncharge_allocation(b.block_id)
                 if b.block_id in self.abandoned or self.allocations.pop(b.block_id, None) is not None:
                     self._abandon(b.block_id)  # sealed, never committed: its put did not return success
                     reject.append(b.block_id)
@@ -510,10 +560,18 @@ class MasterService(pbg.MasterServicer):
                 return pb.AllocateResponse(exists=True)
             if path in self.children:
                 raise RpcError(grpc.StatusCode.FAILED_PRECONDITION, f"{path} is a directory", "EISDIR")
+            cur = self.files.get(path)
+            self._check_quota([(path if cur is not None else None, None, cur.size if cur else 0),
+                               (None, path, request.size)])
             w = self._place(request.size, request.node_id, set(request.exclude_workers))
             w.pending += request.size  # until the next heartbeat: spreads concurrent writers
             bid = uuid.uuid4().hex
             self._remember(self.allocations, bid, (w.worker_id, time.monotonic() + self.allocation_ttl))
+            if self.quotas and self._quotas_of(path):
+                self._alloc_charge[bid] = (path, request.size)
+                for q in self._quotas_of(path):
+                    self.quota_inflight[q] += request.size
+
             return pb.AllocateResponse(block_id=bid, worker=pb.Location(
                 worker_id=w.worker_id, node_id=w.node_id, address=w.address, data_address=w.data_address))
 
@@ -581,10 +639,18 @@ class MasterService(pbg.MasterServicer):
                                f"block {request.block_id} was abandoned before its commit (allocation older than "
                                f"{self.allocation_ttl:.0f} s, or its worker restarted): write it again")
             self.allocations.pop(request.block_id, None)
+            self._uncharge_allocation(request.block_id)
             if cur is not None and request.if_absent:
                 orphan = (request.worker_id, request.block_id)  # lost the race: drop our copy
                 published = False
             else:
+                try:  # authoritative: concurrent allocations each fitted alone
+                    self._check_quota([(path if cur is not None else None, None, cur.size if cur else 0),
+                                       (None, path, request.size)])
+                except RpcError:
+                    self._abandon(request.block_id)
+                    orphans.append((request.worker_id, request.block_id))
+                    raise
                 if cur is not None:
                     self._drop_file(path)
                     orphan = (cur.worker_id, cur.block_id)
@@ -712,6 +778,7 @@ class MasterService(pbg.MasterServicer):
                     raise RpcError(grpc.StatusCode.ALREADY_EXISTS, f"{dst} already exists")
                 self._ensure_dirs(parent_of(dst))
                 e, old = self.files[src], self.files.get(dst)
+                self._check_quota([(src, dst, e.size)] + ([(dst, None, old.size)] if old is not None else []))
                 if old is not None:
                     changes.append((old.worker_id, old.block_id, None))
                 changes.append((e.worker_id, e.block_id, dst))
@@ -732,6 +799,7 @@ class MasterService(pbg.MasterServicer):
                 prefix = src + "/"
                 subdirs = sorted(d for d in self.children if d == src or d.startswith(prefix))
                 subfiles = [p for p in self.files if p.startswith(prefix)]
+                self._check_quota([(p, dst + p[len(src):], self.files[p].size) for p in subfiles])
                 changes = [(self.files[p].worker_id, self.files[p].block_id, dst + p[len(src):]) for p in subfiles]
                 self._record(changes)
                 entries = [(p, self._drop_file(p)) for p in subfiles]
@@ -791,6 +859,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--journal", default=None,
                    help="SQLite file (on a volume) where deletes and renames wait until their worker confirms "
                         "them, so they survive a master restart; without it they wait in memory")
+    p.add_argument("--prefix-quota", action="append", default=[], metavar="PREFIX=SIZE",
+                   help="at most SIZE bytes of files under PREFIX (e.g. /kvtier/kv/a=10GiB; repeatable): writes "
+                        "beyond it are refused (RESOURCE_EXHAUSTED, a failed put) instead of evicting others")
     p.add_argument("--token", default=None, help="require this bearer token (also $L2FS_TOKEN)")
     p.add_argument("--tls-cert")
     p.add_argument("--tls-key")
@@ -802,13 +873,21 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     import os
 
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    quotas: dict[str, int] = {}
+    for spec in args.prefix_quota:
+        prefix, _, size = spec.rpartition("=")
+        try:
+            quotas[norm_path(prefix)] = parse_size(size.removesuffix("iB").removesuffix("B") if size else "")
+        except (ValueError, PathError) as e:
+            parser.error(f"--prefix-quota {spec!r}: expected PREFIX=SIZE like /kvtier/kv/a=10GiB ({e})")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     token = args.token or os.environ.get("L2FS_TOKEN") or None
     try:
         service = MasterService(heartbeat_timeout=args.heartbeat_timeout,
                                 max_file_size=parse_size(args.max_file_size), token=token, tls_ca=args.tls_ca,
-                                allocation_ttl=args.allocation_ttl, journal=args.journal)
+                                allocation_ttl=args.allocation_ttl, journal=args.journal, prefix_quotas=quotas)
     except (JournalError, OSError, sqlite3.Error) as e:
         print(f"l2fs master: cannot open the journal: {e}", file=sys.stderr)
         return 2
