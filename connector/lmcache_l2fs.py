@@ -144,14 +144,13 @@ class L2fsConnector(RemoteConnector):
         self.pool = ThreadPoolExecutor(int(_opt(cfg, plugin, "threads", 8)), thread_name_prefix="kvtier-l2fs")
         self.breaker = Breaker(f"master {self.master}", lambda: self.client.ls("/"))
         self.stats = {"get_hit": 0, "get_miss": 0, "corrupt": 0, "put": 0, "put_exists": 0, "put_fail": 0,
-                      "bytes_read": 0, "read_s": 0.0, "gated": 0, "probes": 0}
+                      "bytes_read": 0, "read_s": 0.0, "gated": 0}
         self.timeout = timeout
         positions.install_inprocess()  # chunk hash -> index in the prompt, for the order hints of puts
         prefill = _opt(cfg, plugin, "prefill_tokens_per_s") or os.environ.get("KVTIER_PREFILL_TOKENS_PER_S") or 0
         self.gate = LoadGate(self.single_token_size, float(prefill),
                              margin=float(_opt(cfg, plugin, "load_margin", 1.0)),
                              probe_interval=float(_opt(cfg, plugin, "rate_probe_interval", 5.0)))
-        self._probe_paths: list[str] = []  # the last loaded batch (up to 8 chunks): what a probe re-reads
         self._meta = local_cpu_backend.metadata
         self._tls = threading.local()  # one reusable read buffer per pool thread
         self._closed = False
@@ -221,55 +220,15 @@ class L2fsConnector(RemoteConnector):
 
     # ---- never slower than recompute (connector.loadgate) ---------------------------------------------
     def _claiming(self) -> bool:
-        """Claim L2 hits now? When not, start a background probe if one is due."""
-        if self.gate.allow():
-            return True
-        if self.gate.start_probe():
-            threading.Thread(target=self._probe, name="kvtier-l2fs-rate-probe", daemon=True).start()
-        return False
-
-    def _probe(self) -> None:
-        """Re-read the last loaded batch (same parallelism as a load) and feed the rate estimate."""
-        try:
-            paths = list(self._probe_paths)
-            if not paths or self._closed or self.breaker.down:
-                self.gate.forget()  # nothing to measure with: claim again, the next real load measures
-                return
-            size = self.remote_metadata_bytes + self.full_chunk_size_bytes
-
-            def read(path: str) -> tuple[int, bool]:
-                try:
-                    n = self.client.get_into(path, bytearray(size))
-                    return (n or 0), n is not None
-                except Exception:  # noqa: BLE001 - a timeout: time spent, no bytes
-                    return 0, True
-
-            # One sample per probe interval (not a burst of them): probes then sample a bursty L2 (a worker
-            # that stalls and catches up) in proportion to time, as requests would, and do not reopen the
-            # gate in a short good moment. Recovery takes a few intervals (the average has to catch up).
-            t0 = time.perf_counter()
-            with ThreadPoolExecutor(len(paths), thread_name_prefix="kvtier-l2fs-probe") as ex:
-                got = list(ex.map(read, paths))
-            dt = time.perf_counter() - t0
-            self.stats["probes"] += 1
-            if not any(found for _, found in got):
-                self.gate.forget()  # evicted since: no sample
-            else:
-                self.gate.observe(sum(n for n, _ in got), dt)
-        except Exception as e:  # noqa: BLE001 - a probe never raises
-            log.debug("L2 rate probe failed: %s", e)
-        finally:
-            self.gate.probe_done()
+        """Claim L2 hits now? When not, a background probe (if one is due) re-measures L2."""
+        return self.gate.claiming(self.client, self.remote_metadata_bytes + self.full_chunk_size_bytes,
+                                  may_probe=not (self._closed or self.breaker.down))
 
     def _measured(self, keys: list[Any], objs: list[Any], seconds: float) -> None:
-        """One load batch for the rate estimate: delivered bytes over its wall time. An all-miss batch
-        that came back fast says nothing about the rate; a slow one (a stalled worker) counts with 0 bytes."""
-        hits = [(k, o) for k, o in zip(keys, objs, strict=False) if o is not None]
-        nbytes = sum(self.remote_metadata_bytes + o.get_size() for _, o in hits)
-        if nbytes or seconds >= self.timeout / 2:
-            self.gate.observe(nbytes, seconds)
-        if hits:
-            self._probe_paths = [self.path(k) for k, _ in hits[:8]]
+        """One load batch for the rate estimate: delivered bytes (header included) over its wall time."""
+        hits = [self.path(k) for k, o in zip(keys, objs, strict=False) if o is not None]
+        nbytes = sum(self.remote_metadata_bytes + o.get_size() for o in objs if o is not None)
+        self.gate.loaded(nbytes, seconds, hits, stall_s=self.timeout / 2)
 
     def support_batched_async_contains(self) -> bool:
         return True

@@ -25,6 +25,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 log = logging.getLogger("kvtier.connector.loadgate")
@@ -54,6 +56,8 @@ class LoadGate:
         self._open = True
         self._last_probe = 0.0
         self._probing = False
+        self.probes = 0
+        self.probe_paths: list[str] = []  # the last loaded batch (up to 8 files): what a probe re-reads
         self._lock = threading.Lock()
         if GATE_OPEN is not None:
             GATE_OPEN.set(1)
@@ -133,3 +137,55 @@ class LoadGate:
     def probe_done(self) -> None:
         with self._lock:
             self._probing = False
+
+    def loaded(self, nbytes: int, seconds: float, hit_paths: Sequence[str], stall_s: float) -> None:
+        """One load batch. An all-miss batch that came back fast says nothing about the rate; a slow one
+        (a stalled worker: >= stall_s) counts with its bytes, maybe 0. Its first 8 hits are what a probe
+        re-reads."""
+        if nbytes or seconds >= stall_s:
+            self.observe(nbytes, seconds)
+        if hit_paths:
+            self.probe_paths = list(hit_paths[:8])
+
+    def claiming(self, client: Any, file_size: int, may_probe: bool = True) -> bool:
+        """allow(); when closed, start a background probe if one is due (and L2 may be touched now)."""
+        if self.allow():
+            return True
+        if may_probe and self.start_probe():
+            threading.Thread(target=self._probe, args=(client, file_size), name="kvtier-l2-rate-probe",
+                             daemon=True).start()
+        elif not may_probe:
+            self.forget()  # no probe possible (L2 unreachable: its own breaker answers misses); measure anew
+        return False
+
+    def _probe(self, client: Any, size: int) -> None:
+        """Re-read the last loaded batch, in parallel like a load, as one sample. One sample per probe
+        interval (not a burst): a bursty L2 (a worker that stalls and catches up) is then sampled in
+        proportion to time, as requests would sample it, and a short good moment does not reopen the gate.
+        Recovery takes a few intervals while the average catches up."""
+        try:
+            paths = list(self.probe_paths)
+            if not paths:
+                self.forget()  # nothing to measure with: claim again, the next real load measures
+                return
+
+            def read(path: str) -> tuple[int, bool]:
+                try:
+                    n = client.get_into(path, bytearray(size))
+                    return (n or 0), n is not None
+                except Exception:  # noqa: BLE001 - a timeout: time spent, no bytes
+                    return 0, True
+
+            t0 = time.perf_counter()
+            with ThreadPoolExecutor(len(paths), thread_name_prefix="kvtier-l2-probe") as ex:
+                got = list(ex.map(read, paths))
+            dt = time.perf_counter() - t0
+            self.probes += 1
+            if not any(found for _, found in got):
+                self.forget()  # evicted since: no sample
+            else:
+                self.observe(sum(n for n, _ in got), dt)
+        except Exception as e:  # noqa: BLE001 - a probe never raises
+            log.debug("L2 rate probe failed: %s", e)
+        finally:
+            self.probe_done()

@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -30,6 +31,7 @@ from lmcache.v1.platform import create_event_notifier
 
 from connector import keys as ckeys
 from connector import positions
+from connector.loadgate import LoadGate
 from connector.logs import ensure_log_handler
 from kvtier import contract
 
@@ -40,12 +42,17 @@ ensure_log_handler()
 class L2fsL2AdapterConfig(L2AdapterConfigBase):
     """adapter_params: master (or $L2FS_MASTER), node_id, prefix (/kvtier/mp), timeout (s), threads, and
     model_revision + namespace: objects then live under <prefix>/<namespace>/<model_revision>, so servers of
-    different weights never share them (kvtier.contract.revision_prefix)."""
+    different weights never share them (kvtier.contract.revision_prefix). prefill_tokens_per_s (or
+    $KVTIER_PREFILL_TOKENS_PER_S), load_margin, rate_probe_interval, chunk_size: lookups find nothing while
+    loading would be slower than recomputing (connector.loadgate; unset prefill rate = off)."""
 
     def __init__(self, master: str, node_id: str = "", prefix: str = contract.MP_PREFIX, timeout: float = 2.0,
-                 threads: int = 8) -> None:
+                 threads: int = 8, prefill_tokens_per_s: float = 0.0, load_margin: float = 1.0,
+                 rate_probe_interval: float = 5.0, chunk_size: int = contract.CHUNK_SIZE) -> None:
         self.master, self.node_id, self.prefix = master, node_id, prefix.rstrip("/") or contract.MP_PREFIX
         self.timeout, self.threads = timeout, threads
+        self.prefill_tokens_per_s, self.load_margin = prefill_tokens_per_s, load_margin
+        self.rate_probe_interval, self.chunk_size = rate_probe_interval, chunk_size
 
     @classmethod
     def from_dict(cls, d: dict) -> L2fsL2AdapterConfig:
@@ -58,7 +65,10 @@ class L2fsL2AdapterConfig(L2AdapterConfigBase):
             raise ValueError("l2fs L2 adapter: timeout and threads must be positive")
         prefix = contract.revision_prefix(str(d.get("prefix", contract.MP_PREFIX)), str(d.get("namespace") or ""),
                                           str(d.get("model_revision") or ""))
-        return cls(master, str(d.get("node_id") or os.environ.get("L2FS_NODE_ID", "")), prefix, timeout, threads)
+        prefill = float(d.get("prefill_tokens_per_s") or os.environ.get("KVTIER_PREFILL_TOKENS_PER_S") or 0)
+        return cls(master, str(d.get("node_id") or os.environ.get("L2FS_NODE_ID", "")), prefix, timeout, threads,
+                   prefill, float(d.get("load_margin", 1.0)), float(d.get("rate_probe_interval", 5.0)),
+                   int(d.get("chunk_size", contract.CHUNK_SIZE)))
 
     @classmethod
     def help(cls) -> str:
@@ -84,6 +94,10 @@ class L2fsL2Adapter(L2AdapterInterface):
         self.cfg = config
         self.client = Client(config.master, node_id=config.node_id, timeout=config.timeout)
         positions.install_mp()  # ObjectKey.chunk_hash -> index in the prompt, for the order hints of stores
+        # bytes per token is learnt from the first loaded object (object bytes / chunk tokens); 0 = gate off
+        self.gate = LoadGate(0, config.prefill_tokens_per_s, margin=config.load_margin,
+                             probe_interval=config.rate_probe_interval)
+        self._object_bytes = 0
         self._pool = ThreadPoolExecutor(config.threads, thread_name_prefix="kvtier-mp-l2fs")
         self._store_efd = create_event_notifier()
         self._lookup_efd = create_event_notifier()
@@ -161,6 +175,9 @@ class L2fsL2Adapter(L2AdapterInterface):
     def _lookup(self, tid: L2TaskId, keys: list[Any]) -> None:
         bm = Bitmap(len(keys))
         try:
+            if keys and not self.gate.claiming(self.client, self._object_bytes, may_probe=not self._closed):
+                self.gate.gated(len(keys))  # loading would be slower than recomputing: report nothing
+                keys = []
             if keys:
                 for i, st in enumerate(self.client.stat_many([self._path(k) for k in keys])):
                     if st is not None and not st.is_dir:
@@ -197,8 +214,16 @@ class L2fsL2Adapter(L2AdapterInterface):
     def _load(self, tid: L2TaskId, keys: list[Any], objects: list[Any]) -> None:
         bm = Bitmap(len(keys))
         try:
+            t0 = time.perf_counter()
             with ThreadPoolExecutor(min(8, max(1, len(keys))), thread_name_prefix="kvtier-mp-load") as ex:
                 results = list(ex.map(self._load_one, keys, objects))
+            sizes = [_bytes(o).size for o, ok in zip(objects, results, strict=True) if ok]
+            if sizes and not self._object_bytes:
+                self._object_bytes = sizes[0]
+                self.gate.bytes_per_token = sizes[0] / self.cfg.chunk_size
+            self.gate.loaded(sum(sizes), time.perf_counter() - t0,
+                             [self._path(k) for k, ok in zip(keys, results, strict=True) if ok],
+                             stall_s=self.cfg.timeout / 2)
             for i, ok in enumerate(results):
                 if ok:
                     bm.set(i)

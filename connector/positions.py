@@ -87,7 +87,7 @@ def install_inprocess() -> bool:
         def process_tokens(self: Any, *args: Any, **kwargs: Any) -> Iterator[Any]:
             return _record_tokens(orig(self, *args, **kwargs), int(self.chunk_size))
 
-        ChunkedTokenDatabase.process_tokens = process_tokens  # type: ignore[method-assign]
+        ChunkedTokenDatabase.process_tokens = process_tokens
         _installed.add("inprocess")
         return True
 
@@ -113,6 +113,6 @@ def install_mp() -> bool:
                 INDEX.record(TokenHasher.hash_to_bytes(h), first + i)
             return hashes
 
-        Session.get_hashes = get_hashes  # type: ignore[method-assign]
+        Session.get_hashes = get_hashes
         _installed.add("mp")
         return True

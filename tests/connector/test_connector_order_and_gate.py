@@ -26,7 +26,7 @@ from lmcache.v1.storage_backend.storage_manager import StorageManager
 from lmcache.v1.token_database import ChunkedTokenDatabase
 from prometheus_client import REGISTRY
 from test_connector_l2fs_plugin import PREFIX, SHAPE, _conn, _manager, _metadata, _remote, _wait_exists
-from test_connector_mp_adapter import _adapter, _objs, _poll
+from test_connector_mp_adapter import _adapter, _key, _objs, _poll
 
 from connector import keys as ckeys
 from connector import positions
@@ -290,9 +290,45 @@ def test_stops_claiming_when_l2_is_slower_than_recompute_and_resumes(tmp_path) -
             while _remote(b).batched_contains(keys) != 8:
                 assert time.monotonic() < deadline, f"never resumed: {conn.gate.rate} B/s, {conn.stats}"
                 time.sleep(0.2)
-            assert conn.stats["probes"] >= 1
+            assert conn.gate.probes >= 1
             assert REGISTRY.get_sample_value("kvtier_l2_claims_open") == 1
         finally:
             client.close()
+            a.close()
+            b.close()
+
+
+def test_mp_adapter_stops_finding_when_l2_is_slower_than_recompute_and_resumes(tmp_path) -> None:
+    with LocalCluster(tmp_path / "l2fs", workers=2, heartbeat_interval=0.5) as cluster:
+        a = _adapter(cluster.master, "node-1")
+        b = _adapter(cluster.master, "node-2", prefill_tokens_per_s=8000, rate_probe_interval=0.5)  # 8 MB/s
+        keys = [_key(100 + i) for i in range(8)]
+
+        def found() -> int:
+            tid = b.submit_lookup_and_lock_task(keys, {})
+            return _poll(lambda: b.query_lookup_and_lock_result(tid), b.get_lookup_and_lock_event_fd()).popcount()
+
+        def load() -> int:
+            tid = b.submit_load_task(keys, _objs(8, seed=0))
+            return _poll(lambda: b.query_load_result(tid), b.get_load_event_fd(), timeout=30).popcount()
+
+        try:
+            tid = a.submit_store_task(keys, _objs(8, seed=5))
+            assert _poll(a.pop_completed_store_tasks, a.get_store_event_fd())[tid] > 0
+            for _ in range(3):  # healthy: everything found and loaded, rate far above the bar
+                assert found() == 8 and load() == 8
+            assert b.gate.enabled and b.gate.rate is not None and b.gate.rate > b.gate.needed_rate
+            with Throttle(cluster.workers[0].proc.pid):
+                deadline = time.monotonic() + 60
+                while found() != 0:
+                    assert time.monotonic() < deadline, f"still finding at {b.gate.rate} B/s"
+                    load()
+                    time.sleep(0.3)
+            deadline = time.monotonic() + 60
+            while found() != 8:
+                assert time.monotonic() < deadline, f"never resumed: {b.gate.rate} B/s"
+                time.sleep(0.2)
+            assert b.gate.probes >= 1
+        finally:
             a.close()
             b.close()
