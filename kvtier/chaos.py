@@ -61,7 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kind", choices=("blackhole", "prohibit"), default="blackhole",
                    help="partition: blackhole drops packets (calls time out), prohibit refuses at once")
     p.add_argument("--process", choices=tuple(PROCESSES), default="worker",
-                   help="kill/stop/cont: which of the node's processes (default: its l2fs worker)")
+                   help="kill/stop/cont: which of the node's processes, with the process group each leads "
+                   "(a replica's engine processes too; default: its l2fs worker)")
     return p
 
 
@@ -74,7 +75,8 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.node is None:
             raise NetnsError(f"{args.fault} needs a node (node-K)")
-        done, message = chaos(c, args.fault, args.node, args.arg, kind=args.kind, match=PROCESSES[args.process])
+        done, message = chaos(c, args.fault, args.node, args.arg, kind=args.kind, match=PROCESSES[args.process],
+                              group=True)
     except NetnsError as e:
         print(f"kvtier chaos: {e}", file=sys.stderr)
         return 2

@@ -91,6 +91,13 @@ def check_host() -> None:
                          "(Debian: apt-get install iproute2 util-linux)")
 
 
+def _pgid(pid: int) -> int | None:
+    try:
+        return os.getpgid(pid)
+    except ProcessLookupError:
+        return None
+
+
 def _run(argv: Sequence[str], *, check: bool = True) -> subprocess.CompletedProcess[str]:
     r = subprocess.run(list(argv), capture_output=True, text=True, stdin=subprocess.DEVNULL)
     if check and r.returncode != 0:
@@ -713,10 +720,16 @@ class NetnsCluster:
                 found.append(pid)
         return found
 
-    def signal_pids(self, where: Where, sig: int, match: str | None = None) -> list[int]:
-        """Send sig to the namespace's processes (see pids()); returns the pids signalled."""
+    def signal_pids(self, where: Where, sig: int, match: str | None = None, *, group: bool = False) -> list[int]:
+        """Send sig to the namespace's processes (see pids()); returns the pids signalled. group: also every
+        process of the namespace in the process group that a matched process leads (a vLLM replica's engine
+        core and workers come with its API server, so the whole replica dies or freezes)."""
+        pids = self.pids(where, match)
+        if group and match is not None:
+            leaders = {p for p in pids if _pgid(p) == p}
+            pids += [p for p in self.pids(where) if p not in pids and _pgid(p) in leaders]
         sent = []
-        for pid in self.pids(where, match):
+        for pid in pids:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, sig)
                 sent.append(pid)
@@ -850,12 +863,13 @@ CHAOS_FAULTS = ("link-down", "link-up", "rate", "partition", "heal", "kill", "st
 
 
 def chaos(c: NetnsCluster, fault: str, node: str, arg: str | None = None, *, kind: str = "blackhole",
-          match: str | None = None) -> tuple[bool, str]:
+          match: str | None = None, group: bool = False) -> tuple[bool, str]:
     """One fault on a (usually attached) cluster: the code behind `l2fs netns chaos` and `kvtier chaos`.
 
     node: node-K, K, or ctl where it makes sense (partition/heal: the control namespace = master, router);
     arg: rate: RATE or none; partition/heal: the other namespace. kill/stop/cont signal the node's processes
-    whose command line contains match (all of them when None). Returns (something was done, message)."""
+    whose command line contains match (all of them when None; group: with their process groups, see
+    signal_pids). Returns (something was done, message)."""
     def ns(text: str | None) -> Namespace:
         if text is None:
             raise NetnsError(f"{fault} needs a second node (node-K or ctl)")
@@ -878,7 +892,7 @@ def chaos(c: NetnsCluster, fault: str, node: str, arg: str | None = None, *, kin
         c.heal(n, ns(arg))
     else:
         sig = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP, "cont": signal.SIGCONT}[fault]
-        pids = c.signal_pids(n, sig, match)
+        pids = c.signal_pids(n, sig, match, group=group)
         return bool(pids), f"{fault} {n.name}: {' '.join(map(str, pids)) or 'no process matched'}"
     return True, f"{fault} {n.name}{' ' + arg if arg else ''}: done"
 

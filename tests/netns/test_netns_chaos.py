@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -24,6 +25,16 @@ def _proc_state(pid: int) -> str:
         return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
     except OSError:
         return "gone"
+
+
+def _states(pids: list[int], want: tuple[str, ...], timeout: float = 10.0) -> bool:
+    """Whether every pid reaches one of the states (a signal takes effect when the process next runs)."""
+    deadline = time.monotonic() + timeout
+    while not all(_proc_state(p) in want for p in pids):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
 
 
 @pytest.mark.timeout(240)
@@ -89,14 +100,33 @@ def test_kvtier_chaos_on_a_cluster_held_by_another_process(tmp_path: Path) -> No
         [worker1] = c.pids(1, "l2fs.cli worker")
         [worker2] = c.pids(2, "l2fs.cli worker")
         assert str(worker1) in ok("stop", "node-1")
-        assert _proc_state(worker1) == "T" and _proc_state(worker2) != "T"
+        assert _states([worker1], ("T",)) and _proc_state(worker2) != "T"
         ok("cont", "node-1")
-        assert _proc_state(worker1) in ("R", "S")
+        assert _states([worker1], ("R", "S"))
         assert proc.poll() is None, "the launcher died: " + "".join(seen)
         assert str(worker1) in ok("kill", "node-1")
-        assert _proc_state(worker1) in ("Z", "gone")
+        assert _states([worker1], ("Z", "gone"))
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGINT)
         proc.wait(timeout=60)
     assert prefix and not [p for p in os.listdir(NETNS_DIR) if p.startswith(prefix)], "namespaces left"
+
+
+@pytest.mark.parametrize("netns_cluster", [{"nodes": 1}], indirect=True)
+def test_signal_pids_with_group_takes_the_leaders_whole_group(netns_cluster: NetnsCluster, tmp_path: Path) -> None:
+    """What `kvtier chaos --process replica` relies on: the matched process's group comes along (a vLLM API
+    server's engine core and workers), only when asked, and nothing outside the group."""
+    c = netns_cluster
+    leader = c.spawn(1, ["sh", "-c", "sleep 300 & sleep 300; : chaos-group-probe"], tmp_path / "g.log")
+    other = c.popen(1, ["sleep", "301"])
+    deadline = time.monotonic() + 10
+    while len(c.pids(1, "sleep 300")) < 2:
+        assert time.monotonic() < deadline, "the group's children did not start"
+        time.sleep(0.05)
+    assert c.signal_pids(1, signal.SIGSTOP, "chaos-group-probe") == [leader.pid]
+    stopped = c.signal_pids(1, signal.SIGSTOP, "chaos-group-probe", group=True)
+    assert len(stopped) == 3 and leader.pid in stopped and other.pid not in stopped
+    assert _states(stopped, ("T",)) and _proc_state(other.pid) != "T"
+    c.signal_pids(1, signal.SIGCONT, "chaos-group-probe", group=True)
+    assert _states(stopped, ("R", "S"))
