@@ -533,6 +533,19 @@ def router_configs(args: argparse.Namespace, tmp: Path, reps: list[P], model: st
     return configs
 
 
+def prediction(urls: list[str]) -> tuple[float, float]:
+    """(precision, recall) of the kvtier routers' cached-token predictions over everything they routed so far,
+    summed over the router processes (router/accounting.py: tier "all"); NaN where nothing was predicted."""
+    tot = dict.fromkeys(("matched", "predicted", "actual"), 0.0)
+    for u in urls:
+        for line in httpx.get(u + "/metrics", timeout=5).text.splitlines():
+            for k in tot:
+                if line.startswith(f'kvtier_router_cache_{k}_tokens_total{{tier="all"}} '):
+                    tot[k] += float(line.rsplit(" ", 1)[1])
+    return (tot["matched"] / tot["predicted"] if tot["predicted"] else float("nan"),
+            tot["matched"] / tot["actual"] if tot["actual"] else float("nan"))
+
+
 def measure_router(name: str, rt: P, reps: list[P], args: argparse.Namespace, model: str, prompts: list[str],
                    direct_lat: list[float], direct_serial: list[float]) -> dict[str, Any]:
     """One router's row: the chat workload (hit rate, balance), then open-loop and serial overhead."""
@@ -540,6 +553,7 @@ def measure_router(name: str, rt: P, reps: list[P], args: argparse.Namespace, mo
     res = asyncio.run(run_chat([rt.url, *(x.url for x in rt.peers)], args if not args.skip_chat else argparse.Namespace(
         **{**vars(args), "users": 1, "rounds": 1}), model))
     after = replica_stats(reps)
+    prec = prediction([rt.url, *(x.url for x in rt.peers)]) if name.startswith("kvtier") else (float("nan"),) * 2
     served = [a["requests"] - b["requests"] for a, b in zip(after, before, strict=True)]
     computed = [(a["prompt_tokens"] - b["prompt_tokens"]) - (a["cached_tokens"] - b["cached_tokens"])
                 for a, b in zip(after, before, strict=True)]
@@ -556,7 +570,7 @@ def measure_router(name: str, rt: P, reps: list[P], args: argparse.Namespace, mo
     orc = res["oracle"] / max(1, res["prompt"])
     return {
         "router": name, "reqs": res["n"], "err": res["errors"], "hit": hit, "oracle": orc,
-        "hit/oracle": hit / orc if orc else float("nan"),
+        "hit/oracle": hit / orc if orc else float("nan"), "precision": prec[0], "recall": prec[1],
         "req max/mean": max(served) / statistics.mean(served) if sum(served) else float("nan"),
         "prefill max/mean": max(computed) / statistics.mean(computed) if sum(computed) else float("nan"),
         "lat p50 ms": pct(res["lat"], 50) * 1e3, "lat p99 ms": pct(res["lat"], 99) * 1e3,
@@ -579,11 +593,13 @@ def print_report(args: argparse.Namespace, rows: list[dict[str, Any]], direct_la
           f"{args.routers} process(es) per kvtier router, client round-robin; kvtier flags: {args.router_args!r}")
     print("# overhead: open loop, zero-cost replicas; 'via' = through the router, 'ovh' = via minus the "
           "client round-robining the replicas itself; 'int' = kvtier's own pre-send histogram (bucket bound)")
+    print("# precision / recall: the kvtier router's predicted cached tokens vs the engines' reported ones over "
+          "the chat workload (sum min / sum predicted, sum min / sum actual; roundrobin predicts nothing)")
     print(f"# serial (one at a time, zero-cost replicas) direct: p50 {pct(direct_serial, 50)*1e3:.2f} ms, "
           f"p99 {pct(direct_serial, 99)*1e3:.2f} ms; 'serial +' = added by the router")
     print(f"# direct (client round-robin) at {args.rate:.0f} req/s: p50 {pct(direct_lat, 50)*1e3:.2f} ms, "
           f"p99 {pct(direct_lat, 99)*1e3:.2f} ms (n={len(direct_lat)})")
-    cols = ["router", "reqs", "err", "hit", "oracle", "hit/oracle", "req max/mean", "prefill max/mean",
+    cols = ["router", "reqs", "err", "hit", "oracle", "hit/oracle", "precision", "recall", "req max/mean", "prefill max/mean",
             "lat p50 ms", "lat p99 ms", "wall s", "served", "via p50 ms", "via p99 ms", "ovh p50 ms",
             "ovh p99 ms", "ol n", "int p50 ms<=", "int p99 ms<=", "serial +p50 ms", "serial +p99 ms"]
     print("| " + " | ".join(cols) + " |")
