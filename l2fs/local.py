@@ -78,7 +78,7 @@ class LocalCluster(procs.Started):
                  tls_cert: str | None = None, tls_key: str | None = None, tls_ca: str | None = None,
                  metrics: bool = True, master_args: list[str] | None = None,
                  worker_args: list[str] | None = None, start_timeout: float = 30.0,
-                 netns: NetnsCluster | None = None) -> None:
+                 netns: NetnsCluster | None = None, journal: bool = True) -> None:
         self.base = Path(base_dir).resolve()
         self.base.mkdir(parents=True, exist_ok=True)
         (self.base / "logs").mkdir(exist_ok=True)
@@ -87,6 +87,9 @@ class LocalCluster(procs.Started):
         self.token, self.tls_cert, self.tls_key, self.tls_ca = token, tls_cert, tls_key, tls_ca
         self.metrics = metrics
         self.master_args = list(master_args or [])
+        if journal and "--journal" not in self.master_args:
+            # pending deletes/renames survive a master restart (kill_master/start_master keep the file)
+            self.master_args += ["--journal", str(self.base / "master-journal.sqlite3")]
         self.start_timeout = start_timeout
         self.master_port = 0
         self.master_metrics_port: int | None = None

@@ -100,6 +100,7 @@ def test_containers_have_probes_resources_and_defined_vars(docs: list[dict[str, 
     for w in workloads(docs):
         pod = w["spec"]["template"]["spec"]
         volumes = {v["name"]: v for v in pod.get("volumes") or []}
+        volumes.update({t["metadata"]["name"]: t for t in w["spec"].get("volumeClaimTemplates") or []})
         for c in pod["containers"]:
             where = f"{w['kind']}/{w['metadata']['name']}/{c['name']}"
             assert c.get("readinessProbe") and c.get("livenessProbe"), where

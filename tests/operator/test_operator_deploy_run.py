@@ -100,8 +100,11 @@ class Env:
             "L2FS_MASTER_METRICS_PORT": str(free_port()), "L2FS_WORKER_PORT": str(free_port()),
             "L2FS_WORKER_DATA_PORT": str(free_port()), "L2FS_WORKER_METRICS_PORT": str(free_port()),
             "L2FS_DATA_DIR": str(hostpath / "nvme"), "L2FS_DATA_CAPACITY": "1G", "L2FS_MOUNT_PATH": str(hostpath / "mnt"),
-            "NODE_NAME": "node-a", "POD_IP": "127.0.0.1",
+            "NODE_NAME": "node-a", "POD_IP": "127.0.0.1", "L2FS_MASTER_JOURNAL": str(hostpath / "master" / "journal.db"),
         })
+        (hostpath / "master").mkdir(exist_ok=True)  # the PersistentVolume, owned as fsGroup would make it
+        if os.geteuid() == 0:
+            os.chown(hostpath / "master", 65532, 65532)
         self.procs: list[subprocess.Popen[bytes]] = []
         self.tmp = tmp
 
@@ -220,6 +223,8 @@ def test_master_and_worker_commands_and_probes(base: list[dict[str, Any]], env: 
         r = subprocess.run([l2fs, cmd[0], *common, *cmd[1:]], capture_output=True, text=True, timeout=60)
         assert r.returncode == 0, f"{cmd}: {r.stderr}\n{(env.tmp / 'worker.log').read_text()[-2000:]}"
     assert (env.tmp / "back").read_bytes() == src.read_bytes()
+    # the rm went through the master's journal on its volume (the manifest's --journal)
+    assert Path(env.vars["L2FS_MASTER_JOURNAL"]).stat().st_size > 0
     if os.geteuid() == 0:
         import psutil
 

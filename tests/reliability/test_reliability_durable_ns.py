@@ -22,7 +22,7 @@ HB_TIMEOUT = 3.0
 
 def _cluster(make_cluster: Any, tmp_path: Path, journal: bool) -> Any:
     args = ["--journal", str(tmp_path / "state" / "master-journal.sqlite3")] if journal else []
-    return make_cluster(workers=1, heartbeat_timeout=HB_TIMEOUT, master_args=args)
+    return make_cluster(workers=1, heartbeat_timeout=HB_TIMEOUT, master_args=args, journal=journal)
 
 
 def _write(c: Any) -> dict[str, bytes]:
