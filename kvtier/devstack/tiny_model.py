@@ -5,6 +5,14 @@ download. The weights are seeded, so every build gives the same model (and the s
 Any Hugging Face model path works in its place.
 
     kvtier model tiny --out DIR [--hidden 256 --layers 4 --heads 4 --kv-heads 2 --vocab 8000]
+    kvtier model kv8b --out DIR   # Llama-3.1-8B's KV bytes per token (128 KiB) at fp32; same override flags
+
+Presets (`PRESETS`): `tiny` (4 KiB of KV per token, 1 MiB LMCache chunks) keeps tests fast; `kv8b` has the
+KV geometry a real 8B model has per token, so benchmarks see realistic chunk sizes (32 MiB per 256 tokens):
+Llama-3.1-8B is 32 layers x 8 KV heads x 128 head dim x 2 (K, V) x 2 B (bf16) = 131,072 B/token; the CPU
+engine runs fp32, so kv8b halves the layers: 16 x 8 x 128 x 2 x 4 B = 131,072 B/token. Hidden 1024 = 8 heads
+x 128 (no GQA, so the attention work per token is 16x tiny's); the MLP and vocab stay small (prefill time
+is what the benchmarks pay, not what they measure).
 """
 
 from __future__ import annotations
@@ -15,11 +23,45 @@ import random
 import shutil
 import sys
 from pathlib import Path
+from typing import Any
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}</s>\n{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
+
+# Per-preset LlamaConfig geometry (build()'s keyword arguments); explicit CLI flags override them.
+PRESETS: dict[str, dict[str, Any]] = {
+    "tiny": {"hidden": 256, "layers": 4, "heads": 4, "kv_heads": 2, "intermediate": 688, "vocab": 8000,
+             "max_pos": 8192, "dtype": "float32"},
+    "kv8b": {"hidden": 1024, "layers": 16, "heads": 8, "kv_heads": 8, "intermediate": 2048, "vocab": 8000,
+             "max_pos": 32768, "dtype": "float32"},
+}
+# Directory name under <base>/models for each preset ("tiny-llama" is what `kvtier up` has always used).
+PRESET_DIRS = {"tiny": "tiny-llama", "kv8b": "kv8b-llama"}
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def kv_bytes_per_token(config: dict[str, Any]) -> int:
+    """KV cache bytes per token of a HF config dict, computed as LMCache/vLLM size it:
+    layers x KV heads x head dim x 2 (K and V) x dtype size."""
+    heads = config["num_attention_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    kv_heads = config.get("num_key_value_heads") or heads
+    dtype = config.get("torch_dtype") or config.get("dtype") or "float32"
+    return config["num_hidden_layers"] * kv_heads * head_dim * 2 * _DTYPE_BYTES[str(dtype).removeprefix("torch.")]
+
+
+def preset_model(base: Path, preset: str) -> Path:
+    """<base>/models/<preset dir>, built on first use (no download)."""
+    if preset not in PRESETS:
+        raise ValueError(f"unknown model preset {preset!r} (one of {', '.join(PRESETS)})")
+    out = Path(base) / "models" / PRESET_DIRS[preset]
+    if not (out / "config.json").exists():
+        print(f"building the {preset} local model under {out} (first run only)", file=sys.stderr)
+        build(out, **PRESETS[preset])
+    return out
+
 
 _SPECIALS = ["<unk>", "<s>", "</s>", "<pad>", "<|system|>", "<|user|>", "<|assistant|>"]
 
@@ -62,6 +104,19 @@ def build_tokenizer(out: Path, vocab: int, seed: int) -> None:
     fast.save_pretrained(str(out))
 
 
+def llama_config(*, hidden: int, layers: int, heads: int, kv_heads: int, intermediate: int, vocab: int,
+                 max_pos: int, dtype: str) -> Any:
+    """The LlamaConfig build() saves (separate so a preset's geometry is checkable without building weights)."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=max_pos,
+        rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+        pad_token_id=3, torch_dtype=dtype,
+    )
+
+
 def build(out: Path, *, hidden: int = 256, layers: int = 4, heads: int = 4, kv_heads: int = 2,
           intermediate: int = 688, vocab: int = 8000, max_pos: int = 8192, seed: int = 0,
           dtype: str = "float32") -> Path:
@@ -71,7 +126,7 @@ def build(out: Path, *, hidden: int = 256, layers: int = 4, heads: int = 4, kv_h
     that looks complete (tests check for config.json).
     """
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
     out = Path(out)
     if hidden % heads or heads % kv_heads:
@@ -83,12 +138,8 @@ def build(out: Path, *, hidden: int = 256, layers: int = 4, heads: int = 4, kv_h
     from transformers import AutoTokenizer
 
     real_vocab = len(AutoTokenizer.from_pretrained(str(tmp)))
-    cfg = LlamaConfig(
-        vocab_size=real_vocab, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
-        num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=max_pos,
-        rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
-        pad_token_id=3, torch_dtype=dtype,
-    )
+    cfg = llama_config(hidden=hidden, layers=layers, heads=heads, kv_heads=kv_heads, intermediate=intermediate,
+                       vocab=real_vocab, max_pos=max_pos, dtype=dtype)
     torch.manual_seed(seed)
     model = LlamaForCausalLM(cfg).to(getattr(torch, dtype))
     model.generation_config.bos_token_id = 1
@@ -105,17 +156,15 @@ def build(out: Path, *, hidden: int = 256, layers: int = 4, heads: int = 4, kv_h
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="kvtier model", description="build a local test model (no download)")
     sub = p.add_subparsers(dest="kind", required=True)
-    t = sub.add_parser("tiny", help="seeded random-init Llama + locally trained BPE tokenizer")
-    t.add_argument("--out", required=True, type=Path)
-    t.add_argument("--hidden", type=int, default=256)
-    t.add_argument("--layers", type=int, default=4)
-    t.add_argument("--heads", type=int, default=4)
-    t.add_argument("--kv-heads", type=int, default=2)
-    t.add_argument("--intermediate", type=int, default=688)
-    t.add_argument("--vocab", type=int, default=8000)
-    t.add_argument("--max-pos", type=int, default=8192)
-    t.add_argument("--seed", type=int, default=0)
-    t.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    helps = {"tiny": "seeded random-init Llama + locally trained BPE tokenizer (4 KiB KV/token)",
+             "kv8b": "as tiny, with Llama-3.1-8B's KV bytes per token (128 KiB at fp32: 16 layers x 8 x 128)"}
+    for name, geo in PRESETS.items():
+        t = sub.add_parser(name, help=helps[name])
+        t.add_argument("--out", required=True, type=Path)
+        for flag in ("hidden", "layers", "heads", "kv-heads", "intermediate", "vocab", "max-pos"):
+            t.add_argument(f"--{flag}", type=int, default=geo[flag.replace("-", "_")])
+        t.add_argument("--seed", type=int, default=0)
+        t.add_argument("--dtype", default=geo["dtype"], choices=list(_DTYPE_BYTES))
     a = p.parse_args(argv)
     try:
         out = build(a.out, hidden=a.hidden, layers=a.layers, heads=a.heads, kv_heads=a.kv_heads,
