@@ -480,6 +480,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--replica-b", metavar="URL", help="replica B's base URL, on another node than A")
     p.add_argument("--model", default=None, help="served model name (default: what replica A's /v1/models lists; "
                    "local stack: the tiny local model)")
+    p.add_argument("--model-preset", choices=("tiny", "kv8b"), default=None,
+                   help="stack started here: serve a local preset model, built under --dir on first use (kv8b: "
+                   "Llama-3.1-8B's 128 KiB of KV per token, 32 MiB chunks; see `kvtier model kv8b`)")
     p.add_argument("--tokenizer", default=None, help="tokenizer path/name for the prompts (default: replica A's "
                    "own /tokenize endpoint)")
     p.add_argument("--api-key", default=os.environ.get("KVTIER_BENCH_API_KEY"),
@@ -541,6 +544,8 @@ def _check_stack_args(args: argparse.Namespace, http_mode: bool) -> str | None:
         return "--link needs --netns (loopback has no link to shape)"
     if (http_mode or args.from_up) and (args.mode or args.netns):
         return "--mode/--netns/--link are for a stack started here (--from-up reads them from up.json)"
+    if args.model_preset and (http_mode or args.from_up or args.model):
+        return "--model-preset builds the model for a stack started here (not with --model/--from-up/--replica-*)"
     if args.link:
         from l2fs.netns import NetnsError, parse_rate
 
@@ -612,6 +617,10 @@ def main(argv: list[str] | None = None) -> int:
             model = state.model
             raw = measure_local(state)
         else:
+            if args.model_preset:
+                from kvtier.devstack.tiny_model import preset_model
+
+                args.model = str(preset_model(args.dir, args.model_preset))
             with Stack(args.dir, replicas=2, workers=2, model=args.model, strategy=None, l1_gb=args.l1_gb,
                        max_model_len=max(8192, max(lengths) + 64), mode=args.mode or "plugin",
                        netns=args.netns, link=args.link) as stack:

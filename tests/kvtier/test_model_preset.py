@@ -65,3 +65,14 @@ def test_cli_kv8b_defaults_are_the_preset(monkeypatch: pytest.MonkeyPatch, tmp_p
     assert {k: seen[k] for k in PRESETS["kv8b"]} == PRESETS["kv8b"]
     assert tiny_model.main(["kv8b", "--out", str(tmp_path / "m"), "--layers", "8"]) == 0
     assert seen["layers"] == 8
+
+
+@pytest.mark.parametrize("extra", [["--from-up", "up.json"], ["--model", "/m"],
+                                   ["--replica-a", "http://127.0.0.1:9", "--replica-b", "http://127.0.0.1:9"]])
+def test_bench_model_preset_only_for_a_stack_started_here(extra: list[str], tmp_path: Path,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    from kvtier.bench import cross_pod
+
+    assert cross_pod.main(["--model-preset", "kv8b", "--dir", str(tmp_path), *extra]) == 2
+    assert "--model-preset" in capsys.readouterr().err
+    assert not (tmp_path / "models").exists()  # rejected before any build
