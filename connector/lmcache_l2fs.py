@@ -150,7 +150,8 @@ class L2fsConnector(RemoteConnector):
         prefill = _opt(cfg, plugin, "prefill_tokens_per_s") or os.environ.get("KVTIER_PREFILL_TOKENS_PER_S") or 0
         self.gate = LoadGate(self.single_token_size, float(prefill),
                              margin=float(_opt(cfg, plugin, "load_margin", 1.0)),
-                             probe_interval=float(_opt(cfg, plugin, "rate_probe_interval", 5.0)))
+                             probe_interval=float(_opt(cfg, plugin, "rate_probe_interval", 5.0)),
+                             stall_s=timeout / 2)
         self._meta = local_cpu_backend.metadata
         self._tls = threading.local()  # one reusable read buffer per pool thread
         self._closed = False
@@ -228,7 +229,7 @@ class L2fsConnector(RemoteConnector):
         """One load batch for the rate estimate: delivered bytes (header included) over its wall time."""
         hits = [self.path(k) for k, o in zip(keys, objs, strict=False) if o is not None]
         nbytes = sum(self.remote_metadata_bytes + o.get_size() for o in objs if o is not None)
-        self.gate.loaded(nbytes, seconds, hits, stall_s=self.timeout / 2)
+        self.gate.loaded(nbytes, seconds, hits)
 
     def support_batched_async_contains(self) -> bool:
         return True

@@ -47,10 +47,11 @@ class LoadGate:
     """Running L2 load-rate estimate vs the engine's prefill rate (see module doc). Thread-safe."""
 
     def __init__(self, bytes_per_token: float, prefill_tokens_per_s: float = 0.0, *, alpha: float = 0.3,
-                 margin: float = 1.0, probe_interval: float = 5.0) -> None:
+                 margin: float = 1.0, probe_interval: float = 5.0, stall_s: float = 0.5) -> None:
         self.bytes_per_token = float(bytes_per_token)
         self.prefill_tps = float(prefill_tokens_per_s or 0.0)
         self.alpha, self.margin, self.probe_interval = alpha, margin, probe_interval
+        self.stall_s = stall_s  # a load or probe this slow counts even when it delivered nothing
         self._bytes: float | None = None
         self._secs: float | None = None
         self._open = True
@@ -138,11 +139,11 @@ class LoadGate:
         with self._lock:
             self._probing = False
 
-    def loaded(self, nbytes: int, seconds: float, hit_paths: Sequence[str], stall_s: float) -> None:
+    def loaded(self, nbytes: int, seconds: float, hit_paths: Sequence[str]) -> None:
         """One load batch. An all-miss batch that came back fast says nothing about the rate; a slow one
         (a stalled worker: >= stall_s) counts with its bytes, maybe 0. Its first 8 hits are what a probe
         re-reads."""
-        if nbytes or seconds >= stall_s:
+        if nbytes or seconds >= self.stall_s:
             self.observe(nbytes, seconds)
         if hit_paths:
             self.probe_paths = list(hit_paths[:8])
@@ -181,8 +182,8 @@ class LoadGate:
                 got = list(ex.map(read, paths))
             dt = time.perf_counter() - t0
             self.probes += 1
-            if not any(found for _, found in got):
-                self.forget()  # evicted since: no sample
+            if not any(found for _, found in got) and dt < self.stall_s:
+                self.forget()  # evicted since: no sample (a slow "not found" is a stalled worker: a sample)
             else:
                 self.observe(sum(n for n, _ in got), dt)
         except Exception as e:  # noqa: BLE001 - a probe never raises

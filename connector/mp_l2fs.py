@@ -96,7 +96,7 @@ class L2fsL2Adapter(L2AdapterInterface):
         positions.install_mp()  # ObjectKey.chunk_hash -> index in the prompt, for the order hints of stores
         # bytes per token is learnt from the first loaded object (object bytes / chunk tokens); 0 = gate off
         self.gate = LoadGate(0, config.prefill_tokens_per_s, margin=config.load_margin,
-                             probe_interval=config.rate_probe_interval)
+                             probe_interval=config.rate_probe_interval, stall_s=config.timeout / 2)
         self._object_bytes = 0
         self._pool = ThreadPoolExecutor(config.threads, thread_name_prefix="kvtier-mp-l2fs")
         self._store_efd = create_event_notifier()
@@ -222,8 +222,7 @@ class L2fsL2Adapter(L2AdapterInterface):
                 self._object_bytes = sizes[0]
                 self.gate.bytes_per_token = sizes[0] / self.cfg.chunk_size
             self.gate.loaded(sum(sizes), time.perf_counter() - t0,
-                             [self._path(k) for k, ok in zip(keys, results, strict=True) if ok],
-                             stall_s=self.cfg.timeout / 2)
+                             [self._path(k) for k, ok in zip(keys, results, strict=True) if ok])
             for i, ok in enumerate(results):
                 if ok:
                     bm.set(i)
