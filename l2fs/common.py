@@ -13,6 +13,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent import futures
+from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -191,9 +192,137 @@ def write_port_file(path: str | None, **info: Any) -> None:
 
 # ---------- auth ----------
 
+ROLES = ("worker", "engine", "router", "admin")
+# role sets for the per-method policies of master and worker (TokenInterceptor): the method's name -> these
+WORKERS = frozenset({"worker"})
+READERS = frozenset({"admin", "engine", "router"})
+WRITERS = frozenset({"admin", "engine"})  # engines further limited to put-if-absent under their prefixes
+ADMINS = frozenset({"admin"})
+
+
+class TokensFileError(ValueError):
+    """A --tokens-file that cannot be used (the processes exit 2 with this message)."""
+
+
+@dataclass(frozen=True)
+class Credential:
+    """Who a bearer token is: its name (for logs), roles, and the path prefixes an engine may write under."""
+
+    name: str
+    roles: frozenset[str]
+    prefixes: tuple[str, ...] = ()
+
+    def may_write(self, path: str, if_absent: bool, mkdir: bool = False) -> bool:
+        """admin: anything; engine: put-if-absent under one of its prefixes (and mkdir of the prefixes'
+        ancestors, which the connector creates); everyone else: nothing."""
+        if "admin" in self.roles:
+            return True
+        if "engine" not in self.roles or not if_absent:
+            return False
+        return any(p == "/" or path == p or path.startswith(p + "/")
+                   or (mkdir and (path == "/" or p.startswith(path + "/"))) for p in self.prefixes)
+
+
+def load_tokens_file(path: str) -> list[tuple[str, Credential]]:
+    """[(token, credential)] from a JSON list of {"name", "token", "role", "prefixes"}; TokensFileError
+    says what is wrong (a typo must stop the process, not silently open or close the cluster)."""
+    try:
+        entries = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise TokensFileError(f"tokens file {path}: {e}") from None
+    if not isinstance(entries, list) or not entries:
+        raise TokensFileError(f"tokens file {path}: want a non-empty JSON list of {{name, token, role, prefixes}}")
+    out: list[tuple[str, Credential]] = []
+    seen: set[str] = set()
+    for i, entry in enumerate(entries):
+        where = f"tokens file {path} entry {i}"
+        if not isinstance(entry, dict) or set(entry) - {"name", "token", "role", "prefixes"}:
+            raise TokensFileError(f"{where}: want an object with keys name, token, role, prefixes")
+        token, role, prefixes = entry.get("token"), entry.get("role"), entry.get("prefixes", [])
+        if not isinstance(token, str) or len(token) < 16:
+            raise TokensFileError(f"{where}: token must be a string of at least 16 characters")
+        if token in seen:
+            raise TokensFileError(f"{where}: duplicate token")
+        if role not in ROLES:
+            raise TokensFileError(f"{where}: role must be one of {', '.join(ROLES)}, not {role!r}")
+        if not isinstance(prefixes, list) or not all(isinstance(p, str) for p in prefixes):
+            raise TokensFileError(f"{where}: prefixes must be a list of paths")
+        if role == "engine" and not prefixes:
+            raise TokensFileError(f"{where}: an engine token needs at least one prefix it may write under")
+        try:
+            norm = tuple(norm_path(p) for p in prefixes)
+        except PathError as err:
+            raise TokensFileError(f"{where}: {err}") from None
+        seen.add(token)
+        out.append((token, Credential(str(entry.get("name") or f"entry{i}"), frozenset({role}), norm)))
+    return out
+
+
+class Credentials:
+    """The tokens a server accepts and what each may do. Without a tokens file the single `--token` is the
+    old shared secret (admin + worker: every holder can do everything, the insecure-between-pods mode);
+    with neither, authentication is off (`enabled` False, every call allowed)."""
+
+    LEGACY = frozenset({"admin", "worker"})
+
+    def __init__(self, token: str | None = None, tokens_file: str | None = None) -> None:
+        if tokens_file:
+            self.entries = load_tokens_file(tokens_file)
+        elif token:
+            self.entries = [(token, Credential("shared-token", self.LEGACY))]
+        else:
+            self.entries = []
+        self._bearer = [(f"Bearer {t}".encode(), c) for t, c in self.entries]
+        self._raw = [(t.encode(), c) for t, c in self.entries]
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.entries)
+
+    @staticmethod
+    def _match(got: bytes, table: list[tuple[bytes, Credential]]) -> Credential | None:
+        found = None
+        for want, cred in table:  # compare against every entry in constant time: no token-guessing by timing
+            if hmac.compare_digest(got, want):
+                found = cred
+        return found
+
+    def from_metadata(self, metadata: Any) -> Credential | None:
+        got = dict(metadata or ()).get("authorization", "")
+        got = got if isinstance(got, bytes) else str(got).encode("utf-8", "surrogatepass")
+        return self._match(got, self._bearer)
+
+    def data_token_ok(self, token: bytes) -> bool:
+        """The raw-TCP data plane takes any known token, whatever its role (per-block capabilities are a
+        later step)."""
+        return not self.enabled or self._match(token, self._raw) is not None
+
+    def caller(self, context: grpc.ServicerContext) -> Credential | None:
+        """The credential of a call already past TokenInterceptor; None when authentication is off."""
+        return self.from_metadata(context.invocation_metadata()) if self.enabled else None
+
+    def check_write(self, context: grpc.ServicerContext, paths: Any, if_absent: bool, mkdir: bool = False) -> None:
+        """PERMISSION_DENIED unless the caller may write every path (prefix known only once the message is read)."""
+        cred = self.caller(context)
+        if cred is None:
+            return
+        for p in paths:
+            if not cred.may_write(norm_path(p), if_absent, mkdir):
+                what = "put-if-absent" if if_absent else "overwrite"
+                raise RpcError(grpc.StatusCode.PERMISSION_DENIED,
+                               f"token {cred.name!r} ({', '.join(sorted(cred.roles))}) may not {what} {p}", "EACCES")
+
+    def outbound_token(self, own: str | None) -> str | None:
+        """The token a master uses to call workers: its own --token, else the first worker-role entry."""
+        if own:
+            return own
+        return next((t for t, c in self.entries if "worker" in c.roles), None)
+
+
 class TokenInterceptor(grpc.ServerInterceptor):
-    """Rejects calls without `authorization: Bearer <token>` metadata (UNAUTHENTICATED), before their
-    request message is read.
+    """Maps `authorization: Bearer <token>` metadata to a credential and checks its roles against the
+    method's `policy` entry (method name -> roles allowed; unlisted methods: admin only), before the request
+    message is read: unknown token UNAUTHENTICATED, known token with the wrong role PERMISSION_DENIED.
 
     Why request-streaming deny handlers for every method: gRPC Python reads a unary request whole before
     it calls even a denying handler (a 60 MiB unauthenticated call cost the master its full size, several
@@ -201,25 +330,29 @@ class TokenInterceptor(grpc.ServerInterceptor):
     does not tell unary from streaming, so the stranger's call ends with UNAUTHENTICATED after at most the
     HTTP/2 flow-control window has been buffered."""
 
-    def __init__(self, token: str) -> None:
-        self._expected = f"Bearer {token}".encode()
+    def __init__(self, creds: Credentials | str, policy: dict[str, frozenset[str]] | None = None) -> None:
+        self._creds = creds if isinstance(creds, Credentials) else Credentials(creds)
+        self._policy = policy
 
-        def deny(_requests: Any, context: grpc.ServicerContext) -> Any:
-            context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or bad l2fs bearer token")
+        def denier(code: grpc.StatusCode, msg: str) -> tuple[Any, Any]:
+            def deny(_requests: Any, context: grpc.ServicerContext) -> Any:
+                context.abort(code, msg)
+            return grpc.stream_unary_rpc_method_handler(deny), grpc.stream_stream_rpc_method_handler(deny)
 
-        self._deny_unary_out = grpc.stream_unary_rpc_method_handler(deny)
-        self._deny_stream_out = grpc.stream_stream_rpc_method_handler(deny)
+        self._unauth = denier(grpc.StatusCode.UNAUTHENTICATED, "missing or bad l2fs bearer token")
+        self._forbidden = denier(grpc.StatusCode.PERMISSION_DENIED, "this l2fs token's role may not call this method")
 
     def intercept_service(self, continuation: Callable, handler_call_details: Any) -> Any:
-        md = dict(handler_call_details.invocation_metadata or ())
-        got = md.get("authorization", "")
-        got = got if isinstance(got, bytes) else str(got).encode("utf-8", "surrogatepass")
-        if hmac.compare_digest(got, self._expected):  # constant time: no token-guessing by timing
-            return continuation(handler_call_details)
+        cred = self._creds.from_metadata(handler_call_details.invocation_metadata)
         method = handler_call_details.method or ""
-        if method.endswith("/ReadBlock"):  # the one server-streaming method
-            return self._deny_stream_out
-        return self._deny_unary_out
+        name = method.rpartition("/")[2]
+        if cred is not None:
+            if self._policy is None or cred.roles & self._policy.get(name, frozenset({"admin"})):
+                return continuation(handler_call_details)
+            deny = self._forbidden
+        else:
+            deny = self._unauth
+        return deny[1] if name == "ReadBlock" else deny[0]  # ReadBlock: the one server-streaming method
 
 
 def auth_metadata(token: str | None) -> tuple[tuple[str, str], ...] | None:
@@ -238,10 +371,13 @@ def server_credentials(cert: str | None, key: str | None) -> grpc.ServerCredenti
 
 def grpc_server(host: str, port: int, add_servicer: Callable[[grpc.Server], None], *, name: str,
                 token: str | None = None, tls_cert: str | None = None, tls_key: str | None = None,
-                threads: int = 32) -> tuple[grpc.Server, int, bool]:
+                threads: int = 32, creds: Credentials | None = None,
+                policy: dict[str, frozenset[str]] | None = None) -> tuple[grpc.Server, int, bool]:
     """A bound, not yet started gRPC server for master or worker: thread pool, message limits, bearer-token
-    check when a token is set, TLS when cert and key are given. Returns (server, bound port, TLS on)."""
-    interceptors = [TokenInterceptor(token)] if token else []
+    and role check (`creds`, else the single `token`) when configured, TLS when cert and key are given.
+    Returns (server, bound port, TLS on)."""
+    creds = creds if creds is not None else Credentials(token)
+    interceptors = [TokenInterceptor(creds, policy)] if creds.enabled else []
     server = grpc.server(futures.ThreadPoolExecutor(threads, thread_name_prefix=name),
                          interceptors=interceptors, options=GRPC_OPTIONS)
     add_servicer(server)

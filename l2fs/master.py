@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sqlite3
 import sys
 import threading
@@ -26,10 +27,16 @@ from prometheus_client import Counter, Gauge, Histogram
 
 from l2fs.batch import MIN_PEER_VERSION, PROTOCOL_VERSION, each, version_mismatch
 from l2fs.common import (
+    ADMINS,
     BLOCK_ID,
     DEFAULT_MAX_FILE_SIZE,
+    READERS,
+    WORKERS,
+    WRITERS,
+    Credentials,
     PathError,
     RpcError,
+    TokensFileError,
     auth_metadata,
     check_block_id,
     grpc_server,
@@ -48,6 +55,15 @@ from l2fs.proto import l2fs_pb2 as pb
 from l2fs.proto import l2fs_pb2_grpc as pbg
 
 log = logging.getLogger("l2fs.master")
+
+# Which roles may call which RPC (checked before the message is read; see TokenInterceptor). Engines' writes
+# are further limited to put-if-absent under their prefixes in the handlers.
+MASTER_POLICY = {
+    **dict.fromkeys(("RegisterWorker", "Heartbeat", "RemoveBlocks", "MoveBlocks"), WORKERS),
+    **dict.fromkeys(("Allocate", "AllocateMany", "Commit", "CommitMany", "Mkdir"), WRITERS),
+    **dict.fromkeys(("Stat", "StatMany", "PrefixLookup", "List", "Report"), READERS),
+    **dict.fromkeys(("Rmdir", "Delete", "Rename"), ADMINS),
+}
 
 RPC_LATENCY = Histogram("l2fs_master_rpc_seconds", "Master RPC latency", ["method"],
                         buckets=(.0001, .00025, .0005, .001, .0025, .005, .01, .025, .05, .1, .5, 1, 5))
@@ -112,7 +128,8 @@ class MasterService(pbg.MasterServicer):
 
     def __init__(self, *, heartbeat_timeout: float = 10.0, max_file_size: int = DEFAULT_MAX_FILE_SIZE,
                  token: str | None = None, tls_ca: str | None = None, allocation_ttl: float = 600.0,
-                 journal: str | None = None, prefix_quotas: dict[str, int] | None = None) -> None:
+                 journal: str | None = None, prefix_quotas: dict[str, int] | None = None,
+                 creds: Credentials | None = None) -> None:
         self.heartbeat_timeout = heartbeat_timeout
         # Per-prefix byte quotas (tenant isolation): a prefix at its quota gets write misses instead of
         # evicting everyone else's blocks. Counted on published files; checked at Allocate and Commit.
@@ -140,7 +157,10 @@ class MasterService(pbg.MasterServicer):
         self.workers: dict[str, WorkerEntry] = {}
         self.content: dict[tuple[int, int], int] = {}  # (size, crc32c) -> files with it (>= 4 KiB)
         self.duplicates = 0
-        self._token = token
+        # who may write where (checked in the handlers, where the path is known); `token` is what the master
+        # sends when it calls workers
+        self.creds = creds if creds is not None else Credentials(token)
+        self._token = self.creds.outbound_token(token)
         self._tls_ca = tls_ca
         self._stubs: dict[str, pbg.WorkerStub] = {}
         self._bg = futures.ThreadPoolExecutor(8, thread_name_prefix="l2fs-master-bg")
@@ -539,11 +559,14 @@ class MasterService(pbg.MasterServicer):
 
     @_rpc
     def Allocate(self, request: pb.AllocateRequest, context: Any) -> pb.AllocateResponse:  # noqa: N802
+        self.creds.check_write(context, [request.path], request.if_absent)
         return self._allocate(request)
 
     @_rpc
     def AllocateMany(self, request: pb.AllocateManyRequest, context: Any) -> pb.AllocateManyResponse:  # noqa: N802
         """Allocate for a whole put batch under one lock hold; a failed item gets its error, the rest go on."""
+        for r in request.items:  # a batch with one path outside the caller's scope is refused whole
+            self.creds.check_write(context, [r.path], r.if_absent)
         with self.lock:
             items = each(list(request.items), self._allocate, lambda err: pb.AllocateResponse(error=err))
         return pb.AllocateManyResponse(items=items)
@@ -594,6 +617,7 @@ class MasterService(pbg.MasterServicer):
 
     @_rpc
     def Commit(self, request: pb.CommitRequest, context: Any) -> pb.CommitResponse:  # noqa: N802
+        self.creds.check_write(context, [request.path], request.if_absent)
         orphans: list[tuple[str, str]] = []
         try:
             return self._commit(request, orphans)
@@ -603,6 +627,8 @@ class MasterService(pbg.MasterServicer):
     @_rpc
     def CommitMany(self, request: pb.CommitManyRequest, context: Any) -> pb.CommitManyResponse:  # noqa: N802
         """Publish a whole put batch under one lock hold; each item is its own atomic, put-if-absent commit."""
+        for r in request.items:
+            self.creds.check_write(context, [r.path], r.if_absent)
         orphans: list[tuple[str, str]] = []
         with self.lock:
             items = each(list(request.items), lambda r: self._commit(r, orphans),
@@ -710,6 +736,7 @@ class MasterService(pbg.MasterServicer):
     @_rpc
     def Mkdir(self, request: pb.MkdirRequest, context: Any) -> pb.Empty:  # noqa: N802
         path = norm_path(request.path)
+        self.creds.check_write(context, [path], True, mkdir=True)
         with self.lock:
             if path in self.files:
                 raise RpcError(grpc.StatusCode.ALREADY_EXISTS, f"{path} exists and is a file")
@@ -835,10 +862,12 @@ class MasterService(pbg.MasterServicer):
 
 def serve(host: str, port: int, service: MasterService, *, token: str | None = None,
           tls_cert: str | None = None, tls_key: str | None = None, threads: int = 32) -> tuple[grpc.Server, int]:
-    """Start the master gRPC server; returns it and the bound port."""
+    """Start the master gRPC server; returns it and the bound port. The service's credentials (a tokens
+    file) take precedence over `token`."""
+    creds = service.creds if service.creds.enabled else Credentials(token)
     server, bound, _ = grpc_server(host, port, lambda s: pbg.add_MasterServicer_to_server(service, s),
-                                   name="l2fs-master", token=token, tls_cert=tls_cert, tls_key=tls_key,
-                                   threads=threads)
+                                   name="l2fs-master", creds=creds, policy=MASTER_POLICY,
+                                   tls_cert=tls_cert, tls_key=tls_key, threads=threads)
     server.start()
     return server, bound
 
@@ -862,7 +891,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefix-quota", action="append", default=[], metavar="PREFIX=SIZE",
                    help="at most SIZE bytes of files under PREFIX (e.g. /kvtier/kv/a=10GiB; repeatable): writes "
                         "beyond it are refused (RESOURCE_EXHAUSTED, a failed put) instead of evicting others")
-    p.add_argument("--token", default=None, help="require this bearer token (also $L2FS_TOKEN)")
+    p.add_argument("--token", default=None,
+                   help="require this bearer token (also $L2FS_TOKEN). Alone it is one shared secret with admin + "
+                        "worker rights for every holder (insecure between pods); with --tokens-file it is only "
+                        "the token the master calls workers with")
+    p.add_argument("--tokens-file", default=os.environ.get("L2FS_TOKENS_FILE"),
+                   help="JSON list of {name, token, role: worker|engine|router|admin, prefixes}: scoped tokens "
+                        "(also $L2FS_TOKENS_FILE); see docs/l2fs.md")
     p.add_argument("--tls-cert")
     p.add_argument("--tls-key")
     p.add_argument("--tls-ca", help="CA to verify workers when the master calls them over TLS")
@@ -871,8 +906,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import os
-
     parser = build_parser()
     args = parser.parse_args(argv)
     quotas: dict[str, int] = {}
@@ -885,9 +918,15 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     token = args.token or os.environ.get("L2FS_TOKEN") or None
     try:
+        creds = Credentials(token, args.tokens_file)
+    except TokensFileError as e:
+        print(f"l2fs master: {e}", file=sys.stderr)
+        return 2
+    try:
         service = MasterService(heartbeat_timeout=args.heartbeat_timeout,
                                 max_file_size=parse_size(args.max_file_size), token=token, tls_ca=args.tls_ca,
-                                allocation_ttl=args.allocation_ttl, journal=args.journal, prefix_quotas=quotas)
+                                allocation_ttl=args.allocation_ttl, journal=args.journal, prefix_quotas=quotas,
+                                creds=creds)
     except (JournalError, OSError, sqlite3.Error) as e:
         print(f"l2fs master: cannot open the journal: {e}", file=sys.stderr)
         return 2

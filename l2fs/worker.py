@@ -21,6 +21,8 @@ from pathlib import Path
 from l2fs.batch import MANIFEST_VERSION
 from l2fs.common import (
     DEFAULT_MAX_FILE_SIZE,
+    Credentials,
+    TokensFileError,
     grpc_server,
     parse_size,
     start_metrics_server,
@@ -32,7 +34,7 @@ from l2fs.dataplane.wire import DATA_IDLE_TIMEOUT, DATA_MAX_CONNS
 from l2fs.proto import l2fs_pb2_grpc as pbg
 from l2fs.registration import MasterLink
 from l2fs.store import RESERVATION_TTL, RESERVED_FRACTION, TIERS, Store
-from l2fs.worker_service import WorkerService
+from l2fs.worker_service import WORKER_POLICY, WorkerService
 
 
 class Worker:
@@ -41,19 +43,24 @@ class Worker:
     def __init__(self, store: Store, *, master: str, node_id: str, worker_id: str, host: str, port: int,
                  advertise: str | None, heartbeat_interval: float, token: str | None, tls_cert: str | None,
                  tls_key: str | None, tls_ca: str | None, threads: int = 32, data_port: int | None = 0,
-                 data_max_conns: int = DATA_MAX_CONNS, data_idle_timeout: float = DATA_IDLE_TIMEOUT) -> None:
+                 data_max_conns: int = DATA_MAX_CONNS, data_idle_timeout: float = DATA_IDLE_TIMEOUT,
+                 creds: Credentials | None = None) -> None:
+        """`token` is what this worker sends to the master; `creds` (a tokens file) what it accepts, else
+        the same single `token` (the shared-secret mode)."""
         self.store = store
+        creds = creds if creds is not None and creds.enabled else Credentials(token)
         self.node_id, self.worker_id = node_id, worker_id
         wake = threading.Event()  # set by the servers when blocks were removed/moved: report them now
         self.server, self.port, tls = grpc_server(
             host, port, lambda s: pbg.add_WorkerServicer_to_server(WorkerService(store, wake.set), s),
-            name="l2fs-worker", token=token, tls_cert=tls_cert, tls_key=tls_key, threads=threads)
+            name="l2fs-worker", creds=creds, policy=WORKER_POLICY, tls_cert=tls_cert, tls_key=tls_key,
+            threads=threads)
         if not advertise and host in ("0.0.0.0", "::", ""):
             advertise = f"{_host_ip(master)}:{self.port}"
         self.address = advertise or f"{host}:{self.port}"
         self.data: DataServer | None = None
         if data_port is not None and not tls:  # raw TCP is plaintext: TLS clusters use gRPC only
-            self.data = DataServer(store, host, data_port, token, wake.set, max_conns=data_max_conns,
+            self.data = DataServer(store, host, data_port, creds.data_token_ok, wake.set, max_conns=data_max_conns,
                                    idle_timeout=data_idle_timeout)
         adv_host = self.address.rpartition(":")[0]
         self.data_address = f"{adv_host}:{self.data.port}" if self.data else ""
@@ -178,7 +185,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="concurrent data-plane connections; more are refused with a message")
     p.add_argument("--data-idle-timeout", type=float, default=DATA_IDLE_TIMEOUT,
                    help="seconds an idle data-plane connection is kept")
-    p.add_argument("--token", default=None, help="require this bearer token (also $L2FS_TOKEN)")
+    p.add_argument("--token", default=None,
+                   help="bearer token (also $L2FS_TOKEN): alone, the cluster's one shared secret (insecure "
+                        "between pods); with --tokens-file, this worker's own worker-role token for the master")
+    p.add_argument("--tokens-file", default=os.environ.get("L2FS_TOKENS_FILE"),
+                   help="JSON list of {name, token, role, prefixes} this worker accepts (also $L2FS_TOKENS_FILE)")
     p.add_argument("--tls-cert")
     p.add_argument("--tls-key")
     p.add_argument("--tls-ca", help="CA to verify the master's TLS certificate")
@@ -197,6 +208,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     dirs = [parse_data_dir(s) for s in args.data_dir]
     token = args.token or os.environ.get("L2FS_TOKEN") or None
+    try:
+        creds = Credentials(token, args.tokens_file)
+    except TokensFileError as e:
+        print(f"l2fs worker: {e}", file=sys.stderr)
+        return 2
     if not 0 < args.max_reserved <= 1 or args.reservation_ttl <= 0:
         print("l2fs worker: need 0 < --max-reserved <= 1 and --reservation-ttl > 0", file=sys.stderr)
         return 2
@@ -216,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
                     port=args.port, advertise=args.advertise, heartbeat_interval=args.heartbeat_interval,
                     token=token, tls_cert=args.tls_cert, tls_key=args.tls_key, tls_ca=args.tls_ca,
                     data_port=None if args.data_port < 0 else args.data_port,
-                    data_max_conns=args.data_max_conns, data_idle_timeout=args.data_idle_timeout)
+                    data_max_conns=args.data_max_conns, data_idle_timeout=args.data_idle_timeout, creds=creds)
     worker.start()
     metrics_port = None
     if args.metrics_port is not None:

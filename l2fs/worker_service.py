@@ -12,7 +12,7 @@ import grpc
 from prometheus_client import Histogram
 
 from l2fs.batch import each
-from l2fs.common import RpcError, check_block_id, norm_path, rpc_handler
+from l2fs.common import READERS, WORKERS, WRITERS, RpcError, check_block_id, norm_path, rpc_handler
 from l2fs.proto import l2fs_pb2 as pb
 from l2fs.proto import l2fs_pb2_grpc as pbg
 from l2fs.store import BYTES_READ, READ_HITS, READ_MISSES, Store, VerifiedFrames
@@ -21,6 +21,15 @@ RPC_LATENCY = Histogram("l2fs_worker_rpc_seconds", "Worker RPC latency", ["metho
                         buckets=(.0001, .0005, .001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 5))
 
 _rpc = rpc_handler(RPC_LATENCY)
+
+# Which roles may call which RPC (TokenInterceptor, before the message is read): the master's maintenance
+# calls need a worker-role token (the master sends one), block writes an engine or admin token.
+WORKER_POLICY = {
+    **dict.fromkeys(("WriteBlock", "ReserveLocal", "AdoptLocal", "ReserveLocalMany", "AdoptLocalMany",
+                     "ReleaseLocal"), WRITERS),
+    **dict.fromkeys(("ReadBlock", "Touch", "ReportCorrupt"), READERS),
+    **dict.fromkeys(("DeleteBlocks", "SetPaths"), WORKERS),
+}
 
 
 class WorkerService(pbg.WorkerServicer):

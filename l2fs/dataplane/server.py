@@ -82,7 +82,8 @@ class DataServer:
     gets through a flood. Authenticated connections over `max_conns` get BUSY (the client falls back to
     gRPC or misses); idle ones close after `idle_timeout` (clients check pooled sockets before reuse)."""
 
-    def __init__(self, store: Store, host: str, port: int, token: str | None, report_now: Callable[[], None], *,
+    def __init__(self, store: Store, host: str, port: int, token: str | None | Callable[[bytes], bool],
+                 report_now: Callable[[], None], *,
                  max_conns: int = DATA_MAX_CONNS, idle_timeout: float = DATA_IDLE_TIMEOUT,
                  handshake_timeout: float = HANDSHAKE_TIMEOUT, preauth_max: int = PREAUTH_MAX,
                  preauth_per_ip: int = PREAUTH_PER_IP) -> None:
@@ -93,7 +94,8 @@ class DataServer:
         self.preauth_max = preauth_max
         self.preauth_per_ip = min(preauth_per_ip, max_conns)
         self._slots = threading.BoundedSemaphore(max_conns)
-        self.token = (token or "").encode()
+        # a checker (l2fs.common.Credentials.data_token_ok: any known token of a tokens file) or one token
+        self._token_ok = token if callable(token) else self._one_token((token or "").encode())
         self._report_now = report_now  # wakes the registration loop: removals/moves reach the master now
         self.sock = socket.create_server((host, port), reuse_port=False, backlog=128)
         self.sock.setblocking(False)
@@ -102,6 +104,10 @@ class DataServer:
         self._sel = selectors.DefaultSelector()
         self._pending: dict[socket.socket, _Pending] = {}  # insertion order: oldest first
         self._per_ip: dict[str, int] = {}
+
+    @staticmethod
+    def _one_token(want: bytes) -> Callable[[bytes], bool]:
+        return lambda got: not want or hmac.compare_digest(got, want)
 
     def start(self) -> None:
         threading.Thread(target=self._loop, name="l2fs-data-accept", daemon=True).start()
@@ -187,7 +193,7 @@ class DataServer:
         if p.need():
             return
         token, bid = bytes(p.buf[HDR.size:HDR.size + tlen]), bytes(p.buf[HDR.size + tlen:]).decode("ascii", "replace")
-        if self.token and not hmac.compare_digest(token, self.token):
+        if not self._token_ok(token):
             self._drop(p, "denied", DENIED, "missing or bad l2fs bearer token")
             return
         if not self._slots.acquire(blocking=False):
@@ -268,7 +274,7 @@ class DataServer:
             return False
         token = recv_exact(conn, tlen) if tlen else b""
         bid = recv_exact(conn, 32).decode("ascii", "replace")
-        if self.token and not hmac.compare_digest(token, self.token):
+        if not self._token_ok(token):
             send_err(conn, DENIED, "missing or bad l2fs bearer token")
             return False
         return self._dispatch(conn, op, bid)
