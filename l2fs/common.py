@@ -234,6 +234,7 @@ def load_tokens_file(path: str) -> list[tuple[str, Credential]]:
         raise TokensFileError(f"tokens file {path}: want a non-empty JSON list of {{name, token, role, prefixes}}")
     out: list[tuple[str, Credential]] = []
     seen: set[str] = set()
+    names: set[str] = set()
     for i, entry in enumerate(entries):
         where = f"tokens file {path} entry {i}"
         if not isinstance(entry, dict) or set(entry) - {"name", "token", "role", "prefixes"}:
@@ -253,8 +254,12 @@ def load_tokens_file(path: str) -> list[tuple[str, Credential]]:
             norm = tuple(norm_path(p) for p in prefixes)
         except PathError as err:
             raise TokensFileError(f"{where}: {err}") from None
+        name = str(entry.get("name") or f"entry{i}")
+        if name in names:  # the name is the identity a worker id is bound to: two holders must not share it
+            raise TokensFileError(f"{where}: duplicate name {name!r}")
         seen.add(token)
-        out.append((token, Credential(str(entry.get("name") or f"entry{i}"), frozenset({role}), norm)))
+        names.add(name)
+        out.append((token, Credential(name, frozenset({role}), norm)))
     return out
 
 

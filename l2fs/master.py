@@ -109,6 +109,7 @@ class WorkerEntry:
     data_address: str = ""
     interval: float = 1.0  # the worker's heartbeat interval
     pending: int = 0  # bytes placed here since the last heartbeat: a placement estimate, never reported as used
+    owner: str = ""  # name of the credential that registered it (tokens file); "" without authentication
 
     @property
     def free(self) -> int:
@@ -447,6 +448,20 @@ class MasterService(pbg.MasterServicer):
 
     # ---------- worker-facing ----------
 
+    def _check_owner(self, context: Any, worker_id: str, claim: bool = False) -> str:
+        """A worker id belongs to the credential that registered it: another worker-role token may not
+        heartbeat, report for or (while it is alive) re-register it. Returns the caller's credential name.
+        Ownership lives in master memory: after a master restart the first registration claims the id."""
+        cred = self.creds.caller(context)
+        if cred is None:
+            return ""
+        with self.lock:
+            w = self.workers.get(worker_id)
+            if w is not None and w.owner and w.owner != cred.name and (w.alive or not claim):
+                raise RpcError(grpc.StatusCode.PERMISSION_DENIED,
+                               f"worker {worker_id!r} is registered by another credential than {cred.name!r}")
+        return cred.name
+
     @_rpc
     def RegisterWorker(self, request: pb.RegisterRequest, context: Any) -> pb.RegisterResponse:  # noqa: N802
         if not request.worker_id or not request.address:
@@ -468,6 +483,7 @@ class MasterService(pbg.MasterServicer):
         reject: list[str] = []
         remote_deletes: list[tuple[str, str, str | None]] = []
         with self.lock:
+            owner = self._check_owner(context, request.worker_id, claim=True)  # under the lock: no race
             old = self.workers.get(request.worker_id)
             if request.continuation:  # more reports of the registration this worker just made
                 if old is None or not old.alive or old.address != request.address:
@@ -482,7 +498,7 @@ class MasterService(pbg.MasterServicer):
                     self._drop_worker_files(old, "reregistered")
                 w = WorkerEntry(request.worker_id, request.node_id or request.worker_id, request.address,
                                 request.capacity, request.used, len(request.blocks), time.monotonic(),
-                                data_address=request.data_address)
+                                data_address=request.data_address, owner=owner)
                 self.workers[request.worker_id] = w
             for b in request.blocks:
                 if not BLOCK_ID.match(b.block_id):
@@ -523,6 +539,7 @@ class MasterService(pbg.MasterServicer):
 
     @_rpc
     def Heartbeat(self, request: pb.HeartbeatRequest, context: Any) -> pb.HeartbeatResponse:  # noqa: N802
+        self._check_owner(context, request.worker_id)
         with self.lock:
             w = self.workers.get(request.worker_id)
             if w is None or not w.alive:
@@ -536,6 +553,7 @@ class MasterService(pbg.MasterServicer):
 
     @_rpc
     def RemoveBlocks(self, request: pb.BlocksRemoved, context: Any) -> pb.Empty:  # noqa: N802
+        self._check_owner(context, request.worker_id)
         with self.lock:
             for bid in request.block_ids:
                 path = self.blocks.get(bid)
@@ -548,6 +566,7 @@ class MasterService(pbg.MasterServicer):
     def MoveBlocks(self, request: pb.BlocksMoved, context: Any) -> pb.Empty:  # noqa: N802
         if len(request.block_ids) != len(request.local_paths):
             raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, "block_ids and local_paths differ in length")
+        self._check_owner(context, request.worker_id)
         with self.lock:
             for bid, lp in zip(request.block_ids, request.local_paths, strict=True):
                 path = self.blocks.get(bid)

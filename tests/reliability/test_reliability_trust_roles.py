@@ -24,6 +24,7 @@ from l2fs.proto import l2fs_pb2 as pb
 from l2fs.proto import l2fs_pb2_grpc as pbg
 
 WORKER = "worker-token-0123456789"
+WORKER_B = "worker-b-token-0123456789"  # another node's worker token
 MASTER = "master-token-0123456789"  # the master's own worker-role token, to call workers with
 ENGINE = "engine-token-0123456789"
 ROUTER = "router-token-0123456789"
@@ -31,7 +32,8 @@ ADMIN = "admin-token-01234567890"
 PREFIX = "/kvtier/kv/ep-a"
 TOKENS = [
     {"name": "master", "token": MASTER, "role": "worker"},
-    {"name": "workers", "token": WORKER, "role": "worker"},
+    {"name": "worker-a", "token": WORKER, "role": "worker"},
+    {"name": "worker-b", "token": WORKER_B, "role": "worker"},
     {"name": "engine-a", "token": ENGINE, "role": "engine", "prefixes": [PREFIX]},
     {"name": "router", "token": ROUTER, "role": "router"},
     {"name": "ops", "token": ADMIN, "role": "admin"},
@@ -77,7 +79,22 @@ def test_engine_cannot_impersonate_a_worker(roles_cluster: Any) -> None:
     after = [x for x in admin.report().workers if x.worker_id == real.worker_id]
     assert after and after[0].address == real.address and after[0].alive
     assert admin.get(f"{PREFIX}/a") == data
-    # a worker token registers (a new worker id; the real worker registered with it too)
+    # another worker's token may not take over, heartbeat or report for the live worker's id either
+    assert _code(lambda: m.RegisterWorker(hijack, timeout=DEADLINE, metadata=_md(WORKER_B))) \
+        == grpc.StatusCode.PERMISSION_DENIED
+    assert _code(lambda: m.Heartbeat(pb.HeartbeatRequest(worker_id=real.worker_id), timeout=DEADLINE,
+                                     metadata=_md(WORKER_B))) == grpc.StatusCode.PERMISSION_DENIED
+    assert _code(lambda: m.RemoveBlocks(pb.BlocksRemoved(worker_id=real.worker_id, block_ids=[loc.block_id]),
+                                        timeout=DEADLINE, metadata=_md(WORKER_B))) \
+        == grpc.StatusCode.PERMISSION_DENIED
+    after = [x for x in admin.report().workers if x.worker_id == real.worker_id]
+    assert after and after[0].address == real.address and after[0].alive
+    assert admin.get(f"{PREFIX}/a") == data
+    # the owner itself re-registers its id at once after a kill -9 (still listed alive): same credential
+    roles_cluster.kill_worker(0)
+    roles_cluster.start_worker(0)
+    assert admin.get(f"{PREFIX}/a") == data
+    # a worker token registers (a new worker id; the real worker registered with its own token too)
     ok = pb.RegisterRequest(worker_id="extra-worker", node_id="node-9", address="127.0.0.1:2", capacity=1 << 20)
     assert _code(lambda: m.RegisterWorker(ok, timeout=DEADLINE, metadata=_md(WORKER))) == grpc.StatusCode.OK
     assert any(x.worker_id == "extra-worker" for x in admin.report().workers)
@@ -153,7 +170,9 @@ def test_unknown_token_is_unauthenticated(roles_cluster: Any) -> None:
     (json.dumps([{"name": "x", "token": ADMIN, "role": "root"}]), "role must be one of"),
     (json.dumps([{"name": "x", "token": ENGINE, "role": "engine"}]), "needs at least one prefix"),
     (json.dumps([{"name": "x", "token": ADMIN, "role": "admin", "extra": 1}]), "want an object"),
-    (json.dumps([{"token": ADMIN, "role": "admin"}, {"token": ADMIN, "role": "router"}]), "duplicate"),
+    (json.dumps([{"token": ADMIN, "role": "admin"}, {"token": ADMIN, "role": "router"}]), "duplicate token"),
+    (json.dumps([{"name": "a", "token": ADMIN, "role": "admin"}, {"name": "a", "token": ROUTER, "role": "router"}]),
+     "duplicate name"),
 ])
 def test_bad_tokens_file_exits_2(tmp_path: Path, content: str, why: str) -> None:
     f = tmp_path / "tokens.json"
