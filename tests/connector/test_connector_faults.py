@@ -4,7 +4,7 @@
   warning, and repeats are L1 hits;
 * negative control for the KV comparison: a replica whose CPU connector writes zeros on load
   (KVTIER_CPU_CONNECTOR_FAULT=zero_load) produces different tokens/logprobs from the recompute, so the
-  exactness checks in test_connector_crosspod.py can fail.
+  exactness checks in tests/netns/test_netns_crosspod.py can fail.
 
 Run: flock /tmp/kvtier-vllm.lock .venv/bin/pytest tests/connector/test_connector_faults.py -m vllm
 """

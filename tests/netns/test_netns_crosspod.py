@@ -10,8 +10,8 @@ tests/mount/test_mount_crosspod.py.
 
 The same in plugin mode (`kvtier up --netns`, LMCache + our native l2fs connector in each engine, its client on
 the replica's node): A's chunks are l2fs files on node-1 (local-first), B loads them through its own
-connector's client on node-2, and the bytes crossed the link (worker-1's metrics, node-2's veth). Its
-loopback twin is test_cross_pod_hit_is_exact in tests/connector/test_connector_crosspod.py.
+connector's client on node-2, and the bytes crossed the link (worker-1's metrics, node-2's veth). It replaced
+the loopback twin tests/connector/test_connector_crosspod.py (its corruption test moved here too).
 Run: flock /tmp/kvtier-vllm.lock .venv/bin/pytest tests/netns/test_netns_crosspod.py
 """
 
@@ -154,3 +154,43 @@ def test_cross_pod_hit_crosses_the_link(stack: Stack, tiny_model: Path) -> None:
     _b_loads_over_the_link(stack, ids, (cold_tokens, cold_lp), n_chunks * max(sizes))
     if mode == "mount":
         assert len(_chunk_files(m2)) >= n_chunks  # node-2's mount shows the same l2fs files
+
+
+CHUNK_FILE_BYTES = 28 + 2 * 4 * CHUNK * 128 * 4  # RemoteMetadata header + one fp32 chunk of the tiny model
+
+
+def test_corrupted_l2_chunk_is_a_miss_and_output_stays_correct(stack: Stack, tiny_model: Path) -> None:
+    """Plugin mode: one flipped byte in a block on node-1's disk; replica B on node-2 must not load that
+    chunk (the l2fs CRC check makes it a miss) and its answer stays the cold one. (Moved here from the
+    loopback stack of tests/connector, which this module's plugin stack replaces.)"""
+    if stack.mode != "plugin":
+        pytest.skip("plugin mode: a damaged block read through the FUSE mount is tests/mount's subject")
+    a, b = stack.replicas
+    vocab = json.loads((tiny_model / "config.json").read_text())["vocab_size"]
+    ids = _ids(8, vocab)
+    full = N_TOKENS // CHUNK * CHUNK
+    t_before = time.time()
+    _, cold_tokens, cold_lp = a.stream_greedy(ids, max_tokens=MAX_NEW)  # cold on A: recompute + store
+    assert a.lmcache_hits()[-1][1:] == (N_TOKENS, 0)
+
+    def fresh_blocks() -> list[Path]:
+        return sorted((f for w in stack.cluster.workers for f in Path(w.data_dir).rglob("*")
+                       if f.is_file() and f.stat().st_mtime >= t_before and f.stat().st_size == CHUNK_FILE_BYTES),
+                      key=lambda f: f.stat().st_mtime)
+
+    deadline = time.monotonic() + 60
+    while len(fresh_blocks()) < full // CHUNK:
+        assert time.monotonic() < deadline, f"only {len(fresh_blocks())} chunk blocks reached the workers"
+        time.sleep(0.2)
+    victims = fresh_blocks()
+    victim = victims[len(victims) // 2]
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    victim.write_bytes(bytes(data))
+
+    n_retr = len(b.lmcache_retrievals())
+    _, tokens, lp = b.stream_greedy(ids, max_tokens=MAX_NEW)
+    assert tokens == cold_tokens
+    assert max(abs(x - y) for x, y in zip(lp, cold_lp, strict=True)) <= 1e-4
+    new = b.lmcache_retrievals()[n_retr:]
+    assert not new or new[-1]["tokens"] < full  # the corrupted chunk (and what follows) was not loaded
