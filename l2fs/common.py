@@ -306,12 +306,13 @@ class Credentials:
         """The credential of a call already past TokenInterceptor; None when authentication is off."""
         return self.from_metadata(context.invocation_metadata()) if self.enabled else None
 
-    def check_write(self, context: grpc.ServicerContext, paths: Any, if_absent: bool, mkdir: bool = False) -> None:
-        """PERMISSION_DENIED unless the caller may write every path (prefix known only once the message is read)."""
+    def check_write(self, context: grpc.ServicerContext, writes: Any, mkdir: bool = False) -> None:
+        """PERMISSION_DENIED unless the caller may make every (path, if_absent) write (prefix known only once
+        the message is read). The caller is looked up once per call, not per item of a batch."""
         cred = self.caller(context)
         if cred is None:
             return
-        for p in paths:
+        for p, if_absent in writes:
             if not cred.may_write(norm_path(p), if_absent, mkdir):
                 what = "put-if-absent" if if_absent else "overwrite"
                 raise RpcError(grpc.StatusCode.PERMISSION_DENIED,

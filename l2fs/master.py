@@ -299,8 +299,8 @@ class MasterService(pbg.MasterServicer):
             self._stubs[address] = stub
         return stub
 
-    def _tell_worker(self, worker_id: str, call: str, request: Any, *, wait: bool) -> None:
-        """Master -> worker RPC (delete blocks, set paths), best effort: a dead worker re-reports later."""
+    def _tell_worker(self, worker_id: str, call: str, request: Any) -> None:
+        """Master -> worker RPC in the background, best effort: a dead worker re-reports later."""
         with self.lock:
             w = self.workers.get(worker_id)
             address = w.address if w is not None else None
@@ -310,7 +310,7 @@ class MasterService(pbg.MasterServicer):
         def send() -> None:
             # in the background, retry with growing deadlines: a loaded worker that misses one 1 s
             # deadline would otherwise keep a losing writer's orphan block until it restarts
-            attempts = 1 if wait else 3
+            attempts = 3
             for i in range(attempts):
                 try:
                     getattr(self._worker_stub(address), call)(request, timeout=1.0 * (2 ** i),
@@ -324,10 +324,7 @@ class MasterService(pbg.MasterServicer):
                     if self._stop.wait(0.2 * (2 ** i)):
                         return
 
-        if wait:
-            send()
-        else:
-            self._bg.submit(send)
+        self._bg.submit(send)
 
     def _remember(self, memory: OrderedDict[str, Any], bid: str, value: Any) -> None:
         """Add to a bounded block-id memory (allocations, abandoned): the oldest entry goes first."""
@@ -378,7 +375,7 @@ class MasterService(pbg.MasterServicer):
                 expired = self._expire_allocations(now)
             for wid, ids in expired.items():  # their writers gave up long ago: free whatever got sealed
                 log.info("abandoning %d uncommitted block(s) on worker %s", len(ids), wid)
-                self._tell_worker(wid, "DeleteBlocks", pb.BlockIds(block_ids=ids), wait=False)
+                self._tell_worker(wid, "DeleteBlocks", pb.BlockIds(block_ids=ids))
 
     def close(self) -> None:
         self._stop.set()
@@ -578,14 +575,14 @@ class MasterService(pbg.MasterServicer):
 
     @_rpc
     def Allocate(self, request: pb.AllocateRequest, context: Any) -> pb.AllocateResponse:  # noqa: N802
-        self.creds.check_write(context, [request.path], request.if_absent)
+        self.creds.check_write(context, [(request.path, request.if_absent)])
         return self._allocate(request)
 
     @_rpc
     def AllocateMany(self, request: pb.AllocateManyRequest, context: Any) -> pb.AllocateManyResponse:  # noqa: N802
         """Allocate for a whole put batch under one lock hold; a failed item gets its error, the rest go on."""
-        for r in request.items:  # a batch with one path outside the caller's scope is refused whole
-            self.creds.check_write(context, [r.path], r.if_absent)
+        # a batch with one path outside the caller's scope is refused whole
+        self.creds.check_write(context, [(r.path, r.if_absent) for r in request.items])
         with self.lock:
             items = each(list(request.items), self._allocate, lambda err: pb.AllocateResponse(error=err))
         return pb.AllocateManyResponse(items=items)
@@ -609,11 +606,11 @@ class MasterService(pbg.MasterServicer):
             w.pending += request.size  # until the next heartbeat: spreads concurrent writers
             bid = uuid.uuid4().hex
             self._remember(self.allocations, bid, (w.worker_id, time.monotonic() + self.allocation_ttl))
-            if self.quotas and self._quotas_of(path):
+            charged = self._quotas_of(path) if self.quotas else []
+            if charged:
                 self._alloc_charge[bid] = (path, request.size)
-                for q in self._quotas_of(path):
+                for q in charged:
                     self.quota_inflight[q] += request.size
-
             return pb.AllocateResponse(block_id=bid, worker=pb.Location(
                 worker_id=w.worker_id, node_id=w.node_id, address=w.address, data_address=w.data_address))
 
@@ -636,7 +633,7 @@ class MasterService(pbg.MasterServicer):
 
     @_rpc
     def Commit(self, request: pb.CommitRequest, context: Any) -> pb.CommitResponse:  # noqa: N802
-        self.creds.check_write(context, [request.path], request.if_absent)
+        self.creds.check_write(context, [(request.path, request.if_absent)])
         orphans: list[tuple[str, str]] = []
         try:
             return self._commit(request, orphans)
@@ -646,8 +643,7 @@ class MasterService(pbg.MasterServicer):
     @_rpc
     def CommitMany(self, request: pb.CommitManyRequest, context: Any) -> pb.CommitManyResponse:  # noqa: N802
         """Publish a whole put batch under one lock hold; each item is its own atomic, put-if-absent commit."""
-        for r in request.items:
-            self.creds.check_write(context, [r.path], r.if_absent)
+        self.creds.check_write(context, [(r.path, r.if_absent) for r in request.items])
         orphans: list[tuple[str, str]] = []
         with self.lock:
             items = each(list(request.items), lambda r: self._commit(r, orphans),
@@ -755,7 +751,7 @@ class MasterService(pbg.MasterServicer):
     @_rpc
     def Mkdir(self, request: pb.MkdirRequest, context: Any) -> pb.Empty:  # noqa: N802
         path = norm_path(request.path)
-        self.creds.check_write(context, [path], True, mkdir=True)
+        self.creds.check_write(context, [(path, True)], mkdir=True)
         with self.lock:
             if path in self.files:
                 raise RpcError(grpc.StatusCode.ALREADY_EXISTS, f"{path} exists and is a file")
