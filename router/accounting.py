@@ -16,6 +16,8 @@ vLLM caps a hit: whole blocks, and at least the last prompt token is computed. T
 
 from __future__ import annotations
 
+import functools
+
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 TIERS = ("L0", "L2", "all")
@@ -42,7 +44,7 @@ class CacheAccounting:
         prec = Gauge("kvtier_router_cache_precision", "sum(matched) / sum(predicted) (1 with nothing predicted)",
                      ["tier"], registry=registry)
         for t in TIERS:
-            prec.labels(t).set_function(lambda t=t: self.precision(t))
+            prec.labels(t).set_function(functools.partial(self.precision, t))
         Gauge("kvtier_router_cache_recall", "sum(matched) / sum(actual), all tiers (1 with nothing cached)",
               ["tier"], registry=registry).labels("all").set_function(self.recall)
 

@@ -30,7 +30,6 @@ from starlette.requests import ClientDisconnect
 
 from router.accounting import CacheAccounting, TierCostCalibrator
 from router.admission import AdmissionConfig, Gate, Ticket
-from router.index import MEDIUM_WEIGHT
 from router.kvevents import DROPPED, KVEventSubscriber
 from router.metrics import Metrics
 from router.policy import STRATEGIES, Decision, Policy, UnknownStrategy
@@ -181,9 +180,8 @@ class Router:
             raise ValueError(f"tier costs are L1/L2 in [0, 1], got {cfg.tier_cost}")
         self.policy = Policy(block_size=cfg.block_size, load_epsilon=cfg.load_epsilon, decode_beta=cfg.decode_beta,
                              affinity=cfg.prefix_affinity, l2_credit=1.0 - cost["L2"])
-        # the event index weighs a block by its medium when it is stored (process-wide table: one router per
-        # process in production; set before any event arrives)
-        MEDIUM_WEIGHT["CPU"] = MEDIUM_WEIGHT["cpu"] = 1.0 - cost["L1"]
+        # the event index weighs a block by its medium when it is stored (set before any event arrives)
+        self.policy.kv.medium_weight["CPU"] = self.policy.kv.medium_weight["cpu"] = 1.0 - cost["L1"]
         for tier, v in (("L0", 0.0), *cost.items()):
             self.m.tier_cost.labels(tier).set(v)
         self.calibrator = TierCostCalibrator() if cfg.calibrate_l2 else None

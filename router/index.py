@@ -142,6 +142,8 @@ class KVIndex:
     """Ground truth from engine KV events: which replica holds which block, on which medium."""
 
     def __init__(self) -> None:
+        # a block's weight by the medium it is stored on; per index, so each router sets its own L1 cost
+        self.medium_weight: dict[str | None, float] = dict(MEDIUM_WEIGHT)
         self._holders: dict[int, dict[str, float]] = {}
         self._replicas: dict[str, _ReplicaBlocks] = {}
         self._refcount: dict[tuple[int, str], int] = {}
@@ -176,7 +178,7 @@ class KVIndex:
             if pkey is None:
                 self.orphans += len(block_hashes)
                 return
-        w = MEDIUM_WEIGHT.get(medium, 0.5)
+        w = self.medium_weight.get(medium, 0.5)
         for i, h in enumerate(block_hashes):
             blk = tuple(token_ids[i * block_size:(i + 1) * block_size])
             if len(blk) < block_size:

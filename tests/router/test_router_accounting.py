@@ -84,12 +84,10 @@ def test_tier_costs_are_configurable_and_checked():
             parse_tier_cost(bad)
     assert main(["--replicas", "http://a:1", "--tier-cost", "L2=2"]) == 2
     before = dict(MEDIUM_WEIGHT)
-    try:
-        rt = Router(RouterConfig(replicas=["http://a:1"], tier_cost={"L2": 0.25, "L1": 0.5}))
-        assert rt.policy.l2_credit == 0.75 and MEDIUM_WEIGHT["CPU"] == 0.5
-        assert 'kvtier_router_tier_cost{tier="L2"} 0.25' in rt.metrics().body.decode()
-    finally:
-        MEDIUM_WEIGHT.update(before)
+    rt = Router(RouterConfig(replicas=["http://a:1"], tier_cost={"L2": 0.25, "L1": 0.5}))
+    assert rt.policy.l2_credit == 0.75 and rt.policy.kv.medium_weight["CPU"] == 0.5
+    assert 'kvtier_router_tier_cost{tier="L2"} 0.25' in rt.metrics().body.decode()
+    assert MEDIUM_WEIGHT == before  # the router's own index: no process-wide table changed under other routers
 
 
 @pytest.mark.unit
