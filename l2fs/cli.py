@@ -154,6 +154,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         from l2fs.worker import main as run
     elif cmd == "local":
         from l2fs.local import main as run
+    elif cmd == "mount" and "--passthrough" in rest:  # read-only native-protocol server (docs/mount.md)
+        from l2fs.fuse_passthrough import main as run
     elif cmd == "mount":
         from l2fs.fuse import main as run
     elif cmd == "netns":

@@ -1,0 +1,707 @@
+"""`l2fs mount --passthrough`: a read-only FUSE server that speaks the kernel protocol itself (no libfuse), so
+reads of l2fs files go through FUSE passthrough: the kernel reads the block file directly, and no READ
+request reaches this process.
+
+Why: through pyfuse3/libfuse 3.14 every byte crosses /dev/fuse and Python (0.25-0.65x the native client,
+docs/mount.md). Passthrough (Linux >= 6.9, CONFIG_FUSE_PASSTHROUGH) needs the FUSE_PASSTHROUGH init flag
+and a backing_id in each OPEN reply, which libfuse 3.14 cannot send. Scope: read-only (writes get EROFS);
+the pyfuse3 mount (l2fs/fuse.py) stays the default and the portable path.
+
+- Namespace from `l2fs.client.Client` (Stat/ls); inodes per path, dropped on forget.
+- OPEN asks the master for the file's current location (one Stat RPC: close-to-open as in fuse.py). A
+  block held by this node's worker is opened O_RDONLY|O_NOFOLLOW and registered as the backing file
+  (ioctl FUSE_DEV_IOC_BACKING_OPEN). A block on another node is fetched once over the data plane into a
+  node-local cache file (CRC32C checked while it arrives) and that file becomes the backing file; cache
+  files are evicted LRU beyond --cache-size once no handle uses them.
+- CRC: passthrough reads skip our per-read CRC32C. `--verify open` (default): a local block file is
+  CRC-checked in full at its first open on this node, and remembered by (device, inode, size, mtime,
+  ctime), so a block rewritten in place is checked again; cache files were checked while fetched.
+  `--verify write` trusts the worker's own check when it sealed the block (it recomputes the CRC at
+  adopt/write), except for block files modified after the master's commit time (mtime later): those are
+  checked in full. A mismatch is EIO (and is reported to the worker), never wrong bytes.
+- No passthrough (kernel < 6.9, ioctl refused, or --process-reads): the same server answers READ with
+  pread from the same verified files (direct_io).
+"""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import logging
+import mmap
+import os
+import shutil
+import signal
+import stat as st
+import sys
+import tempfile
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from l2fs import fuse_proto as fp
+from l2fs.client import Client, L2fsError
+from l2fs.common import crc32c_fast, parse_size
+from l2fs.fuse import errno_of, mount_type, stat_is_dir
+from l2fs.proto import l2fs_pb2 as pb
+
+log = logging.getLogger("l2fs.fuse_passthrough")
+
+ROOT = 1
+NAME_MAX = 255
+MAX_READ = 1 << 20  # the kernel's default max_pages_limit (256 pages)
+BUF_SIZE = MAX_READ + 64 * 1024  # one request: header + a 1 MiB max_write (never used: read-only)
+DT_DIR, DT_REG = 4, 8
+
+
+class Reply(Exception):
+    """An errno for the current request."""
+
+    def __init__(self, code: int) -> None:
+        super().__init__(code)
+        self.code = code
+
+
+class _Node:
+    __slots__ = ("ino", "path", "is_dir", "size", "mtime", "lookups", "opens", "backing", "backing_key")
+
+    def __init__(self, ino: int, path: str, is_dir: bool) -> None:
+        self.ino, self.path, self.is_dir = ino, path, is_dir
+        self.size, self.mtime = 0, 0.0
+        self.lookups = 0
+        self.opens = 0  # passthrough opens sharing `backing`
+        self.backing = 0  # backing_id registered for this inode (the kernel wants one per inode at a time)
+        self.backing_key: tuple[str, int, int] | None = None  # (block id, size, crc32c) it holds
+
+
+class _Handle:
+    __slots__ = ("node", "fd", "passthrough", "cached")
+
+    def __init__(self, node: _Node, fd: int, passthrough: bool, cached: str | None) -> None:
+        self.node, self.fd, self.passthrough, self.cached = node, fd, passthrough, cached
+
+
+class Counters:
+    """The server's own counters (exported with --metrics-port): a passthrough open must cost no READ."""
+
+    NAMES = ("opens_passthrough", "opens_process", "read_requests", "read_bytes", "cache_fetches",
+             "cache_hits", "cache_evictions", "verified_blocks", "crc_errors")
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.v = dict.fromkeys(self.NAMES, 0)
+
+    def inc(self, name: str, n: int = 1) -> None:
+        with self.lock:
+            self.v[name] += n
+
+    def serve(self, port: int) -> None:
+        from prometheus_client import CollectorRegistry, start_http_server
+        from prometheus_client.core import CounterMetricFamily
+
+        counters = self
+
+        class _Collector:
+            def collect(self) -> Any:
+                with counters.lock:
+                    snap = dict(counters.v)
+                for k, val in snap.items():
+                    yield CounterMetricFamily(f"l2fs_mount_{k}", f"l2fs passthrough mount: {k}", value=val)
+
+        reg = CollectorRegistry()
+        reg.register(_Collector())
+        start_http_server(port, addr="127.0.0.1", registry=reg)
+
+
+def _file_crc(fd: int, size: int) -> int:
+    if size == 0:
+        return 0
+    with mmap.mmap(fd, size, prot=mmap.PROT_READ) as m:
+        with memoryview(m) as view:
+            return crc32c_fast(view)
+
+
+class BlockCache:
+    """Node-local copies of other nodes' blocks, the backing files of cross-node opens. Files are named by
+    (block id, crc32c): a new version of a path is a new block, so a cached file is never stale."""
+
+    def __init__(self, client: Client, directory: str, cap: int, counters: Counters) -> None:
+        self.client, self.dir, self.cap, self.counters = client, directory, cap, counters
+        self.lock = threading.Lock()
+        self.files: OrderedDict[str, int] = OrderedDict()  # name -> size, least recently used first
+        self.users: dict[str, int] = {}
+        self.fetching: dict[str, threading.Lock] = {}
+
+    def open(self, st_: pb.FileStat, loc: pb.Location, deadline: float) -> tuple[int, str]:
+        """(read-only fd, name) of the verified local copy of loc's block; fetched if absent."""
+        name = f"{loc.block_id}.{st_.crc32c:08x}"
+        with self.lock:
+            flock = self.fetching.setdefault(name, threading.Lock())
+        with flock:
+            with self.lock:
+                if name in self.files:
+                    self.files.move_to_end(name)
+                    self.users[name] = self.users.get(name, 0) + 1
+                    self.counters.inc("cache_hits")
+                    return os.open(os.path.join(self.dir, name), os.O_RDONLY | os.O_CLOEXEC), name
+            self.fetch(st_, loc, name, deadline)
+            with self.lock:
+                self.files[name] = st_.size
+                self.users[name] = self.users.get(name, 0) + 1
+                self.fetching.pop(name, None)
+            self.evict()
+            return os.open(os.path.join(self.dir, name), os.O_RDONLY | os.O_CLOEXEC), name
+
+    def fetch(self, st_: pb.FileStat, loc: pb.Location, name: str, deadline: float) -> None:
+        """Read the block over the data plane straight into the cache file's pages, CRC32C computed while
+        the bytes arrive; a short or corrupt block is reported to its worker and gives EIO."""
+        tmp = os.path.join(self.dir, f".{name}.tmp")
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        ok = False
+        try:
+            size = st_.size
+            os.ftruncate(fd, size)
+            if size:
+                with mmap.mmap(fd, size) as m:
+                    view = memoryview(m)
+                    try:
+                        ok = self._read_into(st_, loc, view, deadline)
+                    finally:
+                        view.release()
+            else:
+                ok = True
+            if not ok:
+                self.counters.inc("crc_errors")
+                raise Reply(errno.EIO)
+            os.rename(tmp, os.path.join(self.dir, name))
+            self.counters.inc("cache_fetches")
+        finally:
+            os.close(fd)
+            if not ok:
+                try:
+                    os.unlink(tmp)
+                except OSError:
+                    pass
+
+    def _read_into(self, st_: pb.FileStat, loc: pb.Location, view: memoryview, deadline: float) -> bool:
+        c = self.client
+        if c.data_plane and loc.data_address:
+            try:  # the very block located (not whatever the path names by now), as Client._read_tcp does
+                got, crc, computed = c._data.read(loc.data_address, loc.block_id, deadline, view)
+            except (OSError, ValueError, L2fsError, Exception) as e:  # noqa: BLE001 - any fault: no bytes
+                log.info("fetch of %s from %s failed: %r", st_.path, loc.data_address, e)
+                raise Reply(errno.EIO) from None
+            n = got if isinstance(got, int) else len(got)
+            if computed is None:
+                computed = crc32c_fast(view[:n])
+            if n != st_.size or crc != st_.crc32c or computed != crc:
+                log.warning("%s: block %s from %s fails its CRC32C: EIO", st_.path, loc.block_id, loc.address)
+                c._report_corrupt(loc)
+                return False
+            return True
+        return c.get_into(st_.path, view) == st_.size  # gRPC streaming: the client checks the CRC
+
+    def release(self, name: str) -> None:
+        with self.lock:
+            self.users[name] -= 1
+            if not self.users[name]:
+                del self.users[name]
+        self.evict()
+
+    def evict(self) -> None:
+        """Drop least recently used unused copies beyond the byte bound."""
+        with self.lock:
+            total = sum(self.files.values())
+            for name in list(self.files):
+                if total <= self.cap:
+                    break
+                if self.users.get(name):
+                    continue
+                total -= self.files.pop(name)
+                try:
+                    os.unlink(os.path.join(self.dir, name))
+                except OSError:
+                    pass
+                self.counters.inc("cache_evictions")
+
+
+class PassthroughServer:
+    """One FUSE connection: reader threads take requests from /dev/fuse and answer them in place."""
+
+    def __init__(self, client: Client, mountpoint: str, *, root: str = "/", cache_dir: str, cache_size: int,
+                 passthrough: bool = True, verify: str = "open", timeout: float = 1.0, threads: int = 8,
+                 uid: int = 0, gid: int = 0, allow_other: bool = False) -> None:
+        self.client, self.mountpoint = client, mountpoint
+        self.root = root.rstrip("/") or "/"
+        self.want_passthrough = passthrough
+        self.passthrough = False  # granted by the kernel at INIT and not refused since
+        self.verify = verify
+        self.timeout = min(timeout, 1.0)
+        self.threads = threads
+        self.uid, self.gid, self.allow_other = uid, gid, allow_other
+        self.counters = Counters()
+        self.cache = BlockCache(client, cache_dir, cache_size, self.counters)
+        self.lock = threading.Lock()
+        self.nodes: dict[int, _Node] = {ROOT: _Node(ROOT, "/", True)}
+        self.nodes[ROOT].lookups = 1
+        self.by_path: dict[str, _Node] = {"/": self.nodes[ROOT]}
+        self.next_ino = ROOT + 1
+        self.handles: dict[int, _Handle] = {}
+        self.dirs: dict[int, list[tuple[bytes, int, int]]] = {}
+        self.next_fh = 1
+        self.verified: OrderedDict[tuple[int, ...], None] = OrderedDict()
+        self.devfd = -1
+        self.stopping = threading.Event()
+        self.handlers: dict[int, Callable[[_Req], bytes | None]] = {
+            fp.INIT: self.op_init, fp.LOOKUP: self.op_lookup, fp.GETATTR: self.op_getattr,
+            fp.OPENDIR: self.op_opendir, fp.READDIR: self.op_readdir, fp.RELEASEDIR: self.op_releasedir,
+            fp.OPEN: self.op_open, fp.READ: self.op_read, fp.RELEASE: self.op_release,
+            fp.STATFS: self.op_statfs, fp.FORGET: self.op_forget, fp.BATCH_FORGET: self.op_batch_forget,
+            fp.DESTROY: self.op_destroy, fp.SETATTR: self.op_erofs,
+        }
+        self._statfs: tuple[float, bytes] | None = None
+
+    # ------------------------------------------------------------ lifecycle
+    def mount(self) -> None:
+        self.devfd = os.open("/dev/fuse", os.O_RDWR | os.O_CLOEXEC)
+        fsname = f"l2fs:{self.client.masters[0]}{self.root}"
+        fp.mount(self.devfd, self.mountpoint, fsname, allow_other=self.allow_other, max_read=MAX_READ)
+
+    def serve(self) -> None:
+        """Run reader threads until the mount goes away (ENODEV) or stop() is called."""
+        ts = [threading.Thread(target=self._loop, name=f"fuse-{i}", daemon=True) for i in range(self.threads)]
+        for t in ts:
+            t.start()
+        while not self.stopping.wait(0.5):
+            if not any(t.is_alive() for t in ts):
+                break
+        for t in ts:
+            t.join(0.2)  # readers still blocked on /dev/fuse are daemons: they end with us
+
+    def stop(self) -> None:
+        """Unmount (lazily: open files keep working until closed); the readers then see ENODEV."""
+        if not self.stopping.is_set():
+            try:
+                fp.umount(self.mountpoint)
+            except OSError as e:
+                log.info("umount: %s", e)
+        self.stopping.set()
+
+    def _loop(self) -> None:
+        buf = bytearray(BUF_SIZE)
+        while not self.stopping.is_set():
+            try:
+                n = os.readv(self.devfd, [buf])
+            except OSError as e:
+                if e.errno in (errno.EINTR, errno.EAGAIN, errno.ENOENT):
+                    continue  # ENOENT: the request was interrupted before we took it
+                if e.errno != errno.ENODEV:
+                    log.error("read /dev/fuse: %s", e)
+                self.stopping.set()
+                return
+            self._handle(_Req(memoryview(buf)[:n]))
+
+    def _handle(self, req: _Req) -> None:
+        fn = self.handlers.get(req.opcode)
+        body: bytes | None = b""
+        code = 0
+        try:
+            if fn is None:
+                code = errno.ENOSYS
+            else:
+                body = fn(req)
+        except Reply as r:
+            code = r.code
+        except Exception:  # noqa: BLE001 - one request's bug is its EIO, never a dead mount
+            log.exception("opcode %d failed: EIO", req.opcode)
+            code = errno.EIO
+        if req.opcode in fp.NO_REPLY or (body is None and not code):
+            return
+        out = b"" if code else (body or b"")
+        try:
+            os.writev(self.devfd, [fp.OUT_HEADER.pack(fp.OUT_HEADER.size + len(out), -code, req.unique), out])
+        except OSError as e:
+            if e.errno not in (errno.ENOENT, errno.ENODEV):  # ENOENT: interrupted meanwhile
+                log.warning("reply to opcode %d: %s", req.opcode, e)
+
+    # ------------------------------------------------------------ helpers
+    def l2(self, path: str) -> str:
+        if self.root == "/":
+            return path
+        return self.root if path == "/" else self.root + path
+
+    def node(self, ino: int) -> _Node:
+        with self.lock:
+            n = self.nodes.get(ino)
+        if n is None:
+            raise Reply(errno.ESTALE)
+        return n
+
+    def stat_path(self, path: str) -> pb.FileStat:
+        """The master's FileStat (size, crc32c, locations) of path, fresh: ENOENT if it does not exist."""
+        try:
+            s = self.client._master("Stat", pb.PathRequest(path=self.l2(path)))
+        except Exception as e:  # noqa: BLE001 - every failure reaches the kernel as an errno
+            raise Reply(errno_of(e)) from None
+        if not s.exists:
+            raise Reply(errno.ENOENT)
+        return s
+
+    def attr_of(self, n: _Node) -> bytes:
+        if n.is_dir:
+            return fp.attr(n.ino, 0, st.S_IFDIR | 0o555, n.mtime, self.uid, self.gid, nlink=2)
+        return fp.attr(n.ino, n.size, st.S_IFREG | 0o444, n.mtime, self.uid, self.gid)
+
+    def node_for(self, path: str, s: pb.FileStat) -> _Node:
+        with self.lock:
+            n = self.by_path.get(path)
+            if n is None or n.is_dir != s.is_dir:
+                n = _Node(self.next_ino, path, s.is_dir)
+                self.next_ino += 1
+                self.nodes[n.ino] = n
+                self.by_path[path] = n
+            n.size, n.mtime = (0 if s.is_dir else s.size), s.mtime
+            return n
+
+    # ------------------------------------------------------------ namespace
+    def op_init(self, req: _Req) -> bytes:
+        major, minor, readahead, flags, flags2 = fp.INIT_IN.unpack_from(req.body)
+        if major != 7:
+            raise Reply(errno.EPROTO)
+        offered = flags | (flags2 << 32 if flags & fp.INIT_EXT else 0)
+        want = fp.ASYNC_READ | fp.BIG_WRITES | fp.PARALLEL_DIROPS | fp.MAX_PAGES | fp.INIT_EXT
+        if self.want_passthrough:
+            want |= fp.PASSTHROUGH
+        got = offered & want
+        self.passthrough = bool(got & fp.PASSTHROUGH)
+        if self.want_passthrough and not self.passthrough:
+            log.warning("kernel %s offers no FUSE passthrough (protocol 7.%d): reads are served by this process",
+                        os.uname().release, minor)
+        log.info("FUSE protocol 7.%d, passthrough %s", minor, "on" if self.passthrough else "off")
+        return fp.INIT_OUT.pack(7, min(minor, 41), readahead, got & 0xFFFFFFFF, 64, 48, 128 * 1024, 1,
+                                MAX_READ // 4096, 0, got >> 32, 1, 0)
+
+    def op_destroy(self, req: _Req) -> bytes:
+        self.stopping.set()
+        return b""
+
+    def op_erofs(self, req: _Req) -> bytes:
+        raise Reply(errno.EROFS)
+
+    def op_lookup(self, req: _Req) -> bytes:
+        name = bytes(req.body).split(b"\0", 1)[0]
+        if len(name) > NAME_MAX:
+            raise Reply(errno.ENAMETOOLONG)
+        parent = self.node(req.nodeid)
+        try:
+            sname = name.decode()
+        except UnicodeDecodeError:
+            raise Reply(errno.ENOENT) from None
+        path = ("/" + sname) if parent.path == "/" else f"{parent.path}/{sname}"
+        s = self.stat_path(path)
+        n = self.node_for(path, s)
+        with self.lock:
+            n.lookups += 1
+        return fp.entry_out(n.ino, self.attr_of(n), self.timeout)
+
+    def _forget(self, ino: int, count: int) -> None:
+        with self.lock:
+            n = self.nodes.get(ino)
+            if n is None or ino == ROOT:
+                return
+            n.lookups -= count
+            if n.lookups <= 0 and n.opens <= 0:
+                del self.nodes[ino]
+                if self.by_path.get(n.path) is n:
+                    del self.by_path[n.path]
+
+    def op_forget(self, req: _Req) -> None:
+        self._forget(req.nodeid, fp.FORGET_IN.unpack_from(req.body)[0])
+
+    def op_batch_forget(self, req: _Req) -> None:
+        count, _ = fp.BATCH_FORGET_IN.unpack_from(req.body)
+        for i in range(count):
+            ino, nl = fp.FORGET_ONE.unpack_from(req.body, fp.BATCH_FORGET_IN.size + i * fp.FORGET_ONE.size)
+            self._forget(ino, nl)
+
+    def op_getattr(self, req: _Req) -> bytes:
+        n = self.node(req.nodeid)
+        if n.ino != ROOT:
+            s = self.stat_path(n.path)
+            if s.is_dir != n.is_dir:
+                raise Reply(errno.ESTALE)
+            n.size, n.mtime = (0 if s.is_dir else s.size), s.mtime
+        return fp.attr_out(self.attr_of(n), self.timeout)
+
+    def op_opendir(self, req: _Req) -> bytes:
+        n = self.node(req.nodeid)
+        try:
+            infos = self.client.ls(self.l2(n.path))
+        except Exception as e:  # noqa: BLE001
+            raise Reply(errno_of(e)) from None
+        entries = [(b".", n.ino, DT_DIR), (b"..", ROOT, DT_DIR)]
+        for i in infos:
+            name = i.path.rstrip("/").rsplit("/", 1)[-1].encode()
+            entries.append((name, 0xFFFFFFFF, DT_DIR if i.is_dir else DT_REG))  # d_ino: unknown until lookup
+        with self.lock:
+            fh = self.next_fh
+            self.next_fh += 1
+            self.dirs[fh] = entries
+        return fp.OPEN_OUT.pack(fh, 0, 0)
+
+    def op_readdir(self, req: _Req) -> bytes:
+        fh, off, size, _ = fp.READ_IN.unpack_from(req.body)
+        entries = self.dirs.get(fh)
+        if entries is None:
+            raise Reply(errno.EBADF)
+        out = bytearray()
+        for i in range(off, len(entries)):
+            name, ino, dtype = entries[i]
+            d = fp.dirent(ino, i + 1, name, dtype)
+            if len(out) + len(d) > size:
+                break
+            out += d
+        return bytes(out)
+
+    def op_releasedir(self, req: _Req) -> bytes:
+        fh = fp.RELEASE_IN.unpack_from(req.body)[0]
+        with self.lock:
+            self.dirs.pop(fh, None)
+        return b""
+
+    def op_statfs(self, req: _Req) -> bytes:
+        now = time.monotonic()
+        if self._statfs is None or now - self._statfs[0] > 5:
+            try:
+                r = self.client.report()
+                cap, used = r.capacity, r.used
+            except Exception:  # noqa: BLE001 - df still answers
+                cap = used = 0
+            blocks, free = cap // 4096, max(0, cap - used) // 4096
+            self._statfs = (now, fp.KSTATFS.pack(blocks, free, free, 1 << 20, 1 << 20, 4096, NAME_MAX, 4096, 0))
+        return self._statfs[1]
+
+    # ------------------------------------------------------------ files
+    def local_block(self, s: pb.FileStat) -> tuple[int, pb.Location] | None:
+        """fd of this node's copy of the block, verified (see --verify), or None when this node has none."""
+        for loc in s.locations:
+            if not self.client._is_local(loc):
+                continue
+            try:
+                fd = os.open(loc.local_path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+            except OSError:
+                continue  # evicted meanwhile, or this process cannot see the worker's disk
+            fst = os.fstat(fd)
+            if not st.S_ISREG(fst.st_mode) or fst.st_size != s.size or not self.trusted(fd, fst, s):
+                os.close(fd)
+                log.warning("%s: local block %s is not the committed bytes: EIO", s.path, loc.local_path)
+                self.counters.inc("crc_errors")
+                self.client._report_corrupt(loc)
+                raise Reply(errno.EIO)
+            return fd, loc
+        return None
+
+    def trusted(self, fd: int, fst: os.stat_result, s: pb.FileStat) -> bool:
+        """Whether the block file holds the committed bytes, checking its CRC32C only when needed."""
+        key = (fst.st_dev, fst.st_ino, fst.st_size, fst.st_mtime_ns, fst.st_ctime_ns, s.crc32c)
+        with self.lock:
+            if key in self.verified:
+                self.verified.move_to_end(key)
+                return True
+        if self.verify == "write" and fst.st_mtime_ns <= int(s.mtime * 1e9) + 1_000_000:
+            return True  # sealed by the worker after its own CRC check, not written since
+        if _file_crc(fd, s.size) != s.crc32c:
+            return False
+        self.counters.inc("verified_blocks")
+        with self.lock:
+            self.verified[key] = None
+            while len(self.verified) > 65536:
+                self.verified.popitem(last=False)
+        return True
+
+    def op_open(self, req: _Req) -> bytes:
+        flags, _ = fp.OPEN_IN.unpack_from(req.body)
+        if flags & os.O_ACCMODE != os.O_RDONLY or flags & os.O_TRUNC:
+            raise Reply(errno.EROFS)
+        n = self.node(req.nodeid)
+        if n.is_dir:
+            raise Reply(errno.EISDIR)
+        s = self.stat_path(n.path)
+        if s.is_dir:
+            raise Reply(errno.EISDIR)
+        if not s.locations:
+            raise Reply(errno.ENOENT)  # no live copy: a miss, as in fuse.py
+        deadline = time.monotonic() + self.client.timeout
+        cached: str | None = None
+        local = self.local_block(s)
+        if local is not None:
+            fd, loc = local
+        else:
+            loc = s.locations[0]
+            fd, cached = self.cache.open(s, loc, deadline)
+        n.size, n.mtime = s.size, s.mtime
+        key = (loc.block_id, s.size, s.crc32c)
+        backing = self.attach(n, fd, key)
+        with self.lock:
+            fh = self.next_fh
+            self.next_fh += 1
+            self.handles[fh] = _Handle(n, -1 if backing else fd, bool(backing), cached)
+        if backing:
+            os.close(fd)  # the kernel holds the file now
+            self.counters.inc("opens_passthrough")
+            return fp.OPEN_OUT.pack(fh, fp.FOPEN_PASSTHROUGH, backing)
+        self.counters.inc("opens_process")
+        return fp.OPEN_OUT.pack(fh, fp.FOPEN_DIRECT_IO, 0)
+
+    def attach(self, n: _Node, fd: int, key: tuple[str, int, int]) -> int:
+        """The backing_id for this open of n (0: serve it from this process). One per inode at a time: the
+        kernel refuses a second backing file on an inode with passthrough opens (EBUSY)."""
+        if not self.passthrough:
+            return 0
+        with self.lock:
+            if n.opens and n.backing:
+                if n.backing_key != key:
+                    return 0  # another version is open through passthrough: this one is served here
+                n.opens += 1
+                return n.backing
+            try:
+                bid = fp.backing_open(self.devfd, fd)
+            except OSError as e:
+                if e.errno in (errno.EPERM, errno.ENOTTY, errno.EOPNOTSUPP, errno.EINVAL):
+                    log.warning("FUSE_DEV_IOC_BACKING_OPEN refused (%s): reads are served by this process", e)
+                    self.passthrough = False
+                else:
+                    log.info("no passthrough for %s: %s", n.path, e)
+                return 0
+            n.backing, n.backing_key, n.opens = bid, key, 1
+            return bid
+
+    def op_read(self, req: _Req) -> bytes:
+        fh, off, size, _ = fp.READ_IN.unpack_from(req.body)
+        h = self.handles.get(fh)
+        if h is None or h.fd < 0:
+            raise Reply(errno.EBADF)
+        data = os.pread(h.fd, size, off)
+        self.counters.inc("read_requests")
+        self.counters.inc("read_bytes", len(data))
+        return data
+
+    def op_release(self, req: _Req) -> bytes:
+        fh = fp.RELEASE_IN.unpack_from(req.body)[0]
+        with self.lock:
+            h = self.handles.pop(fh, None)
+        if h is None:
+            return b""
+        n = h.node
+        close_id = 0
+        with self.lock:
+            if h.passthrough:
+                n.opens -= 1
+                if n.opens <= 0:
+                    close_id, n.backing, n.backing_key = n.backing, 0, None
+            if n.lookups <= 0 and n.opens <= 0 and self.nodes.get(n.ino) is n:
+                del self.nodes[n.ino]
+                if self.by_path.get(n.path) is n:
+                    del self.by_path[n.path]
+        if close_id:
+            try:
+                fp.backing_close(self.devfd, close_id)
+            except OSError as e:
+                log.warning("FUSE_DEV_IOC_BACKING_CLOSE %d: %s", close_id, e)
+        if h.fd >= 0:
+            os.close(h.fd)
+        if h.cached:
+            self.cache.release(h.cached)
+        return b""
+
+
+class _Req:
+    __slots__ = ("opcode", "unique", "nodeid", "body")
+
+    def __init__(self, raw: memoryview) -> None:
+        _, self.opcode, self.unique, self.nodeid, _, _, _, _, _ = fp.IN_HEADER.unpack_from(raw)
+        self.body = raw[fp.IN_HEADER.size:]
+
+
+# -------------------------------------------------------------------- CLI
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="l2fs mount --passthrough",
+                                description="Read-only l2fs mount whose reads use FUSE passthrough (Linux >= 6.9).")
+    p.add_argument("mountpoint")
+    p.add_argument("--passthrough", action="store_true", help="(selects this server; always on here)")
+    p.add_argument("--master", default=os.environ.get("L2FS_MASTER"))
+    p.add_argument("--node-id", default=os.environ.get("L2FS_NODE_ID"))
+    p.add_argument("--token", default=os.environ.get("L2FS_TOKEN"))
+    p.add_argument("--tls-ca", default=os.environ.get("L2FS_TLS_CA"))
+    p.add_argument("--root", default="/")
+    p.add_argument("--read-only", action="store_true", help="(always read-only)")
+    p.add_argument("--timeout", type=float, default=2.0, help="per-RPC deadline in seconds (default 2)")
+    p.add_argument("--cache-timeout", type=float, default=1.0, help="kernel entry/attr cache, <= 1 s")
+    p.add_argument("--process-reads", action="store_true",
+                   help="do not use passthrough: answer READ requests from this process (the fallback path)")
+    p.add_argument("--verify", choices=("open", "write"), default="open",
+                   help="open: CRC-check each local block file at its first open on this node (default); "
+                        "write: trust the worker's check at write unless the file was modified since")
+    p.add_argument("--cache-dir", default=None, help="where cross-node blocks are copied (default: /var/tmp)")
+    p.add_argument("--cache-size", default="4G", help="bound on the cross-node copies kept (default 4G)")
+    p.add_argument("--threads", type=int, default=8, help="request threads (default 8)")
+    p.add_argument("--uid", type=int, default=0)
+    p.add_argument("--gid", type=int, default=0)
+    p.add_argument("--allow-other", action="store_true")
+    p.add_argument("--metrics-port", type=int, default=None, help="serve the server's counters on 127.0.0.1")
+    p.add_argument("--debug", action="store_true")
+    a = p.parse_args(argv)
+    if not a.master:
+        p.error("--master HOST:PORT (or $L2FS_MASTER) is required")
+    if not 0 <= a.cache_timeout <= 1:
+        p.error("--cache-timeout must be within 0..1 s")
+    try:
+        a.cache_size = parse_size(a.cache_size)
+    except ValueError as e:
+        p.error(f"bad size: {e}")
+    kind = mount_type(a.mountpoint)
+    if kind and kind.startswith("fuse"):
+        p.error(f"{a.mountpoint} already has a {kind} mount; unmount it first: fusermount3 -u {a.mountpoint}")
+    if not stat_is_dir(a.mountpoint):
+        p.error(f"mountpoint {a.mountpoint!r} is not a directory")
+    return a
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    a = parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if a.debug else logging.INFO,
+                        format="%(asctime)s l2fs-mount-pt %(levelname)s %(message)s")
+    client = Client(a.master, node_id=a.node_id, token=a.token, tls_ca=a.tls_ca, timeout=a.timeout)
+    cache_dir = tempfile.mkdtemp(prefix="l2fs-pt-", dir=a.cache_dir)
+    mp = os.path.abspath(a.mountpoint)
+    srv = PassthroughServer(client, mp, root=a.root, cache_dir=cache_dir, cache_size=a.cache_size,
+                            passthrough=not a.process_reads, verify=a.verify, timeout=a.cache_timeout,
+                            threads=a.threads, uid=a.uid, gid=a.gid,
+                            allow_other=a.allow_other or bool(a.uid or a.gid))
+    try:
+        srv.mount()
+    except OSError as e:
+        print(f"l2fs mount: cannot mount {mp}: {e}", file=sys.stderr)
+        client.close()
+        shutil.rmtree(cache_dir, ignore_errors=True)
+        return 1
+    if a.metrics_port is not None:
+        srv.counters.serve(a.metrics_port)
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, lambda *_: srv.stop())
+    log.info("mounted l2fs %s%s at %s (node %s, read-only, passthrough requested: %s)", a.master, a.root, mp,
+             a.node_id or "-", not a.process_reads)
+    try:
+        srv.serve()
+    finally:
+        srv.stop()
+        client.close()
+        shutil.rmtree(cache_dir, ignore_errors=True)
+        log.info("unmounted %s", mp)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
