@@ -5,6 +5,7 @@
                           [--device cuda|cpu] [--tensor-parallel-size N] [--dtype auto|bfloat16|float16|float32]
                           [--host 0.0.0.0] [--model-path DIR | --model-revision R] [--namespace ENDPOINT]
                           [--kv-salt-file PATH]   # or env KVTIER_KV_SALT_FILE / KVTIER_KV_SALT
+                          [--prefill-tokens-per-s N]   # the engine's prefill rate, for the L2 load gate
     kvtier lmcache-config salt-secret --name N [--namespace NS]   # a new endpoint KV-salt Secret (YAML)
     kvtier lmcache-config check --l2fs-master H:P --model M   # key-compat records, exit 1 on mismatch
 
@@ -35,6 +36,8 @@ import importlib.util
 import json
 import shlex
 import sys
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -48,6 +51,13 @@ DEFAULT_PREFIX = contract.KV_PREFIX
 DEVICES = ("cpu", "cuda")
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 GPU_MEMORY_UTILIZATION = 0.9  # vLLM's default, split between replicas that share a GPU
+# The load gate's prefill figure (tokens/s): the extra_config key under remote_storage_plugin.l2fs., its env var,
+# and a file variant re-read while the engine runs (a figure measured after the engines started: the bench's
+# `--prefill-tokens-per-s auto`).
+PREFILL_KEY = "prefill_tokens_per_s"
+PREFILL_ENV = "KVTIER_PREFILL_TOKENS_PER_S"
+PREFILL_FILE_KEY = "prefill_tokens_per_s_file"
+PREFILL_FILE_ENV = "KVTIER_PREFILL_TOKENS_PER_S_FILE"
 
 
 def detect_device() -> str:
@@ -126,9 +136,13 @@ def resolve_revision(model: str | None = None, *, model_path: str | Path | None 
 def lmcache_config(*, chunk_size: int = contract.CHUNK_SIZE, l1_gb: float = 2.0, l2fs_master: str | None = None,
                    mount_path: str | None = None, node_id: str | None = None, prefix: str = DEFAULT_PREFIX,
                    l2_timeout: float = 1.0, extra: dict[str, Any] | None = None, model_revision: str = "",
-                   namespace: str = "", salt: bytes | str | None = None) -> dict[str, Any]:
+                   namespace: str = "", salt: bytes | str | None = None,
+                   prefill_tokens_per_s: float | None = None) -> dict[str, Any]:
     """The LMCache (in-process, LMCacheConnectorV1) config as a dict (dump it as YAML).
 
+    `prefill_tokens_per_s` (plugin mode only: the load gate lives in our plugin, stock fs:// has none) is the
+    engine's prefill rate; L2 hits are then claimed only while loading them beats recomputing them
+    (connector.loadgate). None/0 = not written (gate off).
     A `model_revision` puts the chunks under <prefix>/<namespace>/<revision> (both modes) and, in plugin
     mode, tells the connector the revision for its key-compat fingerprint. A `salt` (tenant isolation)
     moves them into that directory's salt@<hmac> subdirectory; None/empty keeps today's paths."""
@@ -136,6 +150,11 @@ def lmcache_config(*, chunk_size: int = contract.CHUNK_SIZE, l1_gb: float = 2.0,
         raise ValueError("choose one L2: --l2fs-master or --mount, not both")
     if chunk_size <= 0 or l1_gb <= 0:
         raise ValueError("chunk size and L1 size must be positive")
+    if prefill_tokens_per_s is not None and prefill_tokens_per_s < 0:
+        raise ValueError("the prefill rate must be >= 0 tokens/s")
+    if prefill_tokens_per_s and not l2fs_master:
+        raise ValueError("a prefill rate needs --l2fs-master: the load gate is in the l2fs plugin "
+                         "(stock fs:// on a mount has none)")
     cfg: dict[str, Any] = {
         "chunk_size": chunk_size,
         "local_cpu": True,
@@ -162,6 +181,8 @@ def lmcache_config(*, chunk_size: int = contract.CHUNK_SIZE, l1_gb: float = 2.0,
             ex[f"{plug}.node_id"] = node_id
         if model_revision:
             ex[f"{plug}.model_revision"] = model_revision
+        if prefill_tokens_per_s:
+            ex[f"{plug}.{PREFILL_KEY}"] = float(prefill_tokens_per_s)
     elif mount_path:
         cfg["remote_storage_plugins"] = ["fs"]
         ex["remote_storage_plugin.fs.base_path"] = str(Path(mount_path) / prefix.strip("/"))
@@ -169,6 +190,38 @@ def lmcache_config(*, chunk_size: int = contract.CHUNK_SIZE, l1_gb: float = 2.0,
     if not ex:
         del cfg["extra_config"]
     return cfg
+
+
+def read_prefill_file(path: str | Path) -> float:
+    """The figure in a prefill-rate file; 0 (gate off) while it is missing, empty or not a number >= 0."""
+    try:
+        v = float(Path(path).read_text().strip() or 0)
+    except (OSError, ValueError):
+        return 0.0
+    return v if v >= 0 else 0.0
+
+
+def watch_prefill_file(path: str | Path, apply: Callable[[float], None], interval: float = 2.0,
+                       stop: threading.Event | None = None) -> threading.Thread:
+    """Apply the file's figure now and whenever it changes (polled every `interval` s, daemon thread).
+
+    Why a file: the engine's prefill rate is best measured on the running engine (a cold request), but the
+    LMCache config is read once at engine start; a file lets the figure arrive later without a restart."""
+    stop = stop or threading.Event()
+    last = read_prefill_file(path)
+    apply(last)
+
+    def loop() -> None:
+        nonlocal last
+        while not stop.wait(interval):
+            cur = read_prefill_file(path)
+            if cur != last:
+                last = cur
+                apply(cur)
+
+    t = threading.Thread(target=loop, name="kvtier-prefill-file", daemon=True)
+    t.start()
+    return t
 
 
 def kv_transfer_config() -> str:
@@ -335,6 +388,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--served-model-name")
     p.add_argument("--kv-salt-file", help="file holding this endpoint's secret KV salt (tenant isolation; "
                                           "default: env KVTIER_KV_SALT_FILE, else KVTIER_KV_SALT, else none)")
+    p.add_argument("--prefill-tokens-per-s", type=float, default=None, metavar="N",
+                   help="the engine's prefill rate (tokens/s; with --l2fs-master): L2 hits are claimed only while "
+                   "loading them beats recomputing them (connector.loadgate); default: not set, gate off")
     p.add_argument("--out", type=Path, help="write the YAML here (default: print)")
     p.add_argument("--format", default="all", choices=["yaml", "env", "args", "all", "json"])
     a = p.parse_args(argv)
@@ -345,7 +401,7 @@ def main(argv: list[str] | None = None) -> int:
         salt = contract.read_salt(a.kv_salt_file) if a.kv_salt_file else contract.env_salt()
         cfg = lmcache_config(chunk_size=a.chunk_size, l1_gb=a.l1_gb, l2fs_master=a.l2fs_master,
                              mount_path=a.mount, node_id=a.node_id, prefix=a.prefix, model_revision=revision,
-                             namespace=namespace, salt=salt)
+                             namespace=namespace, salt=salt, prefill_tokens_per_s=a.prefill_tokens_per_s)
         args = vllm_args(a.model, port=a.port, host=a.host, max_model_len=a.max_model_len, dtype=a.dtype,
                          served_model_name=a.served_model_name, device=device,
                          tensor_parallel_size=a.tensor_parallel_size)

@@ -15,6 +15,10 @@ Configure (what `kvtier lmcache-config` writes):
       remote_storage_plugin.l2fs.prefill_tokens_per_s: 900  # optional ($KVTIER_PREFILL_TOKENS_PER_S): the
                                                             # engine's prefill rate; L2 hits are claimed only
                                                             # while loading beats recomputing (connector.loadgate)
+      remote_storage_plugin.l2fs.prefill_tokens_per_s_file: /run/prefill  # optional ($KVTIER_PREFILL_TOKENS_
+                                                            # PER_S_FILE): the figure from this file, re-read
+                                                            # every 2 s (measured after start); missing = the
+                                                            # figure above
       remote_storage_plugin.l2fs.load_margin: 1.0           # optional: claim while rate >= margin x needed
       remote_storage_plugin.l2fs.rate_probe_interval: 5.0   # optional: seconds between probes while not claiming
 
@@ -51,6 +55,7 @@ from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
 
 from connector import keys as ckeys
 from connector import positions
+from connector.config import PREFILL_ENV, PREFILL_FILE_ENV, PREFILL_FILE_KEY, PREFILL_KEY, watch_prefill_file
 from connector.fingerprint import record_and_check
 from connector.loadgate import LoadGate
 from connector.logs import ensure_log_handler
@@ -147,11 +152,14 @@ class L2fsConnector(RemoteConnector):
                       "bytes_read": 0, "read_s": 0.0, "gated": 0}
         self.timeout = timeout
         positions.install_inprocess()  # chunk hash -> index in the prompt, for the order hints of puts
-        prefill = _opt(cfg, plugin, "prefill_tokens_per_s") or os.environ.get("KVTIER_PREFILL_TOKENS_PER_S") or 0
-        self.gate = LoadGate(self.single_token_size, float(prefill),
+        prefill = float(_opt(cfg, plugin, PREFILL_KEY) or os.environ.get(PREFILL_ENV) or 0)
+        self.gate = LoadGate(self.single_token_size, prefill,
                              margin=float(_opt(cfg, plugin, "load_margin", 1.0)),
                              probe_interval=float(_opt(cfg, plugin, "rate_probe_interval", 5.0)),
                              stall_s=timeout / 2)
+        prefill_file = _opt(cfg, plugin, PREFILL_FILE_KEY) or os.environ.get(PREFILL_FILE_ENV)
+        if prefill_file:  # a figure measured after start: the file's, while it holds one, else the fixed one
+            watch_prefill_file(prefill_file, lambda v: setattr(self.gate, "prefill_tps", v or prefill))
         self._meta = local_cpu_backend.metadata
         self._tls = threading.local()  # one reusable read buffer per pool thread
         self._closed = False

@@ -146,6 +146,7 @@ class Stack(procs.Started):
         device: str | None = None,
         tensor_parallel_size: int = 1,
         share_gpus: bool = False,
+        replica_env: dict[str, str] | None = None,
     ) -> None:
         if replicas < 1:
             raise ValueError("--replicas must be >= 1")
@@ -173,6 +174,7 @@ class Stack(procs.Started):
         self.parallel_start = parallel_start
         self.prefix_caching = prefix_caching
         self.kv_cache_gb = kv_cache_gb
+        self.replica_env = dict(replica_env or {})  # extra env of every replica (e.g. the load gate's prefill rate)
         self.kv_events: list[str] = []  # ZMQ PUB endpoint per replica (only with L0 prefix caching)
         self.cluster: Any = None
         self.replicas: list[Any] = []
@@ -279,6 +281,7 @@ class Stack(procs.Started):
                 self.model, p.port, node_id=p.node, l1_gb=self.l1_gb,
                 log_path=p.log_path, max_model_len=self.max_model_len, prefix_caching=self.prefix_caching,
                 kv_cache_gb=self.kv_cache_gb, extra_args=extra, config_dir=self.base / "config", progress=False,
+                extra_env=self.replica_env,
                 device=self.device or "cpu", gpu=self.gpu_slots[i] if self.gpu_slots else None, **l2, **where)
             log(f"{p.name} healthy at {self._launched[i].url}")
         except BaseException as e:  # noqa: BLE001 - reported after all launches returned
@@ -433,9 +436,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs per replica with --device cuda")
     p.add_argument("--share-gpus", action="store_true",
                    help="--device cuda: more replicas than GPU groups share them (memory utilization split)")
+    p.add_argument("--prefill-tokens-per-s", type=float, default=None, metavar="N",
+                   help="the engines' prefill rate (tokens/s): L2 hits are claimed only while loading them beats "
+                   "recomputing them (plugin mode; connector.loadgate); default: gate off")
     p.add_argument("--cleanup", action="store_true",
                    help="remove namespaces, mounts and processes left by crashed --netns launchers, then exit")
     return p
+
+
+def prefill_env(tokens_per_s: float | None) -> dict[str, str]:
+    """The replicas' env for the load gate's prefill figure (none = the gate stays off)."""
+    from connector.config import PREFILL_ENV
+
+    return {PREFILL_ENV: f"{tokens_per_s:g}"} if tokens_per_s else {}
 
 
 def check_args(args: argparse.Namespace) -> str | None:
@@ -454,6 +467,8 @@ def check_args(args: argparse.Namespace) -> str | None:
         return "--l1-gb and --kv-cache-gb must be > 0"
     if args.link and not args.netns:
         return "--link needs --netns (loopback has no link to shape)"
+    if args.prefill_tokens_per_s is not None and (args.prefill_tokens_per_s < 0 or args.mode != "plugin"):
+        return "--prefill-tokens-per-s: a rate >= 0, in plugin mode (the load gate is in the l2fs plugin)"
     if args.tensor_parallel_size < 1:
         return "--tensor-parallel-size must be >= 1"
     if args.device == "cuda":
@@ -498,7 +513,8 @@ def main(argv: list[str] | None = None) -> int:
                   max_model_len=args.max_model_len, parallel_start=not args.sequential,
                   prefix_caching=args.prefix_caching, kv_cache_gb=args.kv_cache_gb, mode=args.mode,
                   netns=args.netns, link=args.link, device=None if args.device == "auto" else args.device,
-                  tensor_parallel_size=args.tensor_parallel_size, share_gpus=args.share_gpus)
+                  tensor_parallel_size=args.tensor_parallel_size, share_gpus=args.share_gpus,
+                  replica_env=prefill_env(args.prefill_tokens_per_s))
     rc = 0
     try:
         state = stack.start()
