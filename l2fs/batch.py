@@ -57,7 +57,7 @@ def item_error(e: Exception) -> pb.ItemError:
         return pb.ItemError(code=grpc.StatusCode.INVALID_ARGUMENT.value[0], message=str(e), kind="path",
                             errno_name=e.errno_name)
     if isinstance(e, RpcError):
-        return pb.ItemError(code=e.code.value[0], message=str(e), errno_name=e.errno_name or "")
+        return pb.ItemError(code=e.code.value[0], message=str(e), errno_name=e.errno_name or "", kind=e.kind or "")
     return pb.ItemError(code=grpc.StatusCode.INTERNAL.value[0], message=f"{type(e).__name__}: {e}")
 
 

@@ -43,8 +43,10 @@ from l2fs.common import (
     make_channel,
     norm_path,
     parent_of,
+    parse_shard,
     parse_size,
     rpc_handler,
+    shard_of,
     start_metrics_server,
     valid_address,
     wait_for_stop_signal,
@@ -75,6 +77,7 @@ WORKERS_ALIVE = Gauge("l2fs_master_workers_alive", "Live workers")
 CAPACITY = Gauge("l2fs_master_capacity_bytes", "Capacity of live workers")
 USED = Gauge("l2fs_master_used_bytes", "Used bytes on live workers")
 COMMITS = Counter("l2fs_master_commits_total", "File commits", ["result"])
+_PUBLISHED, _EXISTED = COMMITS.labels("published"), COMMITS.labels("exists")  # labelled once, not per commit
 DUPLICATES = Gauge("l2fs_master_duplicate_content_files",
                    "Files (>= 4 KiB) with the same size+crc32c as another file: likely diverging cache keys")
 DROPPED = Counter("l2fs_master_dropped_files_total", "Files dropped from the namespace", ["reason"])
@@ -130,8 +133,11 @@ class MasterService(pbg.MasterServicer):
     def __init__(self, *, heartbeat_timeout: float = 10.0, max_file_size: int = DEFAULT_MAX_FILE_SIZE,
                  token: str | None = None, tls_ca: str | None = None, allocation_ttl: float = 600.0,
                  journal: str | None = None, prefix_quotas: dict[str, int] | None = None,
-                 creds: Credentials | None = None) -> None:
+                 creds: Credentials | None = None, shard: tuple[int, int] = (0, 1)) -> None:
         self.heartbeat_timeout = heartbeat_timeout
+        # Path-hash sharding: this master owns the files whose path hashes to shard[0] of shard[1] (shard_of);
+        # directories live on every shard that has something under them.
+        self.shard, self.shards = shard
         # Per-prefix byte quotas (tenant isolation): a prefix at its quota gets write misses instead of
         # evicting everyone else's blocks. Counted on published files; checked at Allocate and Commit.
         self.quotas = {norm_path(k): v for k, v in (prefix_quotas or {}).items()}
@@ -171,6 +177,24 @@ class MasterService(pbg.MasterServicer):
         PENDING.set(len(self.pending))
 
     # ---------- helpers (call with lock held unless noted) ----------
+
+    def _owns(self, path: str) -> bool:
+        return self.shards <= 1 or shard_of(path, self.shards) == self.shard
+
+    def _own(self, path: str) -> None:
+        """FAILED_PRECONDITION (kind "shard") for a file path that hashes to another shard: a client or
+        worker with a wrong master list must fail loudly, not split the namespace silently."""
+        if not self._owns(path):
+            raise RpcError(grpc.StatusCode.FAILED_PRECONDITION,
+                           f"{path} belongs to l2fs shard {shard_of(path, self.shards)} of {self.shards}, this "
+                           f"master is shard {self.shard}/{self.shards}: the caller's master list does not "
+                           f"match the cluster's shards", kind="shard")
+
+    def _own_or_dir(self, path: str) -> None:
+        """Lookups of another shard's path are refused unless it is a directory here (directories exist on
+        every shard that holds something under them, so a sharded client asks all shards for them)."""
+        if not self._owns(path) and path not in self.children:
+            self._own(path)
 
     def _ensure_dirs(self, path: str) -> None:
         """Create path and its missing parents as directories."""
@@ -478,6 +502,7 @@ class MasterService(pbg.MasterServicer):
             log.error("refusing registration: %s", why)
             raise RpcError(grpc.StatusCode.FAILED_PRECONDITION, why)
         reject: list[str] = []
+        foreign = 0
         remote_deletes: list[tuple[str, str, str | None]] = []
         with self.lock:
             owner = self._check_owner(context, request.worker_id, claim=True)  # under the lock: no race
@@ -514,6 +539,9 @@ class MasterService(pbg.MasterServicer):
                 except PathError:
                     reject.append(b.block_id)
                     continue
+                if not self._owns(path):  # another shard's block (a worker with a wrong master list): neither
+                    foreign += 1  # ours to publish nor to delete
+                    continue
                 cur = self.files.get(path)
                 if cur is not None and cur.block_id != b.block_id:
                     if cur.mtime >= b.mtime:  # keep the newer copy of a path
@@ -532,6 +560,9 @@ class MasterService(pbg.MasterServicer):
         self._push_wake.set()  # this worker (and those) get their pending changes now
         log.info("registered worker %s node=%s at %s: %d blocks (%d rejected)", request.worker_id,
                  request.node_id, request.address, len(request.blocks), len(reject))
+        if foreign:
+            log.warning("worker %s reported %d block(s) of other shards (this master is shard %d/%d): is its "
+                        "master list the cluster's?", request.worker_id, foreign, self.shard, self.shards)
         return pb.RegisterResponse(delete_blocks=reject, protocol_version=self.protocol_version)
 
     @_rpc
@@ -589,6 +620,7 @@ class MasterService(pbg.MasterServicer):
 
     def _allocate(self, request: pb.AllocateRequest) -> pb.AllocateResponse:
         path = norm_path(request.path)
+        self._own(path)
         if path == "/":
             raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, "cannot write to '/'")
         if request.size > self.max_file_size:
@@ -664,6 +696,7 @@ class MasterService(pbg.MasterServicer):
 
     def _commit(self, request: pb.CommitRequest, orphans: list[tuple[str, str]]) -> pb.CommitResponse:
         path = norm_path(request.path)
+        self._own(path)
         if path == "/":
             raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, "cannot write to '/'")
         check_block_id(request.block_id)
@@ -698,7 +731,7 @@ class MasterService(pbg.MasterServicer):
                 self._add_file(path, FileEntry(request.block_id, w.worker_id, request.size, request.crc32c,
                                                time.time(), request.order_hint, request.local_path))
                 published = True
-        COMMITS.labels("published" if published else "exists").inc()
+        (_PUBLISHED if published else _EXISTED).inc()
         if orphan is not None:
             orphans.append(orphan)
         return pb.CommitResponse(published=published)
@@ -707,6 +740,7 @@ class MasterService(pbg.MasterServicer):
     def Stat(self, request: pb.PathRequest, context: Any) -> pb.FileStat:  # noqa: N802
         path = norm_path(request.path)
         with self.lock:
+            self._own_or_dir(path)
             st = self._stat(path)
         (LOOKUP_HITS if st.exists else LOOKUP_MISSES).inc()
         return st
@@ -715,6 +749,8 @@ class MasterService(pbg.MasterServicer):
     def StatMany(self, request: pb.PathsRequest, context: Any) -> pb.StatManyResponse:  # noqa: N802
         paths = [norm_path(p) for p in request.paths]
         with self.lock:
+            for p in paths if self.shards > 1 else ():
+                self._own_or_dir(p)
             stats = [self._stat(p) for p in paths]
         hits = sum(s.exists for s in stats)
         LOOKUP_HITS.inc(hits)
@@ -724,6 +760,8 @@ class MasterService(pbg.MasterServicer):
     @_rpc
     def PrefixLookup(self, request: pb.PathsRequest, context: Any) -> pb.PrefixLookupResponse:  # noqa: N802
         paths = [norm_path(p) for p in request.paths]
+        for p in paths if self.shards > 1 else ():
+            self._own(p)
         n = 0
         with self.lock:
             for p in paths:
@@ -791,6 +829,7 @@ class MasterService(pbg.MasterServicer):
             if path in self.children:
                 self._rmdir(path)
                 return pb.DeleteResponse(removed=True)
+            self._own(path)
             e = self.files.get(path)
             if e is None:
                 return pb.DeleteResponse(removed=False)
@@ -811,6 +850,17 @@ class MasterService(pbg.MasterServicer):
             return pb.Empty()
         if dst.startswith(src + "/"):
             raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, f"cannot move {src} inside itself", "EINVAL")
+        if self.shards > 1:  # a rename may not move a file to another shard's master (copy + delete instead)
+            with self.lock:
+                if src in self.children:
+                    raise RpcError(grpc.StatusCode.FAILED_PRECONDITION,
+                                   f"cannot rename directory {src} in a sharded l2fs: its files would change "
+                                   f"shards (copy and delete them instead)", "EXDEV")
+            self._own(src)
+            if not self._owns(dst):
+                raise RpcError(grpc.StatusCode.FAILED_PRECONDITION,
+                               f"cannot rename {src} to {dst}: they belong to different l2fs shards "
+                               f"(copy and delete instead)", "EXDEV")
         changes: list[tuple[str, str, str | None]] = []  # (worker, block, new path | None = deleted)
         with self.lock:
             if src in self.files:
@@ -872,7 +922,7 @@ class MasterService(pbg.MasterServicer):
         with self.lock:
             alive = sum(w.alive for w in self.workers.values())
             return {"ok": True, "role": "master", "workers_alive": alive, "files": len(self.files),
-                    "pending_namespace_ops": len(self.pending)}
+                    "pending_namespace_ops": len(self.pending), "shard": f"{self.shard}/{self.shards}"}
 
 
 def serve(host: str, port: int, service: MasterService, *, token: str | None = None,
@@ -913,6 +963,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokens-file", default=os.environ.get("L2FS_TOKENS_FILE"),
                    help="JSON list of {name, token, role: worker|engine|router|admin, prefixes}: scoped tokens "
                         "(also $L2FS_TOKENS_FILE); see docs/l2fs.md")
+    p.add_argument("--shard", default="0/1", metavar="INDEX/COUNT",
+                   help="this master's shard of a path-hash sharded namespace (e.g. 0/2; default 0/1 = the whole "
+                        "namespace). Paths that hash to another shard are refused (FAILED_PRECONDITION)")
     p.add_argument("--tls-cert")
     p.add_argument("--tls-key")
     p.add_argument("--tls-ca", help="CA to verify workers when the master calls them over TLS")
@@ -923,6 +976,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    try:
+        shard = parse_shard(args.shard)
+    except ValueError as e:
+        parser.error(f"--shard: {e}")
     quotas: dict[str, int] = {}
     for spec in args.prefix_quota:
         prefix, _, size = spec.rpartition("=")
@@ -941,7 +998,7 @@ def main(argv: list[str] | None = None) -> int:
         service = MasterService(heartbeat_timeout=args.heartbeat_timeout,
                                 max_file_size=parse_size(args.max_file_size), token=token, tls_ca=args.tls_ca,
                                 allocation_ttl=args.allocation_ttl, journal=args.journal, prefix_quotas=quotas,
-                                creds=creds)
+                                creds=creds, shard=shard)
     except (JournalError, OSError, sqlite3.Error) as e:
         print(f"l2fs master: cannot open the journal: {e}", file=sys.stderr)
         return 2
