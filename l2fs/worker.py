@@ -32,7 +32,7 @@ from l2fs.common import (
 from l2fs.dataplane.server import DataServer
 from l2fs.dataplane.wire import DATA_IDLE_TIMEOUT, DATA_MAX_CONNS
 from l2fs.proto import l2fs_pb2_grpc as pbg
-from l2fs.registration import MasterLink
+from l2fs.registration import MasterLinks
 from l2fs.store import RESERVATION_TTL, RESERVED_FRACTION, TIERS, Store
 from l2fs.worker_service import WORKER_POLICY, WorkerService
 
@@ -64,9 +64,9 @@ class Worker:
                                    idle_timeout=data_idle_timeout)
         adv_host = self.address.rpartition(":")[0]
         self.data_address = f"{adv_host}:{self.data.port}" if self.data else ""
-        self.link = MasterLink(store, master=master, tls_ca=tls_ca, token=token, worker_id=worker_id,
-                               node_id=node_id, address=self.address, data_address=self.data_address,
-                               heartbeat_interval=heartbeat_interval, wake=wake)
+        self.link = MasterLinks(store, master=master, tls_ca=tls_ca, token=token, worker_id=worker_id,
+                                node_id=node_id, address=self.address, data_address=self.data_address,
+                                heartbeat_interval=heartbeat_interval, wake=wake)
 
     @property
     def registered(self) -> bool:
@@ -91,7 +91,7 @@ def _host_ip(master: str = "") -> str:
     The source address of the route to the master: hostname lookups often give 127.0.0.1, which no
     other node can reach. A UDP connect sends nothing; it only asks the kernel which interface routes there.
     """
-    first = master.split(",")[0].strip()
+    first = master.replace(";", ",").split(",")[0].strip()
     host = first.rpartition(":")[0].strip("[]") if ":" in first else first
     if host:
         try:
