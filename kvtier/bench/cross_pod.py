@@ -262,6 +262,9 @@ def lmcache_evidence(text: str) -> dict[str, Any]:
         "retrieved_tokens": sum(int(r[0]) for r in ret) if ret else None,
         "retrieved_gib": sum(float(r[2]) for r in ret) if ret else None,
         "retrieve_ms": sum(float(r[3]) for r in ret) if ret else None,
+        # LMCache's own "throughput" of the same line: GiB / cost (kept in GB/s here, like the raw read)
+        "retrieve_gbps": (sum(float(r[2]) for r in ret) * 2**30 / 1e9 / (sum(float(r[3]) for r in ret) / 1e3)
+                          if ret and sum(float(r[3]) for r in ret) > 0 else None),
     }
 
 
@@ -297,19 +300,67 @@ class L2Meter:
         self.client.close()
 
 
+RAW_READ_THREADS = 8  # the plugin's read pool (remote_storage_plugin.l2fs.threads default)
+
+
 class LocalProbe:
     """Extras of local mode (up.json): wait for A's L2 writes by watching the l2fs master instead of a fixed
-    --store-wait, record the bytes written, and add LMCache's log lines as a third hit evidence."""
+    --store-wait, record the bytes written, and add LMCache's log lines as a third hit evidence. With
+    `reader_node` it also reads the chunk files a row added, from that node (B's), with the plugin's
+    parallelism: the raw cross-node read of the same bytes B's engine loads, in the same run (the floor)."""
 
-    def __init__(self, l2fs_master: str, logs: dict[str, str]) -> None:
+    def __init__(self, l2fs_master: str, logs: dict[str, str], kv_prefix: str = "",
+                 reader_node: str | None = None) -> None:
         self.meter = L2Meter(l2fs_master)
         self.tails = {name: LogTail(p) for name, p in logs.items()}
         self.before = (0, 0)
+        self.kv_prefix = kv_prefix
+        self.reader: Any = None
+        if reader_node and kv_prefix:
+            from l2fs.client import Client
+
+            self.reader = Client(l2fs_master, node_id=reader_node)
+        self.paths_before: set[str] = set()
+
+    def chunk_files(self) -> dict[str, int]:
+        """path -> size of every file under the KV prefix (model directories below it)."""
+        out: dict[str, int] = {}
+        todo = [self.kv_prefix]
+        while todo:
+            for f in self.meter.client.ls(todo.pop()):
+                if f.is_dir:
+                    todo.append(f.path)
+                else:
+                    out[f.path] = f.size
+        return out
 
     def start_row(self) -> None:
         for t in self.tails.values():
             t.new_text()
         self.before = self.meter.snapshot()
+        if self.reader is not None:
+            self.paths_before = set(self.chunk_files())
+
+    def raw_read(self) -> dict[str, Any]:
+        """Read the files this row added from the reader's node (8 threads, as the plugin): bytes, ms, GB/s.
+        Empty when not measured or nothing new (a read error is recorded, never raised)."""
+        if self.reader is None:
+            return {}
+        from concurrent.futures import ThreadPoolExecutor
+
+        try:
+            new = {p: n for p, n in self.chunk_files().items() if p not in self.paths_before}
+            if not new:
+                return {}
+            t0 = time.perf_counter()
+            with ThreadPoolExecutor(RAW_READ_THREADS) as ex:
+                got = list(ex.map(lambda pn: self.reader.get_into(pn[0], bytearray(pn[1])), new.items()))
+            dt = time.perf_counter() - t0
+        except Exception as e:  # noqa: BLE001 - a side measurement: recorded, the sweep goes on
+            return {"raw_read_error": str(e)[:200]}
+        nbytes = sum(n or 0 for n in got)
+        return {"raw_read_files": len(new), "raw_read_bytes": nbytes, "raw_read_ms": dt * 1e3,
+                "raw_read_gbps": nbytes / dt / 1e9 if dt > 0 else None}
 
     def wait_stored(self, n: int) -> dict[str, Any]:
         files, nbytes = self.meter.wait_stored(self.before, n // CHUNK)
@@ -320,19 +371,36 @@ class LocalProbe:
         return lmcache_evidence(self.tails[name].new_text())
 
     def close(self) -> None:
+        if self.reader is not None:
+            self.reader.close()
         self.meter.close()
 
 
 # ---------- the sweep ----------
 
-def run_sweep(a: Target, b: Target, model: str, prompts: Prompts, lengths: list[int], reps: int, *,
-              store_wait: float = 2.0, probe: LocalProbe | None = None) -> list[dict[str, Any]]:
-    """Cold A, cross-pod B, warm A per fresh prompt; one raw row per request. Nothing but HTTP unless a local
-    probe is given."""
+def warm_up(a: Target, b: Target, model: str, prompts: Prompts) -> None:
+    """First requests pay one-time costs: one on each replica, with prompts never reused."""
     log(f"replica A = {a.name} ({a.node}) {a.url}; replica B = {b.name} ({b.node}) {b.url}; model {model}")
-    # Warm-up (first requests pay one-time costs) on both replicas, with prompts never reused.
     for r in (a, b):
         stream_completion(r, model, prompts.make(300))
+
+
+def request(t: Target, model: str, prompt: list[int], probe: LocalProbe | None) -> tuple[dict[str, Any], str]:
+    """One streamed request with its hit evidence: (raw row fields, greedy text)."""
+    m0 = scrape(t)
+    ttft, text, usage = stream_completion(t, model, prompt)
+    m1 = counted(t, m0, len(prompt))
+    extra = probe.request_done(t.name) if probe else {}
+    return ({"replica": t.name, "node": t.node, "ttft_ms": ttft * 1e3,
+             **hit_evidence(m0, m1, cached_tokens(usage), extra.get("lmcache_hit_tokens")), **extra}, text)
+
+
+def run_sweep(a: Target, b: Target, model: str, prompts: Prompts, lengths: list[int], reps: int, *,
+              store_wait: float = 2.0, probe: LocalProbe | None = None, warm: bool = True) -> list[dict[str, Any]]:
+    """Cold A, cross-pod B, warm A per fresh prompt; one raw row per request. Nothing but HTTP unless a local
+    probe is given (then B's row also carries the raw cross-node read of the row's chunk files)."""
+    if warm:
+        warm_up(a, b, model, prompts)
     raw: list[dict[str, Any]] = []
     for rep in range(reps):
         for n in lengths:
@@ -347,19 +415,27 @@ def run_sweep(a: Target, b: Target, model: str, prompts: Prompts, lengths: list[
                         row_base.update(probe.wait_stored(n))
                     else:
                         time.sleep(store_wait)
-                m0 = scrape(t)
-                ttft, text, usage = stream_completion(t, model, prompt)
-                m1 = counted(t, m0, n)
-                extra = probe.request_done(t.name) if probe else {}
+                fields, text = request(t, model, prompt, probe)
                 outs[arm] = text
-                raw.append({**row_base, "arm": arm, "replica": t.name, "node": t.node, "ttft_ms": ttft * 1e3,
-                            **hit_evidence(m0, m1, cached_tokens(usage), extra.get("lmcache_hit_tokens")),
-                            **extra, "same_output_as_cold": text == outs["cold A"]})
+                raw.append({**row_base, "arm": arm, **fields, "same_output_as_cold": text == outs["cold A"]})
+            if probe:  # after B's and A's requests: the raw read does not warm anything they measure
+                raw[-2].update(floor_fields(probe.raw_read(), raw[-2]))
             last = raw[-3:]
             log(f"{n:>5} tok rep {rep}: " + ", ".join(f"{r['arm']} {r['ttft_ms']:.0f} ms" for r in last)
                 + f"; B hit {last[1]['hit_tokens']} tok ({last[1]['evidence']}), cold A hit {last[0]['hit_tokens']}"
                 + (f", L2 +{row_base['l2_new_bytes'] / 1e6:.1f} MB" if "l2_new_bytes" in row_base else ""))
     return raw
+
+
+def floor_fields(read: dict[str, Any], b_row: dict[str, Any]) -> dict[str, Any]:
+    """The raw read of the row's chunks and the floor of B's L2 load: the bytes B's LMCache retrieved (else the
+    bytes read) / the raw cross-node rate; LMCache's own retrieval rate as a fraction of the raw one."""
+    rate = read.get("raw_read_gbps")
+    if not rate:
+        return read
+    nbytes = b_row["retrieved_gib"] * 2**30 if b_row.get("retrieved_gib") else read["raw_read_bytes"]
+    lm = b_row.get("retrieve_gbps")
+    return {**read, "floor_ms": nbytes / (rate * 1e9) * 1e3, "lmcache_over_raw": lm / rate if lm else None}
 
 
 def hittable(n: int) -> int:
@@ -381,7 +457,7 @@ def summarize(raw: list[dict[str, Any]], lengths: list[int]) -> tuple[list[dict[
         cold = [r["hit_tokens"] for r in by["cold A"] if r["hit_tokens"] is not None]
         ref_n = min(CURVINE, key=lambda k: abs(k - n))
         ref = CURVINE[ref_n] if abs(ref_n - n) <= 300 else None
-        s = {
+        s: dict[str, Any] = {
             "prompt_tokens": n, "reps": len(b), "full_chunk_tokens": full, "hittable_tokens": can,
             **{f"{arm}_p50_ms": pct(t[arm], 50) for arm in ARMS},
             **{f"{arm}_p90_ms": pct(t[arm], 90) for arm in ARMS},
@@ -398,7 +474,10 @@ def summarize(raw: list[dict[str, Any]], lengths: list[int]) -> tuple[list[dict[
             "same_output_all": all(r["same_output_as_cold"] for r in raw if r["prompt_tokens"] == n),
             "curvine_ref_tokens": ref_n if ref else None,
             "curvine_ref_speedup": ref[0] / ref[1] if ref else None,
+            **{f"{k}_p50": pct([r[k] for r in b if r.get(k) is not None], 50)
+               for k in ("raw_read_gbps", "floor_ms", "retrieve_gbps", "lmcache_over_raw")},
         }
+        s["l2_ttft_over_floor"] = s["L2 hit B_p50_ms"] / s["floor_ms_p50"] if s["floor_ms_p50"] > 0 else None
         rows.append(s)
         out.append([n, len(b), fmt(s["cold A_p50_ms"], 0), fmt(s["cold A_p90_ms"], 0),
                     fmt(s["L2 hit B_p50_ms"], 0), fmt(s["L2 hit B_p90_ms"], 0),
@@ -415,6 +494,22 @@ def summarize(raw: list[dict[str, Any]], lengths: list[int]) -> tuple[list[dict[
          "L2 load ms", "same out", "Curvine ref"],
         out, title="cross-pod TTFT (ms, client-side, streamed; B never saw the prompt before: its hit is L2)")
     return rows, text
+
+
+def floor_table(rows: list[dict[str, Any]]) -> str | None:
+    """B's in-engine L2 load against the raw cross-node read of the same chunk files in the same run (issue
+    14.3: LMCache's retrieval >= 0.7x the raw read; L2-hit TTFT reported against the floor); None without
+    raw reads (HTTP-only runs)."""
+    if not any(r["raw_read_gbps_p50"] == r["raw_read_gbps_p50"] for r in rows):  # all nan
+        return None
+    out = [[r["prompt_tokens"], fmt(r["l2_bytes_p50"] / 1e6, 1), fmt(r["raw_read_gbps_p50"], 2),
+            fmt(r["floor_ms_p50"], 0), fmt(r["L2 hit B_p50_ms"], 0), fmt(r["l2_ttft_over_floor"], 2) + "x",
+            fmt(r["l2_retrieve_ms_p50"], 0), fmt(r["retrieve_gbps_p50"], 2), fmt(r["lmcache_over_raw_p50"], 2) + "x"]
+           for r in rows]
+    return table(["tokens", "L2 MB", "raw read GB/s", "floor ms", "L2 hit TTFT", "TTFT/floor", "LMCache load ms",
+                  "LMCache GB/s", "LMCache/raw"], out,
+                 title="L2 load vs the physical floor (raw cross-node read of the same chunk files from B's node, "
+                 f"{RAW_READ_THREADS} threads, same run; floor = bytes B retrieved / that rate; p50s)")
 
 
 def notes(raw: list[dict[str, Any]]) -> list[str]:
@@ -506,6 +601,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="MB per plain TCP probe of the A-node -> B-node link (3 probes, after the sweep)")
     p.add_argument("--seed", type=int, default=None,
                    help="prompt seed (default: a fresh one per run, recorded, so a rerun is cold too)")
+    p.add_argument("--prefill-tokens-per-s", default=None, metavar="N|auto",
+                   help="stack started here (plugin mode): the engines' prefill rate for the L2 load gate "
+                   "(connector.loadgate); auto = measured: a cold prompt of the shortest length on A after the "
+                   "warm-up, its tokens / TTFT, handed to the running replicas through a file; printed")
+    p.add_argument("--throttle-l2", default=None, metavar="SPEC",
+                   help="stack started here: instead of the sweep, B's L2 hit vs recompute with the l2fs worker "
+                   "holding A's chunks throttled: stop:ON/OFF (SIGSTOP/SIGCONT seconds, e.g. stop:2.7/0.3) or "
+                   "rate:RATE (--netns: A's node link, e.g. rate:20mbit); healthy phase beside it "
+                   "(kvtier.bench.cross_pod_throttle)")
     p.add_argument("--out", type=Path, default=Path("bench-results"), help="where JSON/CSV/PNG go")
     return p
 
@@ -518,7 +622,8 @@ def _local_targets(state: Any, api_key: str | None) -> tuple[Target, Target, Loc
         raise SystemExit("kvtier bench cross-pod: needs two replicas on different l2fs nodes")
     b = others[0]
     # with --netns the master's own address is inside the namespaces: the host reaches it by a forwarder
-    probe = LocalProbe(state.host_l2fs_master or state.l2fs_master, {a.name: a.log_path, b.name: b.log_path})
+    probe = LocalProbe(state.host_l2fs_master or state.l2fs_master, {a.name: a.log_path, b.name: b.log_path},
+                       kv_prefix=state.kv_prefix, reader_node=b.node_id)
     return (Target(a.name, a.url, a.node_id, api_key), Target(b.name, b.url, b.node_id, api_key), probe)
 
 
@@ -546,6 +651,26 @@ def _check_stack_args(args: argparse.Namespace, http_mode: bool) -> str | None:
         return "--mode/--netns/--link are for a stack started here (--from-up reads them from up.json)"
     if args.model_preset and (http_mode or args.from_up or args.model):
         return "--model-preset builds the model for a stack started here (not with --model/--from-up/--replica-*)"
+    if (args.throttle_l2 or args.prefill_tokens_per_s) and (http_mode or args.from_up):
+        return ("--throttle-l2/--prefill-tokens-per-s need a stack started here (the bench signals its worker and "
+                "sets its replicas' env)")
+    if args.prefill_tokens_per_s and (args.mode or "plugin") != "plugin":
+        return "--prefill-tokens-per-s: the load gate is in the l2fs plugin (--mode plugin)"
+    if args.prefill_tokens_per_s not in (None, "auto"):
+        try:
+            if float(args.prefill_tokens_per_s) < 0:
+                raise ValueError
+        except ValueError:
+            return f"--prefill-tokens-per-s {args.prefill_tokens_per_s!r}: a number of tokens/s >= 0, or auto"
+    if args.throttle_l2:
+        from kvtier.bench.cross_pod_throttle import parse_throttle
+
+        try:
+            spec = parse_throttle(args.throttle_l2)
+        except ValueError as e:
+            return str(e)
+        if spec.kind == "rate" and not args.netns:
+            return "--throttle-l2 rate:... shapes a node link: needs --netns"
     if args.link:
         from l2fs.netns import NetnsError, parse_rate
 
@@ -554,6 +679,60 @@ def _check_stack_args(args: argparse.Namespace, http_mode: bool) -> str | None:
         except NetnsError as e:
             return str(e)
     return None
+
+
+def measure_prefill(a: Target, model: str, prompts: Prompts, n: int, path: Path) -> dict[str, Any]:
+    """`--prefill-tokens-per-s auto`: the cold TTFT of a fresh n-token prompt on A -> tokens/s, written to the
+    file the replicas' plugins watch (connector.config.watch_prefill_file); waits until they re-read it."""
+    from connector.config import read_prefill_file
+
+    ttft, _, _ = stream_completion(a, model, prompts.make(n))
+    figure = n / ttft
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(f"{figure:.1f}\n")
+    tmp.replace(path)
+    time.sleep(2.5)  # the plugins poll the file every 2 s
+    assert read_prefill_file(path) > 0
+    return {"figure": figure, "how": f"auto: {n} tokens cold on A in {ttft * 1e3:.0f} ms", "auto_tokens": n,
+            "auto_ttft_ms": ttft * 1e3}
+
+
+def _prefill_env(args: argparse.Namespace, path: Path) -> dict[str, str]:
+    """The replicas' env for the load gate: a fixed figure, or (auto) the file measure_prefill writes later."""
+    from connector.config import PREFILL_FILE_ENV
+    from kvtier.up import prefill_env
+
+    if args.prefill_tokens_per_s == "auto":
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.unlink(missing_ok=True)  # a figure of an earlier run must not open the gate before we measured
+        return {PREFILL_FILE_ENV: str(path)}
+    return prefill_env(float(args.prefill_tokens_per_s) if args.prefill_tokens_per_s else None)
+
+
+def floor_goal(rows: list[dict[str, Any]]) -> str:
+    ratios = [(r["lmcache_over_raw_p50"], r["prompt_tokens"]) for r in rows if r["lmcache_over_raw_p50"] > 0]
+    if not ratios:
+        return "goal: LMCache L2 retrieval >= 0.70x the raw cross-node read -> not measured"
+    worst = min(ratios)
+    return (f"goal: LMCache L2 retrieval >= 0.70x the raw cross-node read -> worst {fmt(worst[0], 2)}x at "
+            f"{worst[1]} ({'met' if worst[0] >= 0.7 else 'NOT met'})")
+
+
+def _report_throttled(args: argparse.Namespace, raw: list[dict[str, Any]], lengths: list[int], reps: int,
+                      model: str, seed: int, prefill: dict[str, Any]) -> int:
+    from kvtier.bench.cross_pod_throttle import goal_line, summarize_throttled
+
+    rows, text = summarize_throttled(raw, lengths)
+    print(f"cross-pod, L2 throttled ({args.throttle_l2}): prefill figure "
+          f"{fmt(prefill['figure'], 0)} tokens/s ({prefill['how']})")
+    print(text)
+    print(goal_line(rows))
+    summary = {"mode": "local-throttle", "throttle": args.throttle_l2, "lengths": lengths, "reps": reps,
+               "model": model, "seed": seed, "prefill": prefill, "rows": rows, "netns": args.netns,
+               "link": args.link}
+    for p in write_results(args.out, "cross_pod_throttle", summary, raw):
+        print(f"wrote {p}")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -586,19 +765,36 @@ def main(argv: list[str] | None = None) -> int:
     state: Any = None
     nbytes = int(args.tcp_mb * 1e6)
 
-    def measure_local(state: Any, net: Any = None) -> list[dict[str, Any]]:
+    prefill: dict[str, Any] = {"figure": None if args.prefill_tokens_per_s in (None, "auto")
+                               else float(args.prefill_tokens_per_s), "how": args.prefill_tokens_per_s or "off"}
+    prefill_file = args.dir.resolve() / "prefill_tokens_per_s"
+
+    def measure_local(state: Any, stack: Any = None) -> list[dict[str, Any]]:
         nonlocal tcp_bps, link
         a, b, probe = _local_targets(state, args.api_key)
         log(f"stack: mode {state.mode}, " + (f"netns {state.netns['prefix']}-*" if state.netns else "loopback"))
-        out = measure(a, b, probe, state.model)
-        tcp_bps, link = link_tcp(state, a, b, nbytes, net)
+        out = measure(a, b, probe, state.model, stack)
+        tcp_bps, link = link_tcp(state, a, b, nbytes, stack.net if stack is not None else None)
         return out
 
-    def measure(a: Target, b: Target, probe: LocalProbe | None, model: str) -> list[dict[str, Any]]:
+    def measure(a: Target, b: Target, probe: LocalProbe | None, model: str, stack: Any = None
+                ) -> list[dict[str, Any]]:
         encode = local_tokenizer(args.tokenizer) if args.tokenizer else remote_tokenizer(a, model)
+        prompts = Prompts(encode, seed)
         try:
-            return run_sweep(a, b, model, Prompts(encode, seed), lengths, reps, store_wait=args.store_wait,
-                             probe=probe)
+            warm_up(a, b, model, prompts)
+            if args.prefill_tokens_per_s == "auto":
+                prefill.update(measure_prefill(a, model, prompts, min(lengths), prefill_file))
+            if prefill["figure"]:
+                log(f"load gate: prefill figure {prefill['figure']:.0f} tokens/s ({prefill['how']})")
+            if args.throttle_l2:
+                from kvtier.bench.cross_pod_throttle import Throttle, parse_throttle, run_throttled
+
+                assert probe is not None and stack is not None  # _check_stack_args: a stack started here
+                throttle = Throttle(parse_throttle(args.throttle_l2), stack, a.node)
+                return run_throttled(a, b, model, prompts, lengths, reps, probe, throttle)
+            return run_sweep(a, b, model, prompts, lengths, reps, store_wait=args.store_wait, probe=probe,
+                             warm=False)
         finally:
             if probe:
                 probe.close()
@@ -623,10 +819,12 @@ def main(argv: list[str] | None = None) -> int:
                 args.model = str(preset_model(args.dir, args.model_preset))
             with Stack(args.dir, replicas=2, workers=2, model=args.model, strategy=None, l1_gb=args.l1_gb,
                        max_model_len=max(8192, max(lengths) + 64), mode=args.mode or "plugin",
-                       netns=args.netns, link=args.link) as stack:
+                       netns=args.netns, link=args.link, replica_env=_prefill_env(args, prefill_file)) as stack:
                 state = StackState.load(stack.state_path)
                 model = state.model
-                raw = measure_local(state, stack.net)
+                raw = measure_local(state, stack)
+    if args.throttle_l2:
+        return _report_throttled(args, raw, lengths, reps, model, seed, prefill)
     rows, text = summarize(raw, lengths)
     stack_mode = state.mode if state is not None else None
     netns = bool(state is not None and state.netns)
@@ -634,6 +832,10 @@ def main(argv: list[str] | None = None) -> int:
         where = f"netns link {link or 'unshaped'}" if netns else "loopback"
         print(f"cross-pod: mode {stack_mode}, {where}")
     print(text)
+    ftext = floor_table(rows)
+    if ftext:
+        print(ftext)
+        print(floor_goal(rows))
     print(goals(rows))
     for line in notes(raw):
         print(line)
@@ -644,7 +846,7 @@ def main(argv: list[str] | None = None) -> int:
     where = (f"{args.replica_a} -> {args.replica_b}" if http_mode else
              f"local kvtier up, CPU, {stack_mode}, " + (f"netns {link or 'unshaped'}" if netns else "loopback"))
     try:
-        plot(rows, png, f"kvtier cross-pod TTFT, {Path(model).name}, {where} ({reps} reps)")
+        plot(rows, args.out / "cross_pod.png", f"kvtier cross-pod TTFT, {Path(model).name}, {where} ({reps} reps)")
     except ImportError:  # the kvtier image (in-cluster Job) has no matplotlib: table + JSON/CSV only
         print("no matplotlib: plot skipped (pip install matplotlib, or kvtier[bench])")
         png = None
@@ -652,7 +854,7 @@ def main(argv: list[str] | None = None) -> int:
                "lengths": lengths, "reps": reps, "model": model, "seed": seed, "rows": rows, "notes": notes(raw),
                "l2_mode": stack_mode, "netns": netns, "link": link,
                "link_tcp_gbit": pct(tcp_bps, 50) / 1e9 if tcp_bps else None,
-               "link_tcp_gbit_all": [b / 1e9 for b in tcp_bps],
+               "link_tcp_gbit_all": [b / 1e9 for b in tcp_bps], "prefill": prefill,
                "shaper_bound": shaper_bound(pct(tcp_bps, 50), link) if tcp_bps else None}
     for p in [*write_results(args.out, "cross_pod", summary, raw), *([png] if png else [])]:
         print(f"wrote {p}")
