@@ -14,9 +14,11 @@ from pathlib import Path
 USAGE = """usage: l2fs <command> [args]
 
 servers:
-  master   --port 8995 [--heartbeat-timeout 10] [--metrics-port 0] [--token T]
+  master   --port 8995 [--heartbeat-timeout 10] [--metrics-port 0] [--token T] [--shard K/N]
   worker   --master HOST:PORT --data-dir PATH[:CAP] [--data-dir ...] --node-id NAME [--port 8997]
-  local    --workers 2 --dir ./.l2fs            (master + N workers on loopback until Ctrl-C)
+  local    --workers 2 --dir ./.l2fs [--shards N]  (master(s) + N workers on loopback until Ctrl-C)
+--master everywhere: HOST:PORT, failover masters "H1:P,H2:P", shards "M0:P;M1:P" (';' between shards,
+  each shard's master started with --shard K/N; paths are routed by crc32(path) % N)
   mount    see `l2fs mount --help`              (FUSE mount)
   netns    up|down|cleanup|exec|list|chaos      (network-namespace nodes, see docs/netns.md)
 files (--master HOST:PORT or $L2FS_MASTER):
@@ -27,7 +29,8 @@ files (--master HOST:PORT or $L2FS_MASTER):
 
 def _client_parser(prog: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=f"l2fs {prog}")
-    p.add_argument("--master", default=os.environ.get("L2FS_MASTER"), help="host:port ($L2FS_MASTER)")
+    p.add_argument("--master", default=os.environ.get("L2FS_MASTER"),
+                   help="host:port, 'h1:p,h2:p' (failover) or 'm0:p;m1:p' (shards) ($L2FS_MASTER)")
     p.add_argument("--node-id", default=os.environ.get("L2FS_NODE_ID", ""))
     p.add_argument("--token", default=None)
     p.add_argument("--tls-ca", default=None)

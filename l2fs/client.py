@@ -42,6 +42,9 @@ from l2fs.common import (
     crc_pieces,
     make_channel,
     norm_path,
+    parent_of,
+    parse_masters,
+    shard_of,
 )
 from l2fs.dataplane import DataClient, DataPlaneError, enabled_by_default
 from l2fs.dataplane.wire import BAD
@@ -84,6 +87,17 @@ class QuotaExceeded(L2fsError):
 
 class PermissionDenied(L2fsError, PermissionError):
     """Authentication/authorization failed (bad or missing token)."""
+
+
+class WrongShard(L2fsError):
+    """A master refused a path of another shard: this client's master list does not match the cluster's."""
+
+
+class CrossShard(L2fsError):
+    """A rename that would move a file (or a directory's files) to another shard (errno EXDEV: copy and
+    delete instead, as `mv` does across file systems)."""
+
+    errno = errno.EXDEV
 
 
 class Unimplemented(L2fsError):
@@ -152,6 +166,8 @@ def _with_errno(exc: L2fsError, code: int | None) -> L2fsError:
     """`exc` with the errno the server named; a prefix quota refusal (EDQUOT) becomes QuotaExceeded."""
     if code == errno.EDQUOT:
         exc = QuotaExceeded(str(exc))
+    elif code == errno.EXDEV:
+        exc = CrossShard(str(exc))
     if code is not None:
         exc.errno = code
     return exc
@@ -168,6 +184,8 @@ def _item_error(err: pb.ItemError) -> L2fsError:
 
 
 def _exception(code: grpc.StatusCode, msg: str, kind: str | None) -> L2fsError:
+    if kind == "shard":
+        return WrongShard(msg)
     if code == grpc.StatusCode.INVALID_ARGUMENT:
         return InvalidPath(msg) if kind == "path" else InvalidArgument(msg)
     if code == grpc.StatusCode.UNIMPLEMENTED:
@@ -187,6 +205,16 @@ def _exception(code: grpc.StatusCode, msg: str, kind: str | None) -> L2fsError:
 def _info(st: pb.FileStat) -> FileInfo:
     return FileInfo(path=st.path, size=st.size, is_dir=st.is_dir, mtime=st.mtime, crc32c=st.crc32c,
                     nodes=[loc.node_id for loc in st.locations])
+
+
+@dataclass(slots=True)
+class _Shard:
+    """One shard of the namespace: its failover masters (one is current) and when lookups may ask it again."""
+
+    addrs: list[str]
+    stubs: list[Any]
+    current: int = 0
+    down_until: float = 0.0  # after a failed lookup, skip this shard's master for a moment (fail fast)
 
 
 @dataclass(slots=True)
@@ -241,7 +269,9 @@ def _check(path: str) -> str:
 class Client:
     """Synchronous client. Thread-safe; share one per process.
 
-    master: "host:port" (or comma-separated list); default from $L2FS_MASTER.
+    master: "host:port", a comma-separated failover list, or shards separated by ';' ("m0a:p,m0b:p;m1:p":
+        paths are routed by shard_of(path), batches split per shard and sent in parallel); default
+        $L2FS_MASTER.
     node_id: this process's node, for local-first placement and short-circuit I/O; default $L2FS_NODE_ID.
     token: bearer token for clusters started with --token; default $L2FS_TOKEN.
     tls_ca: CA bundle path to enable TLS; default $L2FS_TLS_CA.
@@ -265,7 +295,8 @@ class Client:
         master = master or os.environ.get("L2FS_MASTER")
         if not master:
             raise ValueError("no l2fs master: pass master='host:port' or set L2FS_MASTER")
-        self.masters = [m.strip() for m in master.split(",") if m.strip()]
+        shards = parse_masters(master)
+        self.masters = [m for addrs in shards for m in addrs]
         self.node_id = node_id if node_id is not None else os.environ.get("L2FS_NODE_ID", "")
         self.token = token if token is not None else os.environ.get("L2FS_TOKEN") or None
         self.tls_ca = tls_ca if tls_ca is not None else os.environ.get("L2FS_TLS_CA") or None
@@ -274,12 +305,12 @@ class Client:
         self._md = auth_metadata(self.token)
         self._lock = threading.Lock()
         self._channels: list[grpc.Channel] = []
-        self._master_stubs = []
-        for m in self.masters:
-            ch = make_channel(m, self.tls_ca)
-            self._channels.append(ch)
-            self._master_stubs.append(pbg.MasterStub(ch))
-        self._current = 0
+        self._shards: list[_Shard] = []
+        for addrs in shards:
+            chans = [make_channel(m, self.tls_ca) for m in addrs]
+            self._channels += chans
+            self._shards.append(_Shard(addrs, [pbg.MasterStub(ch) for ch in chans]))
+        self._shard_pool: ThreadPoolExecutor | None = None
         self._workers: dict[str, pbg.WorkerStub] = {}
         self._pool: ThreadPoolExecutor | None = None
         self._closed = False
@@ -289,7 +320,6 @@ class Client:
         # Last known location of recently read paths, used only while the master is unreachable so reads of
         # already-located blocks keep working through a master restart; any miss forgets it.
         self._located: OrderedDict[str, pb.FileStat] = OrderedDict()
-        self._master_down_until = 0.0  # after a failed Stat, skip the master for a moment (fail fast)
         # Locations from one locate_many (StatMany) for a batch about to be read: used once each, within the
         # timeout, instead of a Stat per read; found and not-found alike (path -> (FileStat, expiry)).
         self._prefetched: dict[str, tuple[pb.FileStat, float]] = {}
@@ -315,10 +345,45 @@ class Client:
                 self._pool = ThreadPoolExecutor(8, thread_name_prefix="l2fs-client")
             return self._pool
 
-    def _master(self, method: str, request: Any, deadline: float | None = None) -> Any:
-        """Call the master with retries on transient errors until the deadline; map errors."""
+    def _shard_of(self, path: str) -> int:
+        return shard_of(path, len(self._shards))
+
+    def _split(self, paths: Sequence[str]) -> dict[int, list[int]]:
+        """shard -> indexes of `paths` (normalised) it owns, in order."""
+        parts: dict[int, list[int]] = {}
+        for i, p in enumerate(paths):
+            parts.setdefault(self._shard_of(p), []).append(i)
+        return parts
+
+    def _fan(self, calls: Sequence[Callable[[], Any]]) -> list[Any]:
+        """Run one call per shard in parallel (the first on this thread); each result, or the exception it
+        raised, in order. Its own pool: the calls use self._executor() for writes and must not wait on it."""
+        pool = None
+        if len(calls) > 1:
+            with self._lock:
+                if self._shard_pool is None:
+                    self._shard_pool = ThreadPoolExecutor(4 * len(self._shards), thread_name_prefix="l2fs-shard")
+                pool = self._shard_pool
+        futs = [pool.submit(c) for c in calls[1:]] if pool is not None else []
+        out: list[Any] = []
+        for c in calls[:1]:
+            try:
+                out.append(c())
+            except Exception as e:  # noqa: BLE001 - handed back in its slot
+                out.append(e)
+        for f in futs:
+            try:
+                out.append(f.result())
+            except Exception as e:  # noqa: BLE001
+                out.append(e)
+        return out
+
+    def _master(self, method: str, request: Any, deadline: float | None = None, shard: int = 0) -> Any:
+        """Call a shard's master with retries on transient errors until the deadline (trying the shard's
+        failover masters in turn); map errors."""
         if self._closed:
             raise L2fsError("client is closed")
+        sh = self._shards[shard]
         deadline = deadline or time.monotonic() + self.timeout
         delay = 0.02
         last: grpc.RpcError | None = None
@@ -326,26 +391,26 @@ class Client:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 break
-            i = self._current
+            i = sh.current
             # wait_for_ready: a call that fails fast never drives the reconnect, and the channel's shared
             # subchannel came back 4.5 s (14.7 s on a loaded box) after a master restart instead of <= 1 s.
             # With several masters, one attempt is capped so a dead one does not hold the whole deadline.
-            attempt = remaining if len(self._master_stubs) == 1 else min(remaining, self._MASTER_ATTEMPT)
+            attempt = remaining if len(sh.stubs) == 1 else min(remaining, self._MASTER_ATTEMPT)
             try:
-                return getattr(self._master_stubs[i], method)(request, timeout=attempt, metadata=self._md,
-                                                              wait_for_ready=True)
+                return getattr(sh.stubs[i], method)(request, timeout=attempt, metadata=self._md,
+                                                    wait_for_ready=True)
             except grpc.RpcError as e:
                 last = e
                 capped = attempt < remaining and e.code() == grpc.StatusCode.DEADLINE_EXCEEDED
                 if e.code() not in _TRANSIENT and not capped:
                     raise _error(e) from None
-                if len(self._master_stubs) > 1:
-                    self._current = (i + 1) % len(self._master_stubs)
+                if len(sh.stubs) > 1:
+                    sh.current = (i + 1) % len(sh.stubs)
                 time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
                 delay = min(delay * 2, 0.25)
         if last is None:
-            raise Unavailable(f"l2fs master {','.join(self.masters)}: deadline exceeded")
-        raise Unavailable(f"l2fs master {','.join(self.masters)}: {last.details() or last.code()}") from None
+            raise Unavailable(f"l2fs master {','.join(sh.addrs)}: deadline exceeded")
+        raise Unavailable(f"l2fs master {','.join(sh.addrs)}: {last.details() or last.code()}") from None
 
     def _is_local(self, loc: pb.Location) -> bool:
         # the file name must be the block id: a bogus registration cannot point us at arbitrary files
@@ -386,13 +451,11 @@ class Client:
             puts.append(put)
         todo = [p for p in puts if p.result is None]
         self._forget(*(p.path for p in todo))  # a location looked up before this put may be out of date
-        # at most PUT_BATCH items per round trip, each slice with its own deadline: a batch of thousands gets
-        # the time its items would have had, and the master holds its lock for a bounded batch
-        for i in range(0, len(todo), PUT_BATCH):
-            pending = todo[i:i + PUT_BATCH]
-            deadline = time.monotonic() + max(self.timeout, sum(p.mv.nbytes for p in pending) / 200e6)  # 200 MB/s
-            while pending:
-                pending = self._put_round(pending, if_absent, deadline)
+        parts = self._split([p.path for p in todo])
+        self._fan([functools.partial(self._put_shard, s, [todo[i] for i in idx], if_absent)
+                   for s, idx in parts.items()])
+        for p in todo:  # only a bug can leave one unset (the shard's call raised): fail that item, not others
+            p.result = L2fsError(f"put {p.path}: not finished") if p.result is None else p.result
         results = [p.result for p in puts]
         if not return_exceptions:
             for r in results:
@@ -400,7 +463,17 @@ class Client:
                     raise r
         return results
 
-    def _put_round(self, pending: list[_Put], if_absent: bool, deadline: float) -> list[_Put]:
+    def _put_shard(self, shard: int, todo: list[_Put], if_absent: bool) -> None:
+        """One shard's slice of a put batch (the shards' slices run in parallel; a failed shard fails only
+        its items). At most PUT_BATCH items per round trip, each slice with its own deadline: a batch of
+        thousands gets the time its items would have had, and the master holds its lock for a bounded batch."""
+        for i in range(0, len(todo), PUT_BATCH):
+            pending = todo[i:i + PUT_BATCH]
+            deadline = time.monotonic() + max(self.timeout, sum(p.mv.nbytes for p in pending) / 200e6)  # 200 MB/s
+            while pending:
+                pending = self._put_round(pending, if_absent, deadline, shard)
+
+    def _put_round(self, pending: list[_Put], if_absent: bool, deadline: float, shard: int = 0) -> list[_Put]:
         """Allocate, write and commit every pending item once; returns the items to try again (their worker
         was unreachable, or its temp files were not writable from here) with a fresh block id."""
         for p in pending:
@@ -408,7 +481,7 @@ class Client:
         reqs = [pb.AllocateRequest(path=p.path, size=p.mv.nbytes, node_id=self.node_id, if_absent=if_absent,
                                    exclude_workers=p.exclude) for p in pending]
         try:
-            allocs = self._many("master", lambda m, r: self._master(m, r, deadline), "AllocateMany",
+            allocs = self._many(f"master{shard}", lambda m, r: self._master(m, r, deadline, shard), "AllocateMany",
                                 pb.AllocateManyRequest(items=reqs, protocol_version=PROTOCOL_VERSION),
                                 "Allocate", reqs)
         except L2fsError as e:
@@ -435,7 +508,8 @@ class Client:
                                       crc32c=w.crc32c, if_absent=if_absent, order_hint=p.hint,
                                       local_path=w.local_path) for p, w in done]
             try:
-                commits = self._many("master", lambda m, r: self._master(m, r, deadline), "CommitMany",
+                commits = self._many(f"master{shard}", lambda m, r: self._master(m, r, deadline, shard),
+                                     "CommitMany",
                                      pb.CommitManyRequest(items=creqs, protocol_version=PROTOCOL_VERSION),
                                      "Commit", creqs)
             except L2fsError as e:
@@ -586,9 +660,10 @@ class Client:
     _MASTER_PAUSE = 1.0  # seconds lookups skip the master after it was unreachable
     _MASTER_ATTEMPT = 1.0  # seconds one call may wait for one of several masters before the next is tried
 
-    def _pause_master(self) -> None:
-        """The master just failed a lookup: for a moment, answer lookups from what we know, without waiting."""
-        self._master_down_until = time.monotonic() + self._MASTER_PAUSE
+    def _pause_master(self, shard: int = 0) -> None:
+        """A shard's master just failed a lookup: for a moment, answer its lookups from what we know, without
+        waiting."""
+        self._shards[shard].down_until = time.monotonic() + self._MASTER_PAUSE
 
     def _locate(self, path: str, deadline: float) -> pb.FileStat | None:
         now = time.monotonic()
@@ -597,14 +672,15 @@ class Client:
             pre = self._prefetched.pop(path, None)
         if pre is not None and now < pre[1]:
             return self._remember(path, pre[0])
-        if now < self._master_down_until:
+        shard = self._shard_of(path)
+        if now < self._shards[shard].down_until:
             return cached  # the master just failed: last known location, or a miss without waiting
         # With a fallback, leave most of the deadline for the read itself.
         mdeadline = min(deadline, now + self.timeout / 4) if cached is not None else deadline
         try:
-            st = self._master("Stat", pb.PathRequest(path=path), mdeadline)
+            st = self._master("Stat", pb.PathRequest(path=path), mdeadline, shard)
         except Unavailable:
-            self._pause_master()
+            self._pause_master(shard)
             return cached
         except L2fsError as e:
             if isinstance(e, InvalidPath):
@@ -634,24 +710,30 @@ class Client:
         norm = [_check(p) for p in paths]
         now = time.monotonic()
         deadline = _deadline if _deadline is not None else now + self.timeout
-        if not norm or now < self._master_down_until or now >= deadline:
+        if not norm or now >= deadline:
             return 0
-        try:
-            resp = self._master("StatMany", pb.PathsRequest(paths=norm), deadline)
-        except Unavailable:
-            self._pause_master()
-            return 0
-        except L2fsError:
-            return 0
-        if len(resp.stats) != len(norm):
-            return 0
+        parts = {s: idx for s, idx in self._split(norm).items() if now >= self._shards[s].down_until}
+
+        def one(shard: int, idx: list[int]) -> list[Any]:
+            try:
+                resp = self._master("StatMany", pb.PathsRequest(paths=[norm[i] for i in idx]), deadline, shard)
+            except Unavailable:
+                self._pause_master(shard)
+                return []
+            return list(resp.stats) if len(resp.stats) == len(idx) else []
+
+        found: list[tuple[str, Any]] = []
+        for idx, stats in zip(parts.values(), self._fan([functools.partial(one, s, idx)
+                                                         for s, idx in parts.items()]), strict=True):
+            if isinstance(stats, list):  # any fault of a shard: its paths locate one by one as before
+                found += [(norm[i], st) for i, st in zip(idx, stats, strict=False)]
         expiry = time.monotonic() + self.timeout
         with self._lock:
             if len(self._prefetched) > self._LOCATED_MAX:  # batches that were never read
                 self._prefetched = {p: v for p, v in self._prefetched.items() if v[1] > now}
-            for p, st in zip(norm, resp.stats, strict=True):
+            for p, st in found:
                 self._prefetched[p] = (st, expiry)
-        return sum(1 for st in resp.stats if st.exists and not st.is_dir and st.locations)
+        return sum(1 for _, st in found if st.exists and not st.is_dir and st.locations)
 
     def _forget(self, *paths: str) -> None:
         with self._lock:
@@ -840,54 +922,174 @@ class Client:
         return self.stat(path) is not None
 
     def stat(self, path: str) -> FileInfo | None:
-        st = self._master("Stat", pb.PathRequest(path=_check(path)))
+        path = _check(path)
+        st = self._master("Stat", pb.PathRequest(path=path), shard=self._shard_of(path))
+        if not st.exists and len(self._shards) > 1:
+            st = self._dir_elsewhere(path) or st
         return _info(st) if st.exists else None
 
+    def _dir_elsewhere(self, path: str) -> pb.FileStat | None:
+        """A directory that exists only on other shards (directories live where something under them is):
+        ask them all at once; their refusals of a non-directory (WrongShard) and faults are 'not there'."""
+        own = self._shard_of(path)
+        others = [s for s in range(len(self._shards)) if s != own]
+        got = self._fan([functools.partial(self._master, "Stat", pb.PathRequest(path=path), None, s) for s in others])
+        return next((st for st in got if isinstance(st, pb.FileStat) and st.exists and st.is_dir), None)
+
     def stat_many(self, paths: Sequence[str]) -> list[FileInfo | None]:
-        """One RPC."""
-        resp = self._master("StatMany", pb.PathsRequest(paths=[_check(p) for p in paths]))
-        return [_info(s) if s.exists else None for s in resp.stats]
+        """One RPC per shard (in parallel). A directory is found on its own shard only (use stat)."""
+        norm = [_check(p) for p in paths]
+        out: list[FileInfo | None] = [None] * len(norm)
+        parts = self._split(norm)
+        got = self._fan([functools.partial(self._master, "StatMany", pb.PathsRequest(paths=[norm[i] for i in idx]),
+                                           None, s) for s, idx in parts.items()])
+        for idx, resp in zip(parts.values(), got, strict=True):
+            if isinstance(resp, Exception):
+                raise resp
+            for i, st in zip(idx, resp.stats, strict=True):
+                out[i] = _info(st) if st.exists else None
+        return out
 
     def prefix_lookup(self, paths: Sequence[str]) -> int:
-        """How many leading paths exist (one RPC). Does not pin or renew anything."""
+        """How many leading paths exist (one RPC per shard, in parallel). Does not pin or renew anything.
+
+        Each shard answers how many of ITS paths lead the chain, so the chain's first miss is the earliest of
+        the shards' first misses; an unreachable shard's first path counts as a miss (a fault is a miss), and
+        only when every shard failed does the call raise."""
         if not paths:
             return 0
-        return self._master("PrefixLookup", pb.PathsRequest(paths=[_check(p) for p in paths])).count
+        norm = [_check(p) for p in paths]
+        parts = self._split(norm)
+        got = self._fan([functools.partial(self._master, "PrefixLookup",
+                                           pb.PathsRequest(paths=[norm[i] for i in idx]), None, s)
+                         for s, idx in parts.items()])
+        return combine_prefix(list(parts.values()), [r if isinstance(r, Exception) else r.count for r in got],
+                              len(norm))
 
     def ls(self, path: str = "/") -> list[FileInfo]:
-        return [_info(s) for s in self._master("List", pb.PathRequest(path=_check(path))).entries]
+        """Entries of a directory (every shard's, merged), or [the file]. Fails when a shard cannot answer:
+        a listing is complete or an error."""
+        path = _check(path)
+        got = self._fan([functools.partial(self._master, "List", pb.PathRequest(path=path), None, s)
+                         for s in range(len(self._shards))])
+        merged: dict[str, pb.FileStat] = {}
+        found = False
+        for r in got:
+            if isinstance(r, NotFound):
+                continue
+            if isinstance(r, Exception):
+                raise r
+            found = True
+            for st in r.entries:
+                if st.path == path and not st.is_dir:
+                    return [_info(st)]  # a file: listed as itself
+                if st.path not in merged or not st.is_dir:  # a file wins over another shard's directory
+                    merged[st.path] = st
+        if not found:
+            raise NotFound(f"{path}: no such file or directory")
+        return [_info(merged[p]) for p in sorted(merged)]
 
     def mkdir(self, path: str, *, parents: bool = True, exist_ok: bool = True) -> None:
-        self._master("Mkdir", pb.MkdirRequest(path=_check(path), parents=parents, exist_ok=exist_ok))
+        path = _check(path)
+        if len(self._shards) == 1:
+            self._master("Mkdir", pb.MkdirRequest(path=path, parents=parents, exist_ok=exist_ok))
+            return
+        # sharded: the directory is made on its own shard; its parents may exist on others only
+        st = self.stat(path)
+        if st is not None:
+            if not st.is_dir:
+                raise AlreadyExists(f"{path} exists and is a file")
+            if not exist_ok:
+                raise AlreadyExists(f"{path} already exists")
+            return
+        if not parents and parent_of(path) != "/":
+            up = self.stat(parent_of(path))
+            if up is None or not up.is_dir:
+                raise NotFound(f"parent of {path} does not exist")
+        self._master("Mkdir", pb.MkdirRequest(path=path, parents=True, exist_ok=True), shard=self._shard_of(path))
 
     def rmdir(self, path: str) -> None:
-        self._master("Rmdir", pb.PathRequest(path=_check(path)))
+        path = _check(path)
+        if len(self._shards) == 1:
+            self._master("Rmdir", pb.PathRequest(path=path))
+            return
+        if self.ls(path):  # every shard's entries (NotFound when no shard has it)
+            exc = L2fsError(f"{path}: directory not empty")
+            exc.errno = errno.ENOTEMPTY
+            raise exc
+        got = self._fan([functools.partial(self._master, "Rmdir", pb.PathRequest(path=path), None, s)
+                         for s in range(len(self._shards))])
+        errs = [r for r in got if isinstance(r, Exception) and not isinstance(r, NotFound)]
+        if errs:
+            raise errs[0]
+        if all(isinstance(r, NotFound) for r in got):
+            raise NotFound(f"{path}: no such directory")
 
     def rm(self, path: str) -> bool:
         """True if something was removed."""
         self._forget(path)
-        return self._master("Delete", pb.PathRequest(path=_check(path))).removed
+        path = _check(path)
+        if len(self._shards) > 1:
+            st = self.stat(path)
+            if st is None:
+                return False
+            if st.is_dir:
+                self.rmdir(path)
+                return True
+        return self._master("Delete", pb.PathRequest(path=path), shard=self._shard_of(path)).removed
 
     def rename(self, src: str, dst: str, *, overwrite: bool = True) -> None:
-        """Atomic; overwrite=True replaces dst (POSIX rename semantics)."""
+        """Atomic; overwrite=True replaces dst (POSIX rename semantics). In a sharded namespace a rename must
+        stay on one shard: a file whose new path hashes to another shard, or a directory, raises CrossShard
+        (errno EXDEV: copy and delete instead, as `mv` does by itself)."""
         self._forget(src, dst)
-        self._master("Rename", pb.RenameRequest(src=_check(src), dst=_check(dst), overwrite=overwrite))
+        src, dst = _check(src), _check(dst)
+        shard = self._shard_of(src)
+        if shard != self._shard_of(dst) and len(self._shards) > 1:
+            if self.stat(src) is None:
+                raise NotFound(f"{src}: no such file or directory")
+            raise CrossShard(f"cannot rename {src} to {dst}: they belong to different l2fs shards "
+                             f"(copy and delete instead)")
+        try:
+            self._master("Rename", pb.RenameRequest(src=src, dst=dst, overwrite=overwrite), shard=shard)
+        except NotFound:
+            if len(self._shards) > 1 and self._dir_elsewhere(src) is not None:
+                raise CrossShard(f"cannot rename directory {src} in a sharded l2fs: its files would change "
+                                 f"shards (copy and delete them instead)") from None
+            raise
 
     def report(self) -> ClusterReport:
-        r = self._master("Report", pb.Empty())
-        ws = [WorkerInfo(w.worker_id, w.node_id, w.address, w.alive, w.capacity, w.used, w.blocks)
-              for w in r.workers]
+        """Every shard's report merged: files summed; a worker (registered with every shard) is alive when
+        every shard that knows it says so."""
+        got = self._fan([functools.partial(self._master, "Report", pb.Empty(), None, s)
+                         for s in range(len(self._shards))])
+        by_id: dict[str, WorkerInfo] = {}
+        files = dups = 0
+        for r in got:
+            if isinstance(r, Exception):
+                raise r
+            files, dups = files + r.files, dups + r.duplicate_files
+            for w in r.workers:
+                seen = by_id.get(w.worker_id)
+                if seen is None:
+                    by_id[w.worker_id] = WorkerInfo(w.worker_id, w.node_id, w.address, w.alive, w.capacity, w.used,
+                                                    w.blocks)
+                else:
+                    seen.alive = seen.alive and w.alive
+        ws = [by_id[k] for k in sorted(by_id)]
         alive = [w for w in ws if w.alive]
-        return ClusterReport(workers=ws, files=r.files, capacity=sum(w.capacity for w in alive),
-                             used=sum(w.used for w in alive), duplicate_files=r.duplicate_files)
+        return ClusterReport(workers=ws, files=files, capacity=sum(w.capacity for w in alive),
+                             used=sum(w.used for w in alive), duplicate_files=dups)
 
     def close(self) -> None:
         self._closed = True
         with self._lock:
             pool, self._pool = self._pool, None
+            spool, self._shard_pool = self._shard_pool, None
             channels, self._channels = self._channels, []
-        if pool is not None:
-            pool.shutdown(wait=False, cancel_futures=True)
+        for p in (pool, spool):
+            if p is not None:
+                p.shutdown(wait=False, cancel_futures=True)
         self._data.close()
         for ch in channels:
             ch.close()
@@ -897,6 +1099,21 @@ class Client:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def combine_prefix(parts: Sequence[Sequence[int]], counts: Sequence[Any], total: int) -> int:
+    """A chain's leading hits from per-shard PrefixLookup answers: parts[k] = the chain indexes shard k was
+    asked (in order), counts[k] = how many of them lead (or the exception its call raised). The chain's first
+    miss is the earliest of the shards' first misses; a failed shard misses at its first path. Raises only
+    when every shard failed."""
+    errs = [c for c in counts if isinstance(c, Exception)]
+    if errs and len(errs) == len(counts):
+        raise errs[0]
+    if any(isinstance(c, Exception) and not isinstance(c, Unavailable) for c in counts):
+        raise next(c for c in counts if isinstance(c, Exception) and not isinstance(c, Unavailable))
+    first_miss = [idx[0] if isinstance(n, Exception) else idx[n]
+                  for idx, n in zip(parts, counts, strict=True) if isinstance(n, Exception) or n < len(idx)]
+    return min(first_miss, default=total)
 
 
 def _chain(first: Any, rest: Any) -> Any:

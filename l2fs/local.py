@@ -71,6 +71,9 @@ class LocalCluster(procs.Started):
     heartbeat_timeout: master's dead-worker timeout in seconds.
     token / tls_*: passed to every process (and to clients made with .client()).
     metrics: give every process a /metrics port (worker.metrics_port, .master_metrics_port).
+    shards: masters of a path-hash sharded namespace (`l2fs master --shard K/N`); `.master` is then the
+        "m0;m1" list every role takes, `.master_procs[K]`/`.master_ports[K]` shard K's (the unsuffixed
+        attributes are shard 0's), start_master/kill_master take a shard (default: all).
     """
 
     def __init__(self, base_dir: str | os.PathLike[str], workers: int = 2, *, capacity: str | None = None,
@@ -78,7 +81,9 @@ class LocalCluster(procs.Started):
                  tls_cert: str | None = None, tls_key: str | None = None, tls_ca: str | None = None,
                  metrics: bool = True, master_args: list[str] | None = None,
                  worker_args: list[str] | None = None, start_timeout: float = 30.0,
-                 netns: NetnsCluster | None = None, journal: bool = True) -> None:
+                 netns: NetnsCluster | None = None, journal: bool = True, shards: int = 1) -> None:
+        if shards < 1:
+            raise ValueError("shards must be >= 1")
         self.base = Path(base_dir).resolve()
         self.base.mkdir(parents=True, exist_ok=True)
         (self.base / "logs").mkdir(exist_ok=True)
@@ -87,18 +92,20 @@ class LocalCluster(procs.Started):
         self.token, self.tls_cert, self.tls_key, self.tls_ca = token, tls_cert, tls_key, tls_ca
         self.metrics = metrics
         self.master_args = list(master_args or [])
-        if journal and "--journal" not in self.master_args:
-            # pending deletes/renames survive a master restart (kill_master/start_master keep the file)
-            self.master_args += ["--journal", str(self.base / "master-journal.sqlite3")]
+        if shards > 1 and "--journal" in self.master_args:
+            raise ValueError("each shard's master needs its own journal: leave --journal to LocalCluster")
+        # pending deletes/renames survive a master restart (kill_master/start_master keep the file)
+        self.journal = journal and "--journal" not in self.master_args
         self.start_timeout = start_timeout
-        self.master_port = 0
-        self.master_metrics_port: int | None = None
-        self.master_proc: subprocess.Popen | None = None
+        self.shards = shards
+        self.master_ports = [0] * shards
+        self.master_metrics_ports: list[int | None] = [None] * shards
+        self.master_procs: list[subprocess.Popen | None] = [None] * shards
         self.netns = netns
         if netns is not None and workers > len(netns.nodes):
             raise ValueError(f"{workers} workers need {workers} namespace nodes, the cluster has {len(netns.nodes)}")
         self.master_host = netns.ctl.addr if netns is not None else "127.0.0.1"
-        self._master_forward: Any = None
+        self._master_forwards: dict[int, Any] = {}
         self.mounts: dict[int, tuple[Path, subprocess.Popen]] = {}
         self.workers = [LocalWorker(i, f"node-{i + 1}", self.base / f"worker-{i + 1}", capacity,
                                     extra_args=list(worker_args or [])) for i in range(workers)]
@@ -107,19 +114,34 @@ class LocalCluster(procs.Started):
                 w.node_id, w.host, w.where = n.name, n.addr, n
         _LIVE.add(self)
 
+    # shard 0's master under the names a one-master cluster always had
+    @property
+    def master_port(self) -> int:
+        return self.master_ports[0]
+
+    @property
+    def master_proc(self) -> subprocess.Popen | None:
+        return self.master_procs[0]
+
+    @property
+    def master_metrics_port(self) -> int | None:
+        return self.master_metrics_ports[0]
+
     @property
     def master(self) -> str:
-        """The master's address as the nodes (and any process started in a namespace) reach it."""
-        return f"{self.master_host}:{self.master_port}"
+        """The masters' addresses as the nodes (and any process started in a namespace) reach them
+        ("host:port", or "host:p0;host:p1" for shards)."""
+        return ";".join(f"{self.master_host}:{port}" for port in self.master_ports)
 
     @property
     def host_master(self) -> str:
         """The master's address for a process on the host: itself on loopback, else a 127.0.0.1 forwarder."""
         if self.netns is None:
             return self.master
-        if self._master_forward is None:
-            self._master_forward = self.netns.forward(self.master_port, where="ctl")
-        return str(self._master_forward.address)
+        for k, port in enumerate(self.master_ports):
+            if k not in self._master_forwards:
+                self._master_forwards[k] = self.netns.forward(port, where="ctl")
+        return ";".join(str(self._master_forwards[k].address) for k in range(self.shards))
 
     # ---------- lifecycle (context manager: procs.Started) ----------
 
@@ -167,19 +189,26 @@ class LocalCluster(procs.Started):
             raise
         return proc, info
 
-    def start_master(self) -> None:
-        """(Re)start the master on its previous port (a free one the first time)."""
-        args = ["master", "--host", self.master_host, "--port", str(self.master_port),
-                "--heartbeat-timeout", str(self.heartbeat_timeout), *self._security_args(), *self.master_args]
-        if self.metrics:
-            args += ["--metrics-port", "0"]
-        self.master_proc, info = self._spawn("master", args, self.base / "master.port")
-        self.master_port = info["port"]
-        self.master_metrics_port = info.get("metrics_port")
+    def start_master(self, shard: int | None = None) -> None:
+        """(Re)start the master (of one shard; default all) on its previous port (a free one the first time)."""
+        for k in range(self.shards) if shard is None else [shard]:
+            name = "master" if k == 0 else f"master-{k}"
+            args = ["master", "--host", self.master_host, "--port", str(self.master_ports[k]),
+                    "--heartbeat-timeout", str(self.heartbeat_timeout), *self._security_args(), *self.master_args]
+            if self.shards > 1:
+                args += ["--shard", f"{k}/{self.shards}"]
+            if self.journal:
+                args += ["--journal", str(self.base / f"{name}-journal.sqlite3")]
+            if self.metrics:
+                args += ["--metrics-port", "0"]
+            self.master_procs[k], info = self._spawn(name, args, self.base / f"{name}.port")
+            self.master_ports[k] = info["port"]
+            self.master_metrics_ports[k] = info.get("metrics_port")
 
-    def kill_master(self, sig: int = signal.SIGKILL) -> None:
-        procs.stop(self.master_proc, sig=sig, grace=10)
-        self.master_proc = None
+    def kill_master(self, sig: int = signal.SIGKILL, shard: int | None = None) -> None:
+        for k in range(self.shards) if shard is None else [shard]:
+            procs.stop(self.master_procs[k], sig=sig, grace=10)
+            self.master_procs[k] = None
 
     def start_worker(self, i: int, *, wait: bool = True) -> None:
         """(Re)start worker i on its data dir; with wait, return once the master lists it alive."""
@@ -287,6 +316,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dir", default="./.l2fs", help="base dir for data, logs and port files")
     p.add_argument("--capacity", default=None, help="per-worker capacity, e.g. 2G (default: free disk)")
     p.add_argument("--heartbeat-timeout", type=float, default=10.0)
+    p.add_argument("--shards", type=int, default=1,
+                   help="masters of a path-hash sharded namespace (default 1); clients take the printed "
+                        "'host:p0;host:p1' list")
     p.add_argument("--token", default=None)
     p.add_argument("--netns", action="store_true",
                    help="master in a control network namespace, worker K in node K's (needs root, ip, tc, nsenter)")
@@ -317,13 +349,14 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"l2fs local: {e}", file=sys.stderr)
                 return 2
         cluster = LocalCluster(args.dir, args.workers, capacity=args.capacity,
-                               heartbeat_timeout=args.heartbeat_timeout, token=args.token, netns=net)
+                               heartbeat_timeout=args.heartbeat_timeout, token=args.token, netns=net,
+                               shards=args.shards)
         with cluster:
             _print_cluster(cluster)
             while not stop:
                 time.sleep(0.2)
                 dead = [w for w in cluster.workers if not w.alive]
-                if dead or (cluster.master_proc is not None and cluster.master_proc.poll() is not None):
+                if dead or any(m is not None and m.poll() is not None for m in cluster.master_procs):
                     print("l2fs local: a process exited unexpectedly; stopping", file=sys.stderr)
                     return 1
     return 0
@@ -338,7 +371,7 @@ def _print_cluster(cluster: LocalCluster) -> None:
         where = f" netns={w.where.netns}" if w.where is not None else ""
         print(f"  worker {w.worker_id} node={w.node_id} at {w.address}{where} data={w.data_dir}", flush=True)
     if net is None:
-        print(f"export L2FS_MASTER={cluster.master}   # then: l2fs put/get/ls ... ; Ctrl-C stops", flush=True)
+        print(f"export L2FS_MASTER='{cluster.master}'   # then: l2fs put/get/ls ... ; Ctrl-C stops", flush=True)
         return
     print(f"  namespaces {net.prefix}-*, subnet {net.subnet}, link {net.link or 'unshaped'}", flush=True)
     print(f"from the host (metadata only): L2FS_MASTER={cluster.host_master} l2fs ls /", flush=True)
