@@ -54,6 +54,10 @@ NAME_MAX = 255
 MAX_READ = 1 << 20  # the kernel's default max_pages_limit (256 pages)
 BUF_SIZE = MAX_READ + 64 * 1024  # one request: header + a 1 MiB max_write (never used: read-only)
 DT_DIR, DT_REG = 4, 8
+KEEP_BUFFER = 64 << 20  # fetch buffers up to this size are kept per request thread
+# An OPEN right after the LOOKUP of the same open(2) reuses the lookup's Stat answer when it is this fresh
+# (one master round trip per open instead of two); older answers are asked again (close-to-open).
+STAT_REUSE = 0.1
 
 
 class Reply(Exception):
@@ -65,7 +69,8 @@ class Reply(Exception):
 
 
 class _Node:
-    __slots__ = ("ino", "path", "is_dir", "size", "mtime", "lookups", "opens", "backing", "backing_key")
+    __slots__ = ("ino", "path", "is_dir", "size", "mtime", "lookups", "opens", "backing", "backing_key", "stat",
+                 "stat_at")
 
     def __init__(self, ino: int, path: str, is_dir: bool) -> None:
         self.ino, self.path, self.is_dir = ino, path, is_dir
@@ -74,6 +79,8 @@ class _Node:
         self.opens = 0  # passthrough opens sharing `backing`
         self.backing = 0  # backing_id registered for this inode (the kernel wants one per inode at a time)
         self.backing_key: tuple[str, int, int] | None = None  # (block id, size, crc32c) it holds
+        self.stat: pb.FileStat | None = None  # the last Stat answer and when it came (see STAT_REUSE)
+        self.stat_at = 0.0
 
 
 class _Handle:
@@ -133,6 +140,7 @@ class BlockCache:
         self.files: OrderedDict[str, int] = OrderedDict()  # name -> size, least recently used first
         self.users: dict[str, int] = {}
         self.fetching: dict[str, threading.Lock] = {}
+        self.local = threading.local()
 
     def open(self, st_: pb.FileStat, loc: pb.Location, deadline: float) -> tuple[int, str]:
         """(read-only fd, name) of the verified local copy of loc's block; fetched if absent."""
@@ -146,44 +154,52 @@ class BlockCache:
                     self.users[name] = self.users.get(name, 0) + 1
                     self.counters.inc("cache_hits")
                     return os.open(os.path.join(self.dir, name), os.O_RDONLY | os.O_CLOEXEC), name
-            self.fetch(st_, loc, name, deadline)
-            with self.lock:
-                self.files[name] = st_.size
-                self.users[name] = self.users.get(name, 0) + 1
-                self.fetching.pop(name, None)
+            try:
+                fd = self.fetch(st_, loc, name, deadline)
+                with self.lock:
+                    self.files[name] = st_.size
+                    self.users[name] = self.users.get(name, 0) + 1
+            finally:
+                with self.lock:
+                    self.fetching.pop(name, None)
             self.evict()
-            return os.open(os.path.join(self.dir, name), os.O_RDONLY | os.O_CLOEXEC), name
+            return fd, name
 
-    def fetch(self, st_: pb.FileStat, loc: pb.Location, name: str, deadline: float) -> None:
-        """Read the block over the data plane straight into the cache file's pages, CRC32C computed while
-        the bytes arrive; a short or corrupt block is reported to its worker and gives EIO."""
-        tmp = os.path.join(self.dir, f".{name}.tmp")
-        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-        ok = False
+    def fetch(self, st_: pb.FileStat, loc: pb.Location, name: str, deadline: float) -> int:
+        """Read the block over the data plane into a reused buffer, CRC32C computed while the bytes arrive,
+        then write it to the cache file (a reused buffer is already mapped: a fresh mmap of the file cost a
+        page fault per 4 KiB); a short or corrupt block is reported to its worker and gives EIO."""
+        size = st_.size
+        buf = self.buffer(size)
+        view = memoryview(buf)[:size]
         try:
-            size = st_.size
-            os.ftruncate(fd, size)
-            if size:
-                with mmap.mmap(fd, size) as m:
-                    view = memoryview(m)
-                    try:
-                        ok = self._read_into(st_, loc, view, deadline)
-                    finally:
-                        view.release()
-            else:
-                ok = True
-            if not ok:
+            if size and not self._read_into(st_, loc, view, deadline):
                 self.counters.inc("crc_errors")
                 raise Reply(errno.EIO)
-            os.rename(tmp, os.path.join(self.dir, name))
-            self.counters.inc("cache_fetches")
+            tmp = os.path.join(self.dir, f".{name}.tmp")
+            fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+            try:
+                done = 0
+                while done < size:
+                    done += os.pwrite(fd, view[done:], done)
+                os.rename(tmp, os.path.join(self.dir, name))
+            except OSError:
+                os.close(fd)
+                os.unlink(tmp)
+                raise
         finally:
-            os.close(fd)
-            if not ok:
-                try:
-                    os.unlink(tmp)
-                except OSError:
-                    pass
+            view.release()
+        self.counters.inc("cache_fetches")
+        return fd
+
+    def buffer(self, size: int) -> bytearray:
+        """This thread's fetch buffer, grown to size (one per request thread, bounded by the largest file)."""
+        if size > KEEP_BUFFER:
+            return bytearray(size)
+        b: bytearray | None = getattr(self.local, "buf", None)
+        if b is None or len(b) < size:
+            b = self.local.buf = bytearray(max(size, 1))
+        return b
 
     def _read_into(self, st_: pb.FileStat, loc: pb.Location, view: memoryview, deadline: float) -> bool:
         c = self.client
@@ -363,6 +379,7 @@ class PassthroughServer:
                 self.nodes[n.ino] = n
                 self.by_path[path] = n
             n.size, n.mtime = (0 if s.is_dir else s.size), s.mtime
+            n.stat, n.stat_at = s, time.monotonic()
             return n
 
     # ------------------------------------------------------------ namespace
@@ -528,7 +545,10 @@ class PassthroughServer:
         n = self.node(req.nodeid)
         if n.is_dir:
             raise Reply(errno.EISDIR)
-        s = self.stat_path(n.path)
+        s = n.stat
+        if s is None or time.monotonic() - n.stat_at > STAT_REUSE:
+            s = self.stat_path(n.path)
+        n.stat = None  # used once
         if s.is_dir:
             raise Reply(errno.EISDIR)
         if not s.locations:
