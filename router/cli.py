@@ -114,8 +114,94 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--l2fs-dtype", default="float", help="LMCache dtype string of the KV (float, half, bfloat16)")
     p.add_argument("--l2fs-hash-seed", default=contract.HASH_SEED,
                    help="the replicas' PYTHONHASHSEED (LMCache's builtin chunk hash depends on it)")
+    p.add_argument("--workers", type=int, default=int(os.environ.get("KVTIER_ROUTER_WORKERS", "1") or 1),
+                   help="router processes sharing the port (SO_REUSEPORT; the kernel spreads connections); each "
+                        "is a full router with its own state: use --prefix-affinity and --load-scrape-interval so "
+                        "they agree; admission bounds are per process; /metrics merges all workers (label worker). "
+                        "Env KVTIER_ROUTER_WORKERS")
+    p.add_argument("--worker-of", default=None, help=argparse.SUPPRESS)  # internal: "<peers dir>:<worker id>"
     p.add_argument("--log-level", default="info")
     return p
+
+
+def _supervise(args: argparse.Namespace, argv: list[str]) -> int:
+    """--workers N: N `router.cli` processes, each with its own SO_REUSEPORT listening socket on one port.
+
+    Separate processes rather than uvicorn's workers=: each must run the router's startup (replica set, KV
+    event subscribers, load scrapes) in its own loop, and the parent must keep the port while they come
+    and go. The parent holds the port with a bound, never listening socket (so port 0 resolves once), waits
+    until every worker listens, prints one URL, restarts a worker that dies, and on SIGTERM/SIGINT stops all."""
+    import shutil
+    import signal
+    import subprocess
+    import tempfile
+    import threading
+    import time
+    from pathlib import Path
+
+    # preexec_fn: a worker gets SIGTERM if this supervisor dies without stopping it
+    from l2fs.procs import _die_with_parent
+
+    hold = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
+    hold.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    hold.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    hold.bind((args.host, args.port))
+    port = hold.getsockname()[1]
+    peers = tempfile.mkdtemp(prefix="kvtier-router-workers-")
+    root = str(Path(__file__).resolve().parents[1])
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(x for x in (root, os.environ.get("PYTHONPATH")) if x))
+    log = logging.getLogger("kvtier.router")
+
+    def spawn(i: int) -> subprocess.Popen[str]:
+        return subprocess.Popen([sys.executable, "-m", "router.cli", *argv, "--port", str(port),
+                                 "--worker-of", f"{peers}:{i}"], stdout=subprocess.PIPE, text=True, env=env,
+                                preexec_fn=_die_with_parent)
+
+    def ready(i: int, p: subprocess.Popen[str]) -> subprocess.Popen[str] | None:
+        """p once it printed its "listening on" line (then its stdout is passed on), None if it failed."""
+        assert p.stdout is not None
+        if "listening on" not in p.stdout.readline():
+            p.wait()
+            print(f"kvtier router: worker {i} failed to start (exit {p.returncode})", file=sys.stderr)
+            return None
+        threading.Thread(target=lambda: [sys.stdout.write(x) for x in p.stdout or ()], daemon=True).start()
+        return p
+
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    workers: list[subprocess.Popen[str] | None] = []
+    try:
+        workers = [spawn(i) for i in range(args.workers)]  # started together, then each waited for
+        if any(ready(i, w) is None for i, w in enumerate(workers) if w is not None):
+            return 1
+        scheme = "https" if args.tls_cert else "http"
+        host = f"[{args.host}]" if ":" in args.host else args.host
+        print(f"kvtier router listening on {scheme}://{host}:{port} strategy={args.strategy} "
+              f"workers={args.workers}", flush=True)
+        while not stop.wait(0.5):
+            for i, w in enumerate(workers):
+                if w is not None and w.poll() is None:
+                    continue
+                if w is not None:
+                    log.warning("router worker %d (pid %d) exited with %s; restarting", i, w.pid, w.returncode)
+                    time.sleep(1.0)
+                workers[i] = ready(i, spawn(i))
+        return 0
+    finally:
+        for w in workers:
+            if w is not None and w.poll() is None:
+                w.terminate()
+        deadline = time.monotonic() + 10
+        for w in workers:
+            if w is not None:
+                try:
+                    w.wait(max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    w.kill()
+                    w.wait()
+        shutil.rmtree(peers, ignore_errors=True)
+        hold.close()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -141,6 +227,11 @@ def main(argv: list[str] | None = None) -> int:
         if f and not os.path.isfile(f):
             print(f"kvtier router: TLS file {f!r} not found", file=sys.stderr)
             return 2
+    if args.workers < 1:
+        print("kvtier router: --workers must be >= 1", file=sys.stderr)
+        return 2
+    if args.workers > 1 and args.worker_of is None:
+        return _supervise(args, list(sys.argv[1:] if argv is None else argv))
     for flag in ("max_inflight", "max_inflight_per_replica", "max_queue", "queue_timeout", "load_scrape_interval"):
         if getattr(args, flag) < 0:
             print(f"kvtier router: --{flag.replace('_', '-')} must be >= 0", file=sys.stderr)
@@ -158,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     import uvicorn
 
     from router.admission import AdmissionConfig
-    from router.app import RouterConfig, create_app
+    from router.app import FastFront, RouterConfig, create_app
 
     discovery = None
     if args.k8s_selector:
@@ -191,12 +282,27 @@ def main(argv: list[str] | None = None) -> int:
         admission=AdmissionConfig(max_inflight=args.max_inflight, max_inflight_per_replica=args.max_inflight_per_replica,
                                   max_queue=args.max_queue, queue_timeout=args.queue_timeout,
                                   retry_after=args.retry_after))
-    app = create_app(cfg)
     sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sockets = [sock]
+    if args.worker_of is not None:  # one of --workers N: share the port; a private loopback port for /metrics
+        peers_dir, _, wid = args.worker_of.rpartition(":")
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        priv = socket.socket(socket.AF_INET)
+        priv.bind(("127.0.0.1", 0))
+        priv.listen(64)
+        sockets.append(priv)
+        cfg.peers_dir, cfg.worker_id, cfg.peers_tls = peers_dir, int(wid), bool(args.tls_cert)
     sock.bind((args.host, args.port))
     sock.listen(2048)  # connections queue until uvicorn accepts, so the printed URL works at once
     port = sock.getsockname()[1]
+    if args.worker_of is not None:
+        tmp = os.path.join(cfg.peers_dir or "", f"{cfg.worker_id}.port.tmp")
+        with open(tmp, "w") as f:
+            f.write(str(priv.getsockname()[1]))
+        os.replace(tmp, tmp[:-4])
+    # the two proxy endpoints skip FastAPI's middleware stack (router.app.FastFront); the rest is FastAPI's
+    app = FastFront(create_app(cfg))
     scheme = "https" if args.tls_cert else "http"
     # uvicorn loads the certificate in Config.load() (inside serve), so a bad pair fails before we print
     config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=2,
@@ -210,7 +316,7 @@ def main(argv: list[str] | None = None) -> int:
     host = f"[{args.host}]" if ":" in args.host else args.host
     print(f"kvtier router listening on {scheme}://{host}:{port} strategy={args.strategy}", flush=True)
     server = uvicorn.Server(config)
-    asyncio.run(server.serve(sockets=[sock]))
+    asyncio.run(server.serve(sockets=sockets))
     return 0
 
 

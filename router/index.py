@@ -114,6 +114,8 @@ class PrefixTree:
                 if not node:
                     return result
                 alive = {r: e for r, e in node.items() if gen.get(r) == e[0] and e[1] > now}
+                if len(alive) == 1:  # the common case (a prefix lives on one replica): no per-block list
+                    return self._single(keys, next(iter(alive)), now)
             elif node is None:
                 for r in alive:
                     result[r] = i
@@ -127,6 +129,16 @@ class PrefixTree:
         for r in alive:
             result[r] = len(keys)
         return result
+
+    def _single(self, keys: Sequence[int], r: str, now: float) -> dict[str, int]:
+        """_contiguous when only replica r holds the first block: one dict lookup and one check per block."""
+        nodes, g = self._nodes, self._gen.get(r)
+        for i in range(1, len(keys)):
+            node = nodes.get(keys[i])
+            e = node.get(r) if node is not None else None
+            if e is None or e[0] != g or e[1] <= now:
+                return {r: i}
+        return {r: len(keys)}
 
     def purge(self, replica: str) -> None:
         self._gen[replica] = self._gen.get(replica, 0) + 1

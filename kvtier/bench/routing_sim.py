@@ -281,7 +281,8 @@ async def open_loop_run(urls: list[str], reqs: list[tuple[str, bytes]], rate: fl
                              "e2e_ms": (t_done - t_sched) * 1e3, "done_s": t_done - start, "status": status,
                              "router_ms": float(h.get("x-kvtier-router-ms", "nan")),
                              "tokenize_ms": float(h.get("x-kvtier-tokenize-ms", "nan")),
-                             "replica": h.get("x-kvtier-replica", urls[i % len(urls)])})
+                             "replica": h.get("x-kvtier-replica", urls[i % len(urls)]),
+                             "pid": h.get("x-kvtier-router-pid")})
 
         start = time.perf_counter()  # warm-up: connections, code paths (its prompts are not reused)
         await asyncio.gather(*(one(i, sid, b, start, False) for i, (sid, b) in enumerate(warm)))
@@ -301,6 +302,8 @@ async def open_loop_run(urls: list[str], reqs: list[tuple[str, bytes]], rate: fl
 def overhead_summary(arm: str, rate: float, rows: list[dict[str, Any]], sent_s: float, load: float,
                      sustain_p99_ms: float) -> dict[str, Any]:
     ok = [r for r in rows if r["status"] == 200]
+    # a 429's client-side time: from the actual send (not the schedule: the client's own lag is not the router's)
+    rej = [r["e2e_ms"] - r["lag_ms"] for r in rows if r["status"] == 429]
     e2e = [r["e2e_ms"] for r in ok]
     own = [r["router_ms"] for r in ok if r["router_ms"] == r["router_ms"]]
     tok = [r["tokenize_ms"] for r in ok if r["tokenize_ms"] == r["tokenize_ms"]]
@@ -311,6 +314,8 @@ def overhead_summary(arm: str, rate: float, rows: list[dict[str, Any]], sent_s: 
          "router_p50_ms": pct(own, 50), "router_p99_ms": pct(own, 99), "router_max_ms": max(own, default=None),
          "tok_p50_ms": pct(tok, 50), "tok_p99_ms": pct(tok, 99),
          "e2e_p50_ms": pct(e2e, 50), "e2e_p99_ms": pct(e2e, 99), "load1": load,
+         "n429": len(rej), "reject_p50_ms": pct(rej, 50), "reject_p99_ms": pct(rej, 99),
+         "pids": len({r.get("pid") for r in ok} - {None}),
          "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     s["sustained"] = (s["errors"] == 0 and s["sent_rps"] >= 0.95 * rate and s["done_rps"] >= 0.95 * rate
                       and s["e2e_p99_ms"] <= sustain_p99_ms)
@@ -338,8 +343,11 @@ def overhead(args: argparse.Namespace, tmp: Path, reps: list[P], model: str, run
                 rt = start_vllm_router(args, tmp, reps, model, arm.split(":", 1)[1])
                 running.append(rt)
             elif arm != "direct":
-                # KV events only where the strategy reads them (a kvaware deployment's flags)
-                rt = start_kvtier(args, tmp, reps, arm, kv=arm == "kvaware" or args.kv_events_all)
+                # KV events only where the strategy reads them (a kvaware deployment's flags); "<strategy>@N":
+                # that strategy with --workers N (N router processes on one port)
+                strategy, _, nw = arm.partition("@")
+                rt = start_kvtier(args, tmp, reps, strategy, kv=strategy == "kvaware" or args.kv_events_all,
+                                  workers=int(nw or 1))
                 running.append(rt)
             urls = [r.url for r in reps] if rt is None else [rt.url]
             off = 0
@@ -384,7 +392,8 @@ def overhead(args: argparse.Namespace, tmp: Path, reps: list[P], model: str, run
             ("router_p50_ms", "router p50"), ("router_p99_ms", "router p99"), ("tok_p50_ms", "tok p50"),
             ("tok_p99_ms", "tok p99"), ("e2e_p50_ms", "e2e p50"), ("e2e_p99_ms", "e2e p99"),
             ("minus_direct_p50_ms", "-direct p50"), ("minus_direct_p99_ms", "-direct p99"),
-            ("router_cpu_pct", "router cpu%"), ("replicas_cpu_pct", "4 replicas cpu%"),
+            ("n429", "429s"), ("reject_p50_ms", "429 ms p50"), ("reject_p99_ms", "429 ms p99"),
+            ("pids", "router pids"), ("router_cpu_pct", "router cpu%"), ("replicas_cpu_pct", "4 replicas cpu%"),
             ("loadgen_cpu_pct", "loadgen cpu%"), ("load1", "load1"),
             ("sustained", "sustained")]
 
@@ -435,10 +444,11 @@ def start_replicas(args: argparse.Namespace, tmp: Path, model: str, running: lis
     return reps
 
 
-def start_kvtier(args: argparse.Namespace, tmp: Path, reps: list[P], strategy: str, kv: bool = True) -> P:
+def start_kvtier(args: argparse.Namespace, tmp: Path, reps: list[P], strategy: str, kv: bool = True,
+                 workers: int = 1) -> P:
     """`kvtier router` (router.cli: the production uvicorn settings) in front of reps, fed their KV events."""
     events = ["--kv-events", ",".join(r.kv for r in reps), "--kv-replay", ",".join(r.replay for r in reps)]
-    extra = shlex.split(getattr(args, "router_args", "") or "")
+    extra = shlex.split(getattr(args, "router_args", "") or "") + (["--workers", str(workers)] if workers > 1 else [])
 
     def one(i: int) -> P:
         return spawn([PY, "-m", "router.cli", "--port", "0", "--replicas", ",".join(r.url for r in reps),
@@ -469,9 +479,13 @@ def start_vllm_router(args: argparse.Namespace, tmp: Path, reps: list[P], model:
 
 
 def cpu_seconds(pid: int) -> float:
-    """utime + stime of a process (Linux /proc)."""
-    f = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
+    """utime + stime of a process and its live descendants (a `--workers N` router's workers; Linux /proc)."""
+    try:
+        f = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        kids = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    except OSError:  # gone meanwhile
+        return 0.0
+    return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK") + sum(cpu_seconds(int(k)) for k in kids)
 
 
 def build_parser() -> argparse.ArgumentParser:
