@@ -1,0 +1,222 @@
+"""`kvtier tokens`: scoped l2fs credentials for a cluster (issue 13), and the worker's pick of its own.
+
+Why a generator: l2fs checks each call's token against a tokens file (docs/l2fs.md, "Scoped tokens"), and a
+worker id is bound to the entry name that registered it, so every worker needs its own worker-role entry.
+A DaemonSet cannot give each pod its own Secret, so the scheme is: one entry per node, named
+`worker-<node name>`, in one Secret that master and workers mount (they need the whole file anyway, to
+check clients' tokens); each worker container starts through `kvtier tokens exec --entry worker-$(NODE_NAME)`,
+which exports its own token as L2FS_TOKEN and refuses to start when its node has no entry. Clients never see
+the file: engines, the router and the FUSE mount get one token each, in their own Secrets.
+
+  kvtier tokens generate --workers node-a node-b --engine qwen2-7b@team-a --router team-a --mount --admin \
+      -o tokens.json --secret-yaml secrets.yaml
+  kvtier tokens exec --entry worker-node-a --role worker -- l2fs worker ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import secrets
+import sys
+from pathlib import Path
+from typing import Any
+
+from kvtier import contract
+
+TOKENS_SECRET = "l2fs-tokens"  # namespace kvtier: the whole file (master + workers only)
+TOKENS_KEY = "tokens.json"
+MOUNT_SECRET = "l2fs-mount-token"  # namespace kvtier: the FUSE mount's admin token
+ROUTER_SECRET = "kvtier-router-l2fs-token"  # the router's namespace: its router-role token
+ENGINE_SECRET = "{endpoint}-l2fs-token"  # the endpoint's namespace: its engine-role token (webhook default)
+TOKEN_KEY = "token"
+MASTER_ENTRY = "master"  # worker role, first in the file: the token the master calls workers with
+
+
+def _token() -> str:
+    return secrets.token_hex(32)
+
+
+def _node(name: str) -> str:
+    """`kubectl get nodes -o name` prints node/<name>; accept both."""
+    return name.removeprefix("node/").strip()
+
+
+def parse_engine(spec: str, namespace: str) -> tuple[str, str, str]:
+    """ENDPOINT[:PREFIX][@NAMESPACE] -> (endpoint, prefix, namespace). The default prefix is the one the webhook
+    files the endpoint under (<KV prefix>/<endpoint>/<revision>/...), so one token covers every revision."""
+    rest, _, ns = spec.partition("@")
+    endpoint, _, prefix = rest.partition(":")
+    if not endpoint or "/" in endpoint:
+        raise ValueError(f"--engine {spec!r}: want ENDPOINT[:PREFIX][@NAMESPACE]")
+    prefix = prefix or f"{contract.KV_PREFIX.rstrip('/')}/{endpoint}"
+    if not prefix.startswith("/") or prefix.rstrip("/") == "":
+        raise ValueError(f"--engine {spec!r}: the prefix must be an absolute l2fs directory other than /")
+    return endpoint, prefix.rstrip("/"), ns or namespace
+
+
+def generate(workers: list[str], engines: list[tuple[str, str, str]], routers: list[str], mount: bool, admin: bool,
+             keep: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+    """The tokens file entries. `keep` (an earlier file) lends its tokens to entries of the same name and role,
+    so adding a node does not rotate everyone; entries it has that are not asked for are dropped (revoked)."""
+    old = {(e.get("name"), e.get("role")): e.get("token") for e in keep or []}
+    entries: list[dict[str, Any]] = []
+
+    def add(name: str, role: str, prefixes: list[str] | None = None) -> None:
+        if any(e["name"] == name for e in entries):
+            raise ValueError(f"entry {name!r} asked for twice")
+        entry: dict[str, Any] = {"name": name, "token": old.get((name, role)) or _token(), "role": role}
+        if prefixes:
+            entry["prefixes"] = prefixes
+        entries.append(entry)
+
+    add(MASTER_ENTRY, "worker")
+    for node in workers:
+        add(f"worker-{_node(node)}", "worker")
+    for endpoint, prefix, _ in engines:
+        add(f"engine-{endpoint}", "engine", [prefix])
+    for ns in routers:
+        add(f"router-{ns}", "router")
+    if mount:
+        add("mount", "admin")
+    if admin:
+        add("admin", "admin")
+    return entries
+
+
+def _secret(name: str, namespace: str, data: dict[str, str], what: str) -> dict[str, Any]:
+    return {"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
+            "metadata": {"name": name, "namespace": namespace, "labels": {"app.kubernetes.io/part-of": "kvtier"},
+                         "annotations": {"kvtier.io/holds": what}},
+            "stringData": data}
+
+
+def secrets_for(entries: list[dict[str, Any]], engines: list[tuple[str, str, str]], namespace: str) -> list[dict[str, Any]]:
+    """The Secrets deploy/ and the webhook reference: the whole file for master/workers, one token each for
+    the mount, every engine (in its namespace) and every router namespace."""
+    by_name = {e["name"]: e["token"] for e in entries}
+    out = [_secret(TOKENS_SECRET, namespace, {TOKENS_KEY: json.dumps(entries)},
+                   "every l2fs token: l2fs master and workers only")]
+    if "mount" in by_name:
+        out.append(_secret(MOUNT_SECRET, namespace, {TOKEN_KEY: by_name["mount"]}, "admin token of the FUSE mount"))
+    for endpoint, _, ns in engines:
+        out.append(_secret(ENGINE_SECRET.format(endpoint=endpoint), ns, {TOKEN_KEY: by_name[f"engine-{endpoint}"]},
+                           f"engine token of endpoint {endpoint}"))
+    for e in entries:
+        if e["role"] == "router":
+            out.append(_secret(ROUTER_SECRET, e["name"].removeprefix("router-"), {TOKEN_KEY: e["token"]},
+                               "router token (reads only)"))
+    return out
+
+
+def _write(path: str, text: str) -> None:
+    if path == "-":
+        sys.stdout.write(text)
+        return
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # secrets: owner only
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+
+
+def cmd_generate(ns: argparse.Namespace) -> int:
+    import yaml
+
+    from l2fs.common import TokensFileError, load_tokens_file
+
+    if not ns.output and not ns.secret_yaml:
+        print("kvtier tokens generate: give -o FILE and/or --secret-yaml FILE ('-' = stdout)", file=sys.stderr)
+        return 2
+    try:
+        keep = json.loads(Path(ns.keep).read_text()) if ns.keep else None
+        engines = [parse_engine(s, ns.endpoint_namespace) for s in ns.engine]
+        entries = generate(ns.workers, engines, ns.router, ns.mount, ns.admin, keep)
+    except (OSError, ValueError) as e:
+        print(f"kvtier tokens generate: {e}", file=sys.stderr)
+        return 2
+    text = json.dumps(entries, indent=1) + "\n"
+    check = Path(ns.output) if ns.output and ns.output != "-" else None
+    if ns.output:
+        _write(ns.output, text)
+    if check is not None:
+        try:  # what master and workers will load: a file they refuse must not leave here
+            load_tokens_file(str(check))
+        except TokensFileError as e:
+            print(f"kvtier tokens generate: {e}", file=sys.stderr)
+            return 2
+    if ns.secret_yaml:
+        _write(ns.secret_yaml, yaml.safe_dump_all(secrets_for(entries, engines, ns.namespace), sort_keys=False))
+    return 0
+
+
+def pick(path: str, entry: str, role: str | None = None) -> str:
+    """The token of entry `entry` in tokens file `path`; ValueError saying what to do when it is not there."""
+    from l2fs.common import TokensFileError, load_tokens_file
+
+    try:
+        loaded = load_tokens_file(path)
+    except TokensFileError as e:
+        raise ValueError(str(e)) from None
+    for token, cred in loaded:
+        if cred.name == entry:
+            if role and role not in cred.roles:
+                raise ValueError(f"entry {entry!r} of {path} has role {', '.join(sorted(cred.roles))}, not {role}")
+            return token
+    names = ", ".join(c.name for _, c in loaded)
+    raise ValueError(f"no entry {entry!r} in {path} (it has: {names}); a node added after the tokens were made "
+                     f"needs its own: kvtier tokens generate --keep OLD --workers ... (docs/deploy.md, Tokens)")
+
+
+def cmd_exec(ns: argparse.Namespace) -> int:
+    """Export the entry's token as L2FS_TOKEN and become the command (no wrapper process stays behind)."""
+    path = ns.file or os.environ.get("L2FS_TOKENS_FILE") or ""
+    cmd = ns.cmd[1:] if ns.cmd[:1] == ["--"] else ns.cmd
+    if not cmd:
+        print("kvtier tokens exec: no command after --", file=sys.stderr)
+        return 2
+    if not path:
+        print("kvtier tokens exec: no tokens file (--file or $L2FS_TOKENS_FILE)", file=sys.stderr)
+        return 2
+    try:
+        token = pick(path, ns.entry, ns.role)
+    except ValueError as e:
+        print(f"kvtier tokens exec: {e}", file=sys.stderr)
+        return 2
+    os.environ["L2FS_TOKEN"] = token
+    try:
+        os.execvp(cmd[0], cmd)
+    except OSError as e:
+        print(f"kvtier tokens exec: {cmd[0]}: {e.strerror}", file=sys.stderr)
+        return 127
+    return 0  # not reached
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="kvtier tokens", description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="what", required=True)
+    g = sub.add_parser("generate", help="make a tokens file (and the Secrets) for a cluster")
+    g.add_argument("--workers", nargs="*", default=[], metavar="NODE",
+                   help="node names that run an l2fs worker (kubectl get nodes -l kvtier.io/l2fs=true -o name)")
+    g.add_argument("--engine", action="append", default=[], metavar="ENDPOINT[:PREFIX][@NAMESPACE]",
+                   help=f"an endpoint's engine token; PREFIX default {contract.KV_PREFIX}/ENDPOINT (repeatable)")
+    g.add_argument("--router", action="append", default=[], metavar="NAMESPACE",
+                   help="a router-role token (reads only) for the kvtier router in NAMESPACE (repeatable)")
+    g.add_argument("--mount", action="store_true", help="an admin token for the l2fs-mount DaemonSet (FUSE writes "
+                   "overwrite and rename, which only admin may)")
+    g.add_argument("--admin", action="store_true", help="an admin token for people (rm, rename, overwrite)")
+    g.add_argument("--keep", metavar="FILE", help="reuse the tokens of same-name entries of this earlier file")
+    g.add_argument("--namespace", default="kvtier", help="namespace of l2fs (the tokens file and mount Secrets)")
+    g.add_argument("--endpoint-namespace", default="default", help="namespace of engines given without @NAMESPACE")
+    g.add_argument("-o", "--output", help="tokens file to write (mode 0600; '-' = stdout)")
+    g.add_argument("--secret-yaml", metavar="FILE", help="Kubernetes Secrets to write ('-' = stdout)")
+    e = sub.add_parser("exec", help="run a command with L2FS_TOKEN set to one entry's token (worker pods)")
+    e.add_argument("--entry", required=True, help="entry name, e.g. worker-$(NODE_NAME)")
+    e.add_argument("--role", default=None, help="refuse unless the entry has this role")
+    e.add_argument("--file", default=None, help="tokens file (default $L2FS_TOKENS_FILE)")
+    e.add_argument("cmd", nargs=argparse.REMAINDER, help="-- command args...")
+    ns = p.parse_args(argv)
+    return cmd_generate(ns) if ns.what == "generate" else cmd_exec(ns)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,88 @@
+"""`kvtier tokens`: the generated file is one l2fs loads (its own parser), one entry per node with unique
+tokens, `--keep` rotates nothing it keeps, and `exec` hands a command its own entry or refuses clearly.
+The generated file against real master/worker processes: tests/operator/test_operator_deploy_run.py."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from kvtier import tokens
+from l2fs.common import load_tokens_file
+
+pytestmark = pytest.mark.unit
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def kvtier(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "kvtier.cli", "tokens", *args], capture_output=True, text=True,
+                          timeout=60, cwd=ROOT, env=env)
+
+
+def test_generate_is_what_l2fs_loads(tmp_path: Path) -> None:
+    out = tmp_path / "tokens.json"
+    r = kvtier("generate", "--workers", "node/ip-10-0-0-1.ec2.internal", "node-b", "--engine", "ep-a@team-a",
+               "--engine", "ep-b:/kvtier/kv/custom", "--router", "team-a", "--mount", "--admin", "-o", str(out),
+               "--secret-yaml", str(tmp_path / "s.yaml"))
+    assert r.returncode == 0, r.stderr
+    assert out.stat().st_mode & 0o077 == 0 and (tmp_path / "s.yaml").stat().st_mode & 0o077 == 0
+    loaded = {c.name: (t, c) for t, c in load_tokens_file(str(out))}
+    assert list(loaded) == ["master", "worker-ip-10-0-0-1.ec2.internal", "worker-node-b", "engine-ep-a",
+                            "engine-ep-b", "router-team-a", "mount", "admin"]
+    roles = {n: set(c.roles) for n, (_, c) in loaded.items()}
+    assert roles["master"] == roles["worker-node-b"] == {"worker"}  # master first: its outbound token
+    assert roles["mount"] == roles["admin"] == {"admin"} and roles["router-team-a"] == {"router"}
+    assert loaded["engine-ep-a"][1].prefixes == ("/kvtier/kv/ep-a",)
+    assert loaded["engine-ep-b"][1].prefixes == ("/kvtier/kv/custom",)
+    assert len({t for t, _ in loaded.values()}) == len(loaded)
+    docs = {(d["metadata"]["namespace"], d["metadata"]["name"]): d["stringData"]
+            for d in yaml.safe_load_all((tmp_path / "s.yaml").read_text())}
+    assert set(docs) == {("kvtier", "l2fs-tokens"), ("kvtier", "l2fs-mount-token"), ("team-a", "ep-a-l2fs-token"),
+                         ("default", "ep-b-l2fs-token"), ("team-a", "kvtier-router-l2fs-token")}
+    assert json.loads(docs[("kvtier", "l2fs-tokens")]["tokens.json"]) == json.loads(out.read_text())
+    assert docs[("team-a", "ep-a-l2fs-token")] == {"token": loaded["engine-ep-a"][0]}
+    assert docs[("team-a", "kvtier-router-l2fs-token")] == {"token": loaded["router-team-a"][0]}
+    assert docs[("kvtier", "l2fs-mount-token")] == {"token": loaded["mount"][0]}
+
+
+def test_keep_reuses_tokens_and_drops_the_rest() -> None:
+    first = tokens.generate(["a", "b"], [("ep", "/kvtier/kv/ep", "ns")], [], mount=True, admin=False)
+    second = tokens.generate(["a", "c"], [("ep", "/kvtier/kv/ep", "ns")], [], mount=True, admin=False, keep=first)
+    old, new = ({e["name"]: e["token"] for e in x} for x in (first, second))
+    assert set(new) == {"master", "worker-a", "worker-c", "engine-ep", "mount"}  # worker-b revoked
+    for name in ("master", "worker-a", "engine-ep", "mount"):
+        assert new[name] == old[name]
+    assert new["worker-c"] not in old.values()
+    rotated = tokens.generate(["a"], [], [], mount=False, admin=False)
+    assert rotated[1]["token"] != old["worker-a"]
+    with pytest.raises(ValueError, match="twice"):
+        tokens.generate(["a", "node/a"], [], [], mount=False, admin=False)
+    with pytest.raises(ValueError, match="ENDPOINT"):
+        tokens.parse_engine(":/x", "ns")
+    with pytest.raises(ValueError, match="other than /"):
+        tokens.parse_engine("ep:/", "ns")
+
+
+def test_exec_picks_its_own_entry_or_refuses(tmp_path: Path) -> None:
+    f = tmp_path / "tokens.json"
+    assert kvtier("generate", "--workers", "node-a", "--engine", "ep", "-o", str(f)).returncode == 0
+    want = {e["name"]: e["token"] for e in json.loads(f.read_text())}
+    env = {"PATH": "/usr/bin:/bin", "L2FS_TOKENS_FILE": str(f)}
+    ok = kvtier("exec", "--entry", "worker-node-a", "--role", "worker", "--", "sh", "-c", "echo $L2FS_TOKEN", env=env)
+    assert ok.returncode == 0 and ok.stdout.strip() == want["worker-node-a"]
+    missing = kvtier("exec", "--entry", "worker-node-z", "--", "true", env=env)
+    assert missing.returncode == 2 and "no entry 'worker-node-z'" in missing.stderr
+    assert want["worker-node-a"] not in missing.stderr  # names only, never tokens
+    wrong = kvtier("exec", "--entry", "engine-ep", "--role", "worker", "--", "true", env=env)
+    assert wrong.returncode == 2 and "has role engine, not worker" in wrong.stderr
+    nofile = kvtier("exec", "--entry", "worker-node-a", "--", "true", env={"PATH": "/usr/bin:/bin"})
+    assert nofile.returncode == 2 and "no tokens file" in nofile.stderr
+    f.write_text("[]")
+    bad = kvtier("exec", "--entry", "worker-node-a", "--", "true", env=env)
+    assert bad.returncode == 2 and "non-empty JSON list" in bad.stderr
+    assert kvtier("generate", "--workers", "a").returncode == 2  # nowhere to write
