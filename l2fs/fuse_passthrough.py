@@ -176,16 +176,16 @@ class BlockCache:
             if size and not self._read_into(st_, loc, view, deadline):
                 self.counters.inc("crc_errors")
                 raise Reply(errno.EIO)
-            tmp = os.path.join(self.dir, f".{name}.tmp")
-            fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+            # no temp name: the directory is this process's own, and a name is used (self.files) once complete
+            path = os.path.join(self.dir, name)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
             try:
                 done = 0
                 while done < size:
                     done += os.pwrite(fd, view[done:], done)
-                os.rename(tmp, os.path.join(self.dir, name))
             except OSError:
                 os.close(fd)
-                os.unlink(tmp)
+                os.unlink(path)
                 raise
         finally:
             view.release()
