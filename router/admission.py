@@ -1,8 +1,8 @@
 """Admission control: a bounded number of requests in the router, a bounded FIFO wait queue, fast rejects.
 
 Without it an overloaded router accepted everything and collapsed (unbounded pending work, then timeouts
-for all). The gate sits after JSON validation and before tokenization and any upstream call, so a rejected
-request costs only its body read and a JSON parse. A slot is held from admission until the response has
+for all). The gate is the request handler's first await (router.app.Router.proxy), before the body read, the
+JSON parse, tokenization and any upstream call, so a rejected request costs only uvicorn's header parse. A slot is held from admission until the response has
 been sent completely (the end of the stream for SSE), so `active` is the router's true concurrency.
 """
 
