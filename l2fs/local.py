@@ -371,7 +371,8 @@ def _print_cluster(cluster: LocalCluster) -> None:
         where = f" netns={w.where.netns}" if w.where is not None else ""
         print(f"  worker {w.worker_id} node={w.node_id} at {w.address}{where} data={w.data_dir}", flush=True)
     if net is None:
-        print(f"export L2FS_MASTER='{cluster.master}'   # then: l2fs put/get/ls ... ; Ctrl-C stops", flush=True)
+        shown = f"'{cluster.master}'" if ";" in cluster.master else cluster.master  # ';' needs shell quotes
+        print(f"export L2FS_MASTER={shown}   # then: l2fs put/get/ls ... ; Ctrl-C stops", flush=True)
         return
     print(f"  namespaces {net.prefix}-*, subnet {net.subnet}, link {net.link or 'unshaped'}", flush=True)
     print(f"from the host (metadata only): L2FS_MASTER={cluster.host_master} l2fs ls /", flush=True)

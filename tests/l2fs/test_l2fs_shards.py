@@ -219,6 +219,8 @@ def test_one_dead_master_costs_only_its_shard(sharded: LocalCluster) -> None:
         # the restarted master rebuilds its shard, and only its shard, from the workers' reports
         with _direct(sharded, 1) as d:
             wait_until(lambda: {i.path for i in d.ls("/sh/outage")} == set(_of(paths, 1)), timeout=30)
+            ids = {w.worker_id for w in sharded.workers}
+            wait_until(lambda: {w.worker_id for w in d.report().workers if w.alive} >= ids, timeout=30)
             names = [i.path for i in d.ls("/sh")]
             assert names and all(re.match(r"^/sh/", n) for n in names)
             for sub in ("/sh/outage", "/sh/land", "/sh/chain"):
@@ -227,3 +229,20 @@ def test_one_dead_master_costs_only_its_shard(sharded: LocalCluster) -> None:
             assert {i.path for i in d0.ls("/sh/outage")} == before0
         wait_until(lambda: c.prefix_lookup(paths) == 24, timeout=30)
         assert c.get_many(paths) == [p.encode() for p in paths]
+
+
+def test_dead_worker_dropped_and_rereported_on_every_shard(sharded: LocalCluster) -> None:
+    """Each shard's master notices a dead worker on its own (its own heartbeats) and drops that worker's
+    files of its shard; the restarted worker re-registers with every master, each taking its blocks back."""
+    paths = _paths("/sh/dead", 16)
+    with sharded.client(node_id="node-2", timeout=1.5) as c:
+        assert c.put_many([(p, b"d") for p in paths]) == [True] * 16
+        on2 = [p for p, st in zip(paths, c.stat_many(paths), strict=True) if st is not None and st.nodes == ["node-2"]]
+        assert {shard_of(p, N) for p in on2} == {0, 1}  # local-first: node-2's worker holds both shards' files
+        sharded.kill_worker(1)
+        try:
+            wait_until(lambda: all(s is None for s in c.stat_many(on2)), timeout=20)
+        finally:
+            sharded.start_worker(1)
+        wait_until(lambda: all(s is not None for s in c.stat_many(on2)), timeout=30)
+        assert c.get_many(on2) == [b"d"] * len(on2)
