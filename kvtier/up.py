@@ -147,6 +147,7 @@ class Stack(procs.Started):
         tensor_parallel_size: int = 1,
         share_gpus: bool = False,
         replica_env: dict[str, str] | None = None,
+        l2fs_shards: int = 1,
     ) -> None:
         if replicas < 1:
             raise ValueError("--replicas must be >= 1")
@@ -166,6 +167,7 @@ class Stack(procs.Started):
         self.base = Path(base_dir).resolve()
         self.n_replicas = replicas
         self.n_workers = workers
+        self.l2fs_shards = l2fs_shards  # path-hash sharded l2fs masters (every role gets the "m0;m1" list)
         self.model_arg = model
         self.strategy = strategy
         self.router_port = router_port
@@ -224,7 +226,8 @@ class Stack(procs.Started):
             self.net.__enter__()
             log(f"network namespaces {self.net.prefix}-* (subnet {self.net.subnet}, link {self.link or 'unshaped'})")
         log(f"starting l2fs: master + {self.n_workers} workers (data under {self.base / 'l2fs'})")
-        self.cluster = LocalCluster(self.base / "l2fs", workers=self.n_workers, netns=self.net)
+        self.cluster = LocalCluster(self.base / "l2fs", workers=self.n_workers, netns=self.net,
+                                    shards=self.l2fs_shards)
         self.cluster.__enter__()
         nodes = [w.node_id for w in self.cluster.workers]
         log(f"l2fs master at {self.cluster.master}, nodes {', '.join(nodes)}")
@@ -414,6 +417,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dir", type=Path, default=DEFAULT_DIR, help="data, models and logs (default ./.kvtier)")
     p.add_argument("--replicas", type=int, default=2, help="vLLM CPU replicas (default 2)")
     p.add_argument("--workers", type=int, default=2, help="l2fs workers = nodes (default 2)")
+    p.add_argument("--l2fs-shards", type=int, default=1,
+                   help="l2fs masters, the namespace sharded by path hash (default 1; docs/l2fs.md)")
     p.add_argument("--model", default=None, help="model path or name (default: tiny local model, built once)")
     p.add_argument("--port", type=int, default=8080, help="router port (0 = any free port)")
     p.add_argument("--strategy", default="prefixaware",
@@ -457,6 +462,8 @@ def check_args(args: argparse.Namespace) -> str | None:
 
     if args.replicas < 1 or args.workers < 1:
         return "--replicas and --workers must be >= 1"
+    if args.l2fs_shards < 1:
+        return "--l2fs-shards must be >= 1"
     if args.strategy not in STRATEGIES:
         return f"unknown --strategy {args.strategy!r}; choose one of {', '.join(STRATEGIES)}"
     if not 0 <= args.port <= 65535:
@@ -514,7 +521,7 @@ def main(argv: list[str] | None = None) -> int:
                   prefix_caching=args.prefix_caching, kv_cache_gb=args.kv_cache_gb, mode=args.mode,
                   netns=args.netns, link=args.link, device=None if args.device == "auto" else args.device,
                   tensor_parallel_size=args.tensor_parallel_size, share_gpus=args.share_gpus,
-                  replica_env=prefill_env(args.prefill_tokens_per_s))
+                  replica_env=prefill_env(args.prefill_tokens_per_s), l2fs_shards=args.l2fs_shards)
     rc = 0
     try:
         state = stack.start()

@@ -11,9 +11,10 @@ by bytes (issue 17). One run prints, with the load average next to each figure:
    both from 8 threads;
 2. 1 MiB puts (`put_many`, data plane and short-circuit) next to the same bytes as 16 MiB puts over the data
    plane and as a loopback TCP stream;
-3. past one master (--shards, default 1,2,4): N independent masters (each with its own 2 workers on
-   node-1/node-2), the clients routing by path hash (`ShardRouter`: put_many split per shard in parallel,
-   prefix lookups fanned out and recombined), and the namespace ops a put costs the master done on a
+3. past one master (--shards, default 1,2,4): one cluster of N path-hash sharded masters (`l2fs master
+   --shard K/N`) and 2 workers on node-1/node-2 registered with every master, the product `Client` routing
+   ("m0;m1" master list: put_many split per shard in parallel, prefix lookups fanned out and recombined),
+   and the namespace ops a put costs the master done on a
    Redis server instead (MGET = allocate's existence check, SET NX = publish-if-absent; MGET of 64 =
    a prefix lookup) from the same 4 processes, with redis-server's CPU per put.
 
@@ -34,8 +35,6 @@ import threading
 import time
 import zlib
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +42,7 @@ import psutil
 
 from kvtier.bench.common import fmt, table, write_results
 from l2fs.client import Client
+from l2fs.common import shard_of
 from l2fs.local import LocalCluster
 
 OBJ = 4096
@@ -60,63 +60,10 @@ def _paths(run: str, proc: int, n: int) -> list[str]:
     return [f"/bench/{run}/p{proc}/{i:08d}.data" for i in range(n)]
 
 
-class ShardRouter:
-    """Client-side router over N independent masters by path hash (the prototype of option (a)).
-
-    KV paths are content hashes, so a hash of the path spreads them evenly; each master owns its shard's
-    namespace and rebuilds it from its own workers. put_many splits a batch per shard and sends the slices
-    in parallel; prefix_lookup asks every shard for its part of the chain at once and recombines: each shard
-    answers how many of ITS paths lead, so the chain's first miss is the earliest of the shards' first misses.
-    """
-
-    def __init__(self, masters: Sequence[str], node_id: str = "", timeout: float = 30.0) -> None:
-        self.clients = [Client(m, node_id=node_id, timeout=timeout) for m in masters]
-        self.pool = ThreadPoolExecutor(len(masters)) if len(masters) > 1 else None
-
-    def shard(self, path: str) -> int:
-        return zlib.crc32(path.encode()) % len(self.clients)
-
-    def _split(self, paths: Sequence[str]) -> dict[int, list[int]]:
-        parts: dict[int, list[int]] = {}
-        for i, p in enumerate(paths):
-            parts.setdefault(self.shard(p), []).append(i)
-        return parts
-
-    def _fan(self, parts: dict[int, list[int]], call: Callable[[Client, list[int]], Any]) -> dict[int, Any]:
-        if self.pool is None or len(parts) == 1:
-            return {s: call(self.clients[s], idx) for s, idx in parts.items()}
-        futs = {s: self.pool.submit(call, self.clients[s], idx) for s, idx in parts.items()}
-        return {s: f.result() for s, f in futs.items()}
-
-    def put_many(self, items: Sequence[tuple[str, bytes]]) -> list[Any]:
-        parts = self._split([p for p, _ in items])
-        got = self._fan(parts, lambda c, idx: c.put_many([items[i] for i in idx], return_exceptions=True))
-        out: list[Any] = [None] * len(items)
-        for s, idx in parts.items():
-            for i, r in zip(idx, got[s], strict=True):
-                out[i] = r
-        return out
-
-    def prefix_lookup(self, paths: Sequence[str]) -> int:
-        parts = self._split(paths)
-        got = self._fan(parts, lambda c, idx: c.prefix_lookup([paths[i] for i in idx]))
-        first_miss = [idx[got[s]] for s, idx in parts.items() if got[s] < len(idx)]
-        return min(first_miss, default=len(paths))
-
-    def stat(self, path: str) -> Any:
-        return self.clients[self.shard(path)].stat(path)
-
-    def close(self) -> None:
-        for c in self.clients:
-            c.close()
-        if self.pool is not None:
-            self.pool.shutdown()
-
-
-def _put_proc(masters: list[str], node: str, run: str, proc: int, n: int, batch: int, size: int,
+def _put_proc(master: str, node: str, run: str, proc: int, n: int, batch: int, size: int,
               ready: Any, start: Any, q: Any) -> None:
     """One client process: put n objects in put_many batches; reports (seconds, published, errors)."""
-    router = ShardRouter(masters, node)
+    client = Client(master, node_id=node, timeout=30.0)
     data = os.urandom(size)
     paths = _paths(run, proc, n)
     ready.put(proc)
@@ -124,13 +71,13 @@ def _put_proc(masters: list[str], node: str, run: str, proc: int, n: int, batch:
     t0 = time.perf_counter()
     done = errors = 0
     for i in range(0, n, batch):
-        for r in router.put_many([(p, data) for p in paths[i:i + batch]]):
+        for r in client.put_many([(p, data) for p in paths[i:i + batch]], return_exceptions=True):
             if r is True:
                 done += 1
             elif r is not False:
                 errors += 1
     q.put((time.perf_counter() - t0, done, errors))
-    router.close()
+    client.close()
 
 
 def _redis_proc(port: int, run: str, proc: int, n: int, batch: int, ready: Any, start: Any, q: Any) -> None:
@@ -238,10 +185,11 @@ def grpc_floor(seconds: float) -> float:
         srv.join()
 
 
-def _master(cluster: LocalCluster) -> psutil.Process:
-    if cluster.master_proc is None:
+def _master(cluster: LocalCluster, shard: int = 0) -> psutil.Process:
+    proc = cluster.master_procs[shard]
+    if proc is None:
         raise RuntimeError("l2fs master not running")
-    return psutil.Process(cluster.master_proc.pid)
+    return psutil.Process(proc.pid)
 
 
 def _cpu(procs_: Sequence[psutil.Process]) -> float:
@@ -255,7 +203,7 @@ def run_size(cluster: LocalCluster, files: int, batch: int, seconds: float) -> d
     rss0, cpu0 = master.memory_info().rss, _cpu([master])
     per = files // PROCS
     wall, published, errors = _run_procs(
-        _put_proc, lambda k: ([cluster.master], f"node-{1 + k % 2}", run, k, per, batch, OBJ))
+        _put_proc, lambda k: (cluster.master, f"node-{1 + k % 2}", run, k, per, batch, OBJ))
     cpu = _cpu([master]) - cpu0
     out: dict[str, Any] = {
         "files": files, "batch": batch, "put_wall_s": round(wall, 2), "published": published,
@@ -330,29 +278,26 @@ def run_mib(cluster: LocalCluster, count: int, batch: int) -> dict[str, Any]:
 
 
 def run_shards(base: Path, shards: int, files: int, batch: int, seconds: float) -> dict[str, Any]:
-    """N masters (each a LocalCluster with workers on node-1 and node-2), clients routing by path hash."""
-    with ExitStack() as stack:
-        cls = [stack.enter_context(LocalCluster(base / f"s{shards}-{i}", workers=2, capacity="8G",
-                                                heartbeat_timeout=30.0)) for i in range(shards)]
-        masters = [c.master for c in cls]
-        mprocs = [_master(c) for c in cls]
+    """One cluster of N path-hash sharded masters and 2 workers (node-1, node-2), product clients routing."""
+    with LocalCluster(base / f"s{shards}", workers=2, capacity="8G", heartbeat_timeout=30.0, shards=shards) as cl:
+        mprocs = [_master(cl, k) for k in range(shards)]
         run = f"s{shards}-{os.getpid()}-{int(time.time())}"
         per = files // PROCS
         cpu0 = _cpu(mprocs)
         wall, published, errors = _run_procs(
-            _put_proc, lambda k: (masters, f"node-{1 + k % 2}", run, k, per, batch, OBJ))
+            _put_proc, lambda k: (cl.master, f"node-{1 + k % 2}", run, k, per, batch, OBJ))
         cpu = _cpu(mprocs) - cpu0
         load_put = _load()
-        routers = [ShardRouter(masters, timeout=10.0) for _ in range(THREADS)]
+        clients = [cl.client(timeout=10.0) for _ in range(THREADS)]
         try:
             everything = [p for k in range(PROCS) for p in _paths(run, k, per)]
             chains = [everything[i:i + CHAIN] for i in range(0, len(everything) - CHAIN + 1, CHAIN)]
-            calls, lookup_errors = _rate(routers, lambda r, i: r.prefix_lookup(chains[i % len(chains)]) == CHAIN
+            calls, lookup_errors = _rate(clients, lambda c, i: c.prefix_lookup(chains[i % len(chains)]) == CHAIN
                                          or 1 / 0, seconds)
         finally:
-            for r in routers:
-                r.close()
-        per_master = [sum(1 for p in everything if zlib.crc32(p.encode()) % shards == s) for s in range(shards)]
+            for c in clients:
+                c.close()
+        per_master = [sum(1 for p in everything if shard_of(p, shards) == s) for s in range(shards)]
         return {"arm": "l2fs masters by path hash", "shards": shards, "files": files, "batch": batch,
                 "puts_per_s": round(published / wall, 1), "published": published, "put_errors": errors,
                 "master_cpu_ms_per_put": round(cpu * 1000 / max(1, published), 3),
@@ -488,7 +433,8 @@ def report(rows: list[dict[str, Any]], mib: dict[str, Any] | None, past: list[di
                            fmt(r["master_cpu_ms_per_put"], 4), fmt(r["prefix_paths_per_s"]),
                            fmt(r["put_errors"] + r["lookup_errors"]), f"{r['load_put']}/{r['load_lookups']}"]
                           for r in past],
-                         title="Past one master: N masters by path hash (own workers each) and a Redis namespace "
+                         title="Past one master: N path-hash sharded masters (one cluster, workers registered "
+                               "with every master) and a Redis namespace "
                                "(namespace CPU = all masters' or redis-server's CPU per put)"))
     return "\n\n".join(out)
 

@@ -1,5 +1,5 @@
-"""`kvtier bench l2 --metadata`: the master-rate benchmark runs end to end on real l2fs processes, and its
-path-hash router (the several-masters prototype) answers lookups like one namespace would."""
+"""`kvtier bench l2 --metadata`: the master-rate benchmark runs end to end on real l2fs processes (its
+sharded arm on the product's sharded masters; their routing is tested in tests/l2fs/test_l2fs_shards.py)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,6 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
-
-from kvtier.bench.l2_metadata import ShardRouter
-from l2fs.local import LocalCluster
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -47,29 +44,6 @@ def test_bench_l2_metadata_quick(tmp_path: Path) -> None:
     assert summary["past_one_master"][1]["files_per_master"][1] > 0
     for header in ("master CPU ms/put", "empty gRPC /s", "rebuild s", "data plane / TCP", "Past one master"):
         assert header in r.stdout, header
-
-
-def test_shard_router_prefix_lookup(tmp_path: Path) -> None:
-    """Each master knows only its shard; the router's recombined prefix lookup stops at the first miss of the
-    whole chain whichever master owns it, and puts land on the master the hash names."""
-    with LocalCluster(tmp_path / "a", workers=1) as a, LocalCluster(tmp_path / "b", workers=1) as b:
-        router = ShardRouter([a.master, b.master], node_id="node-1")
-        try:
-            chain = [f"/kv/m/{i:04x}" for i in range(24)]
-            gap = 13
-            assert all(router.put_many([(p, b"x" * 100) for i, p in enumerate(chain) if i != gap]))
-            assert router.prefix_lookup(chain) == gap
-            assert router.prefix_lookup(chain[:gap]) == gap
-            assert router.put_many([(chain[gap], b"x")]) == [True]
-            assert router.prefix_lookup(chain) == len(chain)
-            assert router.prefix_lookup(["/kv/m/absent"] + chain) == 0
-            owners = [router.shard(p) for p in chain]
-            assert {0, 1} <= set(owners)
-            with a.client() as ca, b.client() as cb:
-                assert ca.report().files == owners.count(0) and cb.report().files == owners.count(1)
-                assert all((ca if s == 0 else cb).exists(p) for p, s in zip(chain, owners, strict=True))
-        finally:
-            router.close()
 
 
 def test_bench_l2_metadata_bad_input() -> None:
