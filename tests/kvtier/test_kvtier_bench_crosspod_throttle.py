@@ -57,8 +57,14 @@ def test_summary_ratio_and_declined_claims() -> None:
     assert throttled["l2_arm_p50_ms"] == 660 and throttled["cold_arm_p50_ms"] == 620
     assert throttled["ratio_to_best"] == pytest.approx(660 / 110)
     assert throttled["gated"] == 2 and throttled["b_hit_tokens_min"] == 0
+    # same phase: the one claimed (slow) hit took 2800 ms, so the best choice was recompute (620)
+    assert throttled["claimed_l2_p50_ms"] == 2800
+    assert throttled["ratio_same_phase"] == pytest.approx(660 / 620)
     assert "2/3" in text
-    assert "NOT met" in goal_line(rows)
+    assert "-> worst 1.06x at 2048 (met)" in goal_line(rows)
+    # every hit claimed at a crawl: the goal is missed
+    slow = _rows("healthy", [100] * 3, [600] * 3, [2048] * 3) + _rows("throttled", [2000] * 3, [600] * 3, [2048] * 3)
+    assert "(NOT met)" in goal_line(summarize_throttled(slow, [2048])[0])
 
 
 def test_floor_uses_the_bytes_lmcache_retrieved() -> None:
