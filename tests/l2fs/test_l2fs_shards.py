@@ -19,7 +19,7 @@ from l2fs_helpers import wait_until
 
 from l2fs.batch import PROTOCOL_VERSION
 from l2fs.client import Client, CrossShard, L2fsError, NotFound, Unavailable, WrongShard, combine_prefix
-from l2fs.common import PathError, norm_path, parse_masters, parse_shard, shard_of
+from l2fs.common import PathError, _norm_path_checked, norm_path, parse_masters, parse_shard, shard_of
 from l2fs.local import LocalCluster
 from l2fs.registration import MasterLink
 from l2fs.store import Store
@@ -62,6 +62,38 @@ def test_control_characters_rejected_exactly_as_before() -> None:
             rejected = "control" in str(e)
             assert rejected or ch == "/", (code, e)
         assert rejected == old_rejects, hex(code)
+
+
+@pytest.mark.unit
+def test_fast_path_agrees_with_the_long_route() -> None:
+    """norm_path's one-regex route for already-normal ASCII paths returns or refuses exactly what the
+    component-by-component route does (random paths from the tricky pieces)."""
+    import random
+
+    def outcome(path: str) -> tuple[str, str]:
+        try:
+            return "ok", norm_path(path)
+        except PathError as e:
+            return "refused", str(e)
+
+    def reference(path: str) -> tuple[str, str]:
+        try:
+            return "ok", _norm_path_checked(path)
+        except PathError as e:
+            return "refused", str(e)
+
+    pieces = ["/", "/", ".", "..", "a", "\x00", "\x1f", "\x7f", "é", " ", "x" * 200, "y" * 60, "~"]
+    rnd = random.Random(17)
+    accepted = 0
+    for _ in range(20000):
+        path = "".join(rnd.choice(pieces) for _ in range(rnd.randint(0, 12)))
+        path = "/" + path if rnd.random() < 0.7 else path
+        assert outcome(path) == reference(path), path
+        accepted += outcome(path)[0] == "ok"
+    assert accepted > 1000
+    for path in ["/", "/a/", "//", "/...", "/a/..", "/a/.b", "/" + "x" * 255, "/" + "x" * 256,
+                 "/" + "a/" * 2047 + "a", "/" + "a/" * 2048 + "a"]:
+        assert outcome(path) == reference(path), path
 
 
 @pytest.mark.unit
