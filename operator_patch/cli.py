@@ -33,6 +33,7 @@ from .patch import (
     mutate,
     restore,
     snapshot,
+    token_secret,
 )
 
 PAUSED_KEY = "kvtier.io/paused-replicas"  # on the operator controller: replicas before we paused it
@@ -177,13 +178,23 @@ class Procedure:
         raise CliError(f"operator controller not found in namespace {cns} (tried {names}); pass --controller NAME, "
                        "or --no-pause if the operator is not running")
 
-    def reflect_token(self) -> None:
-        """Plugin mode: copy the l2fs token Secret from the l2fs namespace into the workload namespace
-        (a pod can only reference Secrets of its own namespace). Only the token key is copied."""
+    def reflect_token(self, dep: dict[str, Any]) -> None:
+        """Plugin mode: a per-endpoint engine token Secret (the default, `{endpoint}` in --token-secret, or the
+        annotation) must already exist in the workload namespace (`kvtier tokens generate --secret-yaml` puts it
+        there); a fixed name (the old shared token) is copied from the l2fs namespace (a pod can only reference
+        Secrets of its own namespace). Only the token key is copied."""
         from kubernetes.client.exceptions import ApiException
 
-        name, key, src_ns = self.cfg.token_secret, self.cfg.token_key, self.ns.token_namespace
-        if self.cfg.mode != "plugin" or not name or src_ns == self.namespace:
+        name, key, src_ns = token_secret(dep, self.cfg, self.iec), self.cfg.token_key, self.ns.token_namespace
+        if self.cfg.mode != "plugin" or not name:
+            return
+        if "{endpoint}" in self.cfg.token_secret or name != self.cfg.token_secret:
+            problems = self.token_problems(dep)
+            if problems:
+                raise CliError("; ".join(problems) + f"; create it: kvtier tokens generate --engine "
+                               f"{self.endpoint}@{self.namespace} ... --secret-yaml - (docs/deploy.md, Tokens)")
+            return
+        if src_ns == self.namespace:
             return
         try:
             src = _plain(self.k.core.read_namespaced_secret(name, src_ns))
@@ -210,19 +221,18 @@ class Procedure:
             self.say(f"updating the l2fs token in Secret {self.namespace}/{name} from {src_ns}/{name}")
             self.k.core.patch_namespaced_secret(name, self.namespace, {"data": {key: value}})
 
-    def token_problems(self) -> list[str]:
+    def token_problems(self, dep: dict[str, Any]) -> list[str]:
         """Plugin mode: the token Secret the pods reference must exist in their namespace (or they never start)."""
         from kubernetes.client.exceptions import ApiException
 
-        if self.cfg.mode != "plugin" or not self.cfg.token_secret:
+        name = token_secret(dep, self.cfg, self.iec)
+        if self.cfg.mode != "plugin" or not name:
             return []
         try:
-            data = _plain(self.k.core.read_namespaced_secret(self.cfg.token_secret, self.namespace)).get("data") or {}
+            data = _plain(self.k.core.read_namespaced_secret(name, self.namespace)).get("data") or {}
         except ApiException as e:
-            return [f"Secret {self.namespace}/{self.cfg.token_secret} (l2fs token): HTTP {e.status} {e.reason}; "
-                    "`apply` copies it from the l2fs namespace"]
-        return [] if data.get(self.cfg.token_key) else [
-            f"Secret {self.namespace}/{self.cfg.token_secret} has no key {self.cfg.token_key!r}"]
+            return [f"Secret {self.namespace}/{name} (l2fs token): HTTP {e.status} {e.reason}"]
+        return [] if data.get(self.cfg.token_key) else [f"Secret {self.namespace}/{name} has no key {self.cfg.token_key!r}"]
 
     def read(self, name: str, namespace: str) -> dict[str, Any]:
         return _plain(self.k.apps.read_namespaced_deployment(name, namespace))
@@ -343,7 +353,7 @@ class Procedure:
         dep, ctrl = self.preflight()
         name = dep["metadata"]["name"]
         mutate(dep, self.cfg, self.iec)  # PatchError (e.g. no vLLM container) before any write
-        self.reflect_token()  # before the pods that reference it start
+        self.reflect_token(dep)  # before the pods that reference it start
         ctrl_paused = ctrl is not None and PAUSED_KEY in (ctrl["metadata"].get("annotations") or {})
         if not self.todo(dep) and not ctrl_paused and self.rolled_out(dep):
             self.say(f"{self.namespace}/{name} is already patched and rolled out; nothing to do")
@@ -401,7 +411,7 @@ class Procedure:
         dep, ctrl = self.preflight()
         name = dep["metadata"]["name"]
         problems = check(dep, self.cfg)
-        problems += self.token_problems()
+        problems += self.token_problems(dep)
         if not self.rolled_out(dep):
             problems.append(f"rollout not complete: status={json.dumps(dep.get('status') or {})}")
         if ctrl is not None and PAUSED_KEY in (ctrl["metadata"].get("annotations") or {}):

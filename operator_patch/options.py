@@ -34,9 +34,13 @@ _FLAGS: dict[str, tuple[str, str]] = {
     "--kv-load-failure-policy": ("kv_load_failure_policy",
                                  "vLLM kv_load_failure_policy set in --kv-transfer-config (recompute|fail; "
                                  "'' = leave the operator's); needs vLLM >= 0.11.1"),
-    "--token-secret": ("token_secret", "plugin mode: Secret in the workload namespace with the l2fs token "
-                                       "(env L2FS_TOKEN); '' = no token, insecure dev clusters only"),
+    "--token-secret": ("token_secret", "plugin mode: Secret in the workload namespace with the endpoint's "
+                                       "engine-role l2fs token (env L2FS_TOKEN; {endpoint} = the endpoint name; "
+                                       "annotation kvtier.io/l2fs-token-secret overrides); '' = no token, "
+                                       "insecure dev clusters only"),
     "--token-key": ("token_key", "key of the token in --token-secret"),
+    "--privileged-secrets": ("privileged_secrets", "comma-separated Secrets that hold l2fs worker/admin "
+                                                   "credentials: an endpoint pod that would get one is refused"),
     "--kv-events-port": ("kv_events_port", "vLLM KV-events ZMQ PUB port, named container port 'kv-events' "
                                            "(0 = no --kv-events-config)"),
     "--kv-replay-port": ("kv_replay_port", "vLLM KV-events replay port, named 'kv-replay' (0 = none)"),

@@ -29,6 +29,9 @@ KV_PREFIX_KEY = "kvtier.io/kv-prefix"  # pod annotation: the l2fs directory this
 # tenant isolation: name of a Secret (in the endpoint's namespace, keys "salt" and "dir", see
 # `kvtier lmcache-config salt-secret`) on the IEC or Deployment; recorded on the patched pod template
 KV_SALT_SECRET_KEY = "kvtier.io/kv-salt-secret"
+# scoped credentials: name of a Secret (endpoint's namespace, key `token_key`) with this endpoint's engine-role
+# l2fs token, on the IEC or Deployment; default PatchConfig.token_secret; recorded on the patched pod template
+TOKEN_SECRET_KEY = "kvtier.io/l2fs-token-secret"
 SALT_DIR_VAR = "KVTIER_KV_SALT_DIR"  # env from the Secret's "dir", expanded by kubelet into the chunk directory
 SALT_VOLUME = "kvtier-kv-salt"
 SALT_MOUNT_PATH = "/etc/kvtier/kv-salt"
@@ -51,6 +54,11 @@ FAILURE_POLICIES = ("recompute", "fail", "")
 
 class PatchError(ValueError):
     """The object cannot be patched as asked (e.g. no vLLM container); nothing was changed."""
+
+
+class Refused(PatchError):
+    """The endpoint would hold a worker or admin l2fs credential (a Secret in `privileged_secrets`): the
+    webhook denies the object instead of admitting it (docs/deploy.md, Tokens)."""
 
 
 @dataclass(frozen=True)
@@ -77,10 +85,14 @@ class PatchConfig:
     # vLLM's kv_transfer_config.kv_load_failure_policy (vLLM >= 0.11.1; its default "fail" turns a lost or
     # corrupt L2 chunk into a failed request; "recompute" makes it a miss). "" leaves the operator's value.
     kv_load_failure_policy: str = "recompute"
-    # plugin mode: Secret (in the workload namespace) holding the l2fs token, read into L2FS_TOKEN;
-    # "" = no token (insecure dev clusters only). Mount mode needs none: the mount pod holds it.
-    token_secret: str = "l2fs-token"
+    # plugin mode: Secret (in the workload namespace) holding the endpoint's engine-role l2fs token, read into
+    # L2FS_TOKEN; "{endpoint}" is replaced by the endpoint (IEC) name, annotation kvtier.io/l2fs-token-secret
+    # overrides; "" = no token (insecure dev clusters only). Mount mode needs none: the mount pod holds it.
+    token_secret: str = "{endpoint}-l2fs-token"
     token_key: str = "token"
+    # Secrets holding worker/admin credentials (the tokens file, the mount's admin token, the old shared
+    # token): an endpoint Deployment that would get one (token_secret or any reference) is refused
+    privileged_secrets: str = "l2fs-tokens,l2fs-mount-token,l2fs-token"
     # vLLM KV events for the kvtier router: ZMQ PUB + replay ports, exposed as named container ports
     # (kv-events / kv-replay); 0 = do not add --kv-events-config
     kv_events_port: int = 5557
@@ -187,22 +199,75 @@ def endpoint_prefix(dep: dict[str, Any], cfg: PatchConfig, iec: dict[str, Any] |
     return revision, contract.revision_prefix(cfg.prefix, endpoint, revision)
 
 
-def salt_secret(dep: dict[str, Any], iec: dict[str, Any] | None = None, old: dict[str, Any] | None = None) -> str:
-    """Name of the endpoint's KV-salt Secret ("" = unsalted): the Deployment's annotation, else the IEC's
-    when it was read (it is authoritative then: removing it there unsalts the next rendering), else the one
-    recorded on the pod template by an earlier patch, in this object or in `old` (the object an UPDATE
-    replaces): an operator re-render while the IEC cannot be read stays salted instead of failing open."""
+def _annotated_secret(key: str, dep: dict[str, Any], iec: dict[str, Any] | None,
+                      old: dict[str, Any] | None) -> str:
+    """A Secret name from annotation `key`: the Deployment's, else the IEC's when it was read (authoritative
+    then), else the one recorded on the pod template by an earlier patch, in this object or in `old`."""
     def template_meta(obj: dict[str, Any] | None) -> dict[str, Any]:
         return (((obj or {}).get("spec") or {}).get("template") or {}).get("metadata") or {}
 
     sources = [_meta(dep)] + ([_meta(iec)] if iec is not None else [template_meta(dep), template_meta(old)])
     for meta in sources:
-        name = str((meta.get("annotations") or {}).get(KV_SALT_SECRET_KEY) or "").strip()
+        name = str((meta.get("annotations") or {}).get(key) or "").strip()
         if name:
-            if len(name) > 253 or not _DNS_SUBDOMAIN.fullmatch(name):
-                raise PatchError(f"annotation {KV_SALT_SECRET_KEY}={name!r} is not a Secret name")
+            _check_secret_name(f"annotation {key}", name)
             return name
     return ""
+
+
+def _check_secret_name(what: str, name: str) -> None:
+    if len(name) > 253 or not _DNS_SUBDOMAIN.fullmatch(name):
+        raise PatchError(f"{what}={name!r} is not a Secret name")
+
+
+def salt_secret(dep: dict[str, Any], iec: dict[str, Any] | None = None, old: dict[str, Any] | None = None) -> str:
+    """Name of the endpoint's KV-salt Secret ("" = unsalted): the Deployment's annotation, else the IEC's
+    when it was read (it is authoritative then: removing it there unsalts the next rendering), else the one
+    recorded on the pod template by an earlier patch, in this object or in `old` (the object an UPDATE
+    replaces): an operator re-render while the IEC cannot be read stays salted instead of failing open."""
+    return _annotated_secret(KV_SALT_SECRET_KEY, dep, iec, old)
+
+
+def token_secret(dep: dict[str, Any], cfg: PatchConfig, iec: dict[str, Any] | None = None,
+                 old: dict[str, Any] | None = None) -> str:
+    """Plugin mode: the Secret with this endpoint's engine-role l2fs token ("" = no token, insecure config):
+    annotation kvtier.io/l2fs-token-secret (Deployment, IEC, recorded), else cfg.token_secret with
+    {endpoint} replaced. Per endpoint because an engine token may write only under its endpoint's prefix."""
+    if not cfg.token_secret:
+        return ""
+    name = _annotated_secret(TOKEN_SECRET_KEY, dep, iec, old)
+    if not name:
+        endpoint = owner_endpoint(dep) or _meta(dep).get("name") or "deployment"
+        name = cfg.token_secret.replace("{endpoint}", endpoint)
+        _check_secret_name("token secret", name)
+    return name
+
+
+def _secret_refs(dep: dict[str, Any]) -> set[str]:
+    """Every Secret the pod template references (env, envFrom, volumes, projected volumes)."""
+    spec = ((dep.get("spec") or {}).get("template") or {}).get("spec") or {}
+    names: set[str] = set()
+    for c in (spec.get("containers") or []) + (spec.get("initContainers") or []):
+        for e in c.get("env") or []:
+            names.add(str((((e.get("valueFrom") or {}).get("secretKeyRef")) or {}).get("name") or ""))
+        for e in c.get("envFrom") or []:
+            names.add(str((e.get("secretRef") or {}).get("name") or ""))
+    for v in spec.get("volumes") or []:
+        names.add(str((v.get("secret") or {}).get("secretName") or ""))
+        for src in (v.get("projected") or {}).get("sources") or []:
+            names.add(str((src.get("secret") or {}).get("name") or ""))
+    names.discard("")
+    return names
+
+
+def refuse_privileged(dep: dict[str, Any], cfg: PatchConfig) -> None:
+    """Refused when the (patched) endpoint pod would hold a worker/admin credential: an engine pod with one
+    could register as a worker, delete or overwrite any chunk of any endpoint (issue 13)."""
+    bad = {s.strip() for s in cfg.privileged_secrets.split(",") if s.strip()} & _secret_refs(dep)
+    if bad:
+        raise Refused(f"the pod would get Secret(s) {sorted(bad)}, which hold l2fs worker/admin credentials; an "
+                      f"endpoint gets its own engine-role token (kvtier tokens generate --engine; annotation "
+                      f"{TOKEN_SECRET_KEY}); docs/deploy.md, Tokens")
 
 
 def chunk_dir(kv_prefix: str, secret: str) -> str:
@@ -456,9 +521,10 @@ def _patch_worker(dep: dict[str, Any], cfg: PatchConfig, iec: dict[str, Any] | N
         _set_env(env, cfg.node_env, value_from={"fieldRef": {"fieldPath": "spec.nodeName"}})
         _set_env(env, "LMCACHE_REMOTE_STORAGE_PLUGINS", json.dumps([cfg.plugin_name]))
         _set_env(env, "LMCACHE_EXTRA_CONFIG", _extra_config(env, cfg, chunk_dir(kv_prefix, secret), revision))
-        if cfg.token_secret:
+        token = token_secret(dep, cfg, iec, old)
+        if token:
             # not optional: a pod without the token would only ever miss; better it does not start
-            _set_env(env, TOKEN_VAR, value_from={"secretKeyRef": {"name": cfg.token_secret, "key": cfg.token_key}})
+            _set_env(env, TOKEN_VAR, value_from={"secretKeyRef": {"name": token, "key": cfg.token_key}})
         else:
             _drop_env(env, TOKEN_VAR)
     _set_env(env, "LMCACHE_REMOTE_SERDE", cfg.serde)
@@ -475,9 +541,11 @@ def _patch_worker(dep: dict[str, Any], cfg: PatchConfig, iec: dict[str, Any] | N
             mount["mountPropagation"] = "HostToContainer"
             volume = {"name": cfg.volume_name, "hostPath": {"path": cfg.host_path, "type": "DirectoryOrCreate"}}
     elif cfg.data_path:
-        # The l2fs client reads/writes blocks of the co-located worker straight from its data dir, at the
-        # path the worker reports, so the pod sees that hostPath at the identical path.
-        mount = {"name": cfg.volume_name, "mountPath": cfg.data_path}
+        # The l2fs client reads blocks of the co-located worker straight from its data dir, at the path the
+        # worker reports, so the pod sees that hostPath at the identical path. Read-only: a pod must not be able
+        # to overwrite blocks or the manifest; its short-circuit writes fail to open the temp file, release the
+        # reservation and go over the data plane (l2fs client, _write_local).
+        mount = {"name": cfg.volume_name, "mountPath": cfg.data_path, "readOnly": True}
         volume = {"name": cfg.volume_name, "hostPath": {"path": cfg.data_path, "type": "DirectoryOrCreate"}}
     if cfg.mode == "mount" or cfg.data_path:
         _upsert(c.setdefault("volumeMounts", []), mount,
@@ -496,6 +564,11 @@ def _patch_worker(dep: dict[str, Any], cfg: PatchConfig, iec: dict[str, Any] | N
         pod_ann[KV_SALT_SECRET_KEY] = secret  # the router needs this endpoint's salt to find its chunks
     else:
         pod_ann.pop(KV_SALT_SECRET_KEY, None)
+    token = token_secret(dep, cfg, iec, old) if cfg.mode == "plugin" else ""
+    if token:
+        pod_ann[TOKEN_SECRET_KEY] = token  # kept across re-renders while the IEC cannot be read; verify reads it
+    else:
+        pod_ann.pop(TOKEN_SECRET_KEY, None)
 
 
 def _patch_salt(dep: dict[str, Any], c: dict[str, Any], secret: str) -> None:
@@ -561,6 +634,7 @@ def mutate(dep: dict[str, Any], cfg: PatchConfig, iec: dict[str, Any] | None = N
         _patch_router(out, cfg)
     else:
         _patch_worker(out, cfg, iec, old)
+        refuse_privileged(out, cfg)
     out.setdefault("metadata", {}).setdefault("annotations", {})[PATCHED_KEY] = cfg.fingerprint()
     return out
 
@@ -658,11 +732,15 @@ def check(dep: dict[str, Any], cfg: PatchConfig) -> list[str]:
             problems.append(f"LMCACHE_EXTRA_CONFIG prefix: want {kv_dir!r}, have {have!r}")
         if cfg.token_secret:
             tokens = [e for e in env if e.get("name") == TOKEN_VAR]
-            ref = {"name": cfg.token_secret, "key": cfg.token_key}
+            ref = {"name": token_secret(dep, cfg), "key": cfg.token_key}
             if len(tokens) != 1 or (tokens[0].get("valueFrom") or {}).get("secretKeyRef") != ref:
                 problems.append(f"env {TOKEN_VAR}: want exactly one entry from secret {ref}, have {tokens}")
     want("LMCACHE_REMOTE_SERDE", cfg.serde)
     want("PYTHONHASHSEED", cfg.hash_seed)
+    try:
+        refuse_privileged(dep, cfg)
+    except Refused as e:
+        problems.append(str(e))
     transfer = _json_flag(c, KV_TRANSFER_FLAG)
     if cfg.kv_load_failure_policy and transfer is not None \
             and transfer.get("kv_load_failure_policy") != cfg.kv_load_failure_policy:

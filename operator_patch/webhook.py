@@ -3,9 +3,10 @@
 The HyperPod inference operator re-renders its worker Deployment on any CRD edit or upgrade, which
 drops a one-time `kubectl patch`. Kubernetes calls this webhook on each CREATE/UPDATE of a
 Deployment; for opted-in, InferenceEndpointConfig-owned ones it answers with a JSON patch
-(operator_patch.patch), for everything else with an empty "allowed". It never denies: a Deployment
-it cannot patch is admitted unchanged with a warning, so a webhook problem costs cache hits, not
-deployments. Served over TLS only (the API server requires it).
+(operator_patch.patch), for everything else with an empty "allowed". A Deployment it cannot patch is
+admitted unchanged with a warning, so a webhook problem costs cache hits, not deployments. The one denial:
+an endpoint pod that would hold an l2fs worker/admin credential (a Secret in --privileged-secrets), since
+such a pod could poison or delete every endpoint's KV (patch.Refused). Served over TLS only.
 
 The owning InferenceEndpointConfig is read (get only) for two decisions the Deployment cannot tell:
 the endpoint's own L2 choice (redis / L2 disabled are left alone) and an opt-in written on the IEC.
@@ -27,7 +28,17 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
 
 from .options import add_config_args, config_from_args
-from .patch import IEC_GROUP, IEC_KIND, IEC_PLURAL, PatchConfig, PatchError, l2_choice, plan, wants_patch
+from .patch import (
+    IEC_GROUP,
+    IEC_KIND,
+    IEC_PLURAL,
+    PatchConfig,
+    PatchError,
+    Refused,
+    l2_choice,
+    plan,
+    wants_patch,
+)
 
 log = logging.getLogger("kvtier.webhook")
 REVIEW_API = "admission.k8s.io/v1"
@@ -114,8 +125,9 @@ class IecReader:
 
 def review_response(req: dict[str, Any], cfg: PatchConfig, all_owned: bool = False,
                     iec: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The AdmissionReview v1 answer for one request: always allowed, with a JSON patch when wanted.
-    `iec` is the owning InferenceEndpointConfig when it could be read."""
+    """The AdmissionReview v1 answer for one request: allowed, with a JSON patch when wanted, except an
+    endpoint that would hold a worker/admin l2fs credential (denied, 403). `iec` is the owning
+    InferenceEndpointConfig when it could be read."""
     resp: dict[str, Any] = {"uid": req["uid"], "allowed": True}
     kind = req.get("kind") or {}
     obj = req.get("object")
@@ -132,6 +144,11 @@ def review_response(req: dict[str, Any], cfg: PatchConfig, all_owned: bool = Fal
         try:
             old = req.get("oldObject") if isinstance(req.get("oldObject"), dict) else None
             ops = plan(obj, cfg, iec, old)  # the IEC (when read) decides the model revision and the KV salt
+        except Refused as e:
+            log.warning("denying %s: %s", name, e)
+            resp.update(allowed=False, status={"code": 403, "reason": "Forbidden",
+                                               "message": f"kvtier webhook: {name}: {e}"}, _outcome="refused")
+            return resp
         except PatchError as e:
             resp["warnings"] = [f"kvtier webhook: {name} admitted unpatched: {e}"]
             log.warning("not patching %s: %s", name, e)

@@ -252,7 +252,7 @@ class Webhook:
         procs.stop(self.proc, grace=20)
 
     def review(self, obj: dict | None, operation: str = "UPDATE", kind: str = "Deployment",
-               old: dict | None = None) -> dict:
+               old: dict | None = None, allowed: bool = True) -> dict:
         body = {
             "apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview",
             "request": {
@@ -273,7 +273,7 @@ class Webhook:
         out = r.json()
         assert out["apiVersion"] == "admission.k8s.io/v1" and out["kind"] == "AdmissionReview"
         assert out["response"]["uid"] == body["request"]["uid"]
-        assert out["response"]["allowed"] is True
+        assert out["response"]["allowed"] is allowed, out["response"]
         return out["response"]
 
 

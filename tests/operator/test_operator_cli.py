@@ -152,7 +152,7 @@ def test_revert_restores_the_rendering(cluster: Cluster) -> None:
 def test_other_shapes_and_plugin_mode(cluster: Cluster, shape: str) -> None:
     dep = setup(cluster, shape)
     ns, name = dep["metadata"]["namespace"], dep["metadata"]["name"]
-    token_secret(cluster)
+    engine_secret(cluster, dep["metadata"]["ownerReferences"][0]["name"], ns)
     flags = ("--mode", "plugin", "--master", "l2fs-master.kvtier:8995")
     assert run(cluster, "apply", ns, name, *flags) == 0
     assert check(cluster.deployment(ns, name), PatchConfig(mode="plugin", master="l2fs-master.kvtier:8995")) == []
@@ -170,33 +170,63 @@ def token_secret(cluster: Cluster, value: str = "s3cret") -> None:
         "data": {"token": base64.b64encode(value.encode()).decode()}})
 
 
-def read_secret(cluster: Cluster, ns: str) -> dict[str, Any]:
+def engine_secret(cluster: Cluster, endpoint: str, ns: str) -> str:
+    """The endpoint's engine-token Secret exactly as `kvtier tokens generate --secret-yaml` writes it; its token."""
+    import yaml
     from kubernetes import client
 
-    return cluster.api.sanitize_for_serialization(client.CoreV1Api(cluster.api).read_namespaced_secret("l2fs-token", ns))
+    out = subprocess.run([sys.executable, "-m", "kvtier.cli", "tokens", "generate", "--workers", "node-a",
+                          "--engine", f"{endpoint}@{ns}", "--secret-yaml", "-"], capture_output=True, text=True,
+                         timeout=60, check=True, cwd=ROOT).stdout
+    (secret,) = [d for d in yaml.safe_load_all(out) if d["metadata"]["name"] == f"{endpoint}-l2fs-token"]
+    assert secret["metadata"]["namespace"] == ns
+    token = str(secret["stringData"]["token"])
+    # what the API server stores for stringData (the emulator keeps fields as sent)
+    secret["data"] = {k: base64.b64encode(v.encode()).decode() for k, v in secret.pop("stringData").items()}
+    client.CoreV1Api(cluster.api).create_namespaced_secret(ns, secret)
+    return token
 
 
-def test_plugin_mode_reflects_the_token_and_requires_it(cluster: Cluster, capsys: pytest.CaptureFixture[str]) -> None:
-    """The pod reads L2FS_TOKEN from a Secret of its own namespace; apply copies it from kvtier, and
-    without a token Secret it stops before any write (no tokenless pods), unless --token-secret ''."""
+def read_secret(cluster: Cluster, ns: str, name: str = "l2fs-token") -> dict[str, Any]:
+    from kubernetes import client
+
+    return cluster.api.sanitize_for_serialization(client.CoreV1Api(cluster.api).read_namespaced_secret(name, ns))
+
+
+def test_plugin_mode_requires_the_endpoint_token(cluster: Cluster, capsys: pytest.CaptureFixture[str]) -> None:
+    """The pod reads L2FS_TOKEN from its endpoint's own Secret (engine role); without it apply stops before
+    any write (no tokenless pods) and says how to make it. The old shared token (admin + worker rights) is
+    refused unless the cluster explicitly stops calling it privileged; then apply copies it from kvtier as
+    before. --token-secret '' runs tokenless (insecure dev clusters)."""
     setup(cluster)
     flags = ("--mode", "plugin")
     assert run(cluster, "apply", "team-a", "qwen2-7b", *flags) == 2
-    assert "l2fs token" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "team-a/qwen2-7b-l2fs-token" in err and "kvtier tokens generate --engine qwen2-7b@team-a" in err
     assert replicas_seen(cluster, CTRL_NS, CTRL) == [1]
     assert len({str(v["spec"]) for v in cluster.history("apps/v1/deployments", "team-a", "qwen2-7b")}) == 1
-    token_secret(cluster)
+    engine_secret(cluster, "qwen2-7b", "team-a")
     assert run(cluster, "apply", "team-a", "qwen2-7b", *flags) == 0
-    assert base64.b64decode(read_secret(cluster, "team-a")["data"]["token"]) == b"s3cret"
     c = cluster.deployment("team-a", "qwen2-7b")["spec"]["template"]["spec"]["containers"][0]
     assert [e["valueFrom"]["secretKeyRef"] for e in c["env"] if e["name"] == "L2FS_TOKEN"] == [
-        {"name": "l2fs-token", "key": "token"}]  # not optional: a tokenless pod does not start
+        {"name": "qwen2-7b-l2fs-token", "key": "token"}]  # not optional: a tokenless pod does not start
     assert run(cluster, "verify", "team-a", "qwen2-7b", *flags) == 0
     from kubernetes import client
 
-    client.CoreV1Api(cluster.api).delete_namespaced_secret("l2fs-token", "team-a")
+    client.CoreV1Api(cluster.api).delete_namespaced_secret("qwen2-7b-l2fs-token", "team-a")
     assert run(cluster, "verify", "team-a", "qwen2-7b", *flags) == 1  # pods could not start
-    assert "Secret team-a/l2fs-token" in capsys.readouterr().out
+    assert "Secret team-a/qwen2-7b-l2fs-token" in capsys.readouterr().out
+    # the shared token: refused (it would give the engine pod worker + admin rights) ...
+    token_secret(cluster)
+    before = cluster.deployment("team-a", "qwen2-7b")["spec"]
+    assert run(cluster, "apply", "team-a", "qwen2-7b", *flags, "--token-secret", "l2fs-token") == 2
+    assert "l2fs worker/admin credentials" in capsys.readouterr().err
+    assert cluster.deployment("team-a", "qwen2-7b")["spec"] == before
+    # ... unless explicitly allowed: then copied from kvtier, the old behaviour
+    legacy = (*flags, "--token-secret", "l2fs-token", "--privileged-secrets", "l2fs-tokens")
+    assert run(cluster, "apply", "team-a", "qwen2-7b", *legacy) == 0
+    assert base64.b64decode(read_secret(cluster, "team-a")["data"]["token"]) == b"s3cret"
+    assert run(cluster, "verify", "team-a", "qwen2-7b", *legacy) == 0
     assert run(cluster, "apply", "team-a", "qwen2-7b", "--mode", "plugin", "--token-secret", "") == 0
     c = cluster.deployment("team-a", "qwen2-7b")["spec"]["template"]["spec"]["containers"][0]
     assert not [e for e in c["env"] if e["name"] == "L2FS_TOKEN"]

@@ -8,6 +8,7 @@ manifest whose command line does not start, or whose probe never passes, without
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -75,7 +76,14 @@ def as_other_user(cmd: list[str], env: dict[str, str], ids: dict[str, Any]) -> t
     module = {"l2fs": "l2fs.cli", "kvtier": "kvtier.cli"}[Path(cmd[0]).name]
     site = sysconfig.get_paths()["purelib"]
     boot = f"import sys; sys.argv[0] = {Path(cmd[0]).name!r}; from {module} import main; sys.exit(main())"
-    return [system, "-c", boot, *cmd[1:]], {**env, "PYTHONPATH": f"{ROOT}:{site}"}
+    # console scripts that uid can run, first on PATH: a wrapper (kvtier tokens exec -- l2fs ...) execs by name
+    shims = Path(tempfile.mkdtemp(prefix="kvtier-shims-"))
+    shims.chmod(0o755)
+    for name, mod in (("l2fs", "l2fs.cli"), ("kvtier", "kvtier.cli")):
+        code = f"import sys; sys.argv[0] = {name!r}; from {mod} import main; sys.exit(main())"
+        (shims / name).write_text(f'#!/bin/sh\nexec {system} -c "{code}" "$@"\n')
+        (shims / name).chmod(0o755)
+    return [system, "-c", boot, *cmd[1:]], {**env, "PYTHONPATH": f"{ROOT}:{site}", "PATH": f"{shims}:{env['PATH']}"}
 
 
 @pytest.fixture
@@ -107,6 +115,21 @@ class Env:
             os.chown(hostpath / "master", 65532, 65532)
         self.procs: list[subprocess.Popen[bytes]] = []
         self.tmp = tmp
+        # the Secrets, as `kvtier tokens generate` makes them; the tokens file where the Secret volume would be
+        # (readable by the worker's group: fsGroup 65532 + mode 0440 in the manifests)
+        self.secrets: dict[tuple[str, str], str] = {}
+        tokens = hostpath / "tokens.json"
+        made = subprocess.run([sys.executable, "-m", "kvtier.cli", "tokens", "generate", "--workers", "node-a", "node-b",
+                               "--engine", "ep-a@team-a", "--router", "team-a", "--mount", "--admin", "-o", str(tokens),
+                               "--secret-yaml", "-"], capture_output=True, text=True, timeout=60, cwd=ROOT)
+        assert made.returncode == 0, made.stderr
+        for s in yaml.safe_load_all(made.stdout):
+            self.secrets.update({(s["metadata"]["name"], k): v for k, v in s["stringData"].items()})
+        if os.geteuid() == 0:
+            os.chown(tokens, 0, 65532)
+        tokens.chmod(0o440)
+        self.tokens = {e["name"]: e["token"] for e in json.loads(tokens.read_text())}
+        self.vars["L2FS_TOKENS_FILE"] = str(tokens)
 
     def start(self, c: dict[str, Any], log: str) -> subprocess.Popen[bytes]:
         cmd = expand(c["command"] + c.get("args", []), self.vars)
@@ -114,6 +137,13 @@ class Env:
         if exe.exists():
             cmd[0] = str(exe)
         env = {**os.environ, **self.vars, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+        env.pop("L2FS_TOKEN", None)
+        for e in c.get("env") or []:  # the container's own env: plain values and Secret references, as kubelet does
+            ref = (e.get("valueFrom") or {}).get("secretKeyRef")
+            if ref:
+                env[e["name"]] = self.secrets[(ref["name"], ref["key"])]
+            elif "value" in e:
+                env[e["name"]] = expand([e["value"]], self.vars)[0]
         # a container starts with the manifest's env, not this test process's: LMCache, once imported by an
         # earlier test in this process, exports PROMETHEUS_MULTIPROC_DIR (a root-owned /tmp dir), which a
         # non-root child's prometheus_client would then fail to open
@@ -212,15 +242,16 @@ def test_master_and_worker_commands_and_probes(base: list[dict[str, Any]], env: 
     # the worker registered under the node name from the downward API, with the configured capacity
     l2fs = str(Path(sys.executable).with_name("l2fs"))
     report = subprocess.run([l2fs, "report", "--json", "--master", env.vars["L2FS_MASTER"]], capture_output=True,
-                            text=True, timeout=60)
+                            text=True, timeout=60, env={**os.environ, "L2FS_TOKEN": env.tokens["admin"]})
     assert report.returncode == 0, report.stderr
     assert "node-a" in report.stdout
     # the non-root worker serves a root client on its node (short-circuit: root-owned files in its dir)
     src = env.tmp / "blob"
     src.write_bytes(os.urandom(300_000))
     common = ["--master", env.vars["L2FS_MASTER"], "--node-id", "node-a"]
+    admin = {**os.environ, "L2FS_TOKEN": env.tokens["admin"]}
     for cmd in (["put", str(src), "/kv/blob"], ["get", "/kv/blob", str(env.tmp / "back")], ["rm", "/kv/blob"]):
-        r = subprocess.run([l2fs, cmd[0], *common, *cmd[1:]], capture_output=True, text=True, timeout=60)
+        r = subprocess.run([l2fs, cmd[0], *common, *cmd[1:]], capture_output=True, text=True, timeout=60, env=admin)
         assert r.returncode == 0, f"{cmd}: {r.stderr}\n{(env.tmp / 'worker.log').read_text()[-2000:]}"
     assert (env.tmp / "back").read_bytes() == src.read_bytes()
     # the rm went through the master's journal on its volume (the manifest's --journal)
@@ -229,6 +260,58 @@ def test_master_and_worker_commands_and_probes(base: list[dict[str, Any]], env: 
         import psutil
 
         assert psutil.Process(wp.pid).uids().real == 65532
+
+
+def test_scoped_tokens_from_the_generated_file(base: list[dict[str, Any]], env: Env) -> None:
+    """`kvtier tokens generate` output as the rendered master and worker containers load it: the worker
+    starts through `kvtier tokens exec` with its node's own entry and registers; a node without an entry
+    does not start (clear message, exit 2); the engine token puts under its endpoint's prefix only and
+    cannot overwrite or delete; the router token only reads; the mount's admin token may delete."""
+    master = container(base, "StatefulSet", "l2fs-master")
+    env.wait_probe(master, "readinessProbe", env.start(master, "master.log"), "master.log")
+    wp = start_worker(base, env)
+    l2fs = str(Path(sys.executable).with_name("l2fs"))
+
+    def cli(token: str, *cmd: str, wrap: tuple[str, ...] = ()) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([*wrap, l2fs, cmd[0], "--master", env.vars["L2FS_MASTER"], "--node-id", "node-a",
+                               *cmd[1:]], capture_output=True, text=True, timeout=60,
+                              env={**os.environ, "L2FS_TOKEN": token, "D": env.vars["L2FS_DATA_DIR"]})
+
+    report = cli(env.tokens["admin"], "report", "--json")
+    assert report.returncode == 0 and "node-a" in report.stdout, report.stderr
+    # the worker process holds its own node's token (the wrapper exec'd into it), not another's
+    environ = Path(f"/proc/{wp.pid}/environ").read_bytes().split(b"\0")
+    assert f"L2FS_TOKEN={env.tokens['worker-node-a']}".encode() in environ
+    # a node the tokens were not made for: the worker container exits at once and says why
+    worker = container(base, "DaemonSet", "l2fs-worker")
+    stray = env.start({**worker, "command": expand(worker["command"], {"NODE_NAME": "node-x"})}, "stray.log")
+    assert stray.wait(60) == 2
+    assert "no entry 'worker-node-x'" in (env.tmp / "stray.log").read_text()
+    # engine ep-a: put-if-absent under /kvtier/kv/ep-a only
+    src = env.tmp / "chunk"
+    src.write_bytes(os.urandom(100_000))
+    engine, router, mount = env.secrets[("ep-a-l2fs-token", "token")], env.secrets[
+        ("kvtier-router-l2fs-token", "token")], env.secrets[("l2fs-mount-token", "token")]
+    assert engine == env.tokens["engine-ep-a"] and router == env.tokens["router-team-a"]
+    own = "/kvtier/kv/ep-a/rev1/salt/c0.data"
+    # as a plugin-mode pod on this node sees the worker's data dir: read-only (the webhook's mount), so the
+    # same-node short-circuit write cannot open its temp file and the put goes over the data plane
+    read_only = ("unshare", "--mount", "sh", "-c",
+                 'mount --bind "$D" "$D" && mount -o remount,bind,ro "$D" && exec "$@"', "sh")
+    if os.geteuid() != 0 or not shutil.which("unshare"):
+        read_only = ()
+    put = cli(engine, "put", str(src), own, wrap=read_only)
+    assert put.returncode == 0, put.stderr
+    got = cli(engine, "get", own, str(env.tmp / "ro-back"), wrap=read_only)
+    assert got.returncode == 0 and (env.tmp / "ro-back").read_bytes() == src.read_bytes(), got.stderr
+    for denied in (cli(engine, "put", str(src), "/kvtier/kv/ep-b/rev1/c0.data"),
+                   cli(engine, "put", str(src), own, "--overwrite"), cli(engine, "rm", own),
+                   cli(router, "put", str(src), "/kvtier/kv/ep-a/rev1/c1.data"), cli(router, "rm", own)):
+        assert denied.returncode != 0 and "may not" in denied.stderr + denied.stdout, denied
+    assert cli(router, "get", own, str(env.tmp / "back")).returncode == 0
+    assert (env.tmp / "back").read_bytes() == src.read_bytes()
+    assert cli(mount, "rm", own).returncode == 0  # the FUSE mount's admin token
+    assert cli(router, "stat", own).returncode != 0
 
 
 @pytest.mark.fuse
@@ -287,8 +370,9 @@ def test_router_command_discovers_the_pods_the_webhook_labels(cluster: Any, tmp_
     env = Env.__new__(Env)
     env.tmp, env.procs = tmp_path, []
     env.vars = {**cm["data"], "ROUTER_ENGINE_PORT": str(engine_port), "ROUTER_PORT": str(router_port),
-                "POD_NAMESPACE": cm["metadata"]["namespace"], "POD_IP": "127.0.0.1",
-                "KVTIER_ROUTER_API_KEY": "router-key", "L2FS_TOKEN": "l2fs-token"}  # from their Secrets
+                "POD_NAMESPACE": cm["metadata"]["namespace"], "POD_IP": "127.0.0.1"}
+    env.secrets = {("kvtier-router-api-key", "api-key"): "router-key",
+                   ("kvtier-router-l2fs-token", "token"): "router-token-0123456789"}
     # the tokenizer init container's emptyDir, filled here with a locally trained tokenizer instead of S3
     from kvtier.devstack.tiny_model import build_tokenizer
 

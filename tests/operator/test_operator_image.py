@@ -26,7 +26,8 @@ ROOT = Path(__file__).resolve().parents[2]
 MAIN = ROOT / "deploy" / "Dockerfile"
 PLUGIN = ROOT / "deploy" / "Dockerfile.vllm-plugin"
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
-VLLM_IMAGE_PROVIDES = {"lmcache", "numpy", "torch", "vllm"}  # in every vLLM image that runs LMCache
+# in every vLLM image that runs LMCache (pyyaml: an LMCache requirement; connector.config imports it)
+VLLM_IMAGE_PROVIDES = {"lmcache", "numpy", "pyyaml", "torch", "vllm"}
 
 
 @dataclass

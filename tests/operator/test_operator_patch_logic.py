@@ -129,7 +129,8 @@ def test_plugin_mode(shape: str) -> None:
         {"name": "L2FS_NODE_ID", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}}]
     vols = [v for v in out["spec"]["template"]["spec"]["volumes"] if v["name"] == "kvtier-l2fs"]
     assert vols == [{"name": "kvtier-l2fs", "hostPath": {"path": "/opt/dlami/nvme/l2fs", "type": "DirectoryOrCreate"}}]
-    assert {"name": "kvtier-l2fs", "mountPath": "/opt/dlami/nvme/l2fs"} in vllm(out)["volumeMounts"]
+    # read-only: short-circuit reads only; a pod cannot overwrite blocks or the worker's manifest
+    assert {"name": "kvtier-l2fs", "mountPath": "/opt/dlami/nvme/l2fs", "readOnly": True} in vllm(out)["volumeMounts"]
     assert plan(out, cfg) == []
     # switching back to mount mode is a clean patch too
     back = jsonpatch.apply_patch(out, plan(out, PatchConfig()))
@@ -257,16 +258,46 @@ def test_vllm_flags_failure_policy_and_kv_events(mode: str) -> None:
 
 
 def test_plugin_token_from_secret() -> None:
+    """The engine pod's token comes from its endpoint's own Secret (engine role, its prefix only)."""
     dep = load_yaml("rendered-v3.2-stripped.yaml")
     cfg = PatchConfig(mode="plugin")
     out = mutate(dep, cfg)
     assert env_entries(out, "L2FS_TOKEN") == [
-        {"name": "L2FS_TOKEN", "valueFrom": {"secretKeyRef": {"name": "l2fs-token", "key": "token"}}}]
+        {"name": "L2FS_TOKEN", "valueFrom": {"secretKeyRef": {"name": "qwen2-7b-l2fs-token", "key": "token"}}}]
+    assert out["spec"]["template"]["metadata"]["annotations"]["kvtier.io/l2fs-token-secret"] == "qwen2-7b-l2fs-token"
     assert check(out, cfg) == []
     insecure = PatchConfig(mode="plugin", token_secret="")
     assert env_entries(mutate(out, insecure), "L2FS_TOKEN") == []
     assert check(mutate(dep, PatchConfig(mode="plugin", token_secret="")), cfg) != []
     assert env_entries(mutate(dep, PatchConfig()), "L2FS_TOKEN") == []  # mount mode: the mount pod holds it
+
+
+def test_privileged_token_secrets_are_refused() -> None:
+    """Worker/admin credentials never reach an endpoint pod: the old shared token, the tokens file or the
+    mount's admin token, by config, annotation or an existing reference, in either mode; the explicit
+    opt-out (a privileged list without the shared token) keeps the old shared-token behaviour."""
+    from operator_patch.patch import TOKEN_SECRET_KEY, Refused
+
+    dep = load_yaml("rendered-v3.2-stripped.yaml")
+    with pytest.raises(Refused, match="l2fs-token"):
+        mutate(dep, PatchConfig(mode="plugin", token_secret="l2fs-token"))
+    named = copy.deepcopy(dep)
+    named["metadata"]["annotations"][TOKEN_SECRET_KEY] = "l2fs-tokens"
+    with pytest.raises(Refused, match="l2fs-tokens"):
+        mutate(named, PatchConfig(mode="plugin"))
+    mounted = copy.deepcopy(dep)
+    mounted["spec"]["template"]["spec"].setdefault("volumes", []).append(
+        {"name": "x", "projected": {"sources": [{"secret": {"name": "l2fs-mount-token"}}]}})
+    with pytest.raises(Refused, match="l2fs-mount-token"):
+        mutate(mounted, PatchConfig())  # mount mode too
+    assert any("l2fs-mount-token" in p for p in check(mounted, PatchConfig()))
+    legacy = PatchConfig(mode="plugin", token_secret="l2fs-token", privileged_secrets="l2fs-tokens")
+    out = mutate(dep, legacy)
+    assert env_entries(out, "L2FS_TOKEN")[0]["valueFrom"]["secretKeyRef"]["name"] == "l2fs-token"
+    assert check(out, legacy) == []
+    named["metadata"]["annotations"][TOKEN_SECRET_KEY] = "Not A Name"
+    with pytest.raises(PatchError, match="not a Secret name"):
+        mutate(named, PatchConfig(mode="plugin"))
 
 
 def test_missing_container_is_a_clear_error_and_no_change() -> None:

@@ -84,7 +84,7 @@ def test_salt_secret_moves_the_chunk_directory(mode: str) -> None:
 
     # what the pod sees once kubelet resolved the Secret (made by `kvtier lmcache-config salt-secret`)
     secrets = {"ep-a-kv-salt": salt_secret("ep-a-kv-salt", "team-a", SALT)["stringData"],
-               "l2fs-token": {"token": "t"}}
+               "qwen2-7b-l2fs-token": {"token": "t"}}
     env = kubelet_env(c, secrets)
     want = contract.salted_prefix(kv_prefix, SALT)  # = what the router computes from the same salt
     assert want.startswith(kv_prefix + "/salt@")

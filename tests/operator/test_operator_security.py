@@ -38,22 +38,86 @@ def l2fs_containers(docs: list[dict[str, Any]]) -> list[tuple[str, dict[str, Any
             for c in spec["containers"]]
 
 
-def test_token_is_required_unless_explicitly_insecure(rendered: dict[str, list[dict[str, Any]]]) -> None:
+def secret_volume(spec: dict[str, Any], c: dict[str, Any], path: str) -> dict[str, Any]:
+    """The secret source of the volume `c` mounts at `path` (read-only)."""
+    (m,) = [m for m in c.get("volumeMounts") or [] if m["mountPath"] == path]
+    assert m.get("readOnly") is True
+    return {v["name"]: v for v in spec["volumes"]}[m["name"]]["secret"]
+
+
+def patch_config(cm: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> PatchConfig:
+    """The webhook's PatchConfig as the deployment configures it (its flags default to $KVTIER_*)."""
+    import argparse
+
+    from operator_patch.options import add_config_args, config_from_args
+
+    for k, v in cm.items():
+        if k.startswith("KVTIER_"):
+            monkeypatch.setenv(k, v)
+    parser = argparse.ArgumentParser()
+    add_config_args(parser)
+    return config_from_args(parser.parse_args([]))
+
+
+def test_scoped_tokens_wired_unless_explicitly_insecure(rendered: dict[str, list[dict[str, Any]]],
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """Master and workers read the tokens file from Secret l2fs-tokens (required); each worker starts through
+    `kvtier tokens exec` with its own node's entry; the mount holds its own admin token, the router a
+    router-role token and its salts; no pod holds the old shared token. Engine pods (webhook, plugin mode)
+    get their endpoint's own Secret, never a privileged one."""
+    from operator_helpers import load_yaml
+
+    from operator_patch.patch import mutate
+
     for target in SECURE + ["router"]:
         docs = rendered[target]
-        found = l2fs_containers(docs)
-        assert found, target
-        for name, c in found:
-            tokens = env_of(c, "L2FS_TOKEN")
-            assert len(tokens) == 1, (target, name)
-            ref = tokens[0]["valueFrom"]["secretKeyRef"]
-            assert ref["name"] == "l2fs-token" and ref["key"] == "token" and not ref.get("optional"), (target, name)
+        found = {n: (c, spec) for n, _, spec in pods(docs) for c in spec["containers"]}
+        for name, (c, _) in found.items():
+            refs = [e["valueFrom"]["secretKeyRef"]["name"] for e in c.get("env") or []
+                    if "secretKeyRef" in (e.get("valueFrom") or {})]
+            assert "l2fs-token" not in refs, (target, name)  # the shared admin+worker token is gone
         if by_kind(docs, "DaemonSet"):
-            cfg = configmap(docs, "kvtier-config")["data"]
-            assert cfg["KVTIER_TOKEN_SECRET"] == "l2fs-token"  # the webhook adds it to plugin-mode pods
+            cm = configmap(docs, "kvtier-config")["data"]
+            path = cm["L2FS_TOKENS_FILE"]
+            for name in ("l2fs-master", "l2fs-worker"):
+                c, spec = found[name]
+                assert not env_of(c, "L2FS_TOKEN"), (target, name)
+                vol = secret_volume(spec, c, path.rsplit("/", 1)[0])
+                assert vol["secretName"] == "l2fs-tokens" and not vol.get("optional"), (target, name)
+                assert vol["items"] == [{"key": "tokens.json", "path": path.rsplit("/", 1)[1]}]
+                assert vol["defaultMode"] & 0o007 == 0 and spec["securityContext"]["fsGroup"] == 65532
+            worker = found["l2fs-worker"][0]
+            assert worker["command"] == ["kvtier", "tokens", "exec", "--entry", "worker-$(NODE_NAME)", "--role",
+                                         "worker", "--", "l2fs", "worker"]
+            assert env_of(worker, "NODE_NAME")[0]["valueFrom"] == {"fieldRef": {"fieldPath": "spec.nodeName"}}
+            mount = found["l2fs-mount"][0]
+            assert env_of(mount, "L2FS_TOKEN")[0]["valueFrom"]["secretKeyRef"] == {"name": "l2fs-mount-token",
+                                                                                   "key": "token"}
+            # the webhook's config: per-endpoint token Secrets, and the privileged ones it refuses
+            cfg = patch_config(cm, monkeypatch)
+            assert cfg.token_secret == "{endpoint}-l2fs-token"
+            assert {"l2fs-tokens", "l2fs-mount-token", "l2fs-token"} <= set(cfg.privileged_secrets.split(","))
+            plugin = mutate(load_yaml("rendered-v3.2-stripped.yaml"), PatchConfig(**{**cfg.__dict__, "mode": "plugin"}))
+            pc = plugin["spec"]["template"]["spec"]["containers"][0]
+            assert env_of(pc, "L2FS_TOKEN")[0]["valueFrom"]["secretKeyRef"] == {"name": "qwen2-7b-l2fs-token",
+                                                                               "key": "token"}
+            assert [m for m in pc["volumeMounts"] if m["mountPath"] == cfg.data_path][0]["readOnly"] is True
+        if "kvtier-router" in found:
+            c, spec = found["kvtier-router"]
+            assert env_of(c, "L2FS_TOKEN")[0]["valueFrom"]["secretKeyRef"] == {"name": "kvtier-router-l2fs-token",
+                                                                              "key": "token"}
+            salts = env_of(c, "KVTIER_KV_SALT_DIR")[0]["value"]
+            assert secret_volume(spec, c, salts) == {"secretName": "kvtier-router-kv-salts", "optional": True,
+                                                     "defaultMode": 0o440}
     insecure = rendered["overlays/dev-insecure"]
-    assert all(not env_of(c, "L2FS_TOKEN") for _, c in l2fs_containers(insecure))
-    assert configmap(insecure, "kvtier-config")["data"]["KVTIER_TOKEN_SECRET"] == ""
+    found = {n: (c, spec) for n, _, spec in pods(insecure) for c in spec["containers"]}
+    for name in ("l2fs-master", "l2fs-worker", "l2fs-mount"):
+        c, spec = found[name]
+        assert not env_of(c, "L2FS_TOKEN") and "/etc/l2fs" not in [m["mountPath"] for m in c["volumeMounts"]]
+        assert "l2fs-tokens" not in [v["name"] for v in spec["volumes"]], name
+    assert found["l2fs-worker"][0]["command"] == ["l2fs", "worker"]
+    cm = configmap(insecure, "kvtier-config")["data"]
+    assert cm["KVTIER_TOKEN_SECRET"] == "" and cm["L2FS_TOKENS_FILE"] == ""
     # the webhook's own parser takes the empty value as "no token" (not as a secret named '')
     assert PatchConfig(mode="plugin", token_secret="").token_secret == ""
 

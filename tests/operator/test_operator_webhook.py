@@ -248,3 +248,70 @@ def test_kv_prefix_per_endpoint_and_model_version(cluster, tmp_path: Path) -> No
         assert len({a1, a2, a3, where(patched("ep-a"))[0]}) == 4
     finally:
         hook.stop()
+
+
+def test_engine_token_per_endpoint_never_privileged(cluster, tmp_path: Path) -> None:
+    """Plugin mode, deploy's settings (kmock API server, real webhook process): each endpoint's pod gets
+    L2FS_TOKEN from its own Secret (default <endpoint>-l2fs-token, or the IEC's kvtier.io/l2fs-token-secret),
+    never the tokens file, the mount's admin token or the old shared token; an endpoint that names one of
+    those, or whose pod already references one, is denied (403) and counted."""
+    from operator_patch.patch import TOKEN_SECRET_KEY
+
+    group, plural = "inference.sagemaker.aws.amazon.com", "inferenceendpointconfigs"
+    tiered = {"enableL2Cache": True, "l2CacheSpec": {"l2CacheBackend": "tieredstorage"}}
+    privileged = {"l2fs-tokens", "l2fs-mount-token", "l2fs-token"}
+
+    def put_iec(name: str, secret: str | None = None) -> None:
+        ann = {"kvtier.io/l2fs": "enabled", **({TOKEN_SECRET_KEY: secret} if secret else {})}
+        cluster.custom.create_namespaced_custom_object(group, "v1", "team-a", plural, {
+            "apiVersion": f"{group}/v1", "kind": "InferenceEndpointConfig",
+            "metadata": {"name": name, "namespace": "team-a", "annotations": ann},
+            "spec": {"modelName": "m", "kvCacheSpec": tiered}})
+
+    def rendered(name: str) -> dict:
+        dep = load_yaml("rendered-v3.2-stripped.yaml")
+        dep["metadata"]["name"] = dep["metadata"]["ownerReferences"][0]["name"] = name
+        dep["spec"]["template"]["spec"]["containers"][0]["name"] = name
+        del dep["metadata"]["annotations"]
+        return dep
+
+    def secret_refs(dep: dict) -> set[str]:
+        spec = dep["spec"]["template"]["spec"]
+        return {e["valueFrom"]["secretKeyRef"]["name"] for c in spec["containers"] for e in c.get("env") or []
+                if "secretKeyRef" in (e.get("valueFrom") or {})} | {
+                v["secret"]["secretName"] for v in spec.get("volumes") or [] if "secret" in v}
+
+    put_iec("ep-a")
+    put_iec("ep-b", "team-a-ep-b-engine")
+    put_iec("ep-c", "l2fs-tokens")
+    hook = start_webhook(tmp_path, "--k8s-api", cluster.url, "--mode", "plugin")
+    cfg = PatchConfig(mode="plugin")
+    try:
+        for name, want in (("ep-a", "ep-a-l2fs-token"), ("ep-b", "team-a-ep-b-engine")):
+            dep = rendered(name)
+            out = apply(hook.review(dep, "CREATE"), dep)
+            assert check(out, cfg) == []
+            c = out["spec"]["template"]["spec"]["containers"][0]
+            assert [e["valueFrom"]["secretKeyRef"] for e in c["env"] if e["name"] == "L2FS_TOKEN"] == [
+                {"name": want, "key": "token"}]
+            assert not secret_refs(out) & privileged
+            assert out["spec"]["template"]["metadata"]["annotations"][TOKEN_SECRET_KEY] == want
+        # the IEC names the tokens file: denied, nothing patched
+        denied = hook.review(rendered("ep-c"), "CREATE", allowed=False)
+        assert denied["status"]["code"] == 403 and "l2fs-tokens" in denied["status"]["message"]
+        assert "patch" not in denied
+        # a pod that already carries the mount's admin token (a user-added env entry) is denied too
+        sneaky = rendered("ep-a")
+        sneaky["spec"]["template"]["spec"]["containers"][0]["env"].append(
+            {"name": "ADMIN", "valueFrom": {"secretKeyRef": {"name": "l2fs-mount-token", "key": "token"}}})
+        assert "l2fs-mount-token" in hook.review(sneaky, "UPDATE", allowed=False)["status"]["message"]
+        # an earlier shared-token patch (L2FS_TOKEN from l2fs-token) is replaced by the endpoint's own token
+        legacy = rendered("ep-a")
+        legacy["spec"]["template"]["spec"]["containers"][0]["env"].append(
+            {"name": "L2FS_TOKEN", "valueFrom": {"secretKeyRef": {"name": "l2fs-token", "key": "token"}}})
+        out = apply(hook.review(legacy, "UPDATE"), legacy)
+        assert "l2fs-token" not in secret_refs(out) and "ep-a-l2fs-token" in secret_refs(out)
+        metrics = hook.client.get(hook.url + "/metrics").text
+        assert 'kvtier_webhook_reviews_total{outcome="refused"} 2.0' in metrics
+    finally:
+        hook.stop()
