@@ -54,7 +54,7 @@ NAME_MAX = 255
 MAX_READ = 1 << 20  # the kernel's default max_pages_limit (256 pages)
 BUF_SIZE = MAX_READ + 64 * 1024  # one request: header + a 1 MiB max_write (never used: read-only)
 DT_DIR, DT_REG = 4, 8
-KEEP_BUFFER = 64 << 20  # fetch buffers up to this size are kept per request thread
+POOL_BYTES = 128 << 20  # freed fetch buffers kept for reuse
 # An OPEN right after the LOOKUP of the same open(2) reuses the lookup's Stat answer when it is this fresh
 # (one master round trip per open instead of two); older answers are asked again (close-to-open).
 STAT_REUSE = 0.1
@@ -140,7 +140,7 @@ class BlockCache:
         self.files: OrderedDict[str, int] = OrderedDict()  # name -> size, least recently used first
         self.users: dict[str, int] = {}
         self.fetching: dict[str, threading.Lock] = {}
-        self.local = threading.local()
+        self.bufs: list[bytearray] = []  # fetch buffers free for reuse (already faulted in), POOL_BYTES at most
 
     def open(self, st_: pb.FileStat, loc: pb.Location, deadline: float) -> tuple[int, str]:
         """(read-only fd, name) of the verified local copy of loc's block; fetched if absent."""
@@ -170,7 +170,7 @@ class BlockCache:
         then write it to the cache file (a reused buffer is already mapped: a fresh mmap of the file cost a
         page fault per 4 KiB); a short or corrupt block is reported to its worker and gives EIO."""
         size = st_.size
-        buf = self.buffer(size)
+        buf = self.take(size)
         view = memoryview(buf)[:size]
         try:
             if size and not self._read_into(st_, loc, view, deadline):
@@ -189,17 +189,26 @@ class BlockCache:
                 raise
         finally:
             view.release()
+            self.give(buf)
         self.counters.inc("cache_fetches")
         return fd
 
-    def buffer(self, size: int) -> bytearray:
-        """This thread's fetch buffer, grown to size (one per request thread, bounded by the largest file)."""
-        if size > KEEP_BUFFER:
-            return bytearray(size)
-        b: bytearray | None = getattr(self.local, "buf", None)
-        if b is None or len(b) < size:
-            b = self.local.buf = bytearray(max(size, 1))
-        return b
+    def take(self, size: int) -> bytearray:
+        """A fetch buffer of at least size bytes: a freed one when one fits (a fresh 32 MiB buffer costs
+        8,192 page faults, as much as the fetch itself), else a new one."""
+        with self.lock:
+            fits = [b for b in self.bufs if len(b) >= size]
+            if fits:
+                b = min(fits, key=len)
+                self.bufs.remove(b)
+                return b
+        return bytearray(max(size, 1))
+
+    def give(self, b: bytearray) -> None:
+        with self.lock:
+            self.bufs.append(b)
+            while sum(len(x) for x in self.bufs) > POOL_BYTES:
+                self.bufs.remove(min(self.bufs, key=len))
 
     def _read_into(self, st_: pb.FileStat, loc: pb.Location, view: memoryview, deadline: float) -> bool:
         c = self.client
@@ -553,7 +562,8 @@ class PassthroughServer:
             raise Reply(errno.EISDIR)
         if not s.locations:
             raise Reply(errno.ENOENT)  # no live copy: a miss, as in fuse.py
-        deadline = time.monotonic() + self.client.timeout
+        t0 = time.monotonic()
+        deadline = t0 + self.client.timeout
         cached: str | None = None
         local = self.local_block(s)
         if local is not None:
@@ -568,6 +578,8 @@ class PassthroughServer:
             fh = self.next_fh
             self.next_fh += 1
             self.handles[fh] = _Handle(n, -1 if backing else fd, bool(backing), cached)
+        log.debug("open %s: %s %s in %.2f ms", n.path, "cached copy" if cached else "local block",
+                  "passthrough" if backing else "process reads", (time.monotonic() - t0) * 1e3)
         if backing:
             os.close(fd)  # the kernel holds the file now
             self.counters.inc("opens_passthrough")
