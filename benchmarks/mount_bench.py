@@ -10,6 +10,10 @@ Object size defaults to one 256-token KV chunk of a 7B model (14.7 MB). Every nu
   read same-node   open/readinto on node-1's mount | get_into(), node-1 (short-circuit) | local file readinto
   read cross-node  open/readinto on node-2's mount | get_into(), node-2 (streamed from worker 1) | -
   re-read cross-node  the same objects again on node-2 | get_into() again | local file readinto
+  re-read same-node  the same objects again on node-1
+With --passthrough, two more mounts (`l2fs mount --passthrough`, node-1 and node-2) read their own copy of the
+objects (put by node-1, so same-node reads use node-1's block files and cross-node ones a fetched local copy):
+the column "passthrough" and its ratio to native.
 Goal (issue 14.2): mount >= 0.8x native on reads.
 """
 
@@ -63,6 +67,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dir", default=None, help="work dir (default: a temp dir, removed afterwards)")
     p.add_argument("--mount-arg", action="append", default=[],
                    help="extra `l2fs mount` argument for both mounts (repeatable), e.g. --mount-arg=--page-cache")
+    p.add_argument("--passthrough", action="store_true", help="also measure `l2fs mount --passthrough` mounts")
+    p.add_argument("--pt-arg", action="append", default=[],
+                   help="extra argument for the passthrough mounts, e.g. --pt-arg=--verify --pt-arg=write")
     a = p.parse_args(argv)
     if a.iters < 1 or a.size < 1:
         p.error("--iters and --size must be positive")
@@ -71,13 +78,20 @@ def main(argv: list[str] | None = None) -> int:
     data = os.urandom(a.size)
     buf = bytearray(a.size)
     n_obj = a.iters + 2
-    rows: list[tuple[str, float, float, float | None]] = []
+    rows: list[tuple[str, float, float, float | None, float | None]] = []
     procs: list[tuple[object, Path]] = []
     try:
         with LocalCluster(base / "cluster", workers=2, capacity=f"{max(2, 8 * n_obj * a.size >> 30)}G") as c:
             m1, m2 = base / "mnt1", base / "mnt2"
             procs.append((fuse.spawn(m1, c.master, "--node-id", "node-1", *a.mount_arg, log=base / "mnt1.log"), m1))
             procs.append((fuse.spawn(m2, c.master, "--node-id", "node-2", *a.mount_arg, log=base / "mnt2.log"), m2))
+            pts: list[Path] = []
+            if a.passthrough:
+                for node in ("node-1", "node-2"):
+                    mp = base / f"pt-{node}"
+                    procs.append((fuse.spawn(mp, c.master, "--passthrough", "--node-id", node, "--cache-dir",
+                                             str(base), *a.pt_arg, log=base / f"pt-{node}.log"), mp))
+                    pts.append(mp)
             local = base / "local"
             local.mkdir()
             c1, c2 = c.client(node_id="node-1"), c.client(node_id="node-2")
@@ -90,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
             w_mount = median_gbps(a.size, lambda i: write_file(m1 / "bench" / ("w" + k(i)), data), a.iters)
             w_native = median_gbps(a.size, lambda i: c1.put(f"/bench/n{k(i)}", data, if_absent=False), a.iters)
             w_local = median_gbps(a.size, lambda i: write_file(local / ("w" + k(i)), data), a.iters)
-            rows.append(("write (node-1)", w_mount, w_native, w_local))
+            rows.append(("write (node-1)", w_mount, w_native, w_local, None))
 
             def mount_tmp_rename(i: int) -> None:
                 write_file(m1 / "bench" / ("r" + k(i)[:-5] + ".tmp"), data)
@@ -102,7 +116,17 @@ def main(argv: list[str] | None = None) -> int:
 
             r_mount = median_gbps(a.size, mount_tmp_rename, a.iters)
             r_local = median_gbps(a.size, local_tmp_rename, a.iters)
-            rows.append(("write+rename (node-1)", r_mount, w_native, r_local))
+            rows.append(("write+rename (node-1)", r_mount, w_native, r_local, None))
+            if pts:  # the passthrough mounts' own objects, so each first read is their own first read
+                for i in range(-2, a.iters):
+                    c1.put(f"/bench/p{k(i)}", data, if_absent=False)
+
+            def pt_read(mp: Path) -> float | None:
+                if not pts:
+                    return None
+                g = median_gbps(a.size, lambda i: read_file(mp / "bench" / ("p" + k(i)), buf), a.iters)
+                check(len(buf))
+                return g
 
             # reads of the objects written above (all placed on node-1)
             def check(got: object) -> None:
@@ -113,17 +137,22 @@ def main(argv: list[str] | None = None) -> int:
             check(len(buf))
             rs_native = median_gbps(a.size, lambda i: check(c1.get_into(f"/bench/n{k(i)}", buf)), a.iters)
             rs_local = median_gbps(a.size, lambda i: read_file(local / ("w" + k(i)), buf), a.iters)
-            rows.append(("read same-node (node-1)", rs_mount, rs_native, rs_local))
+            rows.append(("read same-node (node-1)", rs_mount, rs_native, rs_local, pt_read(pts[0]) if pts else None))
             rx_mount = median_gbps(a.size, lambda i: read_file(m2 / "bench" / ("w" + k(i)), buf), a.iters)
             check(len(buf))
             rx_native = median_gbps(a.size, lambda i: check(c2.get_into(f"/bench/n{k(i)}", buf)), a.iters)
-            rows.append(("read cross-node (node-2)", rx_mount, rx_native, None))
+            rows.append(("read cross-node (node-2)", rx_mount, rx_native, None, pt_read(pts[1]) if pts else None))
             # the same objects again: with --page-cache the kernel keeps the pages of an unchanged file
             rr_mount = median_gbps(a.size, lambda i: read_file(m2 / "bench" / ("w" + k(i)), buf), a.iters)
             check(len(buf))
             rr_native = median_gbps(a.size, lambda i: check(c2.get_into(f"/bench/n{k(i)}", buf)), a.iters)
             rr_local = median_gbps(a.size, lambda i: read_file(local / ("w" + k(i)), buf), a.iters)
-            rows.append(("re-read cross-node (node-2)", rr_mount, rr_native, rr_local))
+            rows.append(("re-read cross-node (node-2)", rr_mount, rr_native, rr_local,
+                         pt_read(pts[1]) if pts else None))
+            ss_mount = median_gbps(a.size, lambda i: read_file(m1 / "bench" / ("w" + k(i)), buf), a.iters)
+            check(len(buf))
+            ss_native = median_gbps(a.size, lambda i: check(c1.get_into(f"/bench/n{k(i)}", buf)), a.iters)
+            rows.append(("re-read same-node (node-1)", ss_mount, ss_native, rr_local, pt_read(pts[0]) if pts else None))
             c1.close()
             c2.close()
     finally:
@@ -135,15 +164,17 @@ def main(argv: list[str] | None = None) -> int:
     print(f"l2fs mount benchmark: {a.size:,} B objects, median of {a.iters}, GB/s "
           f"({os.cpu_count()} CPUs; one run, expect +-10-20 % on a shared 2-core box)")
     print(f"| {'operation':<26} | {'mount':>6} | {'native':>6} | {'local':>6} | {'mount/native':>12} | "
-          f"{'mount/local':>11} |")
-    print(f"|{'-' * 28}|{'-' * 8}|{'-' * 8}|{'-' * 8}|{'-' * 14}|{'-' * 13}|")
-    for name, mount, native, loc in rows:
+          f"{'mount/local':>11} | {'passthrough':>11} | {'pt/native':>9} |")
+    print(f"|{'-' * 28}|{'-' * 8}|{'-' * 8}|{'-' * 8}|{'-' * 14}|{'-' * 13}|{'-' * 13}|{'-' * 11}|")
+    for name, mount, native, loc, pt in rows:
         ls = f"{loc:6.2f}" if loc is not None else f"{'-':>6}"
         lr = f"{mount / loc:10.2f}x" if loc else f"{'-':>11}"
-        print(f"| {name:<26} | {mount:6.2f} | {native:6.2f} | {ls} | {mount / native:11.2f}x | {lr} |")
+        ps, pr = (f"{pt:11.2f}", f"{pt / native:8.2f}x") if pt is not None else (f"{'-':>11}", f"{'-':>9}")
+        print(f"| {name:<26} | {mount:6.2f} | {native:6.2f} | {ls} | {mount / native:11.2f}x | {lr} | {ps} | {pr} |")
     reads = [r for r in rows if r[0].startswith(("read", "re-read"))]
-    for name, m, n, _ in reads:
-        print(f"goal mount >= 0.8x native, {name}: {'met' if m / n >= 0.8 else 'NOT met'} ({m / n:.2f}x)")
+    for name, m, n, _, pt in reads:
+        print(f"goal mount >= 0.8x native, {name}: {'met' if m / n >= 0.8 else 'NOT met'} ({m / n:.2f}x)"
+              + (f"; passthrough {'met' if pt / n >= 0.8 else 'NOT met'} ({pt / n:.2f}x)" if pt is not None else ""))
     return 0
 
 
