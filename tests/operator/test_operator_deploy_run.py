@@ -347,6 +347,23 @@ def test_mount_command_probes_and_prestop(base: list[dict[str, Any]], env: Env) 
     assert not os.path.ismount(mnt)
     proc.wait(30)
     assert not env.probe(mount, "livenessProbe")
+    # why the mount holds an admin token: with an engine token, even inside that engine's own prefix, what
+    # LMCache's fs:// connector does through a mount (write a temp file, rename it) is refused
+    env.secrets[("l2fs-mount-token", "token")] = env.tokens["engine-ep-a"]
+    env.vars["L2FS_MOUNT_PATH"] = str(mnt) + "-engine"
+    eproc = env.start(mount, "mount-engine.log")
+    env.wait_probe(mount, "readinessProbe", eproc, "mount-engine.log")
+    own = Path(env.vars["L2FS_MOUNT_PATH"]) / "kvtier" / "kv" / "ep-a"
+    own.mkdir(parents=True, exist_ok=True)  # mkdir of its own prefix is allowed
+    try:
+        (own / "k.data.tmp").write_bytes(b"x" * 4096)
+        os.replace(own / "k.data.tmp", own / "k.data")
+        published = True
+    except OSError:
+        published = False
+    assert not published and not (own / "k.data").exists()
+    pre = expand(mount["lifecycle"]["preStop"]["exec"]["command"], env.vars)
+    assert subprocess.run(pre, env={**os.environ, **env.vars}, timeout=30).returncode == 0
 
 
 def test_router_command_discovers_the_pods_the_webhook_labels(cluster: Any, tmp_path: Path, hostpath: Path) -> None:
