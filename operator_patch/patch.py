@@ -516,6 +516,8 @@ def _patch_worker(dep: dict[str, Any], cfg: PatchConfig, iec: dict[str, Any] | N
     _patch_vllm_flags(c, cfg)
     if cfg.mode == "mount":
         _set_env(env, URL_VAR, cfg.url_for(chunk_dir(kv_prefix, secret)))
+        # a token from a Secret is what an earlier plugin-mode patch added: mount-mode pods hold none
+        env[:] = [e for e in env if e.get("name") != TOKEN_VAR or "secretKeyRef" not in (e.get("valueFrom") or {})]
     else:
         _drop_env(env, URL_VAR)
         _set_env(env, cfg.node_env, value_from={"fieldRef": {"fieldPath": "spec.nodeName"}})

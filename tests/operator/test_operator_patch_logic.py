@@ -270,6 +270,10 @@ def test_plugin_token_from_secret() -> None:
     assert env_entries(mutate(out, insecure), "L2FS_TOKEN") == []
     assert check(mutate(dep, PatchConfig(mode="plugin", token_secret="")), cfg) != []
     assert env_entries(mutate(dep, PatchConfig()), "L2FS_TOKEN") == []  # mount mode: the mount pod holds it
+    assert env_entries(mutate(out, PatchConfig()), "L2FS_TOKEN") == []  # switching to mount mode drops it
+    # an earlier plugin patch with the old shared token: switching to mount mode is not refused, the token goes
+    legacy = mutate(dep, PatchConfig(mode="plugin", token_secret="l2fs-token", privileged_secrets=""))
+    assert env_entries(mutate(legacy, PatchConfig()), "L2FS_TOKEN") == []
 
 
 def test_privileged_token_secrets_are_refused() -> None:
