@@ -130,7 +130,10 @@ def _supervise(args: argparse.Namespace, argv: list[str]) -> int:
     Separate processes rather than uvicorn's workers=: each must run the router's startup (replica set, KV
     event subscribers, load scrapes) in its own loop, and the parent must keep the port while they come
     and go. The parent holds the port with a bound, never listening socket (so port 0 resolves once), waits
-    until every worker listens, prints one URL, restarts a worker that dies, and on SIGTERM/SIGINT stops all."""
+    until every worker listens, prints one URL, restarts a worker that dies, and on SIGTERM/SIGINT stops all.
+    Each worker gets its own session: with the kernel's sched_autogroup (on by default on many hosts) a session is
+    one CPU share, so N workers in the supervisor's session would split one share and run no faster than one
+    process. A worker still stops with the supervisor (it terminates them; PDEATHSIG if it is killed)."""
     import shutil
     import signal
     import subprocess
@@ -155,7 +158,7 @@ def _supervise(args: argparse.Namespace, argv: list[str]) -> int:
     def spawn(i: int) -> subprocess.Popen[str]:
         return subprocess.Popen([sys.executable, "-m", "router.cli", *argv, "--port", str(port),
                                  "--worker-of", f"{peers}:{i}"], stdout=subprocess.PIPE, text=True, env=env,
-                                preexec_fn=_die_with_parent)
+                                preexec_fn=_die_with_parent, start_new_session=True)
 
     def ready(i: int, p: subprocess.Popen[str]) -> subprocess.Popen[str] | None:
         """p once it printed its "listening on" line (then its stdout is passed on), None if it failed."""

@@ -336,7 +336,7 @@ def overhead(args: argparse.Namespace, tmp: Path, reps: list[P], model: str, run
     arms = names * max(1, args.repeats)  # interleaved: every arm once, then again (the box's load drifts)
     summaries: list[dict[str, Any]] = []
     with (tmp / "overhead-requests.csv").open("w") as raw_f:
-        raw_f.write("arm,target_rps,i,sched_s,lag_ms,e2e_ms,status,router_ms,tokenize_ms,replica\n")
+        raw_f.write("arm,target_rps,i,sched_s,lag_ms,e2e_ms,status,router_ms,tokenize_ms,replica,router_pid\n")
         for arm in arms:
             rt = None
             if arm.startswith("vllm-router:"):
@@ -377,7 +377,7 @@ def overhead(args: argparse.Namespace, tmp: Path, reps: list[P], model: str, run
                       f"ms e2e p50/p99 {s['e2e_p50_ms']:.2f}/{s['e2e_p99_ms']:.2f} ms load {load:.2f}", flush=True)
                 for r in rows:
                     raw_f.write(f"{arm},{rate},{r['i']},{r['sched_s']:.6f},{r['lag_ms']:.3f},{r['e2e_ms']:.3f},"
-                                f"{r['status']},{r['router_ms']},{r['tokenize_ms']},{r['replica']}\n")
+                                f"{r['status']},{r['router_ms']},{r['tokenize_ms']},{r['replica']},{r['pid'] or ''}\n")
             if rt is not None:
                 rt.stop()
                 running.remove(rt)
