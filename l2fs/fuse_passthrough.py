@@ -676,7 +676,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--verify", choices=("open", "write"), default="open",
                    help="open: CRC-check each local block file at its first open on this node (default); "
                         "write: trust the worker's check at write unless the file was modified since")
-    p.add_argument("--cache-dir", default=None, help="where cross-node blocks are copied (default: /var/tmp)")
+    p.add_argument("--cache-dir", default=None, help="where cross-node blocks are copied, in a private subdirectory removed at exit "
+                        "(default: $TMPDIR or /tmp)")
     p.add_argument("--cache-size", default="4G", help="bound on the cross-node copies kept (default 4G)")
     p.add_argument("--threads", type=int, default=8, help="request threads (default 8)")
     p.add_argument("--uid", type=int, default=0)
