@@ -931,9 +931,18 @@ class Client:
     def _dir_elsewhere(self, path: str) -> pb.FileStat | None:
         """A directory that exists only on other shards (directories live where something under them is):
         ask them all at once; their refusals of a non-directory (WrongShard) and faults are 'not there'."""
-        own = self._shard_of(path)
-        others = [s for s in range(len(self._shards)) if s != own]
-        got = self._fan([functools.partial(self._master, "Stat", pb.PathRequest(path=path), None, s) for s in others])
+        own, now = self._shard_of(path), time.monotonic()
+        # a shard that just failed is skipped (and one failing now is paused): a miss must not wait for it
+        others = [s for s in range(len(self._shards)) if s != own and now >= self._shards[s].down_until]
+
+        def ask(shard: int) -> Any:
+            try:
+                return self._master("Stat", pb.PathRequest(path=path), None, shard)
+            except Unavailable:
+                self._pause_master(shard)
+                raise
+
+        got = self._fan([functools.partial(ask, s) for s in others])
         return next((st for st in got if isinstance(st, pb.FileStat) and st.exists and st.is_dir), None)
 
     def stat_many(self, paths: Sequence[str]) -> list[FileInfo | None]:
