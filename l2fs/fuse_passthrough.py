@@ -366,8 +366,11 @@ class PassthroughServer:
 
     def stat_path(self, path: str) -> pb.FileStat:
         """The master's FileStat (size, crc32c, locations) of path, fresh: ENOENT if it does not exist."""
-        try:
-            s = self.client._master("Stat", pb.PathRequest(path=self.l2(path)))
+        c, p = self.client, self.l2(path)
+        try:  # as Client.stat does, keeping the locations: the path's shard, then a directory elsewhere
+            s = c._master("Stat", pb.PathRequest(path=p), shard=c._shard_of(p))
+            if not s.exists and len(c._shards) > 1:
+                s = c._dir_elsewhere(p) or s
         except Exception as e:  # noqa: BLE001 - every failure reaches the kernel as an errno
             raise Reply(errno_of(e)) from None
         if not s.exists:
