@@ -286,3 +286,30 @@ def test_dead_worker_dropped_and_rereported_on_every_shard(sharded: LocalCluster
             sharded.start_worker(1)
         wait_until(lambda: all(s is not None for s in c.stat_many(on2)), timeout=30)
         assert c.get_many(on2) == [b"d"] * len(on2)
+
+
+@pytest.mark.unit
+def test_worker_queues_reach_every_shard(tmp_path: Path) -> None:
+    """An eviction (or any removal the worker reports) goes to every shard's link, a tier move only to the
+    link of the shard owning the block's path, and a link's full report clears only its own queues."""
+    from l2fs.registration import MasterLinks
+
+    store = Store([(tmp_path / "d", 1 << 20)])
+    ids = {}
+    for p in ("/q/a", "/q/b", "/q/c", "/q/d"):
+        ids[p] = uuid.uuid4().hex
+        store.receive(ids[p], p, 3, 0, [b"abc"])
+    assert {shard_of(p, N) for p in ids} == {0, 1}
+    links = MasterLinks(store, master="127.0.0.1:1;127.0.0.1:2", tls_ca=None, token=None, worker_id="w",
+                        node_id="n", address="127.0.0.1:3", data_address="", heartbeat_interval=1.0).links
+    assert [(k.shard, k.shards) for k in links] == [(0, 2), (1, 2)]
+    store.delete(ids["/q/a"], "evicted")
+    with store.lock:
+        store.moved += [(ids["/q/b"], "/new/b"), (ids["/q/c"], "/new/c")]
+    links[0]._drain()  # noqa: SLF001 - what each link's loop does first
+    assert not store.removed and not store.moved
+    for k in links:
+        assert k.removed == [(ids["/q/a"], "evicted")]
+        assert k.moved == [(ids[p], f"/new/{p[-1]}") for p in ("/q/b", "/q/c") if shard_of(p, N) == k.shard]
+    links[1].removed.clear()
+    assert links[0].removed  # one shard's re-registration does not swallow the other's pending reports
