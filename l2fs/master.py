@@ -110,6 +110,7 @@ class WorkerEntry:
     alive: bool = True
     files: set[str] = field(default_factory=set)
     data_address: str = ""
+    domain_socket: str = ""  # fd-passing short-circuit socket on the worker's node ("" = none)
     interval: float = 1.0  # the worker's heartbeat interval
     pending: int = 0  # bytes placed here since the last heartbeat: a placement estimate, never reported as used
     owner: str = ""  # name of the credential that registered it (tokens file); "" without authentication
@@ -293,7 +294,8 @@ class MasterService(pbg.MasterServicer):
     def _location(self, e: FileEntry) -> pb.Location:
         w = self.workers[e.worker_id]
         return pb.Location(worker_id=w.worker_id, node_id=w.node_id, address=w.address,
-                           block_id=e.block_id, local_path=e.local_path, data_address=w.data_address)
+                           block_id=e.block_id, local_path=e.local_path, data_address=w.data_address,
+                           domain_socket=w.domain_socket)
 
     def _stat(self, path: str) -> pb.FileStat:
         e = self.files.get(path)
@@ -495,6 +497,10 @@ class MasterService(pbg.MasterServicer):
         if request.data_address and not valid_address(request.data_address):
             raise RpcError(grpc.StatusCode.INVALID_ARGUMENT,
                            f"worker data_address must be host:port, got {request.data_address[:100]!r}")
+        sock = request.domain_socket
+        if sock and (not sock.startswith("/") or len(sock.encode()) > 107 or any(ord(ch) < 32 for ch in sock)):
+            raise RpcError(grpc.StatusCode.INVALID_ARGUMENT,
+                           f"worker domain_socket must be an absolute path under 108 bytes, got {sock[:100]!r}")
         why = version_mismatch("master", f"worker {request.worker_id}", request.protocol_version,
                                request.min_protocol_version, mine=self.protocol_version,
                                my_min=self.min_peer_version)
@@ -520,7 +526,8 @@ class MasterService(pbg.MasterServicer):
                     self._drop_worker_files(old, "reregistered")
                 w = WorkerEntry(request.worker_id, request.node_id or request.worker_id, request.address,
                                 request.capacity, request.used, len(request.blocks), time.monotonic(),
-                                data_address=request.data_address, owner=owner)
+                                data_address=request.data_address, owner=owner,
+                                domain_socket=request.domain_socket)
                 self.workers[request.worker_id] = w
             for b in request.blocks:
                 if not BLOCK_ID.match(b.block_id):
@@ -644,7 +651,8 @@ class MasterService(pbg.MasterServicer):
                 for q in charged:
                     self.quota_inflight[q] += request.size
             return pb.AllocateResponse(block_id=bid, worker=pb.Location(
-                worker_id=w.worker_id, node_id=w.node_id, address=w.address, data_address=w.data_address))
+                worker_id=w.worker_id, node_id=w.node_id, address=w.address, data_address=w.data_address,
+                domain_socket=w.domain_socket))
 
     def _place(self, size: int, node_id: str, exclude: set[str]) -> WorkerEntry:
         """Local-first if the local worker has free room, else the most free; eviction makes room last."""

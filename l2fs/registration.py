@@ -36,8 +36,10 @@ class MasterLink:
 
     def __init__(self, store: Store, *, master: str, tls_ca: str | None, token: str | None, worker_id: str,
                  node_id: str, address: str, data_address: str, heartbeat_interval: float,
-                 wake: threading.Event | None = None, shard: tuple[int, int] = (0, 1)) -> None:
+                 wake: threading.Event | None = None, shard: tuple[int, int] = (0, 1),
+                 domain_socket: str = "") -> None:
         self.store = store
+        self.domain_socket = domain_socket  # advertised to same-node clients (fd-passing short-circuit)
         self.shard, self.shards = shard
         # removals/moves still to report to THIS master (the store's queues are drained into every link's)
         self.removed: list[tuple[str, str]] = []
@@ -94,7 +96,7 @@ class MasterLink:
             worker_id=self.worker_id, node_id=self.node_id, address=self.address,
             capacity=self.store.capacity, used=self.store.used, blocks=blocks, data_address=self.data_address,
             protocol_version=self.protocol_version, min_protocol_version=self.min_peer_version,
-            continuation=continuation), timeout=30, metadata=self._md,
+            continuation=continuation, domain_socket=self.domain_socket), timeout=30, metadata=self._md,
             # waits for the master to come back: a fail-fast call does not drive gRPC's reconnect, and
             # re-registration after a master restart took 4-15 s instead of <= 1 s (the backoff cap)
             wait_for_ready=True)

@@ -8,20 +8,22 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class Location(_message.Message):
-    __slots__ = ("worker_id", "node_id", "address", "block_id", "local_path", "data_address")
+    __slots__ = ("worker_id", "node_id", "address", "block_id", "local_path", "data_address", "domain_socket")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_ID_FIELD_NUMBER: _ClassVar[int]
     LOCAL_PATH_FIELD_NUMBER: _ClassVar[int]
     DATA_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    DOMAIN_SOCKET_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     node_id: str
     address: str
     block_id: str
     local_path: str
     data_address: str
-    def __init__(self, worker_id: _Optional[str] = ..., node_id: _Optional[str] = ..., address: _Optional[str] = ..., block_id: _Optional[str] = ..., local_path: _Optional[str] = ..., data_address: _Optional[str] = ...) -> None: ...
+    domain_socket: str
+    def __init__(self, worker_id: _Optional[str] = ..., node_id: _Optional[str] = ..., address: _Optional[str] = ..., block_id: _Optional[str] = ..., local_path: _Optional[str] = ..., data_address: _Optional[str] = ..., domain_socket: _Optional[str] = ...) -> None: ...
 
 class FileStat(_message.Message):
     __slots__ = ("path", "exists", "is_dir", "size", "mtime", "crc32c", "order_hint", "locations")
@@ -78,7 +80,7 @@ class ItemError(_message.Message):
     def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ..., kind: _Optional[str] = ..., errno_name: _Optional[str] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("worker_id", "node_id", "address", "capacity", "used", "blocks", "data_address", "protocol_version", "min_protocol_version", "continuation")
+    __slots__ = ("worker_id", "node_id", "address", "capacity", "used", "blocks", "data_address", "protocol_version", "min_protocol_version", "continuation", "domain_socket")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -89,6 +91,7 @@ class RegisterRequest(_message.Message):
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     MIN_PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     CONTINUATION_FIELD_NUMBER: _ClassVar[int]
+    DOMAIN_SOCKET_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     node_id: str
     address: str
@@ -99,7 +102,8 @@ class RegisterRequest(_message.Message):
     protocol_version: int
     min_protocol_version: int
     continuation: bool
-    def __init__(self, worker_id: _Optional[str] = ..., node_id: _Optional[str] = ..., address: _Optional[str] = ..., capacity: _Optional[int] = ..., used: _Optional[int] = ..., blocks: _Optional[_Iterable[_Union[BlockReport, _Mapping]]] = ..., data_address: _Optional[str] = ..., protocol_version: _Optional[int] = ..., min_protocol_version: _Optional[int] = ..., continuation: bool = ...) -> None: ...
+    domain_socket: str
+    def __init__(self, worker_id: _Optional[str] = ..., node_id: _Optional[str] = ..., address: _Optional[str] = ..., capacity: _Optional[int] = ..., used: _Optional[int] = ..., blocks: _Optional[_Iterable[_Union[BlockReport, _Mapping]]] = ..., data_address: _Optional[str] = ..., protocol_version: _Optional[int] = ..., min_protocol_version: _Optional[int] = ..., continuation: bool = ..., domain_socket: _Optional[str] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
     __slots__ = ("delete_blocks", "protocol_version")
