@@ -452,8 +452,10 @@ class Client:
         todo = [p for p in puts if p.result is None]
         self._forget(*(p.path for p in todo))  # a location looked up before this put may be out of date
         parts = self._split([p.path for p in todo])
-        self._fan([functools.partial(self._put_shard, s, [todo[i] for i in idx], if_absent)
-                   for s, idx in parts.items()])
+        for r in self._fan([functools.partial(self._put_shard, s, [todo[i] for i in idx], if_absent)
+                            for s, idx in parts.items()]):
+            if isinstance(r, Exception) and not isinstance(r, L2fsError):
+                raise r  # a bug, not a fault: as loud as before the split
         for p in todo:  # only a bug can leave one unset (the shard's call raised): fail that item, not others
             p.result = L2fsError(f"put {p.path}: not finished") if p.result is None else p.result
         results = [p.result for p in puts]
