@@ -155,6 +155,10 @@ def _norm_path_checked(path: str) -> str:
         raise PathError(f"path must be absolute (start with '/'): {path!r}")
     if _CONTROL.search(path):
         raise PathError(f"path contains NUL or control characters: {path!r}")
+    try:  # a lone surrogate (e.g. from os.fsdecode of a non-UTF-8 name) cannot go on the wire
+        path.encode("utf-8")
+    except UnicodeEncodeError:
+        raise PathError(f"path is not valid UTF-8: {path!r}") from None
     if path == "/":
         return "/"
     body = path[1:-1] if path.endswith("/") else path[1:]

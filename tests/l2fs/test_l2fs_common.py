@@ -27,7 +27,7 @@ def test_crc32c_fast_detects_one_flipped_bit() -> None:
 def test_norm_path() -> None:
     assert norm_path("/") == "/"
     assert norm_path("/a/b/") == "/a/b"
-    for bad in ["", "a", "/a//b", "/a/../b", "/./a", "/a\x00", "/a\nb", "/" + "x" * 256]:
+    for bad in ["", "a", "/a//b", "/a/../b", "/./a", "/a\x00", "/a\nb", "/" + "x" * 256, "/kv/\udcff"]:
         with pytest.raises(PathError):
             norm_path(bad)
 
