@@ -48,6 +48,10 @@ from l2fs.common import (
 )
 from l2fs.dataplane import DataClient, DataPlaneError, enabled_by_default
 from l2fs.dataplane.wire import BAD
+from l2fs.fdpass import NOT_FOUND as FD_NOT_FOUND
+from l2fs.fdpass import READ as FD_READ
+from l2fs.fdpass import WRITE as FD_WRITE
+from l2fs.fdpass import FdPassError, request_fd
 from l2fs.proto import l2fs_pb2 as pb
 from l2fs.proto import l2fs_pb2_grpc as pbg
 
@@ -246,6 +250,11 @@ def _write_file(tmp_path: str, mv: memoryview) -> bool:
         fd = os.open(tmp_path, _TMP_FLAGS, 0o644)
     except OSError:
         return False
+    return _write_fd(fd, mv)
+
+
+def _write_fd(fd: int, mv: memoryview) -> bool:
+    """Write all of `mv` to a fresh temp file's fd and close it; False on any error."""
     try:
         n = 0
         while n < mv.nbytes:
@@ -277,6 +286,8 @@ class Client:
     tls_ca: CA bundle path to enable TLS; default $L2FS_TLS_CA.
     timeout: per-call deadline in seconds (reads fail as a miss after it).
     short_circuit: read/write local blocks directly on disk when the worker is on this node.
+    fd_passing: for that, ask a same-node worker that advertises a Unix socket (visible here) for file
+        descriptors instead of opening paths in its data dir (which this pod then need not mount).
     data_plane: move bulk bytes over the workers' raw-TCP data plane when they offer one (else gRPC
         streaming); default on unless $L2FS_DATA_PLANE=grpc.
     """
@@ -291,6 +302,7 @@ class Client:
         timeout: float = 2.0,
         short_circuit: bool = True,
         data_plane: bool | None = None,
+        fd_passing: bool = True,
     ) -> None:
         master = master or os.environ.get("L2FS_MASTER")
         if not master:
@@ -302,6 +314,7 @@ class Client:
         self.tls_ca = tls_ca if tls_ca is not None else os.environ.get("L2FS_TLS_CA") or None
         self.timeout = timeout
         self.short_circuit = short_circuit
+        self.fd_passing = fd_passing
         self._md = auth_metadata(self.token)
         self._lock = threading.Lock()
         self._channels: list[grpc.Channel] = []
@@ -416,6 +429,14 @@ class Client:
         # the file name must be the block id: a bogus registration cannot point us at arbitrary files
         return (self.short_circuit and bool(self.node_id) and loc.node_id == self.node_id
                 and os.path.basename(loc.local_path) == loc.block_id and bool(loc.block_id))
+
+    def _fd_socket(self, loc: pb.Location) -> str:
+        """The same-node worker's fd-passing socket when it advertises one that exists here, else ""."""
+        sock = loc.domain_socket
+        if (not sock or not self.fd_passing or not self.short_circuit or not self.node_id
+                or loc.node_id != self.node_id):
+            return ""
+        return sock if os.path.exists(sock) else ""
 
     # ---------- data ----------
 
@@ -620,10 +641,11 @@ class Client:
             return []
         wrote: list[_Put] = []
         unusable: list[_Put] = []
+        sock = self._fd_socket(group[0].loc)
         for p, r in zip(group, reserved, strict=True):
             if isinstance(r, L2fsError):
                 p.result = r
-            elif _write_file(r.tmp_path, p.mv):
+            elif self._write_via_fd(sock, p, deadline) if sock else _write_file(r.tmp_path, p.mv):
                 wrote.append(p)
             else:
                 unusable.append(p)
@@ -651,6 +673,17 @@ class Client:
                 else:
                     p.written = a
         return unusable
+
+    def _write_via_fd(self, sock: str, p: _Put, deadline: float) -> bool:
+        """Write a reserved block through the temp file fd the worker creates and passes us; False when it
+        cannot (refused, worker gone): the caller releases the reservation and uses the network."""
+        try:
+            fd, _, _ = request_fd(sock, FD_WRITE, self.token, p.bid, p.path,
+                                  timeout=max(0.001, deadline - time.monotonic()))
+        except (OSError, FdPassError) as e:
+            log.debug("fd write of %s via %s refused: %s", p.path, sock, e)
+            return False
+        return _write_fd(fd, p.mv)
 
     @staticmethod
     def _frames(bid: str, path: str, mv: memoryview, hint: int) -> Any:
@@ -763,10 +796,14 @@ class Client:
         if into is not None and into.nbytes < st.size:
             raise ValueError(f"buffer of {into.nbytes} bytes is smaller than {path} ({st.size} bytes)")
         stub = self._worker(loc.address)
+        sock = self._fd_socket(loc)
+        if sock:
+            asked, got = self._read_fd(sock, loc, st, into, deadline)
+            if asked:
+                return got
         if self._is_local(loc):
             got = self._read_local(loc, st, into)
             if got is not None:
-                self._touch(loc)  # LRU: this was a read
                 return got
             if got is None and os.path.exists(loc.local_path):
                 return None  # local file present but bad: reported; do not stream a corrupt block
@@ -857,10 +894,37 @@ class Client:
         with self._lock:
             self._inflight.discard(fut)
 
+    def _read_fd(self, sock: str, loc: pb.Location, st: pb.FileStat, into: memoryview | None, deadline: float
+                 ) -> tuple[bool, bytes | int | None]:
+        """(asked, result): read through the block fd the worker passes; asked False when the socket could
+        not be used (the caller goes on to the path or the network)."""
+        try:
+            fd, size, crc = request_fd(sock, FD_READ, self.token, loc.block_id,
+                                       timeout=max(0.001, deadline - time.monotonic()))
+        except FdPassError as e:
+            return e.status == FD_NOT_FOUND, None  # a block the worker lost is a miss everywhere
+        except OSError:
+            return False, None
+        if size != st.size or crc != st.crc32c:  # not the version the master named
+            os.close(fd)
+            return True, None
+        return True, self._read_open(fd, loc, st, into)
+
     def _read_local(self, loc: pb.Location, st: pb.FileStat, into: memoryview | None) -> bytes | int | None:
         try:
             # O_NOFOLLOW: a link planted at a block's name is not read through (O_NONBLOCK: nor a FIFO hung on)
             fd = os.open(loc.local_path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError:
+            return None
+        got = self._read_open(fd, loc, st, into)
+        if got is not None:
+            self._touch(loc)  # LRU: this was a read (an fd read is counted by the worker itself)
+        return got
+
+    def _read_open(self, fd: int, loc: pb.Location, st: pb.FileStat, into: memoryview | None
+                   ) -> bytes | int | None:
+        """Read and verify an open block file (closed here); a bad one is reported to its worker."""
+        try:
             with os.fdopen(fd, "rb", buffering=0) as f:
                 result: bytes | int | None = None
                 fst = os.fstat(f.fileno())

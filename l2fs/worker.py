@@ -31,6 +31,7 @@ from l2fs.common import (
 )
 from l2fs.dataplane.server import DataServer
 from l2fs.dataplane.wire import DATA_IDLE_TIMEOUT, DATA_MAX_CONNS
+from l2fs.fdpass import FdServer, default_socket_path
 from l2fs.proto import l2fs_pb2_grpc as pbg
 from l2fs.registration import MasterLinks
 from l2fs.store import RESERVATION_TTL, RESERVED_FRACTION, TIERS, Store
@@ -44,9 +45,11 @@ class Worker:
                  advertise: str | None, heartbeat_interval: float, token: str | None, tls_cert: str | None,
                  tls_key: str | None, tls_ca: str | None, threads: int = 32, data_port: int | None = 0,
                  data_max_conns: int = DATA_MAX_CONNS, data_idle_timeout: float = DATA_IDLE_TIMEOUT,
-                 creds: Credentials | None = None) -> None:
+                 creds: Credentials | None = None, domain_socket: str = "", socket_required: bool = False) -> None:
         """`token` is what this worker sends to the master; `creds` (a tokens file) what it accepts, else
-        the same single `token` (the shared-secret mode)."""
+        the same single `token` (the shared-secret mode). `domain_socket`: the Unix socket passing block fds
+        to same-node clients ("" = none); when it cannot be opened the worker runs without it, unless
+        `socket_required` (an explicit --domain-socket), then the error is raised."""
         self.store = store
         creds = creds if creds is not None and creds.enabled else Credentials(token)
         self.node_id, self.worker_id = node_id, worker_id
@@ -62,11 +65,20 @@ class Worker:
         if data_port is not None and not tls:  # raw TCP is plaintext: TLS clusters use gRPC only
             self.data = DataServer(store, host, data_port, creds.data_token_ok, wake.set, max_conns=data_max_conns,
                                    idle_timeout=data_idle_timeout)
+        self.fds: FdServer | None = None
+        if domain_socket:
+            try:
+                self.fds = FdServer(store, domain_socket, creds, wake)
+            except (OSError, ValueError) as e:
+                if socket_required:
+                    raise
+                logging.getLogger("l2fs.worker").warning("no fd-passing socket at %s: %s", domain_socket, e)
         adv_host = self.address.rpartition(":")[0]
         self.data_address = f"{adv_host}:{self.data.port}" if self.data else ""
         self.link = MasterLinks(store, master=master, tls_ca=tls_ca, token=token, worker_id=worker_id,
                                 node_id=node_id, address=self.address, data_address=self.data_address,
-                                heartbeat_interval=heartbeat_interval, wake=wake)
+                                heartbeat_interval=heartbeat_interval, wake=wake,
+                                domain_socket=self.fds.path if self.fds else "")
 
     @property
     def registered(self) -> bool:
@@ -76,12 +88,16 @@ class Worker:
         self.server.start()
         if self.data is not None:
             self.data.start()
+        if self.fds is not None:
+            self.fds.start()
         self.link.start()
 
     def stop(self) -> None:
         self.link.stop()
         if self.data is not None:
             self.data.stop()
+        if self.fds is not None:
+            self.fds.stop()
         self.server.stop(grace=1).wait()
 
 
@@ -185,6 +201,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="concurrent data-plane connections; more are refused with a message")
     p.add_argument("--data-idle-timeout", type=float, default=DATA_IDLE_TIMEOUT,
                    help="seconds an idle data-plane connection is kept")
+    p.add_argument("--domain-socket", default=None, metavar="PATH",
+                   help="Unix socket passing block file descriptors to same-node clients, so their pods need "
+                        "no data dir mount (default: l2fs-<worker id>.sock next to the first data dir; "
+                        "'' = off)")
     p.add_argument("--token", default=None,
                    help="bearer token (also $L2FS_TOKEN): alone, the cluster's one shared secret (insecure "
                         "between pods); with --tokens-file, this worker's own worker-role token for the master")
@@ -195,6 +215,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tls-ca", help="CA to verify the master's TLS certificate")
     p.add_argument("--log-level", default="INFO")
     return p
+
+
+def _build(args: argparse.Namespace, store: Store, worker_id: str, token: str | None, creds: Credentials,
+           sock: str) -> Worker:
+    return Worker(store, master=args.master, node_id=args.node_id, worker_id=worker_id, host=args.host,
+                  port=args.port, advertise=args.advertise, heartbeat_interval=args.heartbeat_interval,
+                  token=token, tls_cert=args.tls_cert, tls_key=args.tls_key, tls_ca=args.tls_ca,
+                  data_port=None if args.data_port < 0 else args.data_port,
+                  data_max_conns=args.data_max_conns, data_idle_timeout=args.data_idle_timeout, creds=creds,
+                  domain_socket=sock, socket_required=bool(args.domain_socket))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -227,24 +257,25 @@ def main(argv: list[str] | None = None) -> int:
                   max_file_size=parse_size(args.max_file_size), max_reserved=args.max_reserved,
                   reservation_ttl=args.reservation_ttl)
     stamp_manifests(store)
-    worker = Worker(store, master=args.master, node_id=args.node_id,
-                    worker_id=args.worker_id or _worker_id(dirs[0][0], args.node_id), host=args.host,
-                    port=args.port, advertise=args.advertise, heartbeat_interval=args.heartbeat_interval,
-                    token=token, tls_cert=args.tls_cert, tls_key=args.tls_key, tls_ca=args.tls_ca,
-                    data_port=None if args.data_port < 0 else args.data_port,
-                    data_max_conns=args.data_max_conns, data_idle_timeout=args.data_idle_timeout, creds=creds)
+    worker_id = args.worker_id or _worker_id(dirs[0][0], args.node_id)
+    sock = default_socket_path(dirs[0][0], worker_id) if args.domain_socket is None else args.domain_socket
+    try:
+        worker = _build(args, store, worker_id, token, creds, sock)
+    except (OSError, ValueError) as e:  # only an explicit --domain-socket that cannot be opened raises here
+        print(f"l2fs worker: --domain-socket {sock}: {e}", file=sys.stderr)
+        return 2
     worker.start()
     metrics_port = None
     if args.metrics_port is not None:
         def health() -> dict:
             return {"ok": True, "ready": worker.registered, "role": "worker", "worker_id": worker.worker_id,
                     "node_id": worker.node_id, "registered": worker.registered, "capacity": store.capacity, "used": store.used,
-                    "blocks": len(store.blocks)}
+                    "blocks": len(store.blocks), "domain_socket": worker.fds.path if worker.fds else ""}
         metrics_port = start_metrics_server(args.host, args.metrics_port, health).server_address[1]
     write_port_file(args.port_file, port=worker.port, metrics_port=metrics_port, worker_id=worker.worker_id,
                     data_address=worker.data_address)
     print(f"l2fs worker {worker.worker_id} (node {args.node_id}) listening on {worker.address}, "
-          f"(data plane {worker.data_address or 'off'}), {len(store.blocks)} blocks, {store.used}/{store.capacity} bytes used"
+          f"(data plane {worker.data_address or 'off'}, fd socket {worker.fds.path if worker.fds else 'off'}), {len(store.blocks)} blocks, {store.used}/{store.capacity} bytes used"
           + (f" (metrics on http://{args.host}:{metrics_port}/metrics)" if metrics_port else ""), flush=True)
     wait_for_stop_signal()
     worker.stop()
