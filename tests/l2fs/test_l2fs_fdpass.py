@@ -28,7 +28,19 @@ import pytest
 
 import l2fs.client as client_mod
 from l2fs.common import make_channel
-from l2fs.fdpass import BAD, DENIED, MAGIC, READ, REPLY, REQ, WRITE, FdPassError, request_fd
+from l2fs.fdpass import (
+    BAD,
+    BUSY,
+    DENIED,
+    FD_MAX_CONNS,
+    MAGIC,
+    READ,
+    REPLY,
+    REQ,
+    WRITE,
+    FdPassError,
+    request_fd,
+)
 from l2fs.local import LocalCluster
 from l2fs.proto import l2fs_pb2 as pb
 from l2fs.proto import l2fs_pb2_grpc as pbg
@@ -263,3 +275,31 @@ def test_worker_refuses_too_long_socket_path(tmp_path: Path) -> None:
                        capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert r.returncode == 2 and "longer than 107 bytes" in r.stderr, r.stderr
 
+
+
+def test_idle_strangers_are_bounded_and_dropped(fdcluster: LocalCluster) -> None:
+    """Connections that send nothing hold a slot for one request deadline at most; past the connection
+    limit newcomers are answered BUSY at once; afterwards the socket serves again."""
+    sock = str(fdcluster.workers[0].extra_args[-1])
+    idle = []
+    for _ in range(FD_MAX_CONNS):
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.connect(sock)
+        s.sendall(b"L2")  # a partial header, then silence
+        idle.append(s)
+    try:
+        time.sleep(0.3)  # let the worker accept them all
+        data, fds = _raw(sock, _req(READ, ADMIN, uuid.uuid4().hex))
+        assert fds == [] and data[0] == BUSY
+        for s in idle:  # each is answered BAD and closed when the one request deadline passes
+            s.settimeout(30)
+            reply = s.recv(64)
+            assert reply[:1] == bytes([BAD]) and s.recv(64) == b""
+    finally:
+        for s in idle:
+            s.close()
+    with fdcluster.client(token=ADMIN) as c:
+        assert c.put(f"{PREFIX}/after-idle", b"z" * 1000)
+    fd, size, _ = request_fd(sock, READ, ADMIN, _block_id(fdcluster, f"{PREFIX}/after-idle"))
+    os.close(fd)
+    assert size == 1000
