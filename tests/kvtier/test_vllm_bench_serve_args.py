@@ -7,9 +7,8 @@ import pytest
 
 from kvtier.bench.vllm_serve import bench_serve_argv, hit_rates
 
-pytestmark = pytest.mark.unit
 
-
+# not `unit`: importing vllm.benchmarks.serve costs ~13 s of CPU (torch), too slow for the inner loop
 def test_argv_parses_with_vllm_bench_serve_parser(tmp_path: Path) -> None:
     serve = pytest.importorskip("vllm.benchmarks.serve")
     from vllm.utils.argparse_utils import FlexibleArgumentParser
@@ -29,6 +28,7 @@ def test_argv_parses_with_vllm_bench_serve_parser(tmp_path: Path) -> None:
     assert a.metric_percentiles == "50,99"
 
 
+@pytest.mark.unit
 def test_hit_rates_are_summed_counter_deltas() -> None:
     before = [{"queries": 100.0, "l0_hits": 10.0, "ext_hits": 0.0, "requests": 1.0},
               {"queries": None, "l0_hits": None, "ext_hits": None, "requests": None}]  # not exported yet
