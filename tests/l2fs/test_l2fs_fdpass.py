@@ -105,7 +105,10 @@ def _raw(sock: str, payload: bytes) -> tuple[bytes, list[int]]:
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
         s.settimeout(5)
         s.connect(sock)
-        s.sendall(payload)
+        try:
+            s.sendall(payload)
+        except BrokenPipeError:
+            pass  # answered (BUSY) and closed before we finished sending: the reply is still queued
         data, fds, _, _ = socket.recv_fds(s, 4096, 4)
         return data, fds
 
@@ -303,3 +306,30 @@ def test_idle_strangers_are_bounded_and_dropped(fdcluster: LocalCluster) -> None
     fd, size, _ = request_fd(sock, READ, ADMIN, _block_id(fdcluster, f"{PREFIX}/after-idle"))
     os.close(fd)
     assert size == 1000
+
+
+def test_refused_fd_write_releases_and_goes_over_the_network_with_a_fresh_id(
+        fdcluster: LocalCluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A link planted at the temp name before the client asks for the write fd: the worker refuses, the
+    client releases the reservation (the link goes with it) and the put succeeds over the data plane."""
+    w = fdcluster.workers[0]
+    outside = tmp_path / "precious"
+    outside.write_bytes(b"precious")
+    real = client_mod.request_fd
+    planted: list[Path] = []
+
+    def plant_first(sock: str, op: int, token: str | None, bid: str, path: str = "", timeout: float = 2.0) -> Any:
+        if op == WRITE:  # the attacker wins the race to the temp name
+            link = w.data_dir / "tmp" / f"{bid}.part"
+            link.symlink_to(outside)
+            planted.append(link)
+        return real(sock, op, token, bid, path, timeout)
+
+    monkeypatch.setattr(client_mod, "request_fd", plant_first)
+    data = os.urandom(70_000)
+    with fdcluster.client(node_id=w.node_id, token=ENGINE) as c:
+        assert c.put(f"{PREFIX}/refused", data) is True
+        assert c.get(f"{PREFIX}/refused") == data
+    assert len(planted) == 1 and not planted[0].is_symlink()  # released: the reservation's temp name is gone
+    assert _block_id(fdcluster, f"{PREFIX}/refused") != planted[0].name.removesuffix(".part")  # a fresh id
+    assert outside.read_bytes() == b"precious"
