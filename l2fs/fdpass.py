@@ -27,6 +27,7 @@ import stat
 import struct
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from prometheus_client import Counter
@@ -73,7 +74,7 @@ def default_socket_path(first_data_dir: Path, worker_id: str) -> str:
 
 
 class FdServer:
-    """Accept thread + one short-lived thread per connection (at most `max_conns` at once)."""
+    """Accept thread + a pool of `max_conns` threads, one per connection being served."""
 
     def __init__(self, store: Store, path: str, creds: Credentials, wake: threading.Event | None = None, *,
                  max_conns: int = FD_MAX_CONNS, handshake_timeout: float = FD_HANDSHAKE_TIMEOUT) -> None:
@@ -82,6 +83,8 @@ class FdServer:
         self.store, self.path, self.creds = store, path, creds
         self._wake = wake
         self._slots = threading.BoundedSemaphore(max_conns)
+        # reused threads: starting one per connection cost more than the request itself
+        self._pool = ThreadPoolExecutor(max_conns, thread_name_prefix="l2fs-fdpass-conn")
         self._timeout = handshake_timeout
         self._stop = threading.Event()
         p = Path(path)
@@ -106,6 +109,7 @@ class FdServer:
         except OSError:
             pass
         self.sock.close()
+        self._pool.shutdown(wait=False, cancel_futures=True)
         try:
             if stat.S_ISSOCK(os.lstat(self.path).st_mode):
                 os.unlink(self.path)
@@ -125,7 +129,10 @@ class FdServer:
                 FD_REFUSED.labels("busy").inc()
                 self._reply_close(conn, BUSY, "too many fd-passing connections")
                 continue
-            threading.Thread(target=self._serve, args=(conn,), name="l2fs-fdpass-conn", daemon=True).start()
+            if _complete(conn):  # the usual case: served here, without waking another thread
+                self._serve(conn)
+            else:
+                self._pool.submit(self._serve, conn)
 
     @staticmethod
     def _reply_close(conn: socket.socket, status: int, msg: str) -> None:
@@ -242,6 +249,19 @@ def _recv_exact(conn: socket.socket, n: int, deadline: float) -> bytes:
             raise ConnectionError("peer closed the connection")
         got += k
     return bytes(buf)
+
+
+def _complete(conn: socket.socket) -> bool:
+    """Whether a whole request is already queued on `conn` (peeked, nothing consumed). Only then may the
+    accept thread serve it itself: reading cannot block and the reply is one small message."""
+    try:
+        head = conn.recv(REQ.size + MAX_TOKEN + 2 * MAX_FIELD, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+    except OSError:
+        return False
+    if len(head) < REQ.size:
+        return False
+    _, _, tlen, blen, plen = REQ.unpack_from(head)
+    return len(head) >= REQ.size + tlen + blen + plen
 
 
 def _read_request(conn: socket.socket, deadline: float) -> tuple[int, bytes, str, str]:
