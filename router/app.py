@@ -689,12 +689,16 @@ class Router:
                              "strategies": list(STRATEGIES), "default_strategy": self.cfg.strategy},
                             status_code=200 if up else 503)
 
-    async def metrics(self, request: Request) -> Response:
-        """This process's series; with --workers (peers_dir) every worker's, merged with a `worker` label, so a
+    def metrics(self) -> Response:
+        """This process's own series."""
+        return Response(self._metrics_text(), media_type=CONTENT_TYPE_LATEST)
+
+    async def metrics_all(self, request: Request) -> Response:
+        """GET /metrics: with --workers (peers_dir) every worker's series, merged with a `worker` label, so a
         scrape of the shared port sees all of them whichever worker answers (`?local=1`: this one only)."""
-        own = self._metrics_text()
         if not self.cfg.peers_dir or request.query_params.get("local") == "1":
-            return Response(own, media_type=CONTENT_TYPE_LATEST)
+            return self.metrics()
+        own = self._metrics_text()
         peers = read_peers(self.cfg.peers_dir)
         peers.pop(self.cfg.worker_id, None)
         texts = dict(zip(peers, await asyncio.gather(*(self._peer_metrics(p) for p in peers.values())), strict=True))
@@ -857,6 +861,6 @@ def create_app(cfg: RouterConfig) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:
-        return await router.metrics(request)
+        return await router.metrics_all(request)
 
     return app
