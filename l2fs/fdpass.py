@@ -284,7 +284,7 @@ def request_fd(sock_path: str, op: int, token: str | None, bid: str, path: str =
         s.settimeout(timeout)
         s.connect(sock_path)
         s.sendall(REQ.pack(MAGIC, op, len(t), len(b), len(p)) + t + b + p)
-        data, fds, _, _ = socket.recv_fds(s, REPLY.size + 1024, 1)
+        data, fds, _, _ = socket.recv_fds(s, REPLY.size + 1024, 1, socket.MSG_CMSG_CLOEXEC)
         try:
             while len(data) < REPLY.size:
                 more = s.recv(REPLY.size - len(data))
