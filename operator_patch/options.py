@@ -29,7 +29,7 @@ _FLAGS: dict[str, tuple[str, str]] = {
     "--plugin-module": ("plugin_module", "plugin mode: module path of the plugin"),
     "--plugin-class": ("plugin_class", "plugin mode: class name of the plugin"),
     "--master": ("master", "plugin mode: l2fs master HOST:PORT"),
-    "--data-path": ("data_path", "plugin mode: l2fs worker data dir on the node ('' = no short-circuit)"),
+    "--data-path": ("data_path", "plugin mode: node dir mounted read-only for same-node short-circuit I/O: the workers' fd-passing socket dir (default /run/l2fs; a worker data dir also works, path-based reads only; '' = none)"),
     "--node-env": ("node_env", "plugin mode: env var carrying the node name"),
     "--kv-load-failure-policy": ("kv_load_failure_policy",
                                  "vLLM kv_load_failure_policy set in --kv-transfer-config (recompute|fail; "

@@ -80,7 +80,7 @@ class PatchConfig:
     plugin_module: str = contract.PLUGIN_MODULE
     plugin_class: str = contract.PLUGIN_CLASS
     master: str = "l2fs-master.kvtier.svc.cluster.local:8995"
-    data_path: str = "/opt/dlami/nvme/l2fs"  # plugin mode: worker data dir, mounted for short-circuit I/O
+    data_path: str = "/run/l2fs"  # plugin mode: the workers' fd-passing socket dir, mounted for short-circuit I/O
     node_env: str = "L2FS_NODE_ID"  # plugin mode: env the plugin reads its node id from (local-first)
     # vLLM's kv_transfer_config.kv_load_failure_policy (vLLM >= 0.11.1; its default "fail" turns a lost or
     # corrupt L2 chunk into a failed request; "recompute" makes it a miss). "" leaves the operator's value.
@@ -543,10 +543,11 @@ def _patch_worker(dep: dict[str, Any], cfg: PatchConfig, iec: dict[str, Any] | N
             mount["mountPropagation"] = "HostToContainer"
             volume = {"name": cfg.volume_name, "hostPath": {"path": cfg.host_path, "type": "DirectoryOrCreate"}}
     elif cfg.data_path:
-        # The l2fs client reads blocks of the co-located worker straight from its data dir, at the path the
-        # worker reports, so the pod sees that hostPath at the identical path. Read-only: a pod must not be able
-        # to overwrite blocks or the manifest; its short-circuit writes fail to open the temp file, release the
-        # reservation and go over the data plane (l2fs client, _write_local).
+        # Same-node short-circuit: the co-located worker hands block fds over its Unix socket (l2fs/fdpass.py,
+        # `--domain-socket /run/l2fs/worker.sock` in deploy/base/worker.yaml), at the path the worker reports, so
+        # the pod sees that hostPath dir (only the socket in it) at the identical path. Read-only suffices to
+        # connect; the pod never sees the data dir, so it cannot overwrite blocks or the manifest. (An older
+        # --data-path pointing at the data dir still works: path-based reads, writes over the data plane.)
         mount = {"name": cfg.volume_name, "mountPath": cfg.data_path, "readOnly": True}
         volume = {"name": cfg.volume_name, "hostPath": {"path": cfg.data_path, "type": "DirectoryOrCreate"}}
     if cfg.mode == "mount" or cfg.data_path:

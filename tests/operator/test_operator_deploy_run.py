@@ -107,7 +107,7 @@ class Env:
             "L2FS_MASTER_PORT": str(mport), "L2FS_MASTER": f"127.0.0.1:{mport}",
             "L2FS_MASTER_METRICS_PORT": str(free_port()), "L2FS_WORKER_PORT": str(free_port()),
             "L2FS_WORKER_DATA_PORT": str(free_port()), "L2FS_WORKER_METRICS_PORT": str(free_port()),
-            "L2FS_DATA_DIR": str(hostpath / "nvme"), "L2FS_DATA_CAPACITY": "1G", "L2FS_MOUNT_PATH": str(hostpath / "mnt"),
+            "L2FS_DATA_DIR": str(hostpath / "nvme"), "L2FS_SOCKET_DIR": str(hostpath / "run"), "L2FS_DATA_CAPACITY": "1G", "L2FS_MOUNT_PATH": str(hostpath / "mnt"),
             "NODE_NAME": "node-a", "POD_IP": "127.0.0.1", "L2FS_MASTER_JOURNAL": str(hostpath / "master" / "journal.db"),
         })
         (hostpath / "master").mkdir(exist_ok=True)  # the PersistentVolume, owned as fsGroup would make it
@@ -208,6 +208,7 @@ def start_worker(base: list[dict[str, Any]], env: Env) -> subprocess.Popen[bytes
     container handing the dir to the worker's user, then the worker as that user; waits until ready."""
     data = Path(env.vars["L2FS_DATA_DIR"])
     data.mkdir(exist_ok=True)
+    Path(env.vars["L2FS_SOCKET_DIR"]).mkdir(exist_ok=True)
     init = container(base, "DaemonSet", "l2fs-worker", init="own-data-dir")
     assert init["securityContext"]["runAsUser"] == 0
     done = subprocess.run(expand(init["command"] + init["args"], env.vars), env={**os.environ, **env.vars},
@@ -215,6 +216,8 @@ def start_worker(base: list[dict[str, Any]], env: Env) -> subprocess.Popen[bytes
     assert done.returncode == 0
     if os.geteuid() == 0:
         assert (data.stat().st_uid, data.stat().st_gid) == (65532, 65532)
+        sock_dir = Path(env.vars["L2FS_SOCKET_DIR"]).stat()
+        assert (sock_dir.st_uid, sock_dir.st_gid) == (65532, 65532)
     worker = container(base, "DaemonSet", "l2fs-worker")
     wp = env.start(worker, "worker.log")
     env.wait_probe(worker, "readinessProbe", wp, "worker.log")
@@ -275,7 +278,8 @@ def test_scoped_tokens_from_the_generated_file(base: list[dict[str, Any]], env: 
     def cli(token: str, *cmd: str, wrap: tuple[str, ...] = ()) -> subprocess.CompletedProcess[str]:
         return subprocess.run([*wrap, l2fs, cmd[0], "--master", env.vars["L2FS_MASTER"], "--node-id", "node-a",
                                *cmd[1:]], capture_output=True, text=True, timeout=60,
-                              env={**os.environ, "L2FS_TOKEN": token, "D": env.vars["L2FS_DATA_DIR"]})
+                              env={**os.environ, "L2FS_TOKEN": token, "D": env.vars["L2FS_DATA_DIR"],
+                                   "S": env.vars["L2FS_SOCKET_DIR"]})
 
     report = cli(env.tokens["admin"], "report", "--json")
     assert report.returncode == 0 and "node-a" in report.stdout, report.stderr
@@ -294,16 +298,24 @@ def test_scoped_tokens_from_the_generated_file(base: list[dict[str, Any]], env: 
         ("kvtier-router-l2fs-token", "token")], env.secrets[("l2fs-mount-token", "token")]
     assert engine == env.tokens["engine-ep-a"] and router == env.tokens["router-team-a"]
     own = "/kvtier/kv/ep-a/rev1/salt/c0.data"
-    # as a plugin-mode pod on this node sees the worker's data dir: read-only (the webhook's mount), so the
-    # same-node short-circuit write cannot open its temp file and the put goes over the data plane
-    read_only = ("unshare", "--mount", "sh", "-c",
-                 'mount --bind "$D" "$D" && mount -o remount,bind,ro "$D" && exec "$@"', "sh")
+    # as a plugin-mode pod on this node sees it (the webhook's mount): the worker's socket dir read-only and no
+    # data dir at all (an empty tmpfs over it); the same-node put and get short-circuit through passed fds
+    sock = Path(env.vars["L2FS_SOCKET_DIR"]) / "worker.sock"
+    assert sock.is_socket()
+    pod_view = ("unshare", "--mount", "sh", "-c",
+                'mount -t tmpfs none "$D" && mount --bind "$S" "$S" && mount -o remount,bind,ro "$S" && exec "$@"',
+                "sh")
+    fds = 0.0
     if os.geteuid() != 0 or not shutil.which("unshare"):
-        read_only = ()
-    put = cli(engine, "put", str(src), own, wrap=read_only)
+        pod_view = ()
+    else:
+        fds = _fds_passed(env)
+    put = cli(engine, "put", str(src), own, wrap=pod_view)
     assert put.returncode == 0, put.stderr
-    got = cli(engine, "get", own, str(env.tmp / "ro-back"), wrap=read_only)
+    got = cli(engine, "get", own, str(env.tmp / "ro-back"), wrap=pod_view)
     assert got.returncode == 0 and (env.tmp / "ro-back").read_bytes() == src.read_bytes(), got.stderr
+    if pod_view:  # one write fd and one read fd went through the socket
+        assert _fds_passed(env) >= fds + 2
     for denied in (cli(engine, "put", str(src), "/kvtier/kv/ep-b/rev1/c0.data"),
                    cli(engine, "put", str(src), own, "--overwrite"), cli(engine, "rm", own),
                    cli(router, "put", str(src), "/kvtier/kv/ep-a/rev1/c1.data"), cli(router, "rm", own)):
@@ -312,6 +324,15 @@ def test_scoped_tokens_from_the_generated_file(base: list[dict[str, Any]], env: 
     assert (env.tmp / "back").read_bytes() == src.read_bytes()
     assert cli(mount, "rm", own).returncode == 0  # the FUSE mount's admin token
     assert cli(router, "stat", own).returncode != 0
+
+
+def _fds_passed(env: Env) -> float:
+    """Block fds the worker has handed out over its socket (l2fs_worker_fdpass_fds_total, all ops)."""
+    url = f"http://127.0.0.1:{env.vars['L2FS_WORKER_METRICS_PORT']}/metrics"
+    with urllib.request.urlopen(url, timeout=10) as r:
+        text = r.read().decode()
+    return sum(float(ln.rsplit(" ", 1)[1]) for ln in text.splitlines()
+               if ln.startswith("l2fs_worker_fdpass_fds_total{"))
 
 
 @pytest.mark.fuse

@@ -128,9 +128,9 @@ def test_plugin_mode(shape: str) -> None:
     assert env_entries(out, "L2FS_NODE_ID") == [
         {"name": "L2FS_NODE_ID", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}}]
     vols = [v for v in out["spec"]["template"]["spec"]["volumes"] if v["name"] == "kvtier-l2fs"]
-    assert vols == [{"name": "kvtier-l2fs", "hostPath": {"path": "/opt/dlami/nvme/l2fs", "type": "DirectoryOrCreate"}}]
+    assert vols == [{"name": "kvtier-l2fs", "hostPath": {"path": "/run/l2fs", "type": "DirectoryOrCreate"}}]
     # read-only: short-circuit reads only; a pod cannot overwrite blocks or the worker's manifest
-    assert {"name": "kvtier-l2fs", "mountPath": "/opt/dlami/nvme/l2fs", "readOnly": True} in vllm(out)["volumeMounts"]
+    assert {"name": "kvtier-l2fs", "mountPath": "/run/l2fs", "readOnly": True} in vllm(out)["volumeMounts"]
     assert plan(out, cfg) == []
     # switching back to mount mode is a clean patch too
     back = jsonpatch.apply_patch(out, plan(out, PatchConfig()))
