@@ -10,9 +10,11 @@ import os
 import pwd
 import shutil
 import signal
+import sqlite3
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -188,6 +190,56 @@ def test_http_only_bench_shows_the_cross_pod_hit(up: Up) -> None:
     assert len(body) == 1 and header.count("|") == body[0].count("|")
     assert f"{LENGTH - 1}/{LENGTH}" in body[0] and "metrics+usage" in body[0]
     assert png > 10_000
+
+
+def _hints_by_hash(base: Path) -> dict[int, int]:
+    """chunk hash -> order hint, from every l2fs worker manifest under `base` (read-only), for KV chunks."""
+    from connector import keys as ckeys
+
+    out: dict[int, int] = {}
+    for manifest in base.rglob("manifest.sqlite3"):
+        con = sqlite3.connect(f"file:{manifest}?mode=ro", uri=True)
+        try:
+            rows = con.execute("SELECT path, order_hint FROM blocks").fetchall()
+        finally:
+            con.close()
+        for path, hint in rows:
+            try:
+                out[ckeys.name_to_key(path.rsplit("/", 1)[-1]).chunk_hash] = hint
+            except ValueError:
+                continue  # fingerprints and other files
+    return out
+
+
+def test_engine_stores_prompt_positions_across_an_extension(up: Up) -> None:
+    """Order hints from a real engine: replica A (LMCache + the l2fs plugin) stores a prompt's chunks with their
+    index in the prompt, also when a later request extends an already cached prefix (LMCache then stores only
+    the new chunks, in a batch that starts in the middle of the chain), so deepest chunks are evicted first."""
+    import random
+
+    from kvtier import contract
+
+    chunk = 256
+    rng = random.Random(14)
+    ids = [rng.randrange(10, 7000) for _ in range(8 * chunk + 40)]
+    hashes = contract.chunk_hashes(ids[: 8 * chunk])
+    url = up.state["replicas"][0]["url"]
+
+    def complete(prompt: list[int]) -> None:
+        r = httpx.post(f"{url}/v1/completions", timeout=300, json={
+            "model": up.state["model"], "prompt": prompt, "max_tokens": 1, "temperature": 0})
+        assert r.status_code == 200, r.text
+
+    complete(ids[: 4 * chunk + 40])  # stores chunks 0-3
+    deadline = time.monotonic() + 180
+    while not set(hashes[:4]) <= set(_hints_by_hash(up.dir)):
+        assert time.monotonic() < deadline, "first 4 chunks never reached l2fs"
+        time.sleep(0.3)
+    complete(ids)  # hits 0-3, stores only 4-7
+    while not set(hashes) <= set(got := _hints_by_hash(up.dir)):
+        assert time.monotonic() < deadline, f"chunks 4-7 never reached l2fs: {len(got)} stored"
+        time.sleep(0.3)
+    assert [got[h] for h in hashes] == list(range(8))
 
 
 def test_sigterm_shuts_everything_down(up: Up) -> None:
