@@ -29,6 +29,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from prometheus_client import Counter
 
@@ -42,7 +43,9 @@ from l2fs.common import (
     check_block_id,
     norm_path,
 )
-from l2fs.store import READ_HITS, READ_MISSES, Store, create_exclusive
+
+if TYPE_CHECKING:
+    from l2fs.store import Store
 
 log = logging.getLogger("l2fs.fdpass")
 
@@ -56,8 +59,25 @@ FD_MAX_CONNS = 64
 FD_HANDSHAKE_TIMEOUT = 2.0  # seconds from accept to a complete request
 SUN_PATH_MAX = 107
 
-FDS_SENT = Counter("l2fs_worker_fdpass_fds_total", "File descriptors passed to same-node clients", ["op"])
-FD_REFUSED = Counter("l2fs_worker_fdpass_refused_total", "fd-passing requests refused", ["reason"])
+_METRICS: tuple[Counter, Counter] | None = None
+
+
+def _server_metrics() -> tuple[Counter, Counter]:
+    """(fds sent, requests refused), made on first use in the worker: a client process imports this module
+    for request_fd only and must not register worker metrics (under an inherited PROMETHEUS_MULTIPROC_DIR,
+    e.g. LMCache's in a vLLM pod, that would open files there, which a non-root client cannot)."""
+    global _METRICS
+    if _METRICS is None:
+        _METRICS = (Counter("l2fs_worker_fdpass_fds_total", "File descriptors passed to same-node clients", ["op"]),
+                    Counter("l2fs_worker_fdpass_refused_total", "fd-passing requests refused", ["reason"]))
+    return _METRICS
+
+
+def _store():  # noqa: ANN202
+    """l2fs.store, imported by the server only (see _server_metrics)."""
+    from l2fs import store
+
+    return store
 
 
 class FdPassError(Exception):
@@ -78,6 +98,7 @@ class FdServer:
 
     def __init__(self, store: Store, path: str, creds: Credentials, wake: threading.Event | None = None, *,
                  max_conns: int = FD_MAX_CONNS, handshake_timeout: float = FD_HANDSHAKE_TIMEOUT) -> None:
+        _server_metrics()  # registered (at 0) before the first request
         if len(path.encode()) > SUN_PATH_MAX:
             raise ValueError(f"domain socket path {path!r} is longer than {SUN_PATH_MAX} bytes")
         self.store, self.path, self.creds = store, path, creds
@@ -126,7 +147,7 @@ class FdServer:
                 time.sleep(0.01)
                 continue
             if not self._slots.acquire(blocking=False):
-                FD_REFUSED.labels("busy").inc()
+                _server_metrics()[1].labels("busy").inc()
                 self._reply_close(conn, BUSY, "too many fd-passing connections")
                 continue
             if _complete(conn):  # the usual case: served here, without waking another thread
@@ -151,7 +172,7 @@ class FdServer:
             try:
                 op, token, bid, path = _read_request(conn, deadline)
             except (OSError, ValueError) as e:  # timeout, garbage, short read: nothing was handed out
-                FD_REFUSED.labels("handshake").inc()
+                _server_metrics()[1].labels("handshake").inc()
                 self._reply_close(conn, BAD, f"bad request: {e}")
                 return
             try:
@@ -162,13 +183,13 @@ class FdServer:
             log.debug("fd request op=%d block=%s from pid=%d uid=%d: status %d %s", op, bid, peer[0], peer[1],
                       status, msg)
             if fd is None:
-                FD_REFUSED.labels({DENIED: "denied", NOT_FOUND: "not_found"}.get(status, "bad")).inc()
+                _server_metrics()[1].labels({DENIED: "denied", NOT_FOUND: "not_found"}.get(status, "bad")).inc()
                 self._reply_close(conn, status, msg)
                 return
             try:
                 conn.settimeout(max(0.001, deadline - time.monotonic()))
                 socket.send_fds(conn, [REPLY.pack(OK, size, crc, 0)], [fd])
-                FDS_SENT.labels("read" if op == READ else "write").inc()
+                _server_metrics()[0].labels("read" if op == READ else "write").inc()
             except OSError:
                 pass
             finally:
@@ -209,7 +230,7 @@ class FdServer:
     def _open_read(self, bid: str) -> tuple[int, str, int | None, int, int]:
         opened = self.store.open_block(bid)  # O_RDONLY|O_NOFOLLOW, a regular file of the manifest's size
         if opened is None:
-            READ_MISSES.inc()
+            _store().READ_MISSES.inc()
             if self._wake is not None:
                 self._wake.set()
             return NOT_FOUND, f"block {bid} not found", None, 0, 0
@@ -217,7 +238,7 @@ class FdServer:
         fd = os.dup(f.fileno())
         f.close()
         self.store.touch(bid)  # LRU: the client reads it now (it sends no Touch for an fd read)
-        READ_HITS.inc()
+        _store().READ_HITS.inc()
         return OK, "", fd, b.size, b.crc32c
 
     def _open_write(self, bid: str) -> tuple[int, str, int | None, int, int]:
@@ -227,7 +248,7 @@ class FdServer:
             return BAD, f"block {bid} has no short-circuit reservation", None, 0, 0
         tmp = self.store.dirs[r[0]].tmp_file(bid)
         try:
-            f = create_exclusive(tmp)  # O_CREAT|O_EXCL|O_NOFOLLOW, 0600: never through a planted link
+            f = _store().create_exclusive(tmp)  # O_CREAT|O_EXCL|O_NOFOLLOW, 0600: never through a planted link
         except OSError as e:
             return BAD, f"block {bid}: temp file refused: {e}", None, 0, 0
         fd = os.dup(f.fileno())
