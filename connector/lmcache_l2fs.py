@@ -340,7 +340,7 @@ class L2fsConnector(RemoteConnector):
     def _put_many_sync(self, keys: list[Any], memory_objs: list[Any]) -> None:
         """The whole batch in one `put_many` (one AllocateMany + one CommitMany on the master); each chunk
         is its own put-if-absent, and a failed chunk only costs that chunk a future miss."""
-        from l2fs.client import Unavailable
+        from l2fs.client import Busy, Unavailable
 
         if self._closed or not keys:
             return
@@ -367,7 +367,8 @@ class L2fsConnector(RemoteConnector):
                 else:
                     self.stats["put" if r else "put_exists"] += 1
             counted = True
-            down = next((r for r in results if isinstance(r, Unavailable)), None)
+            # a busy worker (reservation cap) is a miss for its chunks, not an outage: the breaker stays closed
+            down = next((r for r in results if isinstance(r, Unavailable) and not isinstance(r, Busy)), None)
             if down is not None:
                 raise down  # counted above; the breaker sees the outage
             return results

@@ -84,6 +84,12 @@ class Unavailable(L2fsError, ConnectionError):
     """Master (or every candidate worker) unreachable within the deadline."""
 
 
+class Busy(Unavailable):
+    """A worker refused for load (RESOURCE_EXHAUSTED: e.g. too many bytes promised to unfinished writes): a
+    write miss. An Unavailable, so callers skip or try another worker as before, but the cluster is up:
+    circuit breakers that stop calling a dead master must not trip on it."""
+
+
 class QuotaExceeded(L2fsError):
     """The path's prefix is at its L2 quota (`l2fs master --prefix-quota`): a write miss. Not Unavailable on
     purpose: the cluster is up, and callers that open a circuit breaker on outages must not trip on it."""
@@ -200,8 +206,9 @@ def _exception(code: grpc.StatusCode, msg: str, kind: str | None) -> L2fsError:
         return AlreadyExists(msg)
     if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
         return PermissionDenied(msg)
-    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
-                grpc.StatusCode.RESOURCE_EXHAUSTED):
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return Busy(msg)
+    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
         return Unavailable(msg)
     return L2fsError(f"{code.name}: {msg}")
 

@@ -31,3 +31,18 @@ def test_mount_maps_by_code_not_text() -> None:
     coded = InvalidArgument("no telling words here")
     coded.errno = errno.EFBIG
     assert fuse.errno_of(coded) == errno.EFBIG
+
+
+def test_resource_exhausted_is_busy_not_an_outage() -> None:
+    """A worker's load refusal (RESOURCE_EXHAUSTED) is Busy: still an Unavailable (skip / try another worker),
+    but distinguishable, so the LMCache plugin's breaker does not take all of L2 down for one busy worker;
+    a prefix quota refusal (EDQUOT) stays QuotaExceeded."""
+    import grpc
+
+    from l2fs.client import Busy, QuotaExceeded, Unavailable, _exception, _with_errno
+
+    e = _exception(grpc.StatusCode.RESOURCE_EXHAUSTED, "too many bytes promised", None)
+    assert isinstance(e, Busy) and isinstance(e, Unavailable)
+    assert not isinstance(_exception(grpc.StatusCode.UNAVAILABLE, "down", None), Busy)
+    q = _with_errno(_exception(grpc.StatusCode.RESOURCE_EXHAUSTED, "quota", None), errno.EDQUOT)
+    assert isinstance(q, QuotaExceeded) and not isinstance(q, Unavailable)
