@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 import urllib.request
+from collections import Counter, OrderedDict
 from pathlib import Path
 from typing import Any
 
@@ -90,24 +91,60 @@ def test_write_3x_capacity_never_fails_and_stays_under_watermark(make_cluster: A
     assert all(d is not None for d in clients[1].get_many(present[:40]))
 
 
+def _per_worker_hit_rate(trace: list[int], placed: dict[int, str], capacity_bytes: int, *, lru: bool = True) -> float:
+    """Hit rate of one plain LRU (or FIFO) of `capacity_bytes` per worker, each object on the worker l2fs
+    placed it on."""
+    caches: dict[str, OrderedDict[int, None]] = {}
+    hits = 0
+    for k in trace:
+        cache = caches.setdefault(placed[k], OrderedDict())
+        if k in cache:
+            hits += 1
+            if lru:
+                cache.move_to_end(k)
+            continue
+        cache[k] = None
+        while len(cache) * OBJ > capacity_bytes:
+            cache.popitem(last=False)
+    return hits / len(trace)
+
+
 def test_zipf_hit_rate_at_least_plain_lru(make_cluster: Any, record_property: Any) -> None:
     cluster = make_cluster(workers=2, capacity=str(WORKER_CAP))
     client = cluster.client(timeout=DEADLINE)  # no node: capacity-aware placement across both workers
     n_keys, length = 400, 1500
     trace = zipf_trace(n_keys, length, s=0.9, seed=8)
     hits = 0
+    placed: dict[int, str] = {}  # where each key's latest copy was put (the node its stat reports)
     for k in trace:
         key = f"/rel/zipf/{k:04d}"
         if client.get(key) is not None:
             hits += 1
         else:
             client.put(key, payload(k, OBJ, key))
+            st = client.stat(key)
+            assert st is not None and len(st.nodes) == 1, f"{key} not stored after its put: {st}"
+            placed[k] = st.nodes[0]
     rate = hits / length
-    # l2fs keeps between LOW and HIGH of capacity (it evicts down to LOW when a write crosses HIGH), so the
-    # plain LRU it must match is one holding LOW x capacity; the others are printed for comparison.
+    # l2fs keeps between LOW and HIGH of capacity (it evicts down to LOW when a write crosses HIGH), so each
+    # worker must hit at least as often as a plain LRU holding LOW x its capacity, fed the objects placed on it
+    # (exact: a worker's eviction is LRU and it never holds less than LOW). A worker that evicted a block a
+    # plain LRU would keep fails this, whatever the placement.
+    per_worker = _per_worker_hit_rate(trace, placed, int(LOW * WORKER_CAP))
+    fifo = _per_worker_hit_rate(trace, placed, int(HIGH * WORKER_CAP), lru=False)
+    # Against one global LRU of the same total size the two workers also depend on how evenly placement
+    # split the objects (the master places by the free room the workers last reported, so on a loaded box
+    # heartbeats lag and one worker takes more): 0.605 vs 0.608 in one CI run, 0.615-0.619 on a quiet box.
+    # One percentage point (15 of 1500 accesses) of slack covers that; a broken policy loses far more
+    # (FIFO eviction, even at HIGH, is printed for scale).
     lru = {f: lru_hit_rate(trace, int(f * 2 * WORKER_CAP), lambda _k: OBJ) for f in (LOW, HIGH, 1.0)}
+    split = Counter(placed.values())
     record_property("hit_rate_l2fs", round(rate, 4))
+    record_property("hit_rate_per_worker_lru_at_low", round(per_worker, 4))
     for f, r in lru.items():
         record_property(f"hit_rate_lru_at_{f:.2f}_capacity", round(r, 4))
-    print(f"zipf hit rate: l2fs {rate:.4f}; plain LRU at " + ", ".join(f"{f:.0%}: {r:.4f}" for f, r in lru.items()))
-    assert rate >= lru[LOW], f"l2fs hit rate {rate:.3f} < plain LRU {lru[LOW]:.3f} on the same trace"
+    print(f"zipf hit rate: l2fs {rate:.4f}; per-worker LRU at {LOW:.0%} with l2fs's placement {per_worker:.4f}; "
+          "plain LRU at " + ", ".join(f"{f:.0%}: {r:.4f}" for f, r in lru.items())
+          + f"; per-worker FIFO at {HIGH:.0%} {fifo:.4f}; keys placed per node {dict(split)}")
+    assert rate >= per_worker, f"l2fs hit rate {rate:.4f} < per-worker LRU {per_worker:.4f} with the same placement"
+    assert rate >= lru[LOW] - 0.01, f"l2fs hit rate {rate:.3f} < plain LRU {lru[LOW]:.3f} on the same trace"
