@@ -8,6 +8,14 @@ check clients' tokens); each worker container starts through `kvtier tokens exec
 which exports its own token as L2FS_TOKEN and refuses to start when its node has no entry. Clients never see
 the file: engines, the router and the FUSE mount get one token each, in their own Secrets.
 
+Each `worker-<node>` entry carries `"node": "<node>"`: the master lets that credential register only
+node <node>'s worker ids (`<node>` or `<node>-...`), even right after a master restart, when its in-memory
+binding of ids to credentials is empty.
+
+The master's block key (l2fs master --block-key-file) is written next to the tokens file (`block-key`, kept
+when it exists: a new key unpublishes every cached block) and, with --secret-yaml, as Secret
+`l2fs-block-key` that only the master mounts.
+
   kvtier tokens generate --workers node-a node-b --engine qwen2-7b@team-a --router team-a --mount --admin \
       -o tokens.json --secret-yaml secrets.yaml
   kvtier tokens exec --entry worker-node-a --role worker -- l2fs worker ...
@@ -16,6 +24,7 @@ the file: engines, the router and the FUSE mount get one token each, in their ow
 from __future__ import annotations
 
 import argparse
+import base64
 import json
 import os
 import secrets
@@ -31,6 +40,8 @@ MOUNT_SECRET = "l2fs-mount-token"  # namespace kvtier: the FUSE mount's admin to
 ROUTER_SECRET = "kvtier-router-l2fs-token"  # the router's namespace: its router-role token
 ENGINE_SECRET = "{endpoint}-l2fs-token"  # the endpoint's namespace: its engine-role token (webhook default)
 TOKEN_KEY = "token"
+BLOCK_KEY_SECRET = "l2fs-block-key"  # namespace kvtier: the master's block-id MAC key (master only)
+BLOCK_KEY_KEY = "block-key"
 MASTER_ENTRY = "master"  # worker role, first in the file: the token the master calls workers with
 
 
@@ -63,17 +74,19 @@ def generate(workers: list[str], engines: list[tuple[str, str, str]], routers: l
     old = {(e.get("name"), e.get("role")): e.get("token") for e in keep or []}
     entries: list[dict[str, Any]] = []
 
-    def add(name: str, role: str, prefixes: list[str] | None = None) -> None:
+    def add(name: str, role: str, prefixes: list[str] | None = None, node: str = "") -> None:
         if any(e["name"] == name for e in entries):
             raise ValueError(f"entry {name!r} asked for twice")
         entry: dict[str, Any] = {"name": name, "token": old.get((name, role)) or _token(), "role": role}
         if prefixes:
             entry["prefixes"] = prefixes
+        if node:
+            entry["node"] = node
         entries.append(entry)
 
     add(MASTER_ENTRY, "worker")
     for node in workers:
-        add(f"worker-{_node(node)}", "worker")
+        add(f"worker-{_node(node)}", "worker", node=_node(node))
     for endpoint, prefix, _ in engines:
         add(f"engine-{endpoint}", "engine", [prefix])
     for ns in routers:
@@ -85,19 +98,23 @@ def generate(workers: list[str], engines: list[tuple[str, str, str]], routers: l
     return entries
 
 
-def _secret(name: str, namespace: str, data: dict[str, str], what: str) -> dict[str, Any]:
+def _secret(name: str, namespace: str, data: dict[str, str], what: str, field: str = "stringData") -> dict[str, Any]:
     return {"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
             "metadata": {"name": name, "namespace": namespace, "labels": {"app.kubernetes.io/part-of": "kvtier"},
                          "annotations": {"kvtier.io/holds": what}},
-            "stringData": data}
+            field: data}
 
 
-def secrets_for(entries: list[dict[str, Any]], engines: list[tuple[str, str, str]], namespace: str) -> list[dict[str, Any]]:
-    """The Secrets deploy/ and the webhook reference: the whole file for master/workers, one token each for
-    the mount, every engine (in its namespace) and every router namespace."""
+def secrets_for(entries: list[dict[str, Any]], engines: list[tuple[str, str, str]], namespace: str,
+                block_key: bytes | None = None) -> list[dict[str, Any]]:
+    """The Secrets deploy/ and the webhook reference: the whole file for master/workers, the block key for the
+    master alone, one token each for the mount, every engine (in its namespace) and every router namespace."""
     by_name = {e["name"]: e["token"] for e in entries}
     out = [_secret(TOKENS_SECRET, namespace, {TOKENS_KEY: json.dumps(entries)},
                    "every l2fs token: l2fs master and workers only")]
+    if block_key is not None:  # base64 `data`: the key file's bytes exactly, whatever they are
+        out.append(_secret(BLOCK_KEY_SECRET, namespace, {BLOCK_KEY_KEY: base64.b64encode(block_key).decode()},
+                           "l2fs master's block-id MAC key: the master only, never workers", field="data"))
     if "mount" in by_name:
         out.append(_secret(MOUNT_SECRET, namespace, {TOKEN_KEY: by_name["mount"]}, "admin token of the FUSE mount"))
     for endpoint, _, ns in engines:
@@ -122,16 +139,20 @@ def _write(path: str, text: str) -> None:
 def cmd_generate(ns: argparse.Namespace) -> int:
     import yaml
 
-    from l2fs.common import TokensFileError, load_tokens_file
+    from l2fs.common import BlockKeyError, TokensFileError, ensure_block_key, load_block_key, load_tokens_file
 
     if not ns.output and not ns.secret_yaml:
         print("kvtier tokens generate: give -o FILE and/or --secret-yaml FILE ('-' = stdout)", file=sys.stderr)
         return 2
+    key_path = ns.block_key or (str(Path(ns.output).with_name("block-key")) if ns.output and ns.output != "-"
+                                else None)
     try:
         keep = json.loads(Path(ns.keep).read_text()) if ns.keep else None
         engines = [parse_engine(s, ns.endpoint_namespace) for s in ns.engine]
         entries = generate(ns.workers, engines, ns.router, ns.mount, ns.admin, keep)
-    except (OSError, ValueError) as e:
+        # kept when it exists: a new key would unpublish every block the cluster has cached
+        block_key = load_block_key(str(ensure_block_key(key_path))) if key_path else secrets.token_hex(32).encode()
+    except (OSError, ValueError, BlockKeyError) as e:
         print(f"kvtier tokens generate: {e}", file=sys.stderr)
         return 2
     text = json.dumps(entries, indent=1) + "\n"
@@ -145,7 +166,8 @@ def cmd_generate(ns: argparse.Namespace) -> int:
             print(f"kvtier tokens generate: {e}", file=sys.stderr)
             return 2
     if ns.secret_yaml:
-        _write(ns.secret_yaml, yaml.safe_dump_all(secrets_for(entries, engines, ns.namespace), sort_keys=False))
+        _write(ns.secret_yaml, yaml.safe_dump_all(secrets_for(entries, engines, ns.namespace, block_key),
+                                                  sort_keys=False))
     return 0
 
 
@@ -208,6 +230,10 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--namespace", default="kvtier", help="namespace of l2fs (the tokens file and mount Secrets)")
     g.add_argument("--endpoint-namespace", default="default", help="namespace of engines given without @NAMESPACE")
     g.add_argument("-o", "--output", help="tokens file to write (mode 0600; '-' = stdout)")
+    g.add_argument("--block-key", metavar="FILE",
+                   help="the master's block key (l2fs master --block-key-file): used when it exists, else made "
+                        "(32 random bytes as hex, mode 0600); default: block-key next to -o; with --secret-yaml "
+                        "also Secret l2fs-block-key")
     g.add_argument("--secret-yaml", metavar="FILE", help="Kubernetes Secrets to write ('-' = stdout)")
     e = sub.add_parser("exec", help="run a command with L2FS_TOKEN set to one entry's token (worker pods)")
     e.add_argument("--entry", required=True, help="entry name, e.g. worker-$(NODE_NAME)")

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import functools
+import hashlib
 import hmac
 import json
 import os
 import re
+import secrets
 import signal
 import socket
 import threading
@@ -48,7 +50,8 @@ CLIENT_OPTIONS = [
 ]
 
 
-BLOCK_ID = re.compile(r"^[0-9a-f]{32}$")  # block ids are uuid4 hex: also what makes them safe file names
+# block ids are 32 lowercase hex (uuid4, or minted by BlockKey): also what makes them safe file names
+BLOCK_ID = re.compile(r"^[0-9a-f]{32}$")
 ERROR_KIND_KEY = "l2fs-error"  # trailing metadata naming the error kind (e.g. "path"), so clients need no text
 
 
@@ -264,11 +267,23 @@ class TokensFileError(ValueError):
 
 @dataclass(frozen=True)
 class Credential:
-    """Who a bearer token is: its name (for logs), roles, and the path prefixes an engine may write under."""
+    """Who a bearer token is: its name (for logs), roles, the path prefixes an engine may write under, and the
+    node a worker credential is bound to ("" = any node: the weaker, in-memory-only binding)."""
 
     name: str
     roles: frozenset[str]
     prefixes: tuple[str, ...] = ()
+    node: str = ""
+
+    def may_be_worker(self, worker_id: str, node_id: str | None = None) -> bool:
+        """A node-bound worker credential may only act as a worker of its node: node_id (when given) equal to
+        the node, and the worker id the node itself or "<node>-..." (the worker's default id). Static, so it
+        holds across master restarts, unlike the in-memory owner binding."""
+        if not self.node:
+            return True
+        if node_id is not None and node_id != self.node:
+            return False
+        return worker_id == self.node or worker_id.startswith(self.node + "-")
 
     def may_write(self, path: str, if_absent: bool, mkdir: bool = False) -> bool:
         """admin: anything; engine: put-if-absent under one of its prefixes (and mkdir of the prefixes'
@@ -282,8 +297,9 @@ class Credential:
 
 
 def load_tokens_file(path: str) -> list[tuple[str, Credential]]:
-    """[(token, credential)] from a JSON list of {"name", "token", "role", "prefixes"}; TokensFileError
-    says what is wrong (a typo must stop the process, not silently open or close the cluster)."""
+    """[(token, credential)] from a JSON list of {"name", "token", "role", "prefixes", "node"}; TokensFileError
+    says what is wrong (a typo must stop the process, not silently open or close the cluster). "node" (worker
+    role only) binds a worker credential to one node's worker ids (Credential.may_be_worker)."""
     try:
         entries = json.loads(Path(path).read_text())
     except (OSError, ValueError) as e:
@@ -295,9 +311,10 @@ def load_tokens_file(path: str) -> list[tuple[str, Credential]]:
     names: set[str] = set()
     for i, entry in enumerate(entries):
         where = f"tokens file {path} entry {i}"
-        if not isinstance(entry, dict) or set(entry) - {"name", "token", "role", "prefixes"}:
-            raise TokensFileError(f"{where}: want an object with keys name, token, role, prefixes")
+        if not isinstance(entry, dict) or set(entry) - {"name", "token", "role", "prefixes", "node"}:
+            raise TokensFileError(f"{where}: want an object with keys name, token, role, prefixes, node")
         token, role, prefixes = entry.get("token"), entry.get("role"), entry.get("prefixes", [])
+        node = entry.get("node", "")
         if not isinstance(token, str) or len(token) < 16:
             raise TokensFileError(f"{where}: token must be a string of at least 16 characters")
         if token in seen:
@@ -308,6 +325,10 @@ def load_tokens_file(path: str) -> list[tuple[str, Credential]]:
             raise TokensFileError(f"{where}: prefixes must be a list of paths")
         if role == "engine" and not prefixes:
             raise TokensFileError(f"{where}: an engine token needs at least one prefix it may write under")
+        if "node" in entry and (role != "worker" or not isinstance(node, str) or not 0 < len(node) <= 253
+                                or any(ord(ch) < 33 for ch in node)):
+            raise TokensFileError(f"{where}: node must be a node name (1-253 printable characters, no spaces) "
+                                  f"on a worker-role entry")
         try:
             norm = tuple(norm_path(p) for p in prefixes)
         except PathError as err:
@@ -317,7 +338,7 @@ def load_tokens_file(path: str) -> list[tuple[str, Credential]]:
             raise TokensFileError(f"{where}: duplicate name {name!r}")
         seen.add(token)
         names.add(name)
-        out.append((token, Credential(name, frozenset({role}), norm)))
+        out.append((token, Credential(name, frozenset({role}), norm, node)))
     return out
 
 
@@ -381,6 +402,74 @@ class Credentials:
         if own:
             return own
         return next((t for t, c in self.entries if "worker" in c.roles), None)
+
+
+class BlockKeyError(ValueError):
+    """A --block-key-file that cannot be used (the master exits 2 with this message)."""
+
+
+BLOCK_KEY_MIN = 32  # bytes: a 256-bit HMAC key
+
+
+def load_block_key(path: str) -> bytes:
+    """The raw bytes of a block-key file (>= BLOCK_KEY_MIN of them, taken as they are: every master reads the
+    same Secret the same way); BlockKeyError says what is wrong."""
+    try:
+        key = Path(path).read_bytes()
+    except OSError as e:
+        raise BlockKeyError(f"block key file {path}: {e.strerror or e}") from None
+    if len(key) < BLOCK_KEY_MIN:
+        raise BlockKeyError(f"block key file {path}: {len(key)} bytes, want at least {BLOCK_KEY_MIN} random bytes "
+                            f"(e.g. kvtier tokens generate --block-key FILE, or head -c 32 /dev/urandom > FILE)")
+    return key
+
+
+def ensure_block_key(path: str | os.PathLike[str]) -> Path:
+    """Create `path` (0600, 64 random hex characters) unless it exists; the file either way. Local clusters keep
+    it in their state dir, so a restarted master verifies the blocks its predecessor minted."""
+    p = Path(path)
+    try:
+        fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    except FileExistsError:
+        return p
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_hex(32))
+    return p
+
+
+class BlockKey:
+    """Mints and verifies block ids that are their own MAC (issue 13: blocks the master never allocated are
+    never published).
+
+    An id is 16 hex of randomness + the first 16 hex of HMAC-SHA256(key, worker_id \\0 random \\0 size). Why
+    the id itself and not a MAC stored next to it: ids stay 32 lowercase hex, so BLOCK_ID, block file names,
+    the worker manifest and the wire are unchanged; there is nothing extra to store, push or lose; it needs no
+    master memory, so it survives a master restart; and every shard's master holds the same key, so any of
+    them verifies what another minted. A worker-credential holder cannot forge one (64 MAC bits, checked per
+    report/commit) and cannot move one to another worker id or size. Not bound: the path (renames change it;
+    the block's own worker could still report it under another path) and the CRC (chosen after the id)."""
+
+    RAND, MAC = 16, 16  # hex characters of each half
+
+    def __init__(self, key: bytes) -> None:
+        if len(key) < BLOCK_KEY_MIN:
+            raise BlockKeyError(f"block key of {len(key)} bytes, want at least {BLOCK_KEY_MIN}")
+        self._key = key
+
+    def _mac(self, worker_id: str, rand: str, size: int) -> str:
+        msg = f"{worker_id}\0{rand}\0{size}".encode("utf-8", "surrogatepass")
+        return hmac.new(self._key, msg, hashlib.sha256).hexdigest()[:self.MAC]
+
+    def mint(self, worker_id: str, size: int) -> str:
+        rand = secrets.token_hex(self.RAND // 2)
+        return rand + self._mac(worker_id, rand, size)
+
+    def verify(self, block_id: str, worker_id: str, size: int) -> bool:
+        """Whether `block_id` was minted by a master with this key for exactly this worker id and size."""
+        if not BLOCK_ID.match(block_id or ""):
+            return False
+        rand, mac = block_id[:self.RAND], block_id[self.RAND:]
+        return hmac.compare_digest(mac, self._mac(worker_id, rand, size))
 
 
 class TokenInterceptor(grpc.ServerInterceptor):

@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 from l2fs import procs
 from l2fs.client import Client, L2fsError
+from l2fs.common import ensure_block_key
 
 if TYPE_CHECKING:
     from l2fs.netns import NetnsCluster
@@ -71,6 +72,8 @@ class LocalCluster(procs.Started):
     heartbeat_timeout: master's dead-worker timeout in seconds.
     token / tls_*: passed to every process (and to clients made with .client()).
     metrics: give every process a /metrics port (worker.metrics_port, .master_metrics_port).
+    block_key: masters get `--block-key-file <base>/block-key` (made once, kept across restarts: minted block
+        ids are MACs, commits and reports of others are not published); False = uuid4 ids, no check.
     shards: masters of a path-hash sharded namespace (`l2fs master --shard K/N`); `.master` is then the
         "m0;m1" list every role takes, `.master_procs[K]`/`.master_ports[K]` shard K's (the unsuffixed
         attributes are shard 0's), start_master/kill_master take a shard (default: all).
@@ -81,7 +84,8 @@ class LocalCluster(procs.Started):
                  tls_cert: str | None = None, tls_key: str | None = None, tls_ca: str | None = None,
                  metrics: bool = True, master_args: list[str] | None = None,
                  worker_args: list[str] | None = None, start_timeout: float = 30.0,
-                 netns: NetnsCluster | None = None, journal: bool = True, shards: int = 1) -> None:
+                 netns: NetnsCluster | None = None, journal: bool = True, shards: int = 1,
+                 block_key: bool = True) -> None:
         if shards < 1:
             raise ValueError("shards must be >= 1")
         self.base = Path(base_dir).resolve()
@@ -96,6 +100,11 @@ class LocalCluster(procs.Started):
             raise ValueError("each shard's master needs its own journal: leave --journal to LocalCluster")
         # pending deletes/renames survive a master restart (kill_master/start_master keep the file)
         self.journal = journal and "--journal" not in self.master_args
+        # the same key for every shard's master and every restart (what a deployment's Secret gives them)
+        self.block_key_file: Path | None = None
+        if block_key and "--block-key-file" not in self.master_args:
+            self.block_key_file = ensure_block_key(self.base / "block-key")
+            self.master_args += ["--block-key-file", str(self.block_key_file)]
         self.start_timeout = start_timeout
         self.shards = shards
         self.master_ports = [0] * shards
@@ -320,6 +329,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="masters of a path-hash sharded namespace (default 1); clients take the printed "
                         "'host:p0;host:p1' list")
     p.add_argument("--token", default=None)
+    p.add_argument("--no-block-key", action="store_true",
+                   help="no <dir>/block-key for the master: uuid4 block ids, reported blocks not verified")
     p.add_argument("--netns", action="store_true",
                    help="master in a control network namespace, worker K in node K's (needs root, ip, tc, nsenter)")
     p.add_argument("--link", default=None, metavar="RATE", help="with --netns: rate of each node's link, e.g. 2gbit")
@@ -350,7 +361,7 @@ def main(argv: list[str] | None = None) -> int:
                 return 2
         cluster = LocalCluster(args.dir, args.workers, capacity=args.capacity,
                                heartbeat_timeout=args.heartbeat_timeout, token=args.token, netns=net,
-                               shards=args.shards)
+                               shards=args.shards, block_key=not args.no_block_key)
         with cluster:
             _print_cluster(cluster)
             while not stop:

@@ -33,6 +33,8 @@ from l2fs.common import (
     READERS,
     WORKERS,
     WRITERS,
+    BlockKey,
+    BlockKeyError,
     Credentials,
     PathError,
     RpcError,
@@ -40,6 +42,7 @@ from l2fs.common import (
     auth_metadata,
     check_block_id,
     grpc_server,
+    load_block_key,
     make_channel,
     norm_path,
     parent_of,
@@ -83,6 +86,10 @@ DUPLICATES = Gauge("l2fs_master_duplicate_content_files",
 DROPPED = Counter("l2fs_master_dropped_files_total", "Files dropped from the namespace", ["reason"])
 QUOTA_REFUSED = Counter("l2fs_master_quota_refusals_total", "Writes refused by a --prefix-quota", ["prefix"])
 PREFIX_USED = Gauge("l2fs_master_prefix_used_bytes", "Bytes of files under a --prefix-quota prefix", ["prefix"])
+REPORT_REJECTS = Counter("l2fs_master_report_rejects_total",
+                         "Reported blocks not published because of what they are (mac: the id is not one a master "
+                         "with this --block-key-file minted for that worker and size)", ["reason"])
+_MAC_REJECT = REPORT_REJECTS.labels("mac")
 PENDING = Gauge("l2fs_master_pending_namespace_ops",
                 "Deletes/renames acknowledged to clients that their worker has not confirmed yet")
 
@@ -134,8 +141,13 @@ class MasterService(pbg.MasterServicer):
     def __init__(self, *, heartbeat_timeout: float = 10.0, max_file_size: int = DEFAULT_MAX_FILE_SIZE,
                  token: str | None = None, tls_ca: str | None = None, allocation_ttl: float = 600.0,
                  journal: str | None = None, prefix_quotas: dict[str, int] | None = None,
-                 creds: Credentials | None = None, shard: tuple[int, int] = (0, 1)) -> None:
+                 creds: Credentials | None = None, shard: tuple[int, int] = (0, 1),
+                 block_key: BlockKey | None = None) -> None:
         self.heartbeat_timeout = heartbeat_timeout
+        # With a key, block ids are minted as their own MAC over (worker id, size) (BlockKey): a commit or a
+        # block report whose id does not verify was never allocated by a master of this cluster. Without one,
+        # uuid4 ids and no check (any worker-role caller can publish blocks it made up).
+        self.block_key = block_key
         # Path-hash sharding: this master owns the files whose path hashes to shard[0] of shard[1] (shard_of);
         # directories live on every shard that has something under them.
         self.shard, self.shards = shard
@@ -471,13 +483,19 @@ class MasterService(pbg.MasterServicer):
 
     # ---------- worker-facing ----------
 
-    def _check_owner(self, context: Any, worker_id: str, claim: bool = False) -> str:
+    def _check_owner(self, context: Any, worker_id: str, claim: bool = False, node_id: str | None = None) -> str:
         """A worker id belongs to the credential that registered it: another worker-role token may not
         heartbeat, report for or (while it is alive) re-register it. Returns the caller's credential name.
-        Ownership lives in master memory: after a master restart the first registration claims the id."""
+        That ownership lives in master memory (after a master restart the first registration claims the id);
+        a credential with a "node" in the tokens file is also bound statically to its node's worker ids
+        (Credential.may_be_worker), which no restart forgets."""
         cred = self.creds.caller(context)
         if cred is None:
             return ""
+        if not cred.may_be_worker(worker_id, node_id):
+            raise RpcError(grpc.StatusCode.PERMISSION_DENIED,
+                           f"credential {cred.name!r} is bound to node {cred.node!r}: it may not act as worker "
+                           f"{worker_id!r}" + (f" of node {node_id!r}" if node_id is not None else ""))
         with self.lock:
             w = self.workers.get(worker_id)
             if w is not None and w.owner and w.owner != cred.name and (w.alive or not claim):
@@ -508,10 +526,11 @@ class MasterService(pbg.MasterServicer):
             log.error("refusing registration: %s", why)
             raise RpcError(grpc.StatusCode.FAILED_PRECONDITION, why)
         reject: list[str] = []
-        foreign = 0
+        foreign = unverified = 0
         remote_deletes: list[tuple[str, str, str | None]] = []
         with self.lock:
-            owner = self._check_owner(context, request.worker_id, claim=True)  # under the lock: no race
+            owner = self._check_owner(context, request.worker_id, claim=True,  # under the lock: no race
+                                      node_id=request.node_id or request.worker_id)
             old = self.workers.get(request.worker_id)
             if request.continuation:  # more reports of the registration this worker just made
                 if old is None or not old.alive or old.address != request.address:
@@ -532,6 +551,12 @@ class MasterService(pbg.MasterServicer):
             for b in request.blocks:
                 if not BLOCK_ID.match(b.block_id):
                     continue  # not a block any worker of ours could hold: nothing to publish or delete
+                if self.block_key is not None and not self.block_key.verify(b.block_id, w.worker_id, b.size):
+                    # never allocated to this worker for this size (made up, another worker's, resized, or from
+                    # before the key): not published, but not deleted either, so a master with a wrong key
+                    # cannot wipe a cluster's cache; the worker evicts it as cold in time
+                    unverified += 1
+                    continue
                 self._uncharge_allocation(b.block_id)
                 if b.block_id in self.abandoned or self.allocations.pop(b.block_id, None) is not None:
                     self._abandon(b.block_id)  # sealed, never committed: its put did not return success
@@ -567,6 +592,11 @@ class MasterService(pbg.MasterServicer):
         self._push_wake.set()  # this worker (and those) get their pending changes now
         log.info("registered worker %s node=%s at %s: %d blocks (%d rejected)", request.worker_id,
                  request.node_id, request.address, len(request.blocks), len(reject))
+        if unverified:
+            _MAC_REJECT.inc(unverified)
+            log.warning("worker %s reported %d block(s) whose id does not verify for it and their size (not "
+                        "allocated by a master with this block key: forged, another worker's, resized, or written "
+                        "before the key was set): not published", request.worker_id, unverified)
         if foreign:
             log.warning("worker %s reported %d block(s) of other shards (this master is shard %d/%d): is its "
                         "master list the cluster's?", request.worker_id, foreign, self.shard, self.shards)
@@ -643,7 +673,8 @@ class MasterService(pbg.MasterServicer):
                                (None, path, request.size)])
             w = self._place(request.size, request.node_id, set(request.exclude_workers))
             w.pending += request.size  # until the next heartbeat: spreads concurrent writers
-            bid = uuid.uuid4().hex
+            # the exact size asked for: the client writes (and the worker seals) exactly that many bytes
+            bid = self.block_key.mint(w.worker_id, request.size) if self.block_key else uuid.uuid4().hex
             self._remember(self.allocations, bid, (w.worker_id, time.monotonic() + self.allocation_ttl))
             charged = self._quotas_of(path) if self.quotas else []
             if charged:
@@ -713,6 +744,12 @@ class MasterService(pbg.MasterServicer):
             w = self.workers.get(request.worker_id)
             if w is None or not w.alive:
                 raise RpcError(grpc.StatusCode.FAILED_PRECONDITION, f"worker {request.worker_id!r} is not alive")
+            # the client names the worker and the size: believed only when the id is their MAC
+            if self.block_key is not None and not self.block_key.verify(request.block_id, request.worker_id,
+                                                                        request.size):
+                raise RpcError(grpc.StatusCode.PERMISSION_DENIED,
+                               f"block {request.block_id} was not allocated on worker {request.worker_id!r} for "
+                               f"{request.size} bytes (its id's MAC does not verify): not published", "EACCES")
             cur = self.files.get(path)
             if cur is not None and cur.block_id == request.block_id:
                 return pb.CommitResponse(published=True)  # a retried commit of our own block
@@ -971,6 +1008,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokens-file", default=os.environ.get("L2FS_TOKENS_FILE"),
                    help="JSON list of {name, token, role: worker|engine|router|admin, prefixes}: scoped tokens "
                         "(also $L2FS_TOKENS_FILE); see docs/l2fs.md")
+    p.add_argument("--block-key-file", default=os.environ.get("L2FS_BLOCK_KEY_FILE") or None,
+                   help="file of >= 32 random bytes shared by every master (also $L2FS_BLOCK_KEY_FILE): block ids "
+                        "become a MAC over (worker id, size), and commits or worker reports of ids it does not "
+                        "verify are not published. Without it: uuid4 ids, no check. Turning it on unpublishes "
+                        "blocks written before (docs/l2fs.md)")
     p.add_argument("--shard", default="0/1", metavar="INDEX/COUNT",
                    help="this master's shard of a path-hash sharded namespace (e.g. 0/2; default 0/1 = the whole "
                         "namespace). Paths that hash to another shard are refused (FAILED_PRECONDITION)")
@@ -1003,10 +1045,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"l2fs master: {e}", file=sys.stderr)
         return 2
     try:
+        block_key = BlockKey(load_block_key(args.block_key_file)) if args.block_key_file else None
+    except BlockKeyError as e:
+        print(f"l2fs master: {e}", file=sys.stderr)
+        return 2
+    try:
         service = MasterService(heartbeat_timeout=args.heartbeat_timeout,
                                 max_file_size=parse_size(args.max_file_size), token=token, tls_ca=args.tls_ca,
                                 allocation_ttl=args.allocation_ttl, journal=args.journal, prefix_quotas=quotas,
-                                creds=creds, shard=shard)
+                                creds=creds, shard=shard, block_key=block_key)
     except (JournalError, OSError, sqlite3.Error) as e:
         print(f"l2fs master: cannot open the journal: {e}", file=sys.stderr)
         return 2

@@ -4,6 +4,7 @@ The generated file against real master/worker processes: tests/operator/test_ope
 
 from __future__ import annotations
 
+import base64
 import json
 import subprocess
 import sys
@@ -40,10 +41,21 @@ def test_generate_is_what_l2fs_loads(tmp_path: Path) -> None:
     assert loaded["engine-ep-a"][1].prefixes == ("/kvtier/kv/ep-a",)
     assert loaded["engine-ep-b"][1].prefixes == ("/kvtier/kv/custom",)
     assert len({t for t, _ in loaded.values()}) == len(loaded)
-    docs = {(d["metadata"]["namespace"], d["metadata"]["name"]): d["stringData"]
+    # each node's worker credential is bound to that node; the master's own and other roles are not
+    assert loaded["worker-ip-10-0-0-1.ec2.internal"][1].node == "ip-10-0-0-1.ec2.internal"
+    assert loaded["worker-node-b"][1].node == "node-b" and loaded["master"][1].node == ""
+    docs = {(d["metadata"]["namespace"], d["metadata"]["name"]): d.get("stringData") or d["data"]
             for d in yaml.safe_load_all((tmp_path / "s.yaml").read_text())}
     assert set(docs) == {("kvtier", "l2fs-tokens"), ("kvtier", "l2fs-mount-token"), ("team-a", "ep-a-l2fs-token"),
-                         ("default", "ep-b-l2fs-token"), ("team-a", "kvtier-router-l2fs-token")}
+                         ("default", "ep-b-l2fs-token"), ("team-a", "kvtier-router-l2fs-token"),
+                         ("kvtier", "l2fs-block-key")}
+    # the master's block key: next to the tokens file (0600, >= 32 bytes), the Secret holds exactly its bytes,
+    # and a second run keeps it (a new key would unpublish the whole cache)
+    key = (tmp_path / "block-key").read_bytes()
+    assert len(key) >= 32 and (tmp_path / "block-key").stat().st_mode & 0o077 == 0
+    assert base64.b64decode(docs[("kvtier", "l2fs-block-key")]["block-key"]) == key
+    assert kvtier("generate", "--workers", "node-b", "-o", str(tmp_path / "again.json")).returncode == 0
+    assert (tmp_path / "block-key").read_bytes() == key
     assert json.loads(docs[("kvtier", "l2fs-tokens")]["tokens.json"]) == json.loads(out.read_text())
     assert docs[("team-a", "ep-a-l2fs-token")] == {"token": loaded["engine-ep-a"][0]}
     assert docs[("team-a", "kvtier-router-l2fs-token")] == {"token": loaded["router-team-a"][0]}

@@ -10,6 +10,7 @@ import pytest
 from l2fs_helpers import wait_until
 
 from l2fs.client import InvalidArgument, InvalidPath
+from l2fs.common import BlockKey
 from l2fs.local import LocalCluster
 from l2fs.proto import l2fs_pb2 as pb
 from l2fs.proto import l2fs_pb2_grpc as pbg
@@ -124,12 +125,14 @@ def test_malformed_messages(bcluster: LocalCluster) -> None:
 
 def test_double_registration_replaces_cleanly(bcluster: LocalCluster) -> None:
     m = _master(bcluster)
+    assert bcluster.block_key_file is not None
+    key = BlockKey(bcluster.block_key_file.read_bytes())  # ids as the master would have minted them
 
     def register(paths: list[str]) -> None:
         m.RegisterWorker(pb.RegisterRequest(
             worker_id="dup", node_id="ghost", address="127.0.0.1:1", capacity=1 << 30,
-            blocks=[pb.BlockReport(block_id=f"{i:032x}", path=p, size=3, mtime=1.0)
-                    for i, p in enumerate(paths, start=100)]), timeout=5)
+            blocks=[pb.BlockReport(block_id=key.mint("dup", 3), path=p, size=3, mtime=1.0) for p in paths]),
+            timeout=5)
 
     register(["/dup/a", "/dup/b"])
     c = bcluster.client()

@@ -19,7 +19,15 @@ from l2fs_helpers import wait_until
 
 from l2fs.batch import PROTOCOL_VERSION
 from l2fs.client import Client, CrossShard, L2fsError, NotFound, Unavailable, WrongShard, combine_prefix
-from l2fs.common import PathError, _norm_path_checked, norm_path, parse_masters, parse_shard, shard_of
+from l2fs.common import (
+    BlockKey,
+    PathError,
+    _norm_path_checked,
+    norm_path,
+    parse_masters,
+    parse_shard,
+    shard_of,
+)
 from l2fs.local import LocalCluster
 from l2fs.registration import MasterLink
 from l2fs.store import Store
@@ -219,8 +227,10 @@ def test_worker_link_reports_only_its_shard(sharded: LocalCluster, tmp_path: Pat
     nothing; the other shard's block stays on the worker (not deleted by a master that does not own it)."""
     store = Store([(tmp_path / "d", 1 << 20)])
     got = {}
+    assert sharded.block_key_file is not None  # every shard's master has the same key: ids as one minted them
+    key = BlockKey(sharded.block_key_file.read_bytes())
     for p in ("/sh/link/a", "/sh/link/b", "/sh/link/c", "/sh/link/d"):
-        bid = uuid.uuid4().hex
+        bid = key.mint("w-shard-link", 3)
         store.receive(bid, p, 3, 0, [b"abc"])
         got[p] = bid
     assert {shard_of(p, N) for p in got} == {0, 1}
