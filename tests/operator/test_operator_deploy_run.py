@@ -124,12 +124,15 @@ class Env:
                                "--secret-yaml", "-"], capture_output=True, text=True, timeout=60, cwd=ROOT)
         assert made.returncode == 0, made.stderr
         for s in yaml.safe_load_all(made.stdout):
-            self.secrets.update({(s["metadata"]["name"], k): v for k, v in s["stringData"].items()})
-        if os.geteuid() == 0:
-            os.chown(tokens, 0, 65532)
-        tokens.chmod(0o440)
+            self.secrets.update({(s["metadata"]["name"], k): v for k, v in (s.get("stringData") or {}).items()})
+        key = hostpath / "block-key"  # the master's block key, made next to the tokens file (Secret l2fs-block-key)
+        for f in (tokens, key):
+            if os.geteuid() == 0:
+                os.chown(f, 0, 65532)
+            f.chmod(0o440)
         self.tokens = {e["name"]: e["token"] for e in json.loads(tokens.read_text())}
         self.vars["L2FS_TOKENS_FILE"] = str(tokens)
+        self.vars["L2FS_BLOCK_KEY_FILE"] = str(key)
 
     def start(self, c: dict[str, Any], log: str) -> subprocess.Popen[bytes]:
         cmd = expand(c["command"] + c.get("args", []), self.vars)
