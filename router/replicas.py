@@ -51,9 +51,10 @@ class Replica:
         return self.inflight + self.ext_running + self.ext_waiting
 
     def scraped(self, running: float, waiting: float, own: int) -> None:
-        """Record one /metrics reading; `own` = our in-flight count when it was taken. The engine counts our
-        requests too; the surplus is other routers'. Requests we have admitted but not yet delivered make
-        `own` too large for a moment: clamped at 0, never negative load. Waiting ones are others' first."""
+        """Record one /metrics reading; `own` = our in-flight count around it (the larger of before and
+        after). The engine counts our requests too; the surplus is other routers'. Requests we have admitted
+        but not yet delivered make `own` too large for a moment: clamped at 0, never negative load. Waiting
+        ones are others' first."""
         ext = max(0.0, running + waiting - own)
         self.ext_waiting = min(waiting, ext)
         self.ext_running = ext - self.ext_waiting
@@ -179,14 +180,18 @@ class ReplicaSet:
         """One /metrics read of r; a failure or a page without vLLM's load gauges leaves the old reading,
         which expires after 3 intervals (then other routers' load counts as 0 again: we know nothing)."""
         assert self._client is not None
-        own = r.inflight  # taken before the read: requests that finish meanwhile only make `own` larger
+        # Our in-flight count both before and after the read, and the larger one: a request we admitted or
+        # finished while the page was rendered may or may not be in the engine's figures, and counting it as
+        # ours at worst hides one scrape's worth of others' load, while counting it as theirs put phantom
+        # load on the replica our own burst was filling and split that burst (the smaller one did).
+        own = r.inflight
         try:
             resp = await self._client.get(r.url + "/metrics", timeout=self.health_timeout, headers=self._headers)
             got = parse_load(resp.text) if resp.status_code == 200 else None
         except (httpx.HTTPError, OSError):
             got = None
         if got is not None:
-            r.scraped(got[0], got[1], min(own, r.inflight))
+            r.scraped(got[0], got[1], max(own, r.inflight))
             return
         self.scrape_errors += 1
         if r.scraped_at and time.monotonic() - r.scraped_at > 3 * self.scrape_interval:

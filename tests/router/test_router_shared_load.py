@@ -17,7 +17,7 @@ def test_load_sent_through_one_router_steers_the_other(cluster):
     b = cluster.router(reps, "--strategy", "prefixaware", "--load-scrape-interval", "0.2")
     prompt = "one long shared document that router a keeps sending, many blocks of it " * 3
     client = httpx.Client(timeout=30)
-    streams, held = [], set()
+    streams, bodies, held, routes = [], [], set(), []
     try:
         for i in range(6):  # streaming: past the first byte they count as decode, x stays a's cheapest
             cm = client.stream("POST", a.url + "/v1/completions", json={
@@ -25,8 +25,14 @@ def test_load_sent_through_one_router_steers_the_other(cluster):
             resp = cm.__enter__()
             streams.append(cm)
             assert resp.status_code == 200
+            # wait for the first token: until it comes the request is in-flight prefill on x, which costs as
+            # much as the hit saves, and the next one would go elsewhere (least_cost) on a loaded box
+            body = resp.iter_raw()
+            assert next(body, b"")
+            bodies.append(body)  # held: a dropped iterator closes the stream
             held.add(resp.headers["x-kvtier-replica"])
-        assert len(held) == 1, held
+            routes.append((resp.headers["x-kvtier-replica"], resp.headers.get("x-kvtier-route")))
+        assert len(held) == 1, routes
         x = held.pop()
         # b never routed any of them, yet reads them off x's vllm:num_requests_running
         wait_for(lambda: _external(b, x) >= 6, timeout=15)
