@@ -1071,6 +1071,25 @@ class Client:
             raise NotFound(f"{path}: no such file or directory")
         return [_info(merged[p]) for p in sorted(merged)]
 
+    def walk(self, root: str = "/") -> dict[str, FileInfo]:
+        """Every file under `root` by absolute path (one `ls` per directory; an absent root has none). For
+        tools and benchmarks that account for a prefix's files; a listing fault raises, like `ls`."""
+        out: dict[str, FileInfo] = {}
+        todo = [_check(root)]
+        while todo:
+            d = todo.pop()
+            try:
+                entries = self.ls(d)
+            except NotFound:
+                continue  # not created yet, or removed while we walked
+            for e in entries:
+                path = e.path if e.path.startswith("/") else f"{d.rstrip('/')}/{e.path}"
+                if e.is_dir:
+                    todo.append(path)
+                else:
+                    out[path] = e
+        return out
+
     def mkdir(self, path: str, *, parents: bool = True, exist_ok: bool = True) -> None:
         path = _check(path)
         if len(self._shards) == 1:

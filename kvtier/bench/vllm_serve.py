@@ -103,25 +103,9 @@ def reset_caches(state: StackState) -> dict[str, Any]:
     from l2fs.client import Client
 
     with Client(state.host_l2fs_master or state.l2fs_master, node_id="bench") as c:
-        removed = sum(c.rm(path) for path in kv_files(c, state.kv_prefix))
-        left = len(kv_files(c, state.kv_prefix))
+        removed = sum(c.rm(path) for path in c.walk(state.kv_prefix))
+        left = len(c.walk(state.kv_prefix))
     return {"l0_reset": ok, "l2_files_removed": removed, "l2_files_left": left}
-
-
-def kv_files(c: Any, prefix: str) -> list[str]:
-    """Every file under the l2fs KV prefix (walked with ls; an absent prefix has none)."""
-    files: list[str] = []
-    dirs = [prefix]
-    while dirs:
-        d = dirs.pop()
-        try:
-            entries = c.ls(d)
-        except FileNotFoundError:
-            continue
-        for e in entries:
-            path = e.path if e.path.startswith("/") else f"{d.rstrip('/')}/{e.path}"
-            (dirs if e.is_dir else files).append(path)
-    return files
 
 
 def settled(urls: list[str], timeout: float = 15.0) -> list[dict[str, float | None]]:

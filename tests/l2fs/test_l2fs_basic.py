@@ -74,6 +74,13 @@ def test_metadata_ops(cluster: LocalCluster) -> None:
     assert [i.path for i in c.ls("/m/f2")] == ["/m/f2"]
     with pytest.raises(NotFound):
         c.ls("/m/none")
+    # walk: every file under a directory, nested ones too, by absolute path; an absent root has none
+    c.put("/m/sub/deeper/f3", b"333")
+    assert {p: i.size for p, i in c.walk("/m").items()} == {"/m/sub/f1": 1, "/m/f2": 2, "/m/sub/deeper/f3": 3}
+    assert c.walk("/m/none") == {}
+    assert c.walk("/m/f2").keys() == {"/m/f2"}
+    c.rm("/m/sub/deeper/f3")
+    c.rmdir("/m/sub/deeper")
     with pytest.raises(L2fsError):
         c.rmdir("/m/sub")  # not empty
     # rename: atomic over an existing file

@@ -31,7 +31,6 @@ import pytest
 from netns_helpers import require_host
 
 from kvtier.up import Stack
-from l2fs.client import Client, FileInfo, L2fsError
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1500)]
 
@@ -60,25 +59,6 @@ def _bytes_read(stack: Stack, i: int) -> float:
     m = re.search(r"^l2fs_worker_bytes_read_total (\S+)$", text, re.M)
     assert m, "worker metrics lack l2fs_worker_bytes_read_total"
     return float(m.group(1))
-
-
-def _l2fs_files(c: Client, root: str) -> dict[str, FileInfo]:
-    """Every file under an l2fs directory, by path (a walk of List calls through the master)."""
-    out: dict[str, FileInfo] = {}
-    todo = [root]
-    while todo:
-        d = todo.pop()
-        try:
-            entries = c.ls(d)
-        except L2fsError:
-            continue  # not created yet
-        for e in entries:
-            path = e.path if e.path.startswith("/") else f"{d.rstrip('/')}/{e.path}"
-            if e.is_dir:
-                todo.append(path)
-            else:
-                out[path] = e
-    return out
 
 
 @pytest.fixture(scope="module", params=[pytest.param("mount", marks=pytest.mark.fuse), "plugin"])
@@ -132,7 +112,7 @@ def test_cross_pod_hit_crosses_the_link(stack: Stack, tiny_model: Path) -> None:
     ids = _ids(7, vocab)
     n_chunks = N_TOKENS // CHUNK
     with stack.cluster.client() as c:  # through the host forwarder: metadata only
-        before = set(_l2fs_files(c, state["kv_prefix"])) if mode == "plugin" else set()
+        before = set(c.walk(state["kv_prefix"])) if mode == "plugin" else set()
         _, cold_tokens, cold_lp = a.stream_greedy(ids, max_tokens=MAX_NEW)
         assert a.lmcache_hits()[-1][1:] == (N_TOKENS, 0)
         deadline = time.monotonic() + 60
@@ -144,7 +124,7 @@ def test_cross_pod_hit_crosses_the_link(stack: Stack, tiny_model: Path) -> None:
             sizes = [f.stat().st_size for f in _chunk_files(m1)]
             infos = [c.stat("/" + str(_chunk_files(m1)[0].relative_to(m1)))]
         else:
-            while len(new := {p: i for p, i in _l2fs_files(c, state["kv_prefix"]).items() if p not in before}) \
+            while len(new := {p: i for p, i in c.walk(state["kv_prefix"]).items() if p not in before}) \
                     < n_chunks:
                 assert time.monotonic() < deadline, f"only {len(new)} chunks written by A's connector"
                 time.sleep(0.2)
