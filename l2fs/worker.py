@@ -31,7 +31,8 @@ from l2fs.common import (
 )
 from l2fs.dataplane.server import DataServer
 from l2fs.dataplane.wire import DATA_IDLE_TIMEOUT, DATA_MAX_CONNS
-from l2fs.fdpass import FdServer, default_socket_path
+from l2fs.fdpass import default_socket_path
+from l2fs.fdpass_server import FdServer
 from l2fs.proto import l2fs_pb2_grpc as pbg
 from l2fs.registration import MasterLinks
 from l2fs.store import RESERVATION_TTL, RESERVED_FRACTION, TIERS, Store
