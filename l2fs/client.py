@@ -818,24 +818,18 @@ class Client:
             deadline = time.monotonic() + self.timeout
         elif time.monotonic() >= deadline:
             return None
-        st = self._locate(path, deadline)
-        if st is None:
-            return None
-        try:
-            return self._read_located(path, st, into, deadline)
-        except _CapDenied as e:
-            # the worker refused the location's capability (expired: a location kept past its TTL; or the
-            # worker's key changed): locate once more for a fresh one; refused again is a miss
-            log.debug("read %s: capability refused (%s); locating again", path, e)
-            self._forget(path)
-        st = self._locate(path, deadline)
-        if st is None:
-            return None
-        try:
-            return self._read_located(path, st, into, deadline)
-        except _CapDenied:
-            self._forget(path)
-            return None
+        for _ in range(2):
+            st = self._locate(path, deadline)
+            if st is None:
+                return None
+            try:
+                return self._read_located(path, st, into, deadline)
+            except _CapDenied as e:
+                # the worker refused the location's capability (expired: a location kept past its TTL; or the
+                # worker's key changed): locate once more for a fresh one; refused again is a miss
+                log.debug("read %s: capability refused (%s)", path, e)
+                self._forget(path)
+        return None
 
     def _read_located(self, path: str, st: pb.FileStat, into: memoryview | None, deadline: float
                       ) -> bytes | int | None:
