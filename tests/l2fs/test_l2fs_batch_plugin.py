@@ -21,6 +21,7 @@ from lmcache.v1.storage_backend.storage_manager import StorageManager  # noqa: E
 
 from connector import keys as ckeys  # noqa: E402
 from connector.config import lmcache_config  # noqa: E402
+from connector.fingerprint import load_records  # noqa: E402
 from l2fs.local import LocalCluster  # noqa: E402
 
 MODEL = "org/batch-model"
@@ -54,7 +55,9 @@ def test_batched_put_is_one_allocate_many_and_one_commit_many(cluster: LocalClus
             obj.tensor.normal_()
             objs.append(obj)
         with cluster.client() as c:
-            # the plugin's own file names for these keys (one per chunk)
+            # the plugin's start-up publishes its key fingerprint (one put: AllocateMany + CommitMany) in the
+            # background; counted from before it finished, its CommitMany landed in our window on a loaded box
+            wait_until(lambda: len(load_records(c, MODEL)) > 0, timeout=20.0)
             before = master_rpcs(cluster)
             sm.batched_put(keys, objs)
             paths = [ckeys.key_path(PREFIX, k) for k in keys]
