@@ -397,14 +397,17 @@ def zipf_trace(n_keys: int, length: int, s: float = 1.1, seed: int = 0) -> list[
     return [perm[r] for r in ranks]
 
 
-def lru_hit_rate(trace: Sequence[int], capacity_bytes: int, size_of: Callable[[int], int]) -> float:
-    """Hit rate of a plain byte-capacity LRU cache on a cache-aside trace (miss -> insert)."""
+def lru_hit_rate(trace: Sequence[int], capacity_bytes: int, size_of: Callable[[int], int], *,
+                 fifo: bool = False) -> float:
+    """Hit rate of a plain byte-capacity LRU cache on a cache-aside trace (miss -> insert); `fifo`: a hit does
+    not refresh the entry (first in, first out), for scale."""
     cache: OrderedDict[int, int] = OrderedDict()
     used = hits = 0
     for k in trace:
         if k in cache:
             hits += 1
-            cache.move_to_end(k)
+            if not fifo:
+                cache.move_to_end(k)
             continue
         size = size_of(k)
         if size > capacity_bytes:

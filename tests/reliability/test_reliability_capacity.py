@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 import urllib.request
-from collections import Counter, OrderedDict
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -91,21 +91,14 @@ def test_write_3x_capacity_never_fails_and_stays_under_watermark(make_cluster: A
     assert all(d is not None for d in clients[1].get_many(present[:40]))
 
 
-def _per_worker_hit_rate(trace: list[int], placed: dict[int, str], capacity_bytes: int, *, lru: bool = True) -> float:
-    """Hit rate of one plain LRU (or FIFO) of `capacity_bytes` per worker, each object on the worker l2fs
-    placed it on."""
-    caches: dict[str, OrderedDict[int, None]] = {}
-    hits = 0
+def _per_worker_hit_rate(trace: list[int], placed: dict[int, str], capacity_bytes: int, *, fifo: bool = False
+                         ) -> float:
+    """Hit rate of one plain LRU (or FIFO) of `capacity_bytes` per worker, each fed the accesses of the
+    objects l2fs placed on it."""
+    by_worker: dict[str, list[int]] = {}
     for k in trace:
-        cache = caches.setdefault(placed[k], OrderedDict())
-        if k in cache:
-            hits += 1
-            if lru:
-                cache.move_to_end(k)
-            continue
-        cache[k] = None
-        while len(cache) * OBJ > capacity_bytes:
-            cache.popitem(last=False)
+        by_worker.setdefault(placed[k], []).append(k)
+    hits = sum(lru_hit_rate(sub, capacity_bytes, lambda _k: OBJ, fifo=fifo) * len(sub) for sub in by_worker.values())
     return hits / len(trace)
 
 
@@ -131,7 +124,7 @@ def test_zipf_hit_rate_at_least_plain_lru(make_cluster: Any, record_property: An
     # (exact: a worker's eviction is LRU and it never holds less than LOW). A worker that evicted a block a
     # plain LRU would keep fails this, whatever the placement.
     per_worker = _per_worker_hit_rate(trace, placed, int(LOW * WORKER_CAP))
-    fifo = _per_worker_hit_rate(trace, placed, int(HIGH * WORKER_CAP), lru=False)
+    fifo = _per_worker_hit_rate(trace, placed, int(HIGH * WORKER_CAP), fifo=True)
     # Against one global LRU of the same total size the two workers also depend on how evenly placement
     # split the objects (the master places by the free room the workers last reported, so on a loaded box
     # heartbeats lag and one worker takes more): 0.605 vs 0.608 in one CI run, 0.615-0.619 on a quiet box.
