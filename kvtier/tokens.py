@@ -139,7 +139,14 @@ def _write(path: str, text: str) -> None:
 def cmd_generate(ns: argparse.Namespace) -> int:
     import yaml
 
-    from l2fs.common import BlockKeyError, TokensFileError, ensure_block_key, load_block_key, load_tokens_file
+    from l2fs.common import (
+        BlockKeyError,
+        TokensFileError,
+        ensure_block_key,
+        load_block_key,
+        load_tokens_file,
+        new_block_key,
+    )
 
     if not ns.output and not ns.secret_yaml:
         print("kvtier tokens generate: give -o FILE and/or --secret-yaml FILE ('-' = stdout)", file=sys.stderr)
@@ -151,7 +158,7 @@ def cmd_generate(ns: argparse.Namespace) -> int:
         engines = [parse_engine(s, ns.endpoint_namespace) for s in ns.engine]
         entries = generate(ns.workers, engines, ns.router, ns.mount, ns.admin, keep)
         # kept when it exists: a new key would unpublish every block the cluster has cached
-        block_key = load_block_key(str(ensure_block_key(key_path))) if key_path else secrets.token_hex(32).encode()
+        block_key = load_block_key(str(ensure_block_key(key_path))) if key_path else new_block_key()
     except (OSError, ValueError, BlockKeyError) as e:
         print(f"kvtier tokens generate: {e}", file=sys.stderr)
         return 2

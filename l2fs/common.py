@@ -424,6 +424,12 @@ def load_block_key(path: str) -> bytes:
     return key
 
 
+def new_block_key() -> bytes:
+    """A fresh block key: 64 random hex characters (32 bytes of entropy, printable, so it fits a Secret's
+    stringData and a file alike)."""
+    return secrets.token_hex(32).encode()
+
+
 def ensure_block_key(path: str | os.PathLike[str]) -> Path:
     """Create `path` (0600, 64 random hex characters) unless it exists; the file either way. Local clusters keep
     it in their state dir, so a restarted master verifies the blocks its predecessor minted."""
@@ -432,8 +438,8 @@ def ensure_block_key(path: str | os.PathLike[str]) -> Path:
         fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     except FileExistsError:
         return p
-    with os.fdopen(fd, "w") as f:
-        f.write(secrets.token_hex(32))
+    with os.fdopen(fd, "wb") as f:
+        f.write(new_block_key())
     return p
 
 
