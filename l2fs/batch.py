@@ -17,10 +17,14 @@ R = TypeVar("R")
 
 # Wire protocol: 1 = before versions existed (a peer that sends no version field, read as 0, is 1);
 # 2 = batched calls (AllocateMany/CommitMany/ReserveLocalMany/AdoptLocalMany/ReleaseLocal) and the version
-# fields. A peer below MIN_PEER_VERSION is refused with both versions named; a newer peer is served as long
+# fields; 3 = block capabilities (RegisterResponse.data_key, Location.capability and the capability fields
+# of the block calls): a protocol-3 worker under a master with a block key accepts only capabilities on its
+# data plane, fd socket and block calls, so an older client is refused there (DENIED / PERMISSION_DENIED: a
+# failed put, a read miss), and the master mints capabilities only for workers that registered with >= 3.
+# A peer below MIN_PEER_VERSION is refused with both versions named; a newer peer is served as long
 # as it accepts us (its min_protocol_version <= PROTOCOL_VERSION). New calls are optional: a caller that
 # gets UNIMPLEMENTED from an older peer falls back to the unary calls.
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 MIN_PEER_VERSION = 1
 # Worker manifest format (SQLite `PRAGMA user_version` of each data dir's manifest): 0 = written before the
 # stamp, the same table as 1. A worker refuses to start on a manifest newer than it reads (it would misread

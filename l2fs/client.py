@@ -32,6 +32,7 @@ import crc32c
 import grpc
 
 from l2fs.batch import PROTOCOL_VERSION, status_code
+from l2fs.capability import expiry_of
 from l2fs.common import (
     ERROR_KIND_KEY,
     FRAME,
@@ -47,7 +48,8 @@ from l2fs.common import (
     shard_of,
 )
 from l2fs.dataplane import DataClient, DataPlaneError, enabled_by_default
-from l2fs.dataplane.wire import BAD
+from l2fs.dataplane.wire import BAD, DENIED
+from l2fs.fdpass import DENIED as FD_DENIED
 from l2fs.fdpass import NOT_FOUND as FD_NOT_FOUND
 from l2fs.fdpass import READ as FD_READ
 from l2fs.fdpass import WRITE as FD_WRITE
@@ -271,6 +273,20 @@ def _write_fd(fd: int, mv: memoryview) -> bool:
         return False
     finally:
         os.close(fd)
+
+
+class _CapDenied(Exception):
+    """A worker refused the block capability a read carried (Client._read locates once more)."""
+
+
+def _caps_valid(st: pb.FileStat) -> bool:
+    """Whether no location's capability has expired by this host's clock (the worker allows some skew)."""
+    now = time.time()
+    for loc in st.locations:
+        exp = expiry_of(loc.capability) if loc.capability else None
+        if exp is not None and now > exp:
+            return False
+    return True
 
 
 def _check(path: str) -> str:
@@ -610,9 +626,10 @@ class Client:
         """TCP data plane, else gRPC stream (same-node short-circuit writes go through _write_local)."""
         try:
             if self.data_plane and loc.data_address:
-                crc, local_path = self._data.write(loc.data_address, bid, path, mv, hint, deadline)
+                crc, local_path = self._data.write(loc.data_address, bid, path, mv, hint, deadline, loc.capability)
                 return pb.WriteResult(block_id=bid, size=mv.nbytes, crc32c=crc, local_path=local_path)
-            return self._worker(loc.address).WriteBlock(self._frames(bid, path, mv, hint), metadata=self._md,
+            frames = self._frames(bid, path, mv, hint, loc.capability)
+            return self._worker(loc.address).WriteBlock(frames, metadata=self._md,
                                                         timeout=max(0.001, deadline - time.monotonic()))
         except grpc.RpcError as e:
             raise _error(e) from None
@@ -636,7 +653,8 @@ class Client:
             except grpc.RpcError as e:
                 raise _error(e) from None
 
-        rreqs = [pb.ReserveRequest(block_id=p.bid, size=p.mv.nbytes) for p in group]
+        rreqs = [pb.ReserveRequest(block_id=p.bid, size=p.mv.nbytes, capability=p.loc.capability, path=p.path)
+                 for p in group]
         try:
             reserved = self._many(address, call, "ReserveLocalMany", pb.ReserveManyRequest(items=rreqs),
                                   "ReserveLocal", rreqs)
@@ -666,7 +684,7 @@ class Client:
                 pass  # an older worker (or a gone one): the reservations expire on their own
         if wrote:
             areqs = [pb.AdoptRequest(block_id=p.bid, path=p.path, size=p.mv.nbytes, crc32c=crc32c_fast(p.mv),
-                                     order_hint=p.hint) for p in wrote]
+                                     order_hint=p.hint, capability=p.loc.capability) for p in wrote]
             try:
                 adopted = self._many(address, call, "AdoptLocalMany", pb.AdoptManyRequest(items=areqs),
                                      "AdoptLocal", areqs)
@@ -685,7 +703,7 @@ class Client:
         """Write a reserved block through the temp file fd the worker creates and passes us; False when it
         cannot (refused, worker gone): the caller releases the reservation and uses the network."""
         try:
-            fd, _, _ = request_fd(sock, FD_WRITE, self.token, p.bid, p.path,
+            fd, _, _ = request_fd(sock, FD_WRITE, p.loc.capability or self.token, p.bid, p.path,
                                   timeout=max(0.001, deadline - time.monotonic()))
         except (OSError, FdPassError) as e:
             log.debug("fd write of %s via %s refused: %s", p.path, sock, e)
@@ -693,8 +711,9 @@ class Client:
         return _write_fd(fd, p.mv)
 
     @staticmethod
-    def _frames(bid: str, path: str, mv: memoryview, hint: int) -> Any:
-        yield pb.WriteChunk(block_id=bid, path=path, size=mv.nbytes, order_hint=hint, data=bytes(mv[:FRAME]))
+    def _frames(bid: str, path: str, mv: memoryview, hint: int, cap: str = "") -> Any:
+        yield pb.WriteChunk(block_id=bid, path=path, size=mv.nbytes, order_hint=hint, data=bytes(mv[:FRAME]),
+                            capability=cap)
         for off in range(FRAME, mv.nbytes, FRAME):
             yield pb.WriteChunk(data=bytes(mv[off:off + FRAME]))
 
@@ -714,6 +733,9 @@ class Client:
             pre = self._prefetched.pop(path, None)
         if pre is not None and now < pre[1]:
             return self._remember(path, pre[0])
+        if cached is not None and not _caps_valid(cached):
+            self._forget(path)  # its capabilities expired: useless even while the master is down
+            cached = None
         shard = self._shard_of(path)
         if now < self._shards[shard].down_until:
             return cached  # the master just failed: last known location, or a miss without waiting
@@ -796,9 +818,23 @@ class Client:
             deadline = time.monotonic() + self.timeout
         elif time.monotonic() >= deadline:
             return None
-        st = self._locate(path, deadline)
-        if st is None:
-            return None
+        for _ in range(2):
+            st = self._locate(path, deadline)
+            if st is None:
+                return None
+            try:
+                return self._read_located(path, st, into, deadline)
+            except _CapDenied as e:
+                # the worker refused the location's capability (expired: a location kept past its TTL; or the
+                # worker's key changed): locate once more for a fresh one; refused again is a miss
+                log.debug("read %s: capability refused (%s)", path, e)
+                self._forget(path)
+        return None
+
+    def _read_located(self, path: str, st: pb.FileStat, into: memoryview | None, deadline: float
+                      ) -> bytes | int | None:
+        """Read a located file: fd passing, path short-circuit, data plane or gRPC; None for a miss,
+        _CapDenied when the worker refused the capability."""
         loc = st.locations[0]
         if into is not None and into.nbytes < st.size:
             raise ValueError(f"buffer of {into.nbytes} bytes is smaller than {path} ({st.size} bytes)")
@@ -817,7 +853,7 @@ class Client:
         if self.data_plane and loc.data_address:
             return self._read_tcp(loc, st, into, deadline)
         try:
-            stream = stub.ReadBlock(pb.ReadRequest(block_id=loc.block_id), metadata=self._md,
+            stream = stub.ReadBlock(pb.ReadRequest(block_id=loc.block_id, capability=loc.capability), metadata=self._md,
                                     timeout=max(0.001, deadline - time.monotonic()))
             first = next(stream)
             size, crc = first.size, first.crc32c
@@ -841,6 +877,8 @@ class Client:
                 return None
             return data
         except (grpc.RpcError, StopIteration) as e:
+            if isinstance(e, grpc.RpcError) and e.code() == grpc.StatusCode.PERMISSION_DENIED and loc.capability:
+                raise _CapDenied(e.details() or "") from None
             if isinstance(e, grpc.RpcError) and e.code() not in (grpc.StatusCode.NOT_FOUND,):
                 log.debug("read %s from %s failed: %s", path, loc.address, e.code())
             return None
@@ -848,8 +886,10 @@ class Client:
     def _read_tcp(self, loc: pb.Location, st: pb.FileStat, into: memoryview | None, deadline: float
                   ) -> bytes | int | None:
         try:
-            got, crc, computed = self._data.read(loc.data_address, loc.block_id, deadline, into)
+            got, crc, computed = self._data.read(loc.data_address, loc.block_id, deadline, into, loc.capability)
         except (OSError, DataPlaneError, ValueError) as e:
+            if isinstance(e, DataPlaneError) and e.status == DENIED and loc.capability:
+                raise _CapDenied(str(e)) from None
             log.debug("data-plane read of %s from %s failed: %s", st.path, loc.data_address, e)
             return None
         n = got if isinstance(got, int) else len(got)
@@ -906,9 +946,11 @@ class Client:
         """(asked, result): read through the block fd the worker passes; asked False when the socket could
         not be used (the caller goes on to the path or the network)."""
         try:
-            fd, size, crc = request_fd(sock, FD_READ, self.token, loc.block_id,
+            fd, size, crc = request_fd(sock, FD_READ, loc.capability or self.token, loc.block_id,
                                        timeout=max(0.001, deadline - time.monotonic()))
         except FdPassError as e:
+            if e.status == FD_DENIED and loc.capability:
+                raise _CapDenied(str(e)) from None
             return e.status == FD_NOT_FOUND, None  # a block the worker lost is a miss everywhere
         except OSError:
             return False, None

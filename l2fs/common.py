@@ -377,8 +377,9 @@ class Credentials:
         return self._match(got, self._bearer)
 
     def data_token_ok(self, token: bytes) -> bool:
-        """The raw-TCP data plane takes any known token, whatever its role (per-block capabilities are a
-        later step)."""
+        """Token mode of the raw-TCP data plane (a worker whose master has no block key): any known token,
+        whatever its role. With a block key the worker takes per-block capabilities instead
+        (l2fs.capability.DataGate)."""
         return not self.enabled or self._match(token, self._raw) is not None
 
     def caller(self, context: grpc.ServicerContext) -> Credential | None:
@@ -461,6 +462,11 @@ class BlockKey:
         if len(key) < BLOCK_KEY_MIN:
             raise BlockKeyError(f"block key of {len(key)} bytes, want at least {BLOCK_KEY_MIN}")
         self._key = key
+
+    @property
+    def key(self) -> bytes:
+        """The raw key (l2fs.capability derives each worker's data key from it)."""
+        return self._key
 
     def _mac(self, worker_id: str, rand: str, size: int) -> str:
         msg = f"{worker_id}\0{rand}\0{size}".encode("utf-8", "surrogatepass")

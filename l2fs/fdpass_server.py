@@ -21,6 +21,7 @@ from pathlib import Path
 from prometheus_client import Counter
 
 from l2fs import store as store_mod
+from l2fs.capability import DataGate
 from l2fs.common import (
     READERS,
     WRITERS,
@@ -62,11 +63,15 @@ class FdServer:
     """Accept thread + a pool of `max_conns` threads, one per connection being served."""
 
     def __init__(self, store: Store, path: str, creds: Credentials, wake: threading.Event | None = None, *,
-                 max_conns: int = FD_MAX_CONNS, handshake_timeout: float = FD_HANDSHAKE_TIMEOUT) -> None:
+                 max_conns: int = FD_MAX_CONNS, handshake_timeout: float = FD_HANDSHAKE_TIMEOUT,
+                 gate: DataGate | None = None) -> None:
+        """`gate`: the worker's capability gate; in capability mode a request needs a block capability for
+        its op and block (a write's bound to its path) and a plain token, even admin, is DENIED."""
         if len(path.encode()) > SUN_PATH_MAX:
             raise ValueError(f"domain socket path {path!r} is longer than {SUN_PATH_MAX} bytes")
         self.store, self.path, self.creds = store, path, creds
         self._wake = wake
+        self.gate = gate
         self._slots = threading.BoundedSemaphore(max_conns)
         # reused threads: starting one per connection cost more than the request itself
         self._pool = ThreadPoolExecutor(max_conns, thread_name_prefix="l2fs-fdpass-conn")
@@ -172,6 +177,8 @@ class FdServer:
     def _handle(self, op: int, token: bytes, bid: str, path: str
                 ) -> tuple[int, str, int | None, int, int]:
         """(status, message, fd or None, size, crc)."""
+        if self.gate is not None and (self.gate.cap_mode or not self.gate.ready):
+            return self._handle_cap(op, token, bid, path)
         known, cred = self._credential(token)
         if not known:
             return DENIED, "missing or bad l2fs token", None, 0, 0
@@ -190,6 +197,20 @@ class FdServer:
         if cred is not None and not (cred.roles & WRITERS and cred.may_write(path, True)):
             return DENIED, f"token {cred.name!r} may not put {path}", None, 0, 0
         return self._open_write(bid)
+
+    def _handle_cap(self, op: int, cap: bytes, bid: str, path: str) -> tuple[int, str, int | None, int, int]:
+        """Capability mode: the capability alone says what may be done (the master checked the caller's scope
+        when it minted it)."""
+        assert self.gate is not None
+        try:
+            bid = check_block_id(bid)
+            path = norm_path(path) if op == WRITE else ""
+        except (RpcError, PathError) as e:
+            return BAD, str(e), None, 0, 0
+        why = self.gate.check(cap, "r" if op == READ else "w", bid, path)
+        if why:
+            return DENIED, why, None, 0, 0
+        return self._open_read(bid) if op == READ else self._open_write(bid)
 
     def _open_read(self, bid: str) -> tuple[int, str, int | None, int, int]:
         opened = self.store.open_block(bid)  # O_RDONLY|O_NOFOLLOW, a regular file of the manifest's size

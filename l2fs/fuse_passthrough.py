@@ -214,7 +214,7 @@ class BlockCache:
         c = self.client
         if c.data_plane and loc.data_address:
             try:  # the very block located (not whatever the path names by now), as Client._read_tcp does
-                got, crc, computed = c._data.read(loc.data_address, loc.block_id, deadline, view)
+                got, crc, computed = c._data.read(loc.data_address, loc.block_id, deadline, view, loc.capability)
             except (OSError, ValueError, L2fsError, Exception) as e:  # noqa: BLE001 - any fault: no bytes
                 log.info("fetch of %s from %s failed: %r", st_.path, loc.data_address, e)
                 raise Reply(errno.EIO) from None

@@ -25,7 +25,8 @@ from typing import Any
 import grpc
 from prometheus_client import Counter, Gauge, Histogram
 
-from l2fs.batch import MIN_PEER_VERSION, PROTOCOL_VERSION, each, version_mismatch
+from l2fs import capability
+from l2fs.batch import MIN_PEER_VERSION, PROTOCOL_VERSION, each, peer_version, version_mismatch
 from l2fs.common import (
     ADMINS,
     BLOCK_ID,
@@ -121,6 +122,7 @@ class WorkerEntry:
     interval: float = 1.0  # the worker's heartbeat interval
     pending: int = 0  # bytes placed here since the last heartbeat: a placement estimate, never reported as used
     owner: str = ""  # name of the credential that registered it (tokens file); "" without authentication
+    caps: bool = False  # it holds its data key (protocol >= 3, we have a block key): give clients capabilities
 
     @property
     def free(self) -> int:
@@ -142,12 +144,15 @@ class MasterService(pbg.MasterServicer):
                  token: str | None = None, tls_ca: str | None = None, allocation_ttl: float = 600.0,
                  journal: str | None = None, prefix_quotas: dict[str, int] | None = None,
                  creds: Credentials | None = None, shard: tuple[int, int] = (0, 1),
-                 block_key: BlockKey | None = None) -> None:
+                 block_key: BlockKey | None = None, capability_ttl: float = capability.DEFAULT_TTL) -> None:
         self.heartbeat_timeout = heartbeat_timeout
         # With a key, block ids are minted as their own MAC over (worker id, size) (BlockKey): a commit or a
         # block report whose id does not verify was never allocated by a master of this cluster. Without one,
         # uuid4 ids and no check (any worker-role caller can publish blocks it made up).
         self.block_key = block_key
+        # ... and the data plane takes per-block capabilities instead of the token (l2fs/capability.py): each
+        # protocol->=3 worker gets its data key K_w at registration, clients a capability per location
+        self.minter = capability.Minter(block_key.key, capability_ttl) if block_key is not None else None
         # Path-hash sharding: this master owns the files whose path hashes to shard[0] of shard[1] (shard_of);
         # directories live on every shard that has something under them.
         self.shard, self.shards = shard
@@ -303,17 +308,23 @@ class MasterService(pbg.MasterServicer):
                                f"prefix {q} is at its quota ({self.quota_used[q]} of {self.quotas[q]} bytes used, "
                                f"{d} more asked): a write miss", "EDQUOT")
 
-    def _location(self, e: FileEntry) -> pb.Location:
+    def _cap(self, w: WorkerEntry, op: str, bid: str, path: str = "") -> str:
+        """The capability a client shows `w` for `op` on `bid` ("" when `w` takes tokens)."""
+        return self.minter.mint(w.worker_id, op, bid, path) if self.minter is not None and w.caps else ""
+
+    def _location(self, e: FileEntry, caps: bool = True) -> pb.Location:
         w = self.workers[e.worker_id]
         return pb.Location(worker_id=w.worker_id, node_id=w.node_id, address=w.address,
                            block_id=e.block_id, local_path=e.local_path, data_address=w.data_address,
-                           domain_socket=w.domain_socket)
+                           domain_socket=w.domain_socket,
+                           capability=self._cap(w, capability.READ, e.block_id) if caps else "")
 
-    def _stat(self, path: str) -> pb.FileStat:
+    def _stat(self, path: str, caps: bool = True) -> pb.FileStat:
+        """`caps`: mint read capabilities into the locations (lookups before a read; a List need not)."""
         e = self.files.get(path)
         if e is not None:
             return pb.FileStat(path=path, exists=True, size=e.size, mtime=e.mtime, crc32c=e.crc32c,
-                               order_hint=e.order_hint, locations=[self._location(e)])
+                               order_hint=e.order_hint, locations=[self._location(e, caps)])
         if path in self.children:
             return pb.FileStat(path=path, exists=True, is_dir=True)
         return pb.FileStat(path=path, exists=False)
@@ -546,8 +557,11 @@ class MasterService(pbg.MasterServicer):
                 w = WorkerEntry(request.worker_id, request.node_id or request.worker_id, request.address,
                                 request.capacity, request.used, len(request.blocks), time.monotonic(),
                                 data_address=request.data_address, owner=owner,
-                                domain_socket=request.domain_socket)
+                                domain_socket=request.domain_socket,
+                                caps=self.minter is not None and self.protocol_version >= 3
+                                and peer_version(request.protocol_version) >= 3)
                 self.workers[request.worker_id] = w
+            data_key = self.minter.key_for(w.worker_id) if self.minter is not None and w.caps else b""
             for b in request.blocks:
                 if not BLOCK_ID.match(b.block_id):
                     continue  # not a block any worker of ours could hold: nothing to publish or delete
@@ -600,7 +614,7 @@ class MasterService(pbg.MasterServicer):
         if foreign:
             log.warning("worker %s reported %d block(s) of other shards (this master is shard %d/%d): is its "
                         "master list the cluster's?", request.worker_id, foreign, self.shard, self.shards)
-        return pb.RegisterResponse(delete_blocks=reject, protocol_version=self.protocol_version)
+        return pb.RegisterResponse(delete_blocks=reject, protocol_version=self.protocol_version, data_key=data_key)
 
     @_rpc
     def Heartbeat(self, request: pb.HeartbeatRequest, context: Any) -> pb.HeartbeatResponse:  # noqa: N802
@@ -683,7 +697,7 @@ class MasterService(pbg.MasterServicer):
                     self.quota_inflight[q] += request.size
             return pb.AllocateResponse(block_id=bid, worker=pb.Location(
                 worker_id=w.worker_id, node_id=w.node_id, address=w.address, data_address=w.data_address,
-                domain_socket=w.domain_socket))
+                domain_socket=w.domain_socket, capability=self._cap(w, capability.WRITE, bid, path)))
 
     def _place(self, size: int, node_id: str, exclude: set[str]) -> WorkerEntry:
         """Local-first if the local worker has free room, else the most free; eviction makes room last."""
@@ -823,12 +837,12 @@ class MasterService(pbg.MasterServicer):
         path = norm_path(request.path)
         with self.lock:
             if path in self.files:
-                return pb.ListResponse(entries=[self._stat(path)])
+                return pb.ListResponse(entries=[self._stat(path, caps=False)])
             kids = self.children.get(path)
             if kids is None:
                 raise RpcError(grpc.StatusCode.NOT_FOUND, f"{path}: no such file or directory")
             base = "" if path == "/" else path
-            entries = [self._stat(f"{base}/{name}") for name in sorted(kids)]
+            entries = [self._stat(f"{base}/{name}", caps=False) for name in sorted(kids)]
         return pb.ListResponse(entries=entries)
 
     @_rpc
@@ -1013,6 +1027,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "become a MAC over (worker id, size), and commits or worker reports of ids it does not "
                         "verify are not published. Without it: uuid4 ids, no check. Turning it on unpublishes "
                         "blocks written before (docs/l2fs.md)")
+    p.add_argument("--capability-ttl", type=float, default=capability.DEFAULT_TTL, metavar="SECONDS",
+                   help="with --block-key-file: seconds a block capability the master hands a client stays valid "
+                        f"(workers allow their --capability-skew more; default {capability.DEFAULT_TTL:g})")
     p.add_argument("--shard", default="0/1", metavar="INDEX/COUNT",
                    help="this master's shard of a path-hash sharded namespace (e.g. 0/2; default 0/1 = the whole "
                         "namespace). Paths that hash to another shard are refused (FAILED_PRECONDITION)")
@@ -1044,6 +1061,8 @@ def main(argv: list[str] | None = None) -> int:
     except TokensFileError as e:
         print(f"l2fs master: {e}", file=sys.stderr)
         return 2
+    if args.capability_ttl <= 0:
+        parser.error("--capability-ttl must be > 0 seconds")
     try:
         block_key = BlockKey(load_block_key(args.block_key_file)) if args.block_key_file else None
     except BlockKeyError as e:
@@ -1053,7 +1072,8 @@ def main(argv: list[str] | None = None) -> int:
         service = MasterService(heartbeat_timeout=args.heartbeat_timeout,
                                 max_file_size=parse_size(args.max_file_size), token=token, tls_ca=args.tls_ca,
                                 allocation_ttl=args.allocation_ttl, journal=args.journal, prefix_quotas=quotas,
-                                creds=creds, shard=shard, block_key=block_key)
+                                creds=creds, shard=shard, block_key=block_key,
+                                capability_ttl=args.capability_ttl)
     except (JournalError, OSError, sqlite3.Error) as e:
         print(f"l2fs master: cannot open the journal: {e}", file=sys.stderr)
         return 2

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import grpc
@@ -37,8 +38,10 @@ class MasterLink:
     def __init__(self, store: Store, *, master: str, tls_ca: str | None, token: str | None, worker_id: str,
                  node_id: str, address: str, data_address: str, heartbeat_interval: float,
                  wake: threading.Event | None = None, shard: tuple[int, int] = (0, 1),
-                 domain_socket: str = "") -> None:
+                 domain_socket: str = "", on_data_key: Callable[[bytes], None] | None = None) -> None:
+        """`on_data_key` gets each registration answer's data key (b"" = none): the worker's DataGate."""
         self.store = store
+        self._on_data_key = on_data_key
         self.domain_socket = domain_socket  # advertised to same-node clients (fd-passing short-circuit)
         self.shard, self.shards = shard
         # removals/moves still to report to THIS master (the store's queues are drained into every link's)
@@ -116,6 +119,8 @@ class MasterLink:
             log.error("%s", why)
             raise VersionRefused(why)
         self.master_version = peer_version(resp.protocol_version)
+        if self._on_data_key is not None:
+            self._on_data_key(resp.data_key)
         deletes = list(resp.delete_blocks)
         if len(reports) > self.REPORT_PART and self.master_version < 2:
             deletes = list(self._send(reports).delete_blocks)

@@ -18,6 +18,7 @@ import uuid
 from contextlib import closing
 from pathlib import Path
 
+from l2fs import capability
 from l2fs.batch import MANIFEST_VERSION
 from l2fs.common import (
     DEFAULT_MAX_FILE_SIZE,
@@ -46,7 +47,8 @@ class Worker:
                  advertise: str | None, heartbeat_interval: float, token: str | None, tls_cert: str | None,
                  tls_key: str | None, tls_ca: str | None, threads: int = 32, data_port: int | None = 0,
                  data_max_conns: int = DATA_MAX_CONNS, data_idle_timeout: float = DATA_IDLE_TIMEOUT,
-                 creds: Credentials | None = None, domain_socket: str = "", socket_required: bool = False) -> None:
+                 creds: Credentials | None = None, domain_socket: str = "", socket_required: bool = False,
+                 capability_skew: float = capability.DEFAULT_SKEW) -> None:
         """`token` is what this worker sends to the master; `creds` (a tokens file) what it accepts, else
         the same single `token` (the shared-secret mode). `domain_socket`: the Unix socket passing block fds
         to same-node clients ("" = none); when it cannot be opened the worker runs without it, unless
@@ -55,8 +57,11 @@ class Worker:
         creds = creds if creds is not None and creds.enabled else Credentials(token)
         self.node_id, self.worker_id = node_id, worker_id
         wake = threading.Event()  # set by the servers when blocks were removed/moved: report them now
+        # what the data plane, the fd socket and the block calls accept: per-block capabilities once a master
+        # with a block key hands us our data key at registration, else the tokens (l2fs/capability.py)
+        self.gate = capability.DataGate(creds.data_token_ok, capability_skew)
         self.server, self.port, tls = grpc_server(
-            host, port, lambda s: pbg.add_WorkerServicer_to_server(WorkerService(store, wake.set), s),
+            host, port, lambda s: pbg.add_WorkerServicer_to_server(WorkerService(store, wake.set, self.gate), s),
             name="l2fs-worker", creds=creds, policy=WORKER_POLICY, tls_cert=tls_cert, tls_key=tls_key,
             threads=threads)
         if not advertise and host in ("0.0.0.0", "::", ""):
@@ -64,12 +69,12 @@ class Worker:
         self.address = advertise or f"{host}:{self.port}"
         self.data: DataServer | None = None
         if data_port is not None and not tls:  # raw TCP is plaintext: TLS clusters use gRPC only
-            self.data = DataServer(store, host, data_port, creds.data_token_ok, wake.set, max_conns=data_max_conns,
+            self.data = DataServer(store, host, data_port, self.gate.check, wake.set, max_conns=data_max_conns,
                                    idle_timeout=data_idle_timeout)
         self.fds: FdServer | None = None
         if domain_socket:
             try:
-                self.fds = FdServer(store, domain_socket, creds, wake)
+                self.fds = FdServer(store, domain_socket, creds, wake, gate=self.gate)
             except (OSError, ValueError) as e:
                 if socket_required:
                     raise
@@ -79,7 +84,13 @@ class Worker:
         self.link = MasterLinks(store, master=master, tls_ca=tls_ca, token=token, worker_id=worker_id,
                                 node_id=node_id, address=self.address, data_address=self.data_address,
                                 heartbeat_interval=heartbeat_interval, wake=wake,
-                                domain_socket=self.fds.path if self.fds else "")
+                                domain_socket=self.fds.path if self.fds else "", on_data_key=self._data_key)
+
+    def _data_key(self, key: bytes) -> None:
+        if self.gate.set_key(key):
+            logging.getLogger("l2fs.worker").info(
+                "data plane: %s", "block capabilities (the master's data key)" if self.gate.cap_mode
+                else "tokens (the master issues no block capabilities)")
 
     @property
     def registered(self) -> bool:
@@ -206,6 +217,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Unix socket passing block file descriptors to same-node clients, so their pods need "
                         "no data dir mount (default: l2fs-<worker id>.sock next to the first data dir; "
                         "'' = off)")
+    p.add_argument("--capability-skew", type=float, default=capability.DEFAULT_SKEW, metavar="SECONDS",
+                   help="seconds a block capability is still accepted past its expiry (clock difference to the "
+                        f"master; default {capability.DEFAULT_SKEW:g})")
     p.add_argument("--token", default=None,
                    help="bearer token (also $L2FS_TOKEN): alone, the cluster's one shared secret (insecure "
                         "between pods); with --tokens-file, this worker's own worker-role token for the master")
@@ -225,7 +239,8 @@ def _build(args: argparse.Namespace, store: Store, worker_id: str, token: str | 
                   token=token, tls_cert=args.tls_cert, tls_key=args.tls_key, tls_ca=args.tls_ca,
                   data_port=None if args.data_port < 0 else args.data_port,
                   data_max_conns=args.data_max_conns, data_idle_timeout=args.data_idle_timeout, creds=creds,
-                  domain_socket=sock, socket_required=bool(args.domain_socket))
+                  domain_socket=sock, socket_required=bool(args.domain_socket),
+                  capability_skew=args.capability_skew)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -246,6 +261,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if not 0 < args.max_reserved <= 1 or args.reservation_ttl <= 0:
         print("l2fs worker: need 0 < --max-reserved <= 1 and --reservation-ttl > 0", file=sys.stderr)
+        return 2
+    if args.capability_skew < 0:
+        print("l2fs worker: need --capability-skew >= 0", file=sys.stderr)
         return 2
     if args.data_max_conns < 1 or args.data_idle_timeout <= 0:
         print("l2fs worker: need --data-max-conns >= 1 and --data-idle-timeout > 0", file=sys.stderr)

@@ -12,6 +12,7 @@ import grpc
 from prometheus_client import Histogram
 
 from l2fs.batch import each
+from l2fs.capability import READ, WRITE, DataGate
 from l2fs.common import READERS, WORKERS, WRITERS, RpcError, check_block_id, norm_path, rpc_handler
 from l2fs.proto import l2fs_pb2 as pb
 from l2fs.proto import l2fs_pb2_grpc as pbg
@@ -36,9 +37,26 @@ class WorkerService(pbg.WorkerServicer):
     """`report_now` wakes the registration loop, so blocks a call removed (evicted, corrupt) or moved reach
     the master at once instead of at the next heartbeat."""
 
-    def __init__(self, store: Store, report_now: Callable[[], None]) -> None:
+    def __init__(self, store: Store, report_now: Callable[[], None], gate: DataGate | None = None) -> None:
+        """`gate`: the worker's capability gate. In capability mode the block calls need the block's
+        capability on top of the caller's token (checked first, by TokenInterceptor): a read one for
+        ReadBlock, a write one bound to the path for WriteBlock, ReserveLocal* and AdoptLocal*."""
         self.store = store
         self._report_now = report_now
+        self.gate = gate
+
+    def _need(self, cap: str, op: str, bid: str, path: str = "") -> None:
+        """PERMISSION_DENIED unless `cap` lets the caller `op` block `bid` (a no-op in token mode).
+
+        Not gated: Touch (an LRU hint), ReportCorrupt (the worker re-verifies and drops only a block that
+        really fails its checksum) and ReleaseLocal (it needs the id of a reservation in flight, which is
+        never published): a token holder can make a block look recently used, make the worker re-read a block,
+        or cancel a reservation whose unguessable id it somehow learned."""
+        if self.gate is None or (self.gate.ready and not self.gate.cap_mode):
+            return
+        why = self.gate.check(cap, op, bid, path)
+        if why:
+            raise RpcError(grpc.StatusCode.PERMISSION_DENIED, f"block {bid}: {why}", "EACCES")
 
     @_rpc
     def WriteBlock(self, request_iterator: Iterator[pb.WriteChunk], context: Any) -> pb.WriteResult:  # noqa: N802
@@ -48,6 +66,7 @@ class WorkerService(pbg.WorkerServicer):
             raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, "empty write stream")
         bid = check_block_id(first.block_id)
         path = norm_path(first.path)
+        self._need(first.capability, WRITE, bid, path)
         try:
             b = self.store.receive(bid, path, first.size, first.order_hint,
                                    (m.data for m in itertools.chain([first], it) if m.data))
@@ -59,6 +78,7 @@ class WorkerService(pbg.WorkerServicer):
         t0 = time.perf_counter()
         try:
             bid = check_block_id(request.block_id)
+            self._need(request.capability, READ, bid)
         except RpcError as e:
             context.abort(e.code, str(e))
         # Stream frame by frame (memory per read = one frame, not the whole block), checksumming as we go; a
@@ -87,6 +107,7 @@ class WorkerService(pbg.WorkerServicer):
     @_rpc
     def ReserveLocal(self, request: pb.ReserveRequest, context: Any) -> pb.ReserveResponse:  # noqa: N802
         bid = check_block_id(request.block_id)
+        self._need(request.capability, WRITE, bid, self._cap_path(request.path))
         i = self.store.reserve(bid, request.size, expires=True)
         self._report_now()
         return pb.ReserveResponse(tmp_path=str(self.store.dirs[i].tmp_file(bid)))
@@ -95,6 +116,7 @@ class WorkerService(pbg.WorkerServicer):
     def AdoptLocal(self, request: pb.AdoptRequest, context: Any) -> pb.WriteResult:  # noqa: N802
         bid = check_block_id(request.block_id)
         path = norm_path(request.path)
+        self._need(request.capability, WRITE, bid, path)
         b = self.store.adopt(bid, path, request.size, request.crc32c, request.order_hint)
         self._report_now()  # sealing may have evicted
         return pb.WriteResult(block_id=bid, size=b.size, crc32c=b.crc32c, local_path=self.store.local_path(b))
@@ -129,14 +151,21 @@ class WorkerService(pbg.WorkerServicer):
 
     # ---------- batched short-circuit writes (one RPC per put batch, each item on its own) ----------
 
+    def _cap_path(self, raw: str) -> str:
+        """A reservation's path, as its write capability was minted for ("" when not sent: older client)."""
+        return norm_path(raw) if raw else ""
+
     def _reserve(self, request: pb.ReserveRequest) -> pb.ReserveResponse:
         bid = check_block_id(request.block_id)
+        self._need(request.capability, WRITE, bid, self._cap_path(request.path))
         i = self.store.reserve(bid, request.size, expires=True)
         return pb.ReserveResponse(tmp_path=str(self.store.dirs[i].tmp_file(bid)))
 
     def _adopt(self, request: pb.AdoptRequest) -> pb.WriteResult:
         bid = check_block_id(request.block_id)
-        b = self.store.adopt(bid, norm_path(request.path), request.size, request.crc32c, request.order_hint)
+        path = norm_path(request.path)
+        self._need(request.capability, WRITE, bid, path)
+        b = self.store.adopt(bid, path, request.size, request.crc32c, request.order_hint)
         return pb.WriteResult(block_id=bid, size=b.size, crc32c=b.crc32c, local_path=self.store.local_path(b))
 
     @_rpc

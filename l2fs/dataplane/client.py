@@ -79,8 +79,11 @@ class DataClient:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
         s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
 
-    def _header(self, op: bytes, bid: str) -> bytes:
-        return HDR.pack(MAGIC, op, len(self.token)) + self.token + bid.encode("ascii")
+    def _header(self, op: bytes, bid: str, cap: str) -> bytes:
+        """A request header carrying the block's capability (from the master's Location) when there is one,
+        else this client's token (a worker in token mode)."""
+        cred = cap.encode("ascii") if cap else self.token
+        return HDR.pack(MAGIC, op, len(cred)) + cred + bid.encode("ascii")
 
     @staticmethod
     def _error(s: socket.socket, status: int) -> DataPlaneError | DataPlaneBusy:
@@ -88,7 +91,7 @@ class DataClient:
         msg = recv_exact(s, n).decode(errors="replace")
         return DataPlaneBusy(msg) if status == BUSY else DataPlaneError(status, msg)
 
-    def read(self, address: str, bid: str, deadline: float, into: memoryview | None = None
+    def read(self, address: str, bid: str, deadline: float, into: memoryview | None = None, cap: str = ""
              ) -> tuple[bytes | int, int, int | None]:
         """(data or byte count, crc32c the worker recorded, crc32c of what arrived when `into` was given:
         computed piece by piece while the next piece is received). Raises on any fault (callers: miss)."""
@@ -96,7 +99,7 @@ class DataClient:
         computed: int | None = None
         try:
             self._arm(s, deadline)
-            s.sendall(self._header(b"R", bid))
+            s.sendall(self._header(b"R", bid, cap))
             status = recv_exact(s, 1)[0]
             if status != OK:
                 err = self._error(s, status)
@@ -139,14 +142,14 @@ class DataClient:
                 raise ConnectionError("worker closed mid-read")
             got += n
 
-    def write(self, address: str, bid: str, path: str, mv: memoryview, hint: int, deadline: float
+    def write(self, address: str, bid: str, path: str, mv: memoryview, hint: int, deadline: float, cap: str = ""
               ) -> tuple[int, str]:
         """Stream a block to the worker; returns (crc32c, local_path). Raises on any fault."""
         s = self._get(address, deadline)
         try:
             self._arm(s, deadline)
             p = path.encode()
-            s.sendall(self._header(b"W", bid) + struct.pack("<H", len(p)) + p
+            s.sendall(self._header(b"W", bid, cap) + struct.pack("<H", len(p)) + p
                       + WRITE_HDR.pack(mv.nbytes, hint))
             status = recv_exact(s, 1)[0]
             if status != OK:

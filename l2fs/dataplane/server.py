@@ -54,9 +54,15 @@ ACCEPT_BATCH = 16
 _STATUS = {grpc.StatusCode.RESOURCE_EXHAUSTED: BUSY}  # anything else the store refuses is BAD
 
 
+# (presented token or capability, op "r"/"w", block id, a write's normalised path) -> None, or why refused
+Checker = Callable[[bytes, str, str, str], "str | None"]
+_OPS = {b"R": "r", b"W": "w"}
+
+
 @dataclass(slots=True)
 class _Pending:
-    """A connection still sending its first request header (magic, op, token, block id)."""
+    """A connection still sending its first request header (magic, op, token, block id; for a write also
+    its path, size and order hint: a write capability is bound to the path, so it is checked with it)."""
 
     conn: socket.socket
     ip: str
@@ -64,10 +70,52 @@ class _Pending:
     buf: bytearray = field(default_factory=bytearray)
 
     def need(self) -> int:
-        """Bytes of the first request header still missing (the token length is known after HDR)."""
-        if len(self.buf) < HDR.size:
-            return HDR.size - len(self.buf)
-        return HDR.size + HDR.unpack_from(self.buf)[2] + 32 - len(self.buf)
+        """Bytes of the first request header still missing (each length is known once its field is in)."""
+        n = HDR.size
+        if len(self.buf) < n:
+            return n - len(self.buf)
+        n += HDR.unpack_from(self.buf)[2] + 32
+        if len(self.buf) < n or self.buf[4:5] != b"W":
+            return max(0, n - len(self.buf))
+        n += 2
+        if len(self.buf) < n:
+            return n - len(self.buf)
+        n += struct.unpack_from("<H", self.buf, n - 2)[0] + WRITE_HDR.size
+        return max(0, n - len(self.buf))
+
+
+@dataclass(slots=True)
+class _Request:
+    """One parsed request header."""
+
+    op: bytes
+    token: bytes
+    bid: str
+    raw_path: str = ""
+    size: int = 0
+    hint: int = 0
+
+
+def _parse(buf: bytes | bytearray) -> _Request:
+    """A complete first request header (as _Pending.need counted it)."""
+    _, op, tlen = HDR.unpack_from(buf)
+    n = HDR.size + tlen
+    req = _Request(op, bytes(buf[HDR.size:n]), bytes(buf[n:n + 32]).decode("ascii", "replace"))
+    if op == b"W":
+        (plen,) = struct.unpack_from("<H", buf, n + 32)
+        start = n + 34
+        req.raw_path = bytes(buf[start:start + plen]).decode("utf-8", "replace")
+        req.size, req.hint = WRITE_HDR.unpack_from(buf, start + plen)
+    return req
+
+
+def _norm_or_raw(raw: str) -> str:
+    """The normalised path a write capability was minted for; an invalid one as sent (it then fails the
+    capability check, or the write is refused as BAD)."""
+    try:
+        return norm_path(raw)
+    except PathError:
+        return raw
 
 
 class DataServer:
@@ -82,7 +130,7 @@ class DataServer:
     gets through a flood. Authenticated connections over `max_conns` get BUSY (the client falls back to
     gRPC or misses); idle ones close after `idle_timeout` (clients check pooled sockets before reuse)."""
 
-    def __init__(self, store: Store, host: str, port: int, token: str | None | Callable[[bytes], bool],
+    def __init__(self, store: Store, host: str, port: int, token: str | None | Checker,
                  report_now: Callable[[], None], *,
                  max_conns: int = DATA_MAX_CONNS, idle_timeout: float = DATA_IDLE_TIMEOUT,
                  handshake_timeout: float = HANDSHAKE_TIMEOUT, preauth_max: int = PREAUTH_MAX,
@@ -94,8 +142,9 @@ class DataServer:
         self.preauth_max = preauth_max
         self.preauth_per_ip = min(preauth_per_ip, max_conns)
         self._slots = threading.BoundedSemaphore(max_conns)
-        # a checker (l2fs.common.Credentials.data_token_ok: any known token of a tokens file) or one token
-        self._token_ok = token if callable(token) else self._one_token((token or "").encode())
+        # a checker (the worker's l2fs.capability.DataGate.check: a block capability, or in token mode any
+        # known token of its tokens file) or one token
+        self._check = token if callable(token) else self._one_token((token or "").encode())
         self._report_now = report_now  # wakes the registration loop: removals/moves reach the master now
         self.sock = socket.create_server((host, port), reuse_port=False, backlog=128)
         self.sock.setblocking(False)
@@ -106,8 +155,13 @@ class DataServer:
         self._per_ip: dict[str, int] = {}
 
     @staticmethod
-    def _one_token(want: bytes) -> Callable[[bytes], bool]:
-        return lambda got: not want or hmac.compare_digest(got, want)
+    def _one_token(want: bytes) -> Checker:
+        def check(got: bytes, op: str, bid: str, path: str) -> str | None:
+            return None if not want or hmac.compare_digest(got, want) else "missing or bad l2fs bearer token"
+        return check
+
+    def _denied(self, req: _Request) -> str | None:
+        return self._check(req.token, _OPS.get(req.op, "?"), req.bid, _norm_or_raw(req.raw_path))
 
     def start(self) -> None:
         threading.Thread(target=self._loop, name="l2fs-data-accept", daemon=True).start()
@@ -192,9 +246,10 @@ class DataServer:
             return
         if p.need():
             return
-        token, bid = bytes(p.buf[HDR.size:HDR.size + tlen]), bytes(p.buf[HDR.size + tlen:]).decode("ascii", "replace")
-        if not self._token_ok(token):
-            self._drop(p, "denied", DENIED, "missing or bad l2fs bearer token")
+        req = _parse(p.buf)
+        why = self._denied(req)
+        if why:
+            self._drop(p, "denied", DENIED, why)
             return
         if not self._slots.acquire(blocking=False):
             REFUSED.inc()
@@ -203,7 +258,7 @@ class DataServer:
         self._forget(p)
         try:
             p.conn.setblocking(True)
-            threading.Thread(target=self._serve, args=(p.conn, op, bid), name="l2fs-data-conn", daemon=True).start()
+            threading.Thread(target=self._serve, args=(p.conn, req), name="l2fs-data-conn", daemon=True).start()
         except BaseException:
             self._slots.release()
             p.conn.close()
@@ -247,12 +302,12 @@ class DataServer:
 
     # ---------- authenticated connections ----------
 
-    def _serve(self, conn: socket.socket, op: bytes, bid: str) -> None:
+    def _serve(self, conn: socket.socket, req: _Request) -> None:
         try:
             conn.settimeout(self.idle_timeout)  # idle connections close, freeing their slot
             with conn:
                 try:
-                    keep = self._dispatch(conn, op, bid)
+                    keep = self._dispatch(conn, req)
                     while keep:
                         keep = self._serve_one(conn)
                 except (OSError, ConnectionError, struct.error, UnicodeDecodeError) as e:
@@ -273,33 +328,35 @@ class DataServer:
             send_err(conn, BAD, "bad magic or token length: not an l2fs data-plane client")
             return False
         token = recv_exact(conn, tlen) if tlen else b""
-        bid = recv_exact(conn, 32).decode("ascii", "replace")
-        if not self._token_ok(token):
-            send_err(conn, DENIED, "missing or bad l2fs bearer token")
+        req = _Request(op, token, recv_exact(conn, 32).decode("ascii", "replace"))
+        if op == b"W":
+            (plen,) = struct.unpack("<H", recv_exact(conn, 2))
+            req.raw_path = recv_exact(conn, plen).decode("utf-8", "replace")
+            req.size, req.hint = WRITE_HDR.unpack(recv_exact(conn, WRITE_HDR.size))
+        why = self._denied(req)
+        if why:
+            send_err(conn, DENIED, why)
             return False
-        return self._dispatch(conn, op, bid)
+        return self._dispatch(conn, req)
 
-    def _dispatch(self, conn: socket.socket, op: bytes, bid: str) -> bool:
+    def _dispatch(self, conn: socket.socket, req: _Request) -> bool:
         """Serve one authenticated request whose header has been read."""
         try:
-            check_block_id(bid)
+            check_block_id(req.bid)
         except RpcError as e:
             send_err(conn, BAD, str(e))
             return False
-        if op == b"R":
-            self._read(conn, bid)
+        if req.op == b"R":
+            self._read(conn, req.bid)
             return True
-        if op == b"W":
-            (plen,) = struct.unpack("<H", recv_exact(conn, 2))
-            raw_path = recv_exact(conn, plen).decode("utf-8", "replace")
-            size, hint = WRITE_HDR.unpack(recv_exact(conn, WRITE_HDR.size))
+        if req.op == b"W":
             try:
-                path = norm_path(raw_path)
+                path = norm_path(req.raw_path)
             except PathError as e:
                 send_err(conn, BAD, str(e))
                 return False
-            return self._write(conn, bid, path, size, hint)
-        send_err(conn, BAD, f"unknown op {op!r}")
+            return self._write(conn, req.bid, path, req.size, req.hint)
+        send_err(conn, BAD, f"unknown op {req.op!r}")
         return False
 
     def _read(self, conn: socket.socket, bid: str) -> None:

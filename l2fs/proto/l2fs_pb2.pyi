@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class Location(_message.Message):
-    __slots__ = ("worker_id", "node_id", "address", "block_id", "local_path", "data_address", "domain_socket")
+    __slots__ = ("worker_id", "node_id", "address", "block_id", "local_path", "data_address", "domain_socket", "capability")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -16,6 +16,7 @@ class Location(_message.Message):
     LOCAL_PATH_FIELD_NUMBER: _ClassVar[int]
     DATA_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     DOMAIN_SOCKET_FIELD_NUMBER: _ClassVar[int]
+    CAPABILITY_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     node_id: str
     address: str
@@ -23,7 +24,8 @@ class Location(_message.Message):
     local_path: str
     data_address: str
     domain_socket: str
-    def __init__(self, worker_id: _Optional[str] = ..., node_id: _Optional[str] = ..., address: _Optional[str] = ..., block_id: _Optional[str] = ..., local_path: _Optional[str] = ..., data_address: _Optional[str] = ..., domain_socket: _Optional[str] = ...) -> None: ...
+    capability: str
+    def __init__(self, worker_id: _Optional[str] = ..., node_id: _Optional[str] = ..., address: _Optional[str] = ..., block_id: _Optional[str] = ..., local_path: _Optional[str] = ..., data_address: _Optional[str] = ..., domain_socket: _Optional[str] = ..., capability: _Optional[str] = ...) -> None: ...
 
 class FileStat(_message.Message):
     __slots__ = ("path", "exists", "is_dir", "size", "mtime", "crc32c", "order_hint", "locations")
@@ -106,12 +108,14 @@ class RegisterRequest(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., node_id: _Optional[str] = ..., address: _Optional[str] = ..., capacity: _Optional[int] = ..., used: _Optional[int] = ..., blocks: _Optional[_Iterable[_Union[BlockReport, _Mapping]]] = ..., data_address: _Optional[str] = ..., protocol_version: _Optional[int] = ..., min_protocol_version: _Optional[int] = ..., continuation: bool = ..., domain_socket: _Optional[str] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
-    __slots__ = ("delete_blocks", "protocol_version")
+    __slots__ = ("delete_blocks", "protocol_version", "data_key")
     DELETE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    DATA_KEY_FIELD_NUMBER: _ClassVar[int]
     delete_blocks: _containers.RepeatedScalarFieldContainer[str]
     protocol_version: int
-    def __init__(self, delete_blocks: _Optional[_Iterable[str]] = ..., protocol_version: _Optional[int] = ...) -> None: ...
+    data_key: bytes
+    def __init__(self, delete_blocks: _Optional[_Iterable[str]] = ..., protocol_version: _Optional[int] = ..., data_key: _Optional[bytes] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("worker_id", "capacity", "used", "blocks", "interval")
@@ -320,18 +324,20 @@ class ReportResponse(_message.Message):
     def __init__(self, workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., files: _Optional[int] = ..., duplicate_files: _Optional[int] = ...) -> None: ...
 
 class WriteChunk(_message.Message):
-    __slots__ = ("block_id", "path", "size", "order_hint", "data")
+    __slots__ = ("block_id", "path", "size", "order_hint", "data", "capability")
     BLOCK_ID_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
     SIZE_FIELD_NUMBER: _ClassVar[int]
     ORDER_HINT_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
+    CAPABILITY_FIELD_NUMBER: _ClassVar[int]
     block_id: str
     path: str
     size: int
     order_hint: int
     data: bytes
-    def __init__(self, block_id: _Optional[str] = ..., path: _Optional[str] = ..., size: _Optional[int] = ..., order_hint: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+    capability: str
+    def __init__(self, block_id: _Optional[str] = ..., path: _Optional[str] = ..., size: _Optional[int] = ..., order_hint: _Optional[int] = ..., data: _Optional[bytes] = ..., capability: _Optional[str] = ...) -> None: ...
 
 class WriteResult(_message.Message):
     __slots__ = ("block_id", "size", "crc32c", "local_path", "error")
@@ -354,10 +360,12 @@ class WriteResults(_message.Message):
     def __init__(self, items: _Optional[_Iterable[_Union[WriteResult, _Mapping]]] = ...) -> None: ...
 
 class ReadRequest(_message.Message):
-    __slots__ = ("block_id",)
+    __slots__ = ("block_id", "capability")
     BLOCK_ID_FIELD_NUMBER: _ClassVar[int]
+    CAPABILITY_FIELD_NUMBER: _ClassVar[int]
     block_id: str
-    def __init__(self, block_id: _Optional[str] = ...) -> None: ...
+    capability: str
+    def __init__(self, block_id: _Optional[str] = ..., capability: _Optional[str] = ...) -> None: ...
 
 class ReadChunk(_message.Message):
     __slots__ = ("size", "crc32c", "data")
@@ -370,12 +378,16 @@ class ReadChunk(_message.Message):
     def __init__(self, size: _Optional[int] = ..., crc32c: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
-    __slots__ = ("block_id", "size")
+    __slots__ = ("block_id", "size", "capability", "path")
     BLOCK_ID_FIELD_NUMBER: _ClassVar[int]
     SIZE_FIELD_NUMBER: _ClassVar[int]
+    CAPABILITY_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
     block_id: str
     size: int
-    def __init__(self, block_id: _Optional[str] = ..., size: _Optional[int] = ...) -> None: ...
+    capability: str
+    path: str
+    def __init__(self, block_id: _Optional[str] = ..., size: _Optional[int] = ..., capability: _Optional[str] = ..., path: _Optional[str] = ...) -> None: ...
 
 class ReserveResponse(_message.Message):
     __slots__ = ("tmp_path", "error")
@@ -398,18 +410,20 @@ class ReserveManyResponse(_message.Message):
     def __init__(self, items: _Optional[_Iterable[_Union[ReserveResponse, _Mapping]]] = ...) -> None: ...
 
 class AdoptRequest(_message.Message):
-    __slots__ = ("block_id", "path", "size", "crc32c", "order_hint")
+    __slots__ = ("block_id", "path", "size", "crc32c", "order_hint", "capability")
     BLOCK_ID_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
     SIZE_FIELD_NUMBER: _ClassVar[int]
     CRC32C_FIELD_NUMBER: _ClassVar[int]
     ORDER_HINT_FIELD_NUMBER: _ClassVar[int]
+    CAPABILITY_FIELD_NUMBER: _ClassVar[int]
     block_id: str
     path: str
     size: int
     crc32c: int
     order_hint: int
-    def __init__(self, block_id: _Optional[str] = ..., path: _Optional[str] = ..., size: _Optional[int] = ..., crc32c: _Optional[int] = ..., order_hint: _Optional[int] = ...) -> None: ...
+    capability: str
+    def __init__(self, block_id: _Optional[str] = ..., path: _Optional[str] = ..., size: _Optional[int] = ..., crc32c: _Optional[int] = ..., order_hint: _Optional[int] = ..., capability: _Optional[str] = ...) -> None: ...
 
 class AdoptManyRequest(_message.Message):
     __slots__ = ("items",)

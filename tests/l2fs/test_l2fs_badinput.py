@@ -9,6 +9,7 @@ import grpc
 import pytest
 from l2fs_helpers import wait_until
 
+from l2fs.capability import mint_for
 from l2fs.client import InvalidArgument, InvalidPath
 from l2fs.common import BlockKey
 from l2fs.local import LocalCluster
@@ -42,6 +43,12 @@ def _worker(c: LocalCluster) -> pbg.WorkerStub:
     return pbg.WorkerStub(grpc.insecure_channel(c.workers[0].address))
 
 
+def _cap(c: LocalCluster, op: str, bid: str, path: str = "") -> str:
+    """The block capability the master would hand a client for worker 1 (the worker wants one, not a token)."""
+    assert c.block_key_file is not None
+    return mint_for(c.block_key_file.read_bytes(), c.workers[0].worker_id, op, bid, path)
+
+
 def _intact(c: LocalCluster) -> None:
     assert c.client(node_id="x").get("/keep/me") == b"precious"
 
@@ -72,8 +79,8 @@ def test_oversize_file(bcluster: LocalCluster) -> None:
     c = bcluster.client(node_id="node-1")
     with pytest.raises(InvalidArgument, match="max file size"):
         c.put("/big/one", b"x" * (9 << 20))
-    e = _status(lambda: _worker(bcluster).ReserveLocal(pb.ReserveRequest(block_id="2" * 32, size=9 << 20),
-                                                        timeout=5))
+    e = _status(lambda: _worker(bcluster).ReserveLocal(pb.ReserveRequest(
+        block_id="2" * 32, size=9 << 20, capability=_cap(bcluster, "w", "2" * 32)), timeout=5))
     assert e.code() == grpc.StatusCode.INVALID_ARGUMENT and "max file size" in e.details()
     assert c.put("/big/ok", b"x" * (8 << 20)) is True
     _intact(bcluster)
@@ -81,14 +88,16 @@ def test_oversize_file(bcluster: LocalCluster) -> None:
 
 def test_unknown_and_malformed_block_ids(bcluster: LocalCluster) -> None:
     w = _worker(bcluster)
-    e = _status(lambda: list(w.ReadBlock(pb.ReadRequest(block_id="f" * 32), timeout=5)))
+    e = _status(lambda: list(w.ReadBlock(pb.ReadRequest(block_id="f" * 32, capability=_cap(bcluster, "r", "f" * 32)),
+                                         timeout=5)))
     assert e.code() == grpc.StatusCode.NOT_FOUND and "not found" in e.details()
     for bad in ["../../etc/passwd", "", "X" * 32, "a" * 33]:
         e = _status(lambda b=bad: list(w.ReadBlock(pb.ReadRequest(block_id=b), timeout=5)))
         assert e.code() == grpc.StatusCode.INVALID_ARGUMENT and "block id" in e.details()
         e = _status(lambda b=bad: w.DeleteBlocks(pb.BlockIds(block_ids=[b]), timeout=5))
         assert e.code() == grpc.StatusCode.INVALID_ARGUMENT
-    e = _status(lambda: w.AdoptLocal(pb.AdoptRequest(block_id="3" * 32, path="/x", size=1), timeout=5))
+    e = _status(lambda: w.AdoptLocal(pb.AdoptRequest(block_id="3" * 32, path="/x", size=1,
+                                                     capability=_cap(bcluster, "w", "3" * 32, "/x")), timeout=5))
     assert e.code() == grpc.StatusCode.FAILED_PRECONDITION and "not reserved" in e.details()
     e = _status(lambda: _master(bcluster).Commit(pb.CommitRequest(path="/x/y", block_id="4" * 32,
                                                                   worker_id="no-such-worker"), timeout=5))
@@ -98,16 +107,18 @@ def test_unknown_and_malformed_block_ids(bcluster: LocalCluster) -> None:
 
 def test_write_stream_size_mismatch(bcluster: LocalCluster) -> None:
     w = _worker(bcluster)
+    caps = {b: _cap(bcluster, "w", b * 32, "/s/a") for b in "56"}
     e = _status(lambda: w.WriteBlock(iter([pb.WriteChunk(block_id="5" * 32, path="/s/a", size=4,
-                                                         data=b"too long")]), timeout=5))
+                                                         data=b"too long", capability=caps["5"])]), timeout=5))
     assert e.code() == grpc.StatusCode.INVALID_ARGUMENT and "more than the declared" in e.details()
     e = _status(lambda: w.WriteBlock(iter([pb.WriteChunk(block_id="6" * 32, path="/s/a", size=100,
-                                                         data=b"short")]), timeout=5))
+                                                         data=b"short", capability=caps["6"])]), timeout=5))
     assert e.code() == grpc.StatusCode.INVALID_ARGUMENT and "ended after" in e.details()
     e = _status(lambda: w.WriteBlock(iter([]), timeout=5))
     assert e.code() == grpc.StatusCode.INVALID_ARGUMENT
     # the failed writes left nothing behind: their ids are free again
-    r = w.WriteBlock(iter([pb.WriteChunk(block_id="5" * 32, path="/s/a", size=2, data=b"ok")]), timeout=5)
+    r = w.WriteBlock(iter([pb.WriteChunk(block_id="5" * 32, path="/s/a", size=2, data=b"ok",
+                                         capability=caps["5"])]), timeout=5)
     assert r.size == 2
     _intact(bcluster)
 

@@ -64,8 +64,10 @@ def _cluster(base: Path, sock_dir: Path, workers: int = 1) -> LocalCluster:
     base.mkdir(parents=True, exist_ok=True)
     f = base / "tokens.json"
     f.write_text(json.dumps(TOKENS))
+    # token mode (no block key): these tests show the socket's token scopes; in capability mode (the default)
+    # a request needs the block's capability instead (test_l2fs_capabilities.py)
     cl = LocalCluster(base, workers=workers, capacity="256M", token=ADMIN,
-                      master_args=["--tokens-file", str(f), "--token", MASTER])
+                      master_args=["--tokens-file", str(f), "--token", MASTER], block_key=False)
     for i, w in enumerate(cl.workers):
         w.extra_args = ["--tokens-file", str(f), "--token", WORKER if i == 0 else WORKER + "-b",
                         "--domain-socket", str(sock_dir / f"w{i}.sock")]

@@ -156,7 +156,7 @@ def test_old_master_serves_new_worker_and_client(old_tree: Path, tmp_path: Path)
                           worker_id="strict", node_id="n-strict", address="127.0.0.1:2", data_address="",
                           heartbeat_interval=1.0)
         link.min_peer_version = 2
-        with pytest.raises(VersionRefused, match=r"master speaks l2fs protocol 1.*\(protocol 2\) accepts \(2\)"):
+        with pytest.raises(VersionRefused, match=rf"master speaks l2fs protocol 1.*\(protocol {PROTOCOL_VERSION}\) accepts \(2\)"):
             link._register()  # noqa: SLF001
         assert not link.registered
     finally:

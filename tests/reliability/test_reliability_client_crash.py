@@ -92,7 +92,7 @@ def _sealed_uncommitted(cluster: Any, path: str, data: bytes) -> tuple[pbg.Maste
     a = master.Allocate(pb.AllocateRequest(path=path, size=len(data), node_id=cluster.workers[0].node_id),
                         timeout=5)
     worker = pbg.WorkerStub(grpc.insecure_channel(a.worker.address))
-    res = worker.WriteBlock(Client._frames(a.block_id, path, memoryview(data), 0), timeout=5)
+    res = worker.WriteBlock(Client._frames(a.block_id, path, memoryview(data), 0, a.worker.capability), timeout=5)
     assert res.crc32c and len(find_block_files([cluster.workers[0].data_dir], data[1000:1064])) == 1
     return master, a.block_id
 

@@ -153,7 +153,7 @@ def test_tls_cluster_refuses_plaintext(make_cluster: Any, certs: dict[str, str])
 def plain_cluster(tmp_path_factory: pytest.TempPathFactory) -> Any:
     from l2fs.local import LocalCluster
 
-    with LocalCluster(tmp_path_factory.mktemp("plain"), workers=1) as cluster:
+    with LocalCluster(tmp_path_factory.mktemp("plain"), workers=1, block_key=False) as cluster:  # token mode: raw calls with the token (capabilities: tests/l2fs/test_l2fs_capabilities.py)
         yield cluster
 
 
@@ -257,7 +257,7 @@ def _data_address(master: str, path: str, md: Any = None) -> tuple[str, str]:
 
 
 def test_data_plane_requires_token(make_cluster: Any) -> None:
-    cluster = make_cluster(workers=1, token=TOKEN)
+    cluster = make_cluster(workers=1, token=TOKEN, block_key=False)  # token mode: raw calls with the token (capabilities: tests/l2fs/test_l2fs_capabilities.py)
     good = cluster.client(token=TOKEN, timeout=DEADLINE, short_circuit=False)
     data = payload(5, 64 * 1024, "/dp/a")
     assert good.put("/dp/a", data) is True
@@ -310,7 +310,7 @@ def test_reservations_without_data_do_not_evict_live_blocks(make_cluster: Any) -
     data must not be flushed for it. Promises beyond the worker's cap on unfinished writes are refused
     with a clear RESOURCE_EXHAUSTED, and an abandoned short-circuit reservation expires."""
     cluster = make_cluster(workers=1, capacity=str(8 << 20), heartbeat_interval=0.2,
-                           worker_args=["--reservation-ttl", "2"])
+                           worker_args=["--reservation-ttl", "2"], block_key=False)  # token mode: raw calls with the token (capabilities: tests/l2fs/test_l2fs_capabilities.py)
     c = cluster.client(timeout=DEADLINE)
     keys = [f"/resv/{i}" for i in range(20)]
     for i, k in enumerate(keys):
@@ -354,7 +354,8 @@ def test_data_plane_bounds_connections(make_cluster: Any) -> None:
     """A connection flood is refused with a clear message beyond the worker's limit (no thread per
     extra connection), idle connections are closed after the idle timeout, and once the flood is gone
     the data plane serves again."""
-    cluster = make_cluster(workers=1, worker_args=["--data-max-conns", "4", "--data-idle-timeout", "1.5"])
+    cluster = make_cluster(workers=1, worker_args=["--data-max-conns", "4", "--data-idle-timeout", "1.5"],
+                           block_key=False)  # token mode: raw calls with the token (capabilities: tests/l2fs/test_l2fs_capabilities.py)
     c = cluster.client(timeout=DEADLINE, short_circuit=False)
     data = payload(7, 64 * 1024, "/flood/a")
     assert c.put("/flood/a", data) is True

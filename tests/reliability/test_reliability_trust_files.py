@@ -31,7 +31,7 @@ SECRET = b"root-only secret outside the data dir\n" * 8
 def _setup(make_cluster: Any, tmp_path: Path) -> tuple[Any, pbg.WorkerStub, str, Path]:
     """A one-worker cluster with a token, the worker's stub, its data-plane address and a 0600 file
     outside the data dir (the target of the planted links)."""
-    cluster = make_cluster(workers=1, token=TOKEN)
+    cluster = make_cluster(workers=1, token=TOKEN, block_key=False)  # token mode: raw calls with the token (capabilities: tests/l2fs/test_l2fs_capabilities.py)
     c = cluster.client(timeout=DEADLINE, short_circuit=False)
     assert c.put("/trust/seed", b"seed" * 100) is True
     data_addr, _ = _data_address(cluster.master, "/trust/seed", MD)
