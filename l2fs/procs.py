@@ -190,9 +190,36 @@ def stop(proc: subprocess.Popen[Any] | None, *, sig: int = signal.SIGTERM, grace
         except ProcessLookupError:
             pass
 
+    deadline = time.monotonic() + grace
     send(sig)
     try:
-        return proc.wait(timeout=grace)
+        rc = proc.wait(timeout=grace)
     except subprocess.TimeoutExpired:
         send(signal.SIGKILL)
-        return proc.wait(timeout=10)
+        rc = proc.wait(timeout=10)
+    if own_group and not _group_gone(proc.pid, deadline):
+        # The leader is gone but members of its group are not (a vLLM API server exits before an engine core or
+        # worker that is still shutting down; on a loaded box that took > 30 s): kill the rest, or they outlive us.
+        _killpg(proc.pid, signal.SIGKILL)
+        _group_gone(proc.pid, time.monotonic() + 10)
+    return rc
+
+
+def _killpg(pgid: int, sig: int) -> bool:
+    """killpg that says whether any process of the group was there to signal."""
+    try:
+        os.killpg(pgid, sig)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # a member we may not signal still counts as alive
+        return True
+    return True
+
+
+def _group_gone(pgid: int, deadline: float) -> bool:
+    """Wait until no process is left in group pgid (zombies of other parents count as alive) or the deadline."""
+    while _killpg(pgid, 0):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)
+    return True
