@@ -432,10 +432,14 @@ class AdoptManyRequest(_message.Message):
     def __init__(self, items: _Optional[_Iterable[_Union[AdoptRequest, _Mapping]]] = ...) -> None: ...
 
 class BlockIds(_message.Message):
-    __slots__ = ("block_ids",)
+    __slots__ = ("block_ids", "capabilities", "paths")
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    CAPABILITIES_FIELD_NUMBER: _ClassVar[int]
+    PATHS_FIELD_NUMBER: _ClassVar[int]
     block_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, block_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+    capabilities: _containers.RepeatedScalarFieldContainer[str]
+    paths: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, block_ids: _Optional[_Iterable[str]] = ..., capabilities: _Optional[_Iterable[str]] = ..., paths: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class SetPathsRequest(_message.Message):
     __slots__ = ("block_ids", "paths")
