@@ -359,7 +359,7 @@ class Client:
         # Locations from one locate_many (StatMany) for a batch about to be read: used once each, within the
         # timeout, instead of a Stat per read; found and not-found alike (path -> (FileStat, expiry)).
         self._prefetched: dict[str, tuple[pb.FileStat, float]] = {}
-        self._touches: dict[str, set[str]] = {}
+        self._touches: dict[str, dict[str, str]] = {}  # worker address -> {block id: its read capability}
         self._toucher: threading.Thread | None = None
         self._unbatched: set[str] = set()  # peers (master, worker address) without the batched calls
         self._no_local: dict[str, float] = {}  # worker address -> until when short-circuit writes are off
@@ -679,7 +679,9 @@ class Client:
             with self._lock:
                 self._no_local[address] = time.monotonic() + 60.0
             try:
-                call("ReleaseLocal", pb.BlockIds(block_ids=[p.bid for p in unusable]))
+                call("ReleaseLocal", pb.BlockIds(block_ids=[p.bid for p in unusable],
+                                                 capabilities=[p.loc.capability for p in unusable],
+                                                 paths=[p.path for p in unusable]))
             except L2fsError:
                 pass  # an older worker (or a gone one): the reservations expire on their own
         if wrote:
@@ -903,13 +905,14 @@ class Client:
 
     def _report_corrupt(self, loc: pb.Location) -> None:
         """Ask the worker to re-verify (and drop) a block that failed our checksum."""
-        self._fire(self._worker(loc.address).ReportCorrupt, pb.BlockIds(block_ids=[loc.block_id]))
+        self._fire(self._worker(loc.address).ReportCorrupt,
+                   pb.BlockIds(block_ids=[loc.block_id], capabilities=[loc.capability]))
 
     def _touch(self, loc: pb.Location) -> None:
         """Queue a short-circuit read for the worker's LRU; a background thread sends them in batches
         (a gRPC future per read costs a thread start, more than the read's checksum)."""
         with self._lock:
-            self._touches.setdefault(loc.address, set()).add(loc.block_id)
+            self._touches.setdefault(loc.address, {})[loc.block_id] = loc.capability
             if self._toucher is None:
                 self._toucher = threading.Thread(target=self._touch_loop, name="l2fs-touch", daemon=True)
                 self._toucher.start()
@@ -919,10 +922,11 @@ class Client:
             time.sleep(0.2)
             with self._lock:
                 batch, self._touches = self._touches, {}
-            for address, ids in batch.items():
+            for address, caps in batch.items():
+                ids = sorted(caps)
                 try:
-                    self._worker(address).Touch(pb.BlockIds(block_ids=sorted(ids)), metadata=self._md,
-                                                timeout=1.0)
+                    self._worker(address).Touch(pb.BlockIds(block_ids=ids, capabilities=[caps[i] for i in ids]),
+                                                metadata=self._md, timeout=1.0)
                 except (grpc.RpcError, ValueError):  # worker gone or channel closed: LRU hint only
                     pass
 

@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import grpc
-from prometheus_client import Histogram
+from prometheus_client import Counter, Histogram
 
 from l2fs.batch import each
 from l2fs.capability import READ, WRITE, DataGate
@@ -20,6 +20,11 @@ from l2fs.store import BYTES_READ, READ_HITS, READ_MISSES, Store, VerifiedFrames
 
 RPC_LATENCY = Histogram("l2fs_worker_rpc_seconds", "Worker RPC latency", ["method"],
                         buckets=(.0001, .0005, .001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 5))
+
+REVERIFY_SKIPPED = Counter("l2fs_worker_reverify_skipped_total",
+                           "ReportCorrupt calls for a block re-verified less than REVERIFY_INTERVAL s before")
+REVERIFY_INTERVAL = 10.0  # seconds: a reported block is re-read at most this often
+REVERIFY_MEMORY = 4096  # blocks remembered for REVERIFY_INTERVAL (bounded: oldest half dropped when full)
 
 _rpc = rpc_handler(RPC_LATENCY)
 
@@ -44,14 +49,14 @@ class WorkerService(pbg.WorkerServicer):
         self.store = store
         self._report_now = report_now
         self.gate = gate
+        self._reverified: dict[str, float] = {}  # block id -> when ReportCorrupt last re-read it
 
     def _need(self, cap: str, op: str, bid: str, path: str = "") -> None:
         """PERMISSION_DENIED unless `cap` lets the caller `op` block `bid` (a no-op in token mode).
 
-        Not gated: Touch (an LRU hint), ReportCorrupt (the worker re-verifies and drops only a block that
-        really fails its checksum) and ReleaseLocal (it needs the id of a reservation in flight, which is
-        never published): a token holder can make a block look recently used, make the worker re-read a block,
-        or cancel a reservation whose unguessable id it somehow learned."""
+        In cap mode Touch and ReportCorrupt need each block's read capability and ReleaseLocal the
+        reservation's write capability (BlockIds.capabilities/paths), so a token alone can neither keep
+        blocks warm, nor make the worker re-read them, nor cancel another client's write."""
         if self.gate is None or (self.gate.ready and not self.gate.cap_mode):
             return
         why = self.gate.check(cap, op, bid, path)
@@ -121,17 +126,43 @@ class WorkerService(pbg.WorkerServicer):
         self._report_now()  # sealing may have evicted
         return pb.WriteResult(block_id=bid, size=b.size, crc32c=b.crc32c, local_path=self.store.local_path(b))
 
+    def _each_allowed(self, request: pb.BlockIds, op: str) -> list[str]:
+        """The request's block ids, once each has passed `_need` (all or nothing: one bad capability refuses
+        the call, as a read with it would be refused)."""
+        n = len(request.block_ids)
+        if self.gate is not None and self.gate.cap_mode and len(request.capabilities) != n:
+            raise RpcError(grpc.StatusCode.PERMISSION_DENIED,
+                           f"{n} block ids but {len(request.capabilities)} capabilities", "EACCES")
+        if request.paths and len(request.paths) != n:
+            raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, "block_ids and paths differ in length")
+        bids = [check_block_id(b) for b in request.block_ids]
+        for i, bid in enumerate(bids):
+            cap = request.capabilities[i] if i < len(request.capabilities) else ""
+            self._need(cap, op, bid, self._cap_path(request.paths[i]) if request.paths else "")
+        return bids
+
     @_rpc
     def Touch(self, request: pb.BlockIds, context: Any) -> pb.Empty:  # noqa: N802
-        for bid in request.block_ids:
+        for bid in self._each_allowed(request, READ):
             self.store.touch(bid)
             READ_HITS.inc()
         return pb.Empty()
 
     @_rpc
     def ReportCorrupt(self, request: pb.BlockIds, context: Any) -> pb.Empty:  # noqa: N802
-        for bid in request.block_ids:
-            self.store.verify(check_block_id(bid))  # re-checked here: a client alone cannot get data deleted
+        """Re-verify (and drop) blocks a client found bad; a block is re-read at most once per
+        REVERIFY_INTERVAL s, so repeated reports cost a dict lookup, not a read of the block each."""
+        now = time.monotonic()
+        for bid in self._each_allowed(request, READ):
+            last = self._reverified.get(bid)
+            if last is not None and now - last < REVERIFY_INTERVAL:
+                REVERIFY_SKIPPED.inc()
+                continue
+            if len(self._reverified) >= REVERIFY_MEMORY:  # forget the oldest half (dicts keep insertion order)
+                for old in list(itertools.islice(self._reverified, REVERIFY_MEMORY // 2)):
+                    del self._reverified[old]
+            self._reverified[bid] = now
+            self.store.verify(bid)  # re-checked here: a client alone cannot get data deleted
         self._report_now()
         return pb.Empty()
 
@@ -188,6 +219,6 @@ class WorkerService(pbg.WorkerServicer):
     def ReleaseLocal(self, request: pb.BlockIds, context: Any) -> pb.Empty:  # noqa: N802
         """A same-node client could not open the reserved temp files (no hostPath in its pod, other uid):
         give the space back now instead of when the reservation expires."""
-        for bid in request.block_ids:
-            self.store.release(check_block_id(bid))
+        for bid in self._each_allowed(request, WRITE):
+            self.store.release(bid)
         return pb.Empty()

@@ -233,6 +233,57 @@ def test_grpc_block_calls_need_capabilities(capcluster: LocalCluster) -> None:
     assert r.size == 10
 
 
+def test_touch_report_and_release_need_capabilities(capcluster: LocalCluster) -> None:
+    """Touch (keep a block warm), ReportCorrupt (make the worker re-read it) and ReleaseLocal (cancel a
+    reservation) took any token before; now each needs the block's capability, and repeated reports of one
+    block cost one re-read."""
+    cl = capcluster
+    loc = _put_on_worker0(cl, f"{PREFIX}/touch-me", b"t" * 4000)
+    other = _put_on_worker0(cl, f"{PREFIX}/touch-other", b"o" * 4000)
+    stub = pbg.WorkerStub(make_channel(loc.address, None))
+    key, w1 = _key(cl), cl.workers[1].worker_id
+    bad_caps = ("", other.capability, mint_for(key, w1, "r", loc.block_id))
+    for method in (stub.Touch, stub.ReportCorrupt):
+        for token in (ENGINE, ADMIN):
+            for cap in bad_caps:
+                with pytest.raises(grpc.RpcError) as e:
+                    method(pb.BlockIds(block_ids=[loc.block_id], capabilities=[cap]), metadata=_md(token), timeout=5)
+                assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED, (method, cap, e.value)
+            with pytest.raises(grpc.RpcError) as e:  # no capabilities at all (a token-only caller)
+                method(pb.BlockIds(block_ids=[loc.block_id]), metadata=_md(token), timeout=5)
+            assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    hits = _metric(cl, 0, "l2fs_worker_read_hits_total")
+    stub.Touch(pb.BlockIds(block_ids=[loc.block_id], capabilities=[loc.capability]), metadata=_md(ENGINE), timeout=5)
+    assert _metric(cl, 0, "l2fs_worker_read_hits_total") == hits + 1
+    skipped = _metric(cl, 0, "l2fs_worker_reverify_skipped_total")
+    for _ in range(20):
+        stub.ReportCorrupt(pb.BlockIds(block_ids=[loc.block_id], capabilities=[loc.capability]),
+                           metadata=_md(ENGINE), timeout=5)
+    assert _metric(cl, 0, "l2fs_worker_reverify_skipped_total") - skipped >= 19  # one re-read, not 20
+    with cl.client(token=ENGINE, node_id="elsewhere") as c:
+        assert c.get(f"{PREFIX}/touch-me") == b"t" * 4000  # a good block survives the reports
+    # ReleaseLocal: a reservation in flight is cancelled only with its write capability (and path)
+    path = f"{PREFIX}/release-me"
+    a = _allocate(cl, path, 10)
+    stub.ReserveLocal(pb.ReserveRequest(block_id=a.block_id, size=10, capability=a.worker.capability, path=path),
+                      metadata=_md(ENGINE), timeout=5)
+    for cap, to in (("", path), (loc.capability, path), (a.worker.capability, f"{PREFIX}/elsewhere")):
+        with pytest.raises(grpc.RpcError) as e:
+            stub.ReleaseLocal(pb.BlockIds(block_ids=[a.block_id], capabilities=[cap], paths=[to]),
+                              metadata=_md(ADMIN), timeout=5)
+        assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED, (cap, to, e.value)
+    with pytest.raises(grpc.RpcError) as e:  # still reserved: the refused releases changed nothing
+        stub.ReserveLocal(pb.ReserveRequest(block_id=a.block_id, size=10, capability=a.worker.capability,
+                                            path=path), metadata=_md(ENGINE), timeout=5)
+    assert e.value.code() == grpc.StatusCode.ALREADY_EXISTS
+    stub.ReleaseLocal(pb.BlockIds(block_ids=[a.block_id], capabilities=[a.worker.capability], paths=[path]),
+                      metadata=_md(ENGINE), timeout=5)
+    stub.ReserveLocal(pb.ReserveRequest(block_id=a.block_id, size=10, capability=a.worker.capability, path=path),
+                      metadata=_md(ENGINE), timeout=5)  # released: the id can be reserved again
+    stub.ReleaseLocal(pb.BlockIds(block_ids=[a.block_id], capabilities=[a.worker.capability], paths=[path]),
+                      metadata=_md(ENGINE), timeout=5)
+
+
 def test_old_client_gets_a_refusal_or_a_miss_never_wrong_bytes(capcluster: LocalCluster, tmp_path: Path) -> None:
     """The client code from before capabilities (protocol 2) sends its token: its put fails and its get misses,
     each with the worker's DENIED, while a current client reads the file."""
