@@ -1,24 +1,26 @@
 """`kvtier tokens`: scoped l2fs credentials for a cluster (issue 13), and the worker's pick of its own.
 
-Why a generator: l2fs checks each call's token against a tokens file (docs/l2fs.md, "Scoped tokens"), and a
-worker id is bound to the entry name that registered it, so every worker needs its own worker-role entry.
-A DaemonSet cannot give each pod its own Secret, so the scheme is: one entry per node, named
-`worker-<node name>`, in one Secret that master and workers mount (they need the whole file anyway, to
-check clients' tokens); each worker container starts through `kvtier tokens exec --entry worker-$(NODE_NAME)`,
-which exports its own token as L2FS_TOKEN and refuses to start when its node has no entry. Clients never see
-the file: engines, the router and the FUSE mount get one token each, in their own Secrets.
+Why a generator: l2fs checks each call's token against a tokens file (docs/l2fs.md, "Scoped tokens"). Which pod
+holds what (deploy/base):
+- the master: the whole file (Secret l2fs-tokens): it calls workers with the "master" entry's token;
+- workers: the verifier file only (Secret l2fs-token-verifiers: each token's SHA-256, no token), enough to check
+  the tokens of the master and of clients but useless to act as any of them; a worker proves who it is with its
+  pod's projected ServiceAccount token, which the master checks with a TokenReview and binds to the node the
+  review names (`l2fs master --worker-identity k8s`, l2fs/identity.py);
+- clients never see either file: engines, the router and the FUSE mount get one token each, in their own Secrets.
 
-Each `worker-<node>` entry carries `"node": "<node>"`: the master lets that credential register only
-node <node>'s worker ids (`<node>` or `<node>-...`), even right after a master restart, when its in-memory
-binding of ids to credentials is empty.
+Clusters without TokenReview node names (Kubernetes < 1.32) can keep tokens-file workers: `--workers NODE...`
+adds one entry per node, named `worker-<node name>` and bound to it ("node"), and each worker container starts
+through `kvtier tokens exec --entry worker-$(NODE_NAME)`, which exports its own token as L2FS_TOKEN (those pods
+then need the whole file, so one node's pod can act as another's: prefer the ServiceAccount identity).
 
 The master's block key (l2fs master --block-key-file) is written next to the tokens file (`block-key`, kept
 when it exists: a new key unpublishes every cached block) and, with --secret-yaml, as Secret
 `l2fs-block-key` that only the master mounts.
 
-  kvtier tokens generate --workers node-a node-b --engine qwen2-7b@team-a --router team-a --mount --admin \
-      -o tokens.json --secret-yaml secrets.yaml
-  kvtier tokens exec --entry worker-node-a --role worker -- l2fs worker ...
+  kvtier tokens generate --engine qwen2-7b@team-a --router team-a --mount --admin \
+      -o tokens.json --secret-yaml secrets.yaml      # also token-verifiers.json next to tokens.json
+  kvtier tokens exec --entry worker-node-a --role worker -- l2fs worker ...   # tokens-file workers only
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ from kvtier import contract
 
 TOKENS_SECRET = "l2fs-tokens"  # namespace kvtier: the whole file (master + workers only)
 TOKENS_KEY = "tokens.json"
+VERIFIERS_SECRET = "l2fs-token-verifiers"  # namespace kvtier: every token's SHA-256 only (workers)
+VERIFIERS_KEY = "verifiers.json"
 MOUNT_SECRET = "l2fs-mount-token"  # namespace kvtier: the FUSE mount's admin token
 ROUTER_SECRET = "kvtier-router-l2fs-token"  # the router's namespace: its router-role token
 ENGINE_SECRET = "{endpoint}-l2fs-token"  # the endpoint's namespace: its engine-role token (webhook default)
@@ -98,6 +102,14 @@ def generate(workers: list[str], engines: list[tuple[str, str, str]], routers: l
     return entries
 
 
+def verifiers(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The verifier file of `entries`: the same entries with each token replaced by its SHA-256 (l2fs accepts
+    the token, but a holder of this file cannot present one)."""
+    from l2fs.common import token_digest
+
+    return [{k: v for k, v in {**e, "sha256": token_digest(e["token"])}.items() if k != "token"} for e in entries]
+
+
 def _secret(name: str, namespace: str, data: dict[str, str], what: str, field: str = "stringData") -> dict[str, Any]:
     return {"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
             "metadata": {"name": name, "namespace": namespace, "labels": {"app.kubernetes.io/part-of": "kvtier"},
@@ -111,7 +123,9 @@ def secrets_for(entries: list[dict[str, Any]], engines: list[tuple[str, str, str
     master alone, one token each for the mount, every engine (in its namespace) and every router namespace."""
     by_name = {e["name"]: e["token"] for e in entries}
     out = [_secret(TOKENS_SECRET, namespace, {TOKENS_KEY: json.dumps(entries)},
-                   "every l2fs token: l2fs master and workers only")]
+                   "every l2fs token: the l2fs master only (tokens-file workers too)"),
+           _secret(VERIFIERS_SECRET, namespace, {VERIFIERS_KEY: json.dumps(verifiers(entries))},
+                   "SHA-256 of every l2fs token, no token: l2fs workers")]
     if block_key is not None:  # base64 `data`: the key file's bytes exactly, whatever they are
         out.append(_secret(BLOCK_KEY_SECRET, namespace, {BLOCK_KEY_KEY: base64.b64encode(block_key).decode()},
                            "l2fs master's block-id MAC key: the master only, never workers", field="data"))
@@ -164,11 +178,15 @@ def cmd_generate(ns: argparse.Namespace) -> int:
         return 2
     text = json.dumps(entries, indent=1) + "\n"
     check = Path(ns.output) if ns.output and ns.output != "-" else None
+    ver = ns.verifiers or (str(check.with_name("token-verifiers.json")) if check is not None else None)
     if ns.output:
         _write(ns.output, text)
-    if check is not None:
+    if ver:
+        _write(ver, json.dumps(verifiers(entries), indent=1) + "\n")
+    for path in (check, Path(ver) if ver and ver != "-" else None):
         try:  # what master and workers will load: a file they refuse must not leave here
-            load_tokens_file(str(check))
+            if path is not None:
+                load_tokens_file(str(path))
         except TokensFileError as e:
             print(f"kvtier tokens generate: {e}", file=sys.stderr)
             return 2
@@ -237,6 +255,8 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--namespace", default="kvtier", help="namespace of l2fs (the tokens file and mount Secrets)")
     g.add_argument("--endpoint-namespace", default="default", help="namespace of engines given without @NAMESPACE")
     g.add_argument("-o", "--output", help="tokens file to write (mode 0600; '-' = stdout)")
+    g.add_argument("--verifiers", metavar="FILE", help="the verifier file workers mount (each token's SHA-256 "
+                   "only; mode 0600; '-' = stdout); default token-verifiers.json next to -o")
     g.add_argument("--block-key", metavar="FILE",
                    help="the master's block key (l2fs master --block-key-file): used when it exists, else made "
                         "(32 random bytes as hex, mode 0600); default: block-key next to -o; with --secret-yaml "

@@ -6,6 +6,7 @@ import functools
 import hashlib
 import hmac
 import json
+import logging
 import os
 import re
 import secrets
@@ -253,6 +254,8 @@ def write_port_file(path: str | None, **info: Any) -> None:
 
 # ---------- auth ----------
 
+log = logging.getLogger("l2fs.common")
+
 ROLES = ("worker", "engine", "router", "admin")
 # role sets for the per-method policies of master and worker (TokenInterceptor): the method's name -> these
 WORKERS = frozenset({"worker"})
@@ -296,28 +299,48 @@ class Credential:
                    or (mkdir and (path == "/" or p.startswith(path + "/"))) for p in self.prefixes)
 
 
-def load_tokens_file(path: str) -> list[tuple[str, Credential]]:
-    """[(token, credential)] from a JSON list of {"name", "token", "role", "prefixes", "node"}; TokensFileError
-    says what is wrong (a typo must stop the process, not silently open or close the cluster). "node" (worker
-    role only) binds a worker credential to one node's worker ids (Credential.may_be_worker)."""
+SHA256_HEX = re.compile(r"[0-9a-f]{64}")
+
+
+def token_digest(token: str | bytes) -> str:
+    """The verifier of a token: hex SHA-256 of its bytes (a verifier file holds these instead of tokens)."""
+    raw = token if isinstance(token, bytes) else token.encode("utf-8", "surrogatepass")
+    return hashlib.sha256(raw).hexdigest()
+
+
+def load_token_entries(path: str) -> list[tuple[str, str, Credential]]:
+    """[(token or "", sha256 hex of the token, credential)] from a JSON list of {"name", "token" | "sha256",
+    "role", "prefixes", "node"}; TokensFileError says what is wrong (a typo must stop the process, not silently
+    open or close the cluster). "node" (worker role only) binds a worker credential to one node's worker ids
+    (Credential.may_be_worker). An entry with "sha256" instead of "token" is a verifier: the server accepts the
+    token whose digest it is but cannot present it (a verifier file lets workers check tokens they do not hold)."""
     try:
         entries = json.loads(Path(path).read_text())
     except (OSError, ValueError) as e:
         raise TokensFileError(f"tokens file {path}: {e}") from None
     if not isinstance(entries, list) or not entries:
         raise TokensFileError(f"tokens file {path}: want a non-empty JSON list of {{name, token, role, prefixes}}")
-    out: list[tuple[str, Credential]] = []
+    out: list[tuple[str, str, Credential]] = []
     seen: set[str] = set()
     names: set[str] = set()
     for i, entry in enumerate(entries):
         where = f"tokens file {path} entry {i}"
-        if not isinstance(entry, dict) or set(entry) - {"name", "token", "role", "prefixes", "node"}:
-            raise TokensFileError(f"{where}: want an object with keys name, token, role, prefixes, node")
+        if not isinstance(entry, dict) or set(entry) - {"name", "token", "sha256", "role", "prefixes", "node"}:
+            raise TokensFileError(f"{where}: want an object with keys name, token (or sha256), role, prefixes, node")
         token, role, prefixes = entry.get("token"), entry.get("role"), entry.get("prefixes", [])
         node = entry.get("node", "")
-        if not isinstance(token, str) or len(token) < 16:
+        if ("token" in entry) == ("sha256" in entry):
+            raise TokensFileError(f"{where}: want exactly one of token and sha256")
+        if "sha256" in entry:
+            digest = entry["sha256"]
+            if not isinstance(digest, str) or not SHA256_HEX.fullmatch(digest):
+                raise TokensFileError(f"{where}: sha256 must be 64 lowercase hex characters (sha256 of the token)")
+            token = ""
+        elif not isinstance(token, str) or len(token) < 16:
             raise TokensFileError(f"{where}: token must be a string of at least 16 characters")
-        if token in seen:
+        else:
+            digest = token_digest(token)
+        if digest in seen:
             raise TokensFileError(f"{where}: duplicate token")
         if role not in ROLES:
             raise TokensFileError(f"{where}: role must be one of {', '.join(ROLES)}, not {role!r}")
@@ -336,51 +359,85 @@ def load_tokens_file(path: str) -> list[tuple[str, Credential]]:
         name = str(entry.get("name") or f"entry{i}")
         if name in names:  # the name is the identity a worker id is bound to: two holders must not share it
             raise TokensFileError(f"{where}: duplicate name {name!r}")
-        seen.add(token)
+        seen.add(digest)
         names.add(name)
-        out.append((token, Credential(name, frozenset({role}), norm, node)))
+        out.append((token, digest, Credential(name, frozenset({role}), norm, node)))
     return out
+
+
+def load_tokens_file(path: str) -> list[tuple[str, Credential]]:
+    """[(token, credential)] of a tokens file (load_token_entries); token "" for a verifier-only entry."""
+    return [(t, c) for t, _, c in load_token_entries(path)]
+
+
+class FileToken:
+    """A bearer token read from a file at every use (a projected ServiceAccount token: the kubelet rewrites
+    it before it expires, so a copy taken at start-up would go stale). An unreadable file gives "" (the call
+    then fails UNAUTHENTICATED and is retried, like any refused heartbeat)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __call__(self) -> str:
+        try:
+            return Path(self.path).read_text().strip()
+        except OSError as e:
+            log.warning("token file %s: %s", self.path, e.strerror or e)
+            return ""
 
 
 class Credentials:
     """The tokens a server accepts and what each may do. Without a tokens file the single `--token` is the
     old shared secret (admin + worker: every holder can do everything, the insecure-between-pods mode);
-    with neither, authentication is off (`enabled` False, every call allowed)."""
+    with neither (and no `identity`), authentication is off (`enabled` False, every call allowed).
+
+    Tokens are matched by their SHA-256 (load_token_entries), so a verifier file (digests only) checks the
+    same tokens as the full file. `identity` (l2fs.identity.K8sIdentity) turns a bearer token no entry knows
+    into a node-bound worker credential, for the methods where the caller asks for it (`review`)."""
 
     LEGACY = frozenset({"admin", "worker"})
 
-    def __init__(self, token: str | None = None, tokens_file: str | None = None) -> None:
+    def __init__(self, token: str | None = None, tokens_file: str | None = None, identity: Any = None) -> None:
         if tokens_file:
-            self.entries = load_tokens_file(tokens_file)
+            self.entries = load_token_entries(tokens_file)
         elif token:
-            self.entries = [(token, Credential("shared-token", self.LEGACY))]
+            self.entries = [(token, token_digest(token), Credential("shared-token", self.LEGACY))]
         else:
             self.entries = []
-        self._bearer = [(f"Bearer {t}".encode(), c) for t, c in self.entries]
-        self._raw = [(t.encode(), c) for t, c in self.entries]
+        self.identity = identity
+        self._digests = [(bytes.fromhex(d), c) for _, d, c in self.entries]
 
     @property
     def enabled(self) -> bool:
-        return bool(self.entries)
+        return bool(self.entries) or self.identity is not None
 
-    @staticmethod
-    def _match(got: bytes, table: list[tuple[bytes, Credential]]) -> Credential | None:
+    def _match(self, got: bytes) -> Credential | None:
+        digest = hashlib.sha256(got).digest()
         found = None
-        for want, cred in table:  # compare against every entry in constant time: no token-guessing by timing
-            if hmac.compare_digest(got, want):
+        for want, cred in self._digests:  # compare against every entry in constant time: no guessing by timing
+            if hmac.compare_digest(digest, want):
                 found = cred
         return found
 
-    def from_metadata(self, metadata: Any) -> Credential | None:
+    def from_metadata(self, metadata: Any, review: bool = True) -> Credential | None:
+        """The credential of `authorization: Bearer <token>`; a token no entry knows goes to `identity` when
+        `review` (the interceptor asks only for worker methods, so strangers cannot make every call cost an
+        API round trip)."""
         got = dict(metadata or ()).get("authorization", "")
         got = got if isinstance(got, bytes) else str(got).encode("utf-8", "surrogatepass")
-        return self._match(got, self._bearer)
+        if not got.startswith(b"Bearer "):
+            return None
+        raw = got[len(b"Bearer "):]
+        cred = self._match(raw)
+        if cred is None and review and self.identity is not None and raw:
+            cred = self.identity.review(raw.decode("utf-8", "replace"))
+        return cred
 
     def data_token_ok(self, token: bytes) -> bool:
         """Token mode of the raw-TCP data plane (a worker whose master has no block key): any known token,
         whatever its role. With a block key the worker takes per-block capabilities instead
         (l2fs.capability.DataGate)."""
-        return not self.enabled or self._match(token, self._raw) is not None
+        return not self.entries or self._match(token) is not None
 
     def caller(self, context: grpc.ServicerContext) -> Credential | None:
         """The credential of a call already past TokenInterceptor; None when authentication is off."""
@@ -402,7 +459,7 @@ class Credentials:
         """The token a master uses to call workers: its own --token, else the first worker-role entry."""
         if own:
             return own
-        return next((t for t, c in self.entries if "worker" in c.roles), None)
+        return next((t for t, _, c in self.entries if t and "worker" in c.roles), None)
 
 
 class BlockKeyError(ValueError):
@@ -508,9 +565,10 @@ class TokenInterceptor(grpc.ServerInterceptor):
         self._forbidden = denier(grpc.StatusCode.PERMISSION_DENIED, "this l2fs token's role may not call this method")
 
     def intercept_service(self, continuation: Callable, handler_call_details: Any) -> Any:
-        cred = self._creds.from_metadata(handler_call_details.invocation_metadata)
         method = handler_call_details.method or ""
         name = method.rpartition("/")[2]
+        worker_method = self._policy is not None and "worker" in self._policy.get(name, frozenset())
+        cred = self._creds.from_metadata(handler_call_details.invocation_metadata, review=worker_method)
         if cred is not None:
             if self._policy is None or cred.roles & self._policy.get(name, frozenset({"admin"})):
                 return continuation(handler_call_details)

@@ -1022,6 +1022,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokens-file", default=os.environ.get("L2FS_TOKENS_FILE"),
                    help="JSON list of {name, token, role: worker|engine|router|admin, prefixes}: scoped tokens "
                         "(also $L2FS_TOKENS_FILE); see docs/l2fs.md")
+    p.add_argument("--worker-identity", choices=("tokens", "k8s"), default=os.environ.get("L2FS_WORKER_IDENTITY")
+                   or "tokens", help="how workers prove who they are: worker-role entries of the tokens file "
+                   "(default), or k8s: a projected ServiceAccount token checked with a TokenReview, bound to the "
+                   "node the review names (l2fs/identity.py; also $L2FS_WORKER_IDENTITY)")
+    p.add_argument("--worker-sa", default=os.environ.get("L2FS_WORKER_SA") or "kvtier:l2fs-worker",
+                   metavar="NAMESPACE:NAME", help="with --worker-identity k8s: the workers' ServiceAccount")
+    p.add_argument("--worker-audience", default=os.environ.get("L2FS_WORKER_AUDIENCE") or "l2fs",
+                   help="with --worker-identity k8s: the audience the workers' tokens must carry (default l2fs)")
+    p.add_argument("--kubeconfig", default=None,
+                   help="with --worker-identity k8s: API server config (default $KUBECONFIG, else in-cluster)")
     p.add_argument("--block-key-file", default=os.environ.get("L2FS_BLOCK_KEY_FILE") or None,
                    help="file of >= 32 random bytes shared by every master (also $L2FS_BLOCK_KEY_FILE): block ids "
                         "become a MAC over (worker id, size), and commits or worker reports of ids it does not "
@@ -1057,8 +1067,13 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     token = args.token or os.environ.get("L2FS_TOKEN") or None
     try:
-        creds = Credentials(token, args.tokens_file)
-    except TokensFileError as e:
+        identity = None
+        if args.worker_identity == "k8s":
+            from l2fs.identity import K8sIdentity
+
+            identity = K8sIdentity(args.worker_sa, args.worker_audience, args.kubeconfig)
+        creds = Credentials(token, args.tokens_file, identity)
+    except (TokensFileError, ValueError) as e:
         print(f"l2fs master: {e}", file=sys.stderr)
         return 2
     if args.capability_ttl <= 0:

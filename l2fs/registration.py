@@ -35,7 +35,8 @@ class MasterLink:
 
     REPORT_PART = 20_000  # block reports per registration message (~3 MB)
 
-    def __init__(self, store: Store, *, master: str, tls_ca: str | None, token: str | None, worker_id: str,
+    def __init__(self, store: Store, *, master: str, tls_ca: str | None, token: str | Callable[[], str] | None,
+                 worker_id: str,
                  node_id: str, address: str, data_address: str, heartbeat_interval: float,
                  wake: threading.Event | None = None, shard: tuple[int, int] = (0, 1),
                  domain_socket: str = "", on_data_key: Callable[[bytes], None] | None = None) -> None:
@@ -51,13 +52,17 @@ class MasterLink:
         self.worker_id, self.node_id = worker_id, node_id
         self.address, self.data_address = address, data_address
         self.heartbeat_interval = heartbeat_interval
-        self._md = auth_metadata(token)
+        self._token = token  # a str, or a FileToken re-read per call (a projected ServiceAccount token)
         self._wake = wake or threading.Event()
         self._stop = threading.Event()
         self.master = pbg.MasterStub(make_channel(master, tls_ca))
         self.registered = False
         self.master_version = 0  # the master's protocol version, once registered
         self.protocol_version, self.min_peer_version = PROTOCOL_VERSION, MIN_PEER_VERSION  # tests play old/new
+
+    @property
+    def _md(self) -> Any:
+        return auth_metadata(self._token() if callable(self._token) else self._token)
 
     def wake(self) -> None:
         self._wake.set()

@@ -23,6 +23,7 @@ from l2fs.batch import MANIFEST_VERSION
 from l2fs.common import (
     DEFAULT_MAX_FILE_SIZE,
     Credentials,
+    FileToken,
     TokensFileError,
     grpc_server,
     parse_size,
@@ -223,6 +224,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--token", default=None,
                    help="bearer token (also $L2FS_TOKEN): alone, the cluster's one shared secret (insecure "
                         "between pods); with --tokens-file, this worker's own worker-role token for the master")
+    p.add_argument("--token-file", default=os.environ.get("L2FS_TOKEN_FILE") or None, metavar="PATH",
+                   help="read the bearer token for the master from PATH at every registration/heartbeat (a "
+                        "projected ServiceAccount token for a master with --worker-identity k8s; also "
+                        "$L2FS_TOKEN_FILE). Needs --tokens-file (what this worker accepts)")
     p.add_argument("--tokens-file", default=os.environ.get("L2FS_TOKENS_FILE"),
                    help="JSON list of {name, token, role, prefixes} this worker accepts (also $L2FS_TOKENS_FILE)")
     p.add_argument("--tls-cert")
@@ -259,6 +264,11 @@ def main(argv: list[str] | None = None) -> int:
     except TokensFileError as e:
         print(f"l2fs worker: {e}", file=sys.stderr)
         return 2
+    if args.token_file:
+        if not args.tokens_file:
+            print("l2fs worker: --token-file needs --tokens-file (the tokens this worker accepts)", file=sys.stderr)
+            return 2
+        token = FileToken(args.token_file)
     if not 0 < args.max_reserved <= 1 or args.reservation_ttl <= 0:
         print("l2fs worker: need 0 < --max-reserved <= 1 and --reservation-ttl > 0", file=sys.stderr)
         return 2

@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from kvtier import tokens
-from l2fs.common import load_tokens_file
+from l2fs.common import Credentials, load_tokens_file, token_digest
 
 pytestmark = pytest.mark.unit
 ROOT = Path(__file__).resolve().parents[2]
@@ -48,7 +48,7 @@ def test_generate_is_what_l2fs_loads(tmp_path: Path) -> None:
             for d in yaml.safe_load_all((tmp_path / "s.yaml").read_text())}
     assert set(docs) == {("kvtier", "l2fs-tokens"), ("kvtier", "l2fs-mount-token"), ("team-a", "ep-a-l2fs-token"),
                          ("default", "ep-b-l2fs-token"), ("team-a", "kvtier-router-l2fs-token"),
-                         ("kvtier", "l2fs-block-key")}
+                         ("kvtier", "l2fs-block-key"), ("kvtier", "l2fs-token-verifiers")}
     # the master's block key: next to the tokens file (0600, >= 32 bytes), the Secret holds exactly its bytes,
     # and a second run keeps it (a new key would unpublish the whole cache)
     key = (tmp_path / "block-key").read_bytes()
@@ -98,3 +98,34 @@ def test_exec_picks_its_own_entry_or_refuses(tmp_path: Path) -> None:
     bad = kvtier("exec", "--entry", "worker-node-a", "--", "true", env=env)
     assert bad.returncode == 2 and "non-empty JSON list" in bad.stderr
     assert kvtier("generate", "--workers", "a").returncode == 2  # nowhere to write
+
+
+def test_verifiers_check_tokens_they_do_not_hold(tmp_path: Path) -> None:
+    """The verifier file (what workers mount) holds no token, only each one's SHA-256, yet the same tokens pass
+    with the same roles, prefixes and nodes; a verifier holder has nothing to present (no outbound token)."""
+    out = tmp_path / "tokens.json"
+    r = kvtier("generate", "--workers", "node-a", "--engine", "ep-a@team-a", "--router", "team-a", "--admin",
+               "-o", str(out), "--secret-yaml", str(tmp_path / "s.yaml"))
+    assert r.returncode == 0, r.stderr
+    ver = tmp_path / "token-verifiers.json"
+    assert ver.stat().st_mode & 0o077 == 0
+    full = {c.name: (t, c) for t, c in load_tokens_file(str(out))}
+    text = ver.read_text()
+    assert all(t not in text for t, _ in full.values())  # not one token
+    docs = {d["metadata"]["name"]: d.get("stringData") or d["data"]
+            for d in yaml.safe_load_all((tmp_path / "s.yaml").read_text())}
+    assert json.loads(docs["l2fs-token-verifiers"]["verifiers.json"]) == json.loads(text)
+    checker = Credentials(tokens_file=str(ver))
+    for name, (token, cred) in full.items():
+        got = checker.from_metadata([("authorization", f"Bearer {token}")])
+        assert got == cred, name
+        assert checker.data_token_ok(token.encode())
+        assert json.loads(text)[list(full).index(name)]["sha256"] == token_digest(token)
+    assert checker.from_metadata([("authorization", "Bearer " + "0" * 64)]) is None
+    assert checker.from_metadata([("authorization", full["admin"][0])]) is None  # no "Bearer "
+    assert not checker.data_token_ok(b"x" * 64)
+    assert checker.outbound_token(None) is None and Credentials(tokens_file=str(out)).outbound_token(None)
+    for bad in ({"sha256": "ab"}, {"sha256": "A" * 64}, {"sha256": "a" * 64, "token": "t" * 20}, {}):
+        (tmp_path / "bad.json").write_text(json.dumps([{"name": "x", "role": "admin", **bad}]))
+        with pytest.raises(ValueError, match="sha256|token"):
+            Credentials(tokens_file=str(tmp_path / "bad.json"))

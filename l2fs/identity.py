@@ -1,0 +1,137 @@
+"""Node-bound worker identity from Kubernetes projected ServiceAccount tokens (issue 13).
+
+Why: a DaemonSet's pods all see the same Secrets, so a per-node secret cannot be handed to one pod; whatever
+the worker pod of node A can read, the one of node B can too. The kubelet, however, gives each pod its own
+short-lived ServiceAccount token bound to the pod (and, since Kubernetes 1.32, naming its node). The worker
+sends that token (re-read from its projected volume at each registration/heartbeat, since the kubelet rotates
+it) as its bearer token; the master asks the API server about it with a TokenReview and, when it is
+authenticated, for the expected ServiceAccount and audience, and names a node, treats the caller as a worker
+credential bound to that node (Credential.may_be_worker): node A's token cannot register or heartbeat node B's
+worker ids, before or after a master restart, and no worker pod holds anything that lets it act as another.
+
+The node comes from the review's user.extra["authentication.kubernetes.io/node-name"] (set for pod-bound
+tokens by Kubernetes >= 1.32). A review without it is refused (no pod lookup fallback: a cluster older than
+1.32 keeps the tokens-file workers, `--worker-identity tokens`).
+
+Positive reviews are cached (by the token's SHA-256) until min(the token's exp, CACHE_TTL) and at most
+CACHE_MAX of them; negative ones are not cached. A review that cannot be made (API server down, no RBAC)
+refuses the call with a log line: the worker retries at its next heartbeat. The `kubernetes` client is
+imported only when this is configured.
+"""
+
+from __future__ import annotations
+
+import base64
+import collections
+import hashlib
+import json
+import logging
+import os
+import threading
+import time
+from typing import Any
+
+from l2fs.common import Credential
+
+log = logging.getLogger("l2fs.identity")
+
+NODE_KEY = "authentication.kubernetes.io/node-name"
+CACHE_TTL = 60.0  # seconds a positive review is trusted (less when the token expires sooner)
+CACHE_MAX = 4096  # cached reviews (one per live worker token; oldest dropped first)
+
+
+def _jwt_exp(token: str) -> float | None:
+    """The `exp` claim of a JWT, unverified (the TokenReview verifies; this only bounds the cache)."""
+    try:
+        payload = token.split(".")[1]
+        claims = json.loads(base64.urlsafe_b64decode(payload + "=" * (-len(payload) % 4)))
+        exp = claims.get("exp")
+        return float(exp) if isinstance(exp, (int, float)) else None
+    except (IndexError, ValueError, AttributeError):
+        return None
+
+
+class K8sIdentity:
+    """TokenReview-backed worker identity: `review(token)` -> a worker Credential bound to the token's node,
+    or None. `service_account` is "NAMESPACE:NAME"; `kubeconfig` None = $KUBECONFIG, else in-cluster config."""
+
+    def __init__(self, service_account: str, audience: str, kubeconfig: str | None = None,
+                 cache_ttl: float = CACHE_TTL, cache_max: int = CACHE_MAX) -> None:
+        ns, sep, name = service_account.partition(":")
+        if not sep or not ns or not name or ":" in name:
+            raise ValueError(f"worker service account {service_account!r}: want NAMESPACE:NAME")
+        if not audience:
+            raise ValueError("worker token audience must not be empty")
+        self.username = f"system:serviceaccount:{ns}:{name}"
+        self.audience = audience
+        self.kubeconfig = kubeconfig or os.environ.get("KUBECONFIG") or None
+        self.cache_ttl, self.cache_max = cache_ttl, cache_max
+        self._cache: collections.OrderedDict[str, tuple[Credential, float]] = collections.OrderedDict()
+        self._lock = threading.Lock()
+        self._api: Any = None
+        self.reviews = 0  # TokenReviews sent (tests read it: the cache works)
+
+    def _client(self) -> Any:
+        if self._api is None:
+            from kubernetes import client, config  # lazy: only masters with --worker-identity k8s need it
+
+            cfg = client.Configuration()
+            if self.kubeconfig:
+                config.load_kube_config(config_file=self.kubeconfig, client_configuration=cfg)
+            else:
+                config.load_incluster_config(client_configuration=cfg)
+            self._api = client.AuthenticationV1Api(client.ApiClient(cfg))
+        return self._api
+
+    def _ask(self, token: str) -> Any:
+        from kubernetes import client
+
+        body = client.V1TokenReview(spec=client.V1TokenReviewSpec(token=token, audiences=[self.audience]))
+        self.reviews += 1
+        return self._client().create_token_review(body, _request_timeout=5)
+
+    def review(self, token: str) -> Credential | None:
+        key = hashlib.sha256(token.encode("utf-8", "surrogatepass")).hexdigest()
+        now = time.time()
+        with self._lock:
+            hit = self._cache.get(key)
+            if hit is not None:
+                if hit[1] > now:
+                    return hit[0]
+                del self._cache[key]
+        try:
+            status = self._ask(token).status
+        except Exception as e:  # noqa: BLE001 (API down, no RBAC, bad config: whatever it is, refuse loudly)
+            log.error("worker identity: TokenReview failed (%s): refusing the call; the worker retries at its "
+                      "next heartbeat", str(e).splitlines()[0] if str(e) else type(e).__name__)
+            return None
+        cred = self._judge(status)
+        if cred is None:
+            return None
+        exp = _jwt_exp(token)
+        until = min(now + self.cache_ttl, exp if exp is not None else now + self.cache_ttl)
+        with self._lock:
+            self._cache[key] = (cred, until)
+            while len(self._cache) > self.cache_max:
+                self._cache.popitem(last=False)
+        return cred
+
+    def _judge(self, status: Any) -> Credential | None:
+        if status is None or not status.authenticated:
+            log.warning("worker identity: token not authenticated (%s)", getattr(status, "error", None) or "no error")
+            return None
+        user = status.user
+        if user is None or user.username != self.username:
+            log.warning("worker identity: token of %r, want %r: refused", getattr(user, "username", None),
+                        self.username)
+            return None
+        if self.audience not in (status.audiences or []):
+            log.warning("worker identity: token audiences %s lack %r: refused", status.audiences, self.audience)
+            return None
+        nodes = (user.extra or {}).get(NODE_KEY) or []
+        if len(nodes) != 1 or not nodes[0]:
+            log.warning("worker identity: review names no node (%s; Kubernetes >= 1.32 puts it in pod-bound "
+                        "tokens): refused", NODE_KEY)
+            return None
+        node = nodes[0]
+        return Credential(f"k8s-node/{node}", frozenset({"worker"}), (), node)

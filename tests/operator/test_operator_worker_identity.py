@@ -1,0 +1,244 @@
+"""Node-bound worker identity (issue 13, finding 1): workers prove who they are with a projected ServiceAccount
+token that the master checks with a TokenReview; the node the review names binds the worker ids the caller
+may register, heartbeat and report for (l2fs/identity.py).
+
+A real `l2fs master --worker-identity k8s` whose kubeconfig points at a kmock API emulator that answers
+POST /apis/authentication.k8s.io/v1/tokenreviews from a table, as the API server would for tokens it
+issued; real `l2fs worker` processes present "projected" tokens from files (--token-file, re-read per call)
+and hold only the verifier file (token digests), not the tokens file. The attacks are raw gRPC calls with
+another node's token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp.web
+import grpc
+import kmock
+import pytest
+import yaml
+from kmock._internal import k8s, rendering
+
+from l2fs.common import token_digest
+from l2fs.local import LocalCluster
+from l2fs.proto import l2fs_pb2 as pb
+from l2fs.proto import l2fs_pb2_grpc as pbg
+
+pytestmark = pytest.mark.k8s
+
+MASTER = "master-token-0123456789abcdef"
+ADMIN = "admin-token-0123456789abcdef"
+SA = "system:serviceaccount:kvtier:l2fs-worker"
+REVIEW_PATH = "/apis/authentication.k8s.io/v1/tokenreviews"
+NODE_KEY = "authentication.kubernetes.io/node-name"
+
+
+def jwt(sub: str, exp_in: float = 3600) -> str:
+    """A token shaped like a projected one (the emulator's table, not a signature, decides what it is)."""
+    def part(d: dict) -> str:
+        return base64.urlsafe_b64encode(json.dumps(d).encode()).rstrip(b"=").decode()
+    return f"{part({'alg': 'RS256'})}.{part({'sub': sub, 'exp': int(time.time() + exp_in), 'n': time.time_ns()})}.sig"
+
+
+class ReviewEmulator(k8s.KubernetesEmulator):
+    """kmock's API emulator plus TokenReview: `table` maps a token to (username, node, audiences); a token not
+    in it is not authenticated, like an expired or forged one. `seen` lists the reviewed tokens."""
+
+    def __init__(self, *a: Any, **kw: Any) -> None:
+        super().__init__(*a, **kw)
+        self.table: dict[str, tuple[str, str, list[str]]] = {}
+        self.seen: list[str] = []
+
+    async def _handle(self, request: rendering.Request) -> Any:
+        if request.method == kmock.method.POST and request.url.path == REVIEW_PATH:
+            body = json.loads(request.body or b"{}")
+            token = body.get("spec", {}).get("token", "")
+            want = body.get("spec", {}).get("audiences") or ["https://kubernetes.default.svc"]
+            self.seen.append(token)
+            status: dict[str, Any] = {"authenticated": False, "error": "invalid bearer token"}
+            if token in self.table:
+                user, node, auds = self.table[token]
+                got = [a for a in want if a in auds]
+                if got:
+                    extra = {NODE_KEY: [node], "authentication.kubernetes.io/pod-name": [f"w-{node}"]} if node else {}
+                    status = {"authenticated": True, "audiences": got,
+                              "user": {"username": user, "uid": "u", "groups": ["system:serviceaccounts"],
+                                       "extra": extra}}
+                else:
+                    status = {"authenticated": False, "error": "token audiences is invalid for the target audiences"}
+            return aiohttp.web.json_response({"apiVersion": "authentication.k8s.io/v1", "kind": "TokenReview",
+                                              "spec": body.get("spec", {}), "status": status}, status=201)
+        return await super()._handle(request)
+
+
+@pytest.fixture
+def api(tmp_path: Path) -> Iterator[tuple[ReviewEmulator, Path, Any]]:
+    """(emulator, kubeconfig, stop()) on 127.0.0.1 with its own event loop thread."""
+    loop = asyncio.new_event_loop()
+    started = threading.Event()
+    state: dict[str, Any] = {}
+
+    async def serve() -> None:
+        emu = ReviewEmulator()
+        async with emu, kmock.Server(emu) as srv:
+            state.update(emu=emu, url=str(srv.url).rstrip("/"), stop=asyncio.Event())
+            started.set()
+            await state["stop"].wait()
+
+    thread = threading.Thread(target=lambda: loop.run_until_complete(serve()), daemon=True)
+    thread.start()
+    assert started.wait(10), "emulator did not start"
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(yaml.safe_dump({
+        "apiVersion": "v1", "kind": "Config", "current-context": "emu",
+        "clusters": [{"name": "emu", "cluster": {"server": state["url"]}}],
+        "users": [{"name": "emu", "user": {"token": "master-sa-token"}}],
+        "contexts": [{"name": "emu", "context": {"cluster": "emu", "user": "emu"}}]}))
+
+    def stop() -> None:
+        if not state["stop"].is_set():
+            loop.call_soon_threadsafe(state["stop"].set)
+            thread.join(10)
+
+    yield state["emu"], kubeconfig, stop
+    stop()
+    loop.close()
+
+
+def _call(method: Any, request: Any, token: str) -> grpc.StatusCode:
+    """Status of one raw call with `token` as the bearer token (OK when it succeeded)."""
+    try:
+        method(request, timeout=10, metadata=(("authorization", f"Bearer {token}"),))
+        return grpc.StatusCode.OK
+    except grpc.RpcError as e:
+        return e.code()
+
+
+@pytest.fixture
+def k8s_cluster(api: tuple[ReviewEmulator, Path, Any], tmp_path: Path) -> Iterator[Any]:
+    """Master with --worker-identity k8s + two workers (node-1, node-2), each with its own token file and the
+    verifier file only."""
+    emu, kubeconfig, _ = api
+    tokens = tmp_path / "tokens.json"
+    entries = [{"name": "master", "token": MASTER, "role": "worker"}, {"name": "ops", "token": ADMIN, "role": "admin"}]
+    tokens.write_text(json.dumps(entries))
+    verifiers = tmp_path / "verifiers.json"
+    verifiers.write_text(json.dumps([{"name": e["name"], "sha256": token_digest(e["token"]), "role": e["role"]}
+                                     for e in entries]))
+    cluster = LocalCluster(tmp_path / "c", workers=2, token=ADMIN, heartbeat_timeout=3, heartbeat_interval=0.5,
+                           master_args=["--tokens-file", str(tokens), "--token", MASTER, "--worker-identity", "k8s",
+                                        "--worker-sa", "kvtier:l2fs-worker", "--worker-audience", "l2fs",
+                                        "--kubeconfig", str(kubeconfig)])
+    cluster.token_files = {}
+    for w in cluster.workers:
+        f = tmp_path / f"{w.node_id}.token"
+        tok = jwt(w.node_id)
+        emu.table[tok] = (SA, w.node_id, ["l2fs"])
+        f.write_text(tok)
+        cluster.token_files[w.node_id] = f
+        w.extra_args = ["--tokens-file", str(verifiers), "--token-file", str(f)]
+    with cluster:
+        yield cluster
+
+
+def _ids(cluster: Any) -> dict[str, str]:
+    with cluster.client() as c:
+        return {w.node_id: w.worker_id for w in c.report().workers if w.alive}
+
+
+def _attacks(cluster: Any, token: str, victim_node: str, victim_id: str) -> list[grpc.StatusCode]:
+    m = pbg.MasterStub(grpc.insecure_channel(cluster.master))
+    reg = pb.RegisterRequest(worker_id=victim_id, node_id=victim_node, address="127.0.0.1:1", capacity=1 << 30)
+    reg_own_node = pb.RegisterRequest(worker_id=victim_id, node_id="node-1", address="127.0.0.1:1", capacity=1 << 30)
+    return [_call(m.RegisterWorker, reg, token),
+            _call(m.RegisterWorker, reg_own_node, token),
+            _call(m.Heartbeat, pb.HeartbeatRequest(worker_id=victim_id), token),
+            _call(m.RemoveBlocks, pb.BlocksRemoved(worker_id=victim_id), token)]
+
+
+def test_node_token_registers_its_node_only(k8s_cluster: Any, api: tuple[ReviewEmulator, Path, Any]) -> None:
+    """Workers register with their projected tokens (no tokens file, no shared secret). node-1's token cannot
+    register, heartbeat or report as node-2's worker, neither while node-2 is live nor right after a master
+    restart (when no in-memory owner binding exists yet); node-2 keeps its address."""
+    emu = api[0]
+    ids = _ids(k8s_cluster)
+    assert set(ids) == {"node-1", "node-2"}
+    with k8s_cluster.client(token=ADMIN) as c:  # workers check the client's token against digests only
+        assert c.put("/kv/x", b"k" * 70_000) is True and c.get("/kv/x") == b"k" * 70_000
+    assert ids["node-1"].startswith("node-1") and ids["node-2"].startswith("node-2")
+    node1 = k8s_cluster.token_files["node-1"].read_text()
+    assert all(c == grpc.StatusCode.PERMISSION_DENIED for c in _attacks(k8s_cluster, node1, "node-2", ids["node-2"]))
+    # the node-1 token does register node-1's own ids (the binding, not a blanket refusal)
+    m = pbg.MasterStub(grpc.insecure_channel(k8s_cluster.master))
+    assert _call(m.Heartbeat, pb.HeartbeatRequest(worker_id=ids["node-1"]), node1) == grpc.StatusCode.OK
+    k8s_cluster.kill_master()
+    k8s_cluster.start_master()
+    assert all(c == grpc.StatusCode.PERMISSION_DENIED for c in _attacks(k8s_cluster, node1, "node-2", ids["node-2"]))
+    k8s_cluster.wait_workers(2)
+    with k8s_cluster.client() as c:
+        w2 = [w for w in c.report().workers if w.worker_id == ids["node-2"]][0]
+    assert w2.alive and w2.address != "127.0.0.1:1"
+    assert node1 in emu.seen
+
+
+def test_unknown_expired_or_foreign_tokens_are_refused(k8s_cluster: Any, api: tuple[ReviewEmulator, Path, Any]) -> None:
+    """A token the API server does not authenticate (unknown, expired), one of another ServiceAccount and one
+    for another audience are UNAUTHENTICATED for worker calls; so is a static client token (admin) on them it
+    is PERMISSION_DENIED (its role). When the API server cannot be reached, a new token is refused too."""
+    emu, _, stop = api
+    ids = _ids(k8s_cluster)
+    other_sa = jwt("node-1")
+    emu.table[other_sa] = ("system:serviceaccount:default:evil", "node-1", ["l2fs"])
+    wrong_aud = jwt("node-1")
+    emu.table[wrong_aud] = (SA, "node-1", ["https://kubernetes.default.svc"])
+    no_node = jwt("node-1")
+    emu.table[no_node] = (SA, "", ["l2fs"])
+    m = pbg.MasterStub(grpc.insecure_channel(k8s_cluster.master))
+    own = pb.RegisterRequest(worker_id="node-1-fresh", node_id="node-1", address="127.0.0.1:1", capacity=1 << 30)
+    unauth = grpc.StatusCode.UNAUTHENTICATED
+    for tok in ("not-a-jwt", jwt("node-1"), other_sa, wrong_aud, no_node):
+        assert _call(m.RegisterWorker, own, tok) == unauth, tok
+        assert _call(m.Heartbeat, pb.HeartbeatRequest(worker_id=ids["node-1"]), tok) == unauth, tok
+    # a projected token is no client credential: non-worker methods do not even review it
+    n = len(emu.seen)
+    node1 = k8s_cluster.token_files["node-1"].read_text()
+    assert _call(m.Report, pb.Empty(), node1) == unauth and _call(m.Report, pb.Empty(), jwt("x")) == unauth
+    assert len(emu.seen) == n
+    stop()  # API server gone: a token never reviewed before is refused, not waved through
+    fresh = jwt("node-1")
+    emu.table[fresh] = (SA, "node-1", ["l2fs"])
+    assert _call(m.Heartbeat, pb.HeartbeatRequest(worker_id=ids["node-1"]), fresh) == unauth
+    log = (k8s_cluster.base / "logs" / "master.log").read_text()
+    assert "TokenReview failed" in log
+
+
+def test_rotated_token_keeps_the_worker_registered(k8s_cluster: Any, api: tuple[ReviewEmulator, Path, Any]) -> None:
+    """The kubelet rewrites the projected token; the worker re-reads it per call, so the new token is what the
+    master reviews and the worker stays alive past several heartbeat timeouts (the old one is no longer known
+    to the API server)."""
+    emu = api[0]
+    ids = _ids(k8s_cluster)
+    f = k8s_cluster.token_files["node-1"]
+    old = f.read_text()
+    new = jwt("node-1")
+    emu.table[new] = (SA, "node-1", ["l2fs"])
+    tmp = f.with_suffix(".new")
+    tmp.write_text(new)
+    tmp.replace(f)  # what the kubelet's atomic writer does
+    del emu.table[old]
+    deadline = time.monotonic() + 10
+    while new not in emu.seen:
+        assert time.monotonic() < deadline, "the rotated token was never presented"
+        time.sleep(0.2)
+    time.sleep(4)  # > the 3 s heartbeat timeout
+    assert _ids(k8s_cluster).get("node-1") == ids["node-1"]
+    # ~8 heartbeats at 0.5 s went by: a positive review is cached, not repeated per call
+    assert emu.seen.count(new) <= 2, emu.seen.count(new)
