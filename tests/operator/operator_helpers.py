@@ -11,6 +11,8 @@ told to never finish, to test time-outs).
 from __future__ import annotations
 
 import asyncio
+import base64
+import contextlib
 import copy
 import json
 import shutil
@@ -19,11 +21,13 @@ import ssl
 import subprocess
 import sys
 import threading
+import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import aiohttp.web
 import attrs
 import httpx
 import jsonpatch
@@ -180,18 +184,23 @@ class ClusterEmulator(k8s.KubernetesEmulator):
                     obj.patch({"status": new_st, "metadata": {"resourceVersion": str(self._rv)}})
 
 
+def write_kubeconfig(path: Path, url: str) -> Path:
+    """A kubeconfig for the emulator at `url` (what the official client's load_kube_config reads)."""
+    path.write_text(yaml.safe_dump({
+        "apiVersion": "v1", "kind": "Config", "current-context": "emu",
+        "clusters": [{"name": "emu", "cluster": {"server": url}}],
+        "users": [{"name": "emu", "user": {"token": "test"}}],
+        "contexts": [{"name": "emu", "context": {"cluster": "emu", "user": "emu"}}],
+    }))
+    return path
+
+
 class Cluster:
     """Handle the tests use: URL, kubeconfig, typed clients and direct access to stored objects."""
 
     def __init__(self, emu: ClusterEmulator, loop: asyncio.AbstractEventLoop, url: str, tmp: Path) -> None:
         self.emu, self.loop, self.url = emu, loop, url
-        self.kubeconfig = tmp / "kubeconfig"
-        self.kubeconfig.write_text(yaml.safe_dump({
-            "apiVersion": "v1", "kind": "Config", "current-context": "emu",
-            "clusters": [{"name": "emu", "cluster": {"server": url}}],
-            "users": [{"name": "emu", "user": {"token": "test"}}],
-            "contexts": [{"name": "emu", "context": {"cluster": "emu", "user": "emu"}}],
-        }))
+        self.kubeconfig = write_kubeconfig(tmp / "kubeconfig", url)
         from kubernetes import client
 
         cfg = client.Configuration()
@@ -209,32 +218,109 @@ class Cluster:
         return self.api.sanitize_for_serialization(self.apps.read_namespaced_deployment(name, namespace))
 
 
-@pytest.fixture
-def cluster(tmp_path: Path) -> Iterator[Cluster]:
-    """An emulated API server on 127.0.0.1 with its own event loop thread."""
+@contextlib.contextmanager
+def serve_emulator(emu: k8s.KubernetesEmulator, *background: Any) -> Iterator[tuple[asyncio.AbstractEventLoop, str,
+                                                                                     Callable[[], None]]]:
+    """Run `emu` on 127.0.0.1 in its own event loop thread (with `background` coroutine functions as tasks):
+    yields (loop, url, stop); stop() ends it early (an API server that went away)."""
     loop = asyncio.new_event_loop()
     started = threading.Event()
     state: dict[str, Any] = {}
 
     async def serve() -> None:
-        emu = ClusterEmulator()
-        emu.resources["inference.sagemaker.aws.amazon.com/v1/inferenceendpointconfigs"] = {}
-        emu.resources["apiextensions.k8s.io/v1/customresourcedefinitions"] = {}
-        emu.resources["admissionregistration.k8s.io/v1/mutatingwebhookconfigurations"] = {}
         async with emu, kmock.Server(emu) as srv:
-            task = asyncio.create_task(emu.deployment_controller())
-            state.update(emu=emu, url=str(srv.url).rstrip("/"), stop=asyncio.Event())
+            tasks = [asyncio.create_task(fn()) for fn in background]
+            state.update(url=str(srv.url).rstrip("/"), stop=asyncio.Event())
             started.set()
             await state["stop"].wait()
-            task.cancel()
+            for task in tasks:
+                task.cancel()
 
     thread = threading.Thread(target=lambda: loop.run_until_complete(serve()), daemon=True)
     thread.start()
     assert started.wait(10), "emulator did not start"
-    yield Cluster(state["emu"], loop, state["url"], tmp_path)
-    loop.call_soon_threadsafe(state["stop"].set)
-    thread.join(10)
-    loop.close()
+
+    def stop() -> None:
+        if thread.is_alive():
+            loop.call_soon_threadsafe(state["stop"].set)
+            thread.join(10)
+
+    try:
+        yield loop, state["url"], stop
+    finally:
+        stop()
+        loop.close()
+
+
+@pytest.fixture
+def cluster(tmp_path: Path) -> Iterator[Cluster]:
+    """An emulated API server on 127.0.0.1 with its own event loop thread."""
+    emu = ClusterEmulator()
+    emu.resources["inference.sagemaker.aws.amazon.com/v1/inferenceendpointconfigs"] = {}
+    emu.resources["apiextensions.k8s.io/v1/customresourcedefinitions"] = {}
+    emu.resources["admissionregistration.k8s.io/v1/mutatingwebhookconfigurations"] = {}
+    with serve_emulator(emu, emu.deployment_controller) as (loop, url, _):
+        yield Cluster(emu, loop, url, tmp_path)
+
+
+# ---------- TokenReview (l2fs master --worker-identity k8s) ----------
+
+SA = "system:serviceaccount:kvtier:l2fs-worker"  # deploy/base: the workers' ServiceAccount
+REVIEW_PATH = "/apis/authentication.k8s.io/v1/tokenreviews"
+NODE_KEY = "authentication.kubernetes.io/node-name"
+
+
+def jwt(sub: str, exp_in: float = 3600) -> str:
+    """A token shaped like a projected one (the emulator's table, not a signature, decides what it is)."""
+    def part(d: dict) -> str:
+        return base64.urlsafe_b64encode(json.dumps(d).encode()).rstrip(b"=").decode()
+    claims = {"sub": sub, "exp": int(time.time() + exp_in), "n": time.time_ns()}
+    return f"{part({'alg': 'RS256'})}.{part(claims)}.sig"
+
+
+class ReviewEmulator(k8s.KubernetesEmulator):
+    """kmock's API emulator plus TokenReview, answered as the API server does for tokens it issued: `table`
+    maps a token to (username, node, audiences); a token not in it is not authenticated (unknown, expired,
+    forged); the review's audiences must meet the token's. `seen` lists the reviewed tokens."""
+
+    def __init__(self, *a: Any, **kw: Any) -> None:
+        super().__init__(*a, **kw)
+        self.table: dict[str, tuple[str, str, list[str]]] = {}
+        self.seen: list[str] = []
+
+    async def _handle(self, request: rendering.Request) -> Any:
+        if request.method != kmock.method.POST or request.url.path != REVIEW_PATH:
+            return await super()._handle(request)
+        spec = json.loads(request.body or b"{}").get("spec", {})
+        token = spec.get("token", "")
+        self.seen.append(token)
+        status: dict[str, Any] = {"authenticated": False, "error": "invalid bearer token"}
+        if token in self.table:
+            user, node, auds = self.table[token]
+            got = [a for a in spec.get("audiences") or ["https://kubernetes.default.svc"] if a in auds]
+            extra = {NODE_KEY: [node], "authentication.kubernetes.io/pod-name": [f"w-{node}"]} if node else {}
+            status = {"authenticated": True, "audiences": got, "user": {
+                "username": user, "uid": "u", "groups": ["system:serviceaccounts"], "extra": extra}} if got else {
+                "authenticated": False, "error": "token audiences is invalid for the target audiences"}
+        return aiohttp.web.json_response({"apiVersion": "authentication.k8s.io/v1", "kind": "TokenReview",
+                                          "spec": spec, "status": status}, status=201)
+
+
+@attrs.define
+class ReviewApi:
+    emu: ReviewEmulator
+    kubeconfig: Path
+    stop: Callable[[], None]
+
+
+@contextlib.contextmanager
+def review_api(tmp: Path) -> Iterator[ReviewApi]:
+    """A TokenReview-answering API emulator and a kubeconfig for it (readable by the manifests' 65532 user)."""
+    emu = ReviewEmulator()
+    with serve_emulator(emu) as (_, url, stop):
+        kubeconfig = write_kubeconfig(tmp / "review-kubeconfig", url)
+        kubeconfig.chmod(0o644)
+        yield ReviewApi(emu, kubeconfig, stop)
 
 
 ROOT = Path(__file__).resolve().parents[2]

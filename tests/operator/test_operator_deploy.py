@@ -223,14 +223,18 @@ def test_webhook_wiring(docs: list[dict[str, Any]]) -> None:
 
 
 def test_rbac_is_least_privilege(docs: list[dict[str, Any]]) -> None:
-    # one cluster-wide grant: the webhook may read (get) InferenceEndpointConfigs, nothing else
+    # two cluster-wide grants: the webhook may read (get) InferenceEndpointConfigs, the l2fs master may create
+    # TokenReviews (how it checks workers' projected tokens), nothing else
+    grants = {"kvtier-webhook-read-iec": ([{"apiGroups": ["inference.sagemaker.aws.amazon.com"],
+                                            "resources": ["inferenceendpointconfigs"], "verbs": ["get"]}],
+                                          "kvtier-webhook"),
+              "kvtier-l2fs-tokenreview": ([{"apiGroups": ["authentication.k8s.io"], "resources": ["tokenreviews"],
+                                            "verbs": ["create"]}], "l2fs-master")}
     for cr in by_kind(docs, "ClusterRole"):
-        assert cr["metadata"]["name"] == "kvtier-webhook-read-iec"
-        assert cr["rules"] == [{"apiGroups": ["inference.sagemaker.aws.amazon.com"],
-                                "resources": ["inferenceendpointconfigs"], "verbs": ["get"]}]
+        assert cr["rules"] == grants[cr["metadata"]["name"]][0]
     for crb in by_kind(docs, "ClusterRoleBinding"):
-        assert crb["roleRef"]["name"] == "kvtier-webhook-read-iec"
-        assert crb["subjects"] == [{"kind": "ServiceAccount", "name": "kvtier-webhook", "namespace": "kvtier"}]
+        sa = grants[crb["roleRef"]["name"]][1]
+        assert crb["subjects"] == [{"kind": "ServiceAccount", "name": sa, "namespace": "kvtier"}]
     sas = {(s["metadata"].get("namespace"), s["metadata"]["name"]) for s in by_kind(docs, "ServiceAccount")}
     for role in by_kind(docs, "Role"):
         assert role["rules"] == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}]
@@ -239,9 +243,14 @@ def test_rbac_is_least_privilege(docs: list[dict[str, Any]]) -> None:
         for s in rb["subjects"]:
             assert (s.get("namespace", rb["metadata"].get("namespace")), s["name"]) in sas
     for w in workloads(docs):
-        sa = w["spec"]["template"]["spec"].get("serviceAccountName")
-        if sa not in ("kvtier-router", "kvtier-webhook"):  # only these talk to the API server
-            assert w["spec"]["template"]["spec"].get("automountServiceAccountToken") is False, w["metadata"]["name"]
+        spec = w["spec"]["template"]["spec"]
+        sa = spec.get("serviceAccountName")
+        if sa not in ("kvtier-router", "kvtier-webhook", "l2fs-master"):  # only these talk to the API server
+            assert spec.get("automountServiceAccountToken") is False, w["metadata"]["name"]
+        if sa == "l2fs-worker":  # its only token (none when insecure): audience l2fs, for the master's TokenReview
+            for v in spec["volumes"]:
+                assert "projected" not in v or v["projected"]["sources"] == [{"serviceAccountToken": {
+                    "path": "token", "audience": "l2fs", "expirationSeconds": 3600}}]
 
 
 def test_g6e_example_endpoint_matches_router_and_webhook() -> None:
@@ -304,4 +313,4 @@ def test_flags_exist_in_the_components() -> None:
             for flag in flags:
                 assert re.search(rf"{re.escape(flag)}\b", helps[cmd]), f"{' '.join(cmd)} has no {flag}"
     assert set(helps) == {("l2fs", "master"), ("l2fs", "worker"), ("l2fs", "mount"), ("kvtier", "webhook"),
-                          ("kvtier", "router"), ("kvtier", "tokens", "exec")}
+                          ("kvtier", "router")}

@@ -25,7 +25,7 @@ from typing import Any
 
 import pytest
 import yaml
-from operator_helpers import free_port
+from operator_helpers import SA, ReviewApi, free_port, jwt, review_api
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -99,7 +99,7 @@ def hostpath() -> Iterator[Path]:
 class Env:
     """The container environment: the rendered ConfigMap with local ports/paths, plus downward API values."""
 
-    def __init__(self, docs: list[dict[str, Any]], tmp: Path, hostpath: Path) -> None:
+    def __init__(self, docs: list[dict[str, Any]], tmp: Path, hostpath: Path, api: ReviewApi) -> None:
         (cm,) = [d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"].startswith("kvtier-config")]
         self.vars: dict[str, str] = dict(cm["data"])
         mport = free_port()
@@ -126,12 +126,23 @@ class Env:
         for s in yaml.safe_load_all(made.stdout):
             self.secrets.update({(s["metadata"]["name"], k): v for k, v in (s.get("stringData") or {}).items()})
         key = hostpath / "block-key"  # the master's block key, made next to the tokens file (Secret l2fs-block-key)
-        for f in (tokens, key):
+        verifiers = hostpath / "token-verifiers.json"  # Secret l2fs-token-verifiers: what workers mount
+        # the worker pod's projected ServiceAccount token, and the API server that issued it (the master reaches
+        # it as in a pod: kubeconfig instead of in-cluster config, the TokenReview the same)
+        self.api = api
+        identity = hostpath / "identity-token"
+        self.identity = jwt("l2fs-worker-pod-on-node-a")
+        api.emu.table[self.identity] = (SA, "node-a", ["l2fs"])
+        identity.write_text(self.identity)
+        for f in (tokens, key, verifiers, identity):
             if os.geteuid() == 0:
                 os.chown(f, 0, 65532)
             f.chmod(0o440)
         self.tokens = {e["name"]: e["token"] for e in json.loads(tokens.read_text())}
         self.vars["L2FS_TOKENS_FILE"] = str(tokens)
+        self.vars["L2FS_TOKEN_VERIFIERS_FILE"] = str(verifiers)
+        self.vars["L2FS_WORKER_TOKEN_FILE"] = str(identity)
+        self.vars["KUBECONFIG"] = str(api.kubeconfig)
         self.vars["L2FS_BLOCK_KEY_FILE"] = str(key)
 
     def start(self, c: dict[str, Any], log: str) -> subprocess.Popen[bytes]:
@@ -229,12 +240,13 @@ def start_worker(base: list[dict[str, Any]], env: Env) -> subprocess.Popen[bytes
 
 @pytest.fixture
 def env(base: list[dict[str, Any]], tmp_path: Path, hostpath: Path) -> Iterator[Env]:
-    e = Env(base, tmp_path, hostpath)
-    yield e
-    mnt = e.vars["L2FS_MOUNT_PATH"]
-    if os.path.ismount(mnt):
-        subprocess.run(["fusermount3", "-u", "-z", mnt], timeout=20)
-    e.stop()
+    with review_api(hostpath) as api:
+        e = Env(base, tmp_path, hostpath, api)
+        yield e
+        mnt = e.vars["L2FS_MOUNT_PATH"]
+        if os.path.ismount(mnt):
+            subprocess.run(["fusermount3", "-u", "-z", mnt], timeout=20)
+        e.stop()
 
 
 def test_master_and_worker_commands_and_probes(base: list[dict[str, Any]], env: Env) -> None:
@@ -269,10 +281,11 @@ def test_master_and_worker_commands_and_probes(base: list[dict[str, Any]], env: 
 
 
 def test_scoped_tokens_from_the_generated_file(base: list[dict[str, Any]], env: Env) -> None:
-    """`kvtier tokens generate` output as the rendered master and worker containers load it: the worker
-    starts through `kvtier tokens exec` with its node's own entry and registers; a node without an entry
-    does not start (clear message, exit 2); the engine token puts under its endpoint's prefix only and
-    cannot overwrite or delete; the router token only reads; the mount's admin token may delete."""
+    """`kvtier tokens generate` output as the rendered master and worker containers load it: the worker holds
+    no token (only the verifier file) and registers with its pod's projected ServiceAccount token, which the
+    master reviews and binds to node-a; a pod on another node showing that token is refused; the engine token
+    puts under its endpoint's prefix only and cannot overwrite or delete; the router token only reads; the
+    mount's admin token may delete."""
     master = container(base, "StatefulSet", "l2fs-master")
     env.wait_probe(master, "readinessProbe", env.start(master, "master.log"), "master.log")
     wp = start_worker(base, env)
@@ -286,14 +299,27 @@ def test_scoped_tokens_from_the_generated_file(base: list[dict[str, Any]], env: 
 
     report = cli(env.tokens["admin"], "report", "--json")
     assert report.returncode == 0 and "node-a" in report.stdout, report.stderr
-    # the worker process holds its own node's token (the wrapper exec'd into it), not another's
+    # the worker process holds no token of anyone: no L2FS_TOKEN, and the file it checks tokens with has digests
     environ = Path(f"/proc/{wp.pid}/environ").read_bytes().split(b"\0")
-    assert f"L2FS_TOKEN={env.tokens['worker-node-a']}".encode() in environ
-    # a node the tokens were not made for: the worker container exits at once and says why
+    assert not [e for e in environ if e.startswith(b"L2FS_TOKEN=")]
+    verifiers = Path(env.vars["L2FS_TOKEN_VERIFIERS_FILE"]).read_text()
+    assert not [t for t in env.tokens.values() if t in verifiers]
+    assert env.identity in env.api.emu.seen  # it registered with its projected token, reviewed by the API server
+    # node-a's pod token shown by a worker pod of node-x (same DaemonSet, same Secrets): registration refused
     worker = container(base, "DaemonSet", "l2fs-worker")
-    stray = env.start({**worker, "command": expand(worker["command"], {"NODE_NAME": "node-x"})}, "stray.log")
-    assert stray.wait(60) == 2
-    assert "no entry 'worker-node-x'" in (env.tmp / "stray.log").read_text()
+    stray_dir = Path(env.vars["L2FS_DATA_DIR"]).parent / "stray"
+    stray_dir.mkdir()
+    if os.geteuid() == 0:
+        os.chown(stray_dir, 65532, 65532)
+    stray = {**worker, "args": expand(worker["args"], {"NODE_NAME": "node-x", "L2FS_DATA_DIR": str(stray_dir),
+                                                        "L2FS_WORKER_PORT": str(free_port()),
+                                                        "L2FS_WORKER_DATA_PORT": str(free_port()),
+                                                        "L2FS_WORKER_METRICS_PORT": str(free_port()),
+                                                        "L2FS_SOCKET_DIR": str(stray_dir)})}
+    sp = env.start(stray, "stray.log")
+    time.sleep(3)
+    assert sp.poll() is None and "PERMISSION_DENIED" in (env.tmp / "stray.log").read_text()
+    assert "node-x" not in cli(env.tokens["admin"], "report", "--json").stdout
     # engine ep-a: put-if-absent under /kvtier/kv/ep-a only
     src = env.tmp / "chunk"
     src.write_bytes(os.urandom(100_000))

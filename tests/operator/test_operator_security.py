@@ -61,10 +61,11 @@ def patch_config(cm: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> PatchCo
 
 def test_scoped_tokens_wired_unless_explicitly_insecure(rendered: dict[str, list[dict[str, Any]]],
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
-    """Master and workers read the tokens file from Secret l2fs-tokens (required); each worker starts through
-    `kvtier tokens exec` with its own node's entry; the mount holds its own admin token, the router a
-    router-role token and its salts; no pod holds the old shared token. Engine pods (webhook, plugin mode)
-    get their endpoint's own Secret, never a privileged one."""
+    """The master reads the tokens file from Secret l2fs-tokens (required); workers only the verifier file
+    (Secret l2fs-token-verifiers, digests) and prove who they are with their projected ServiceAccount token
+    (the master reviews it: --worker-identity k8s); the mount holds its own token, the router a router-role
+    token and its salts; no pod holds the old shared token. Engine pods (webhook, plugin mode) get their
+    endpoint's own Secret, never a privileged one."""
     from operator_helpers import load_yaml
 
     from operator_patch.patch import mutate
@@ -78,18 +79,29 @@ def test_scoped_tokens_wired_unless_explicitly_insecure(rendered: dict[str, list
             assert "l2fs-token" not in refs, (target, name)  # the shared admin+worker token is gone
         if by_kind(docs, "DaemonSet"):
             cm = configmap(docs, "kvtier-config")["data"]
-            path = cm["L2FS_TOKENS_FILE"]
-            for name in ("l2fs-master", "l2fs-worker"):
+            for name, var, secret, key in (("l2fs-master", "L2FS_TOKENS_FILE", "l2fs-tokens", "tokens.json"),
+                                           ("l2fs-worker", "L2FS_TOKEN_VERIFIERS_FILE", "l2fs-token-verifiers",
+                                            "verifiers.json")):
                 c, spec = found[name]
+                path = cm[var]
                 assert not env_of(c, "L2FS_TOKEN"), (target, name)
                 vol = secret_volume(spec, c, path.rsplit("/", 1)[0])
-                assert vol["secretName"] == "l2fs-tokens" and not vol.get("optional"), (target, name)
-                assert vol["items"] == [{"key": "tokens.json", "path": path.rsplit("/", 1)[1]}]
+                assert vol["secretName"] == secret and not vol.get("optional"), (target, name)
+                assert vol["items"] == [{"key": key, "path": path.rsplit("/", 1)[1]}]
                 assert vol["defaultMode"] & 0o007 == 0 and spec["securityContext"]["fsGroup"] == 65532
-            worker = found["l2fs-worker"][0]
-            assert worker["command"] == ["kvtier", "tokens", "exec", "--entry", "worker-$(NODE_NAME)", "--role",
-                                         "worker", "--", "l2fs", "worker"]
-            assert env_of(worker, "NODE_NAME")[0]["valueFrom"] == {"fieldRef": {"fieldPath": "spec.nodeName"}}
+                assert [v["secret"] for v in spec["volumes"] if (v.get("secret") or {}).get("secretName")] == [vol] or \
+                    name == "l2fs-master", (target, name)  # the worker: no Secret but the verifiers
+            worker, wspec = found["l2fs-worker"]
+            assert worker["command"] == ["l2fs", "worker"]
+            args = worker["args"]
+            assert args[args.index("--tokens-file") + 1] == "$(L2FS_TOKEN_VERIFIERS_FILE)"
+            assert args[args.index("--token-file") + 1] == "$(L2FS_WORKER_TOKEN_FILE)"
+            assert cm["L2FS_WORKER_TOKEN_FILE"].rsplit("/", 1)[0] in [m["mountPath"] for m in worker["volumeMounts"]]
+            assert wspec["serviceAccountName"] == "l2fs-worker" and wspec["automountServiceAccountToken"] is False
+            master = found["l2fs-master"][0]["args"]
+            assert master[master.index("--worker-identity") + 1] == "$(L2FS_WORKER_IDENTITY)"
+            assert (cm["L2FS_WORKER_IDENTITY"], cm["L2FS_WORKER_SA"], cm["L2FS_WORKER_AUDIENCE"]) == (
+                "k8s", "kvtier:l2fs-worker", "l2fs")
             mount = found["l2fs-mount"][0]
             assert env_of(mount, "L2FS_TOKEN")[0]["valueFrom"]["secretKeyRef"] == {"name": "l2fs-mount-token",
                                                                                    "key": "token"}
@@ -114,10 +126,11 @@ def test_scoped_tokens_wired_unless_explicitly_insecure(rendered: dict[str, list
     for name in ("l2fs-master", "l2fs-worker", "l2fs-mount"):
         c, spec = found[name]
         assert not env_of(c, "L2FS_TOKEN") and "/etc/l2fs" not in [m["mountPath"] for m in c["volumeMounts"]]
-        assert "l2fs-tokens" not in [v["name"] for v in spec["volumes"]], name
+        assert not {"l2fs-tokens", "l2fs-token-verifiers", "identity"} & {v["name"] for v in spec["volumes"]}, name
     assert found["l2fs-worker"][0]["command"] == ["l2fs", "worker"]
     cm = configmap(insecure, "kvtier-config")["data"]
-    assert cm["KVTIER_TOKEN_SECRET"] == "" and cm["L2FS_TOKENS_FILE"] == ""
+    assert cm["KVTIER_TOKEN_SECRET"] == "" and cm["L2FS_TOKENS_FILE"] == "" == cm["L2FS_TOKEN_VERIFIERS_FILE"]
+    assert cm["L2FS_WORKER_IDENTITY"] == "tokens" and cm["L2FS_WORKER_TOKEN_FILE"] == ""
     # the webhook's own parser takes the empty value as "no token" (not as a secret named '')
     assert PatchConfig(mode="plugin", token_secret="").token_secret == ""
 

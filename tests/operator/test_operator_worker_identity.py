@@ -11,21 +11,15 @@ another node's token.
 
 from __future__ import annotations
 
-import asyncio
-import base64
 import json
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import aiohttp.web
 import grpc
-import kmock
 import pytest
-import yaml
-from kmock._internal import k8s, rendering
+from operator_helpers import SA, ReviewApi, jwt, review_api
 
 from l2fs.common import token_digest
 from l2fs.local import LocalCluster
@@ -36,81 +30,12 @@ pytestmark = pytest.mark.k8s
 
 MASTER = "master-token-0123456789abcdef"
 ADMIN = "admin-token-0123456789abcdef"
-SA = "system:serviceaccount:kvtier:l2fs-worker"
-REVIEW_PATH = "/apis/authentication.k8s.io/v1/tokenreviews"
-NODE_KEY = "authentication.kubernetes.io/node-name"
-
-
-def jwt(sub: str, exp_in: float = 3600) -> str:
-    """A token shaped like a projected one (the emulator's table, not a signature, decides what it is)."""
-    def part(d: dict) -> str:
-        return base64.urlsafe_b64encode(json.dumps(d).encode()).rstrip(b"=").decode()
-    return f"{part({'alg': 'RS256'})}.{part({'sub': sub, 'exp': int(time.time() + exp_in), 'n': time.time_ns()})}.sig"
-
-
-class ReviewEmulator(k8s.KubernetesEmulator):
-    """kmock's API emulator plus TokenReview: `table` maps a token to (username, node, audiences); a token not
-    in it is not authenticated, like an expired or forged one. `seen` lists the reviewed tokens."""
-
-    def __init__(self, *a: Any, **kw: Any) -> None:
-        super().__init__(*a, **kw)
-        self.table: dict[str, tuple[str, str, list[str]]] = {}
-        self.seen: list[str] = []
-
-    async def _handle(self, request: rendering.Request) -> Any:
-        if request.method == kmock.method.POST and request.url.path == REVIEW_PATH:
-            body = json.loads(request.body or b"{}")
-            token = body.get("spec", {}).get("token", "")
-            want = body.get("spec", {}).get("audiences") or ["https://kubernetes.default.svc"]
-            self.seen.append(token)
-            status: dict[str, Any] = {"authenticated": False, "error": "invalid bearer token"}
-            if token in self.table:
-                user, node, auds = self.table[token]
-                got = [a for a in want if a in auds]
-                if got:
-                    extra = {NODE_KEY: [node], "authentication.kubernetes.io/pod-name": [f"w-{node}"]} if node else {}
-                    status = {"authenticated": True, "audiences": got,
-                              "user": {"username": user, "uid": "u", "groups": ["system:serviceaccounts"],
-                                       "extra": extra}}
-                else:
-                    status = {"authenticated": False, "error": "token audiences is invalid for the target audiences"}
-            return aiohttp.web.json_response({"apiVersion": "authentication.k8s.io/v1", "kind": "TokenReview",
-                                              "spec": body.get("spec", {}), "status": status}, status=201)
-        return await super()._handle(request)
 
 
 @pytest.fixture
-def api(tmp_path: Path) -> Iterator[tuple[ReviewEmulator, Path, Any]]:
-    """(emulator, kubeconfig, stop()) on 127.0.0.1 with its own event loop thread."""
-    loop = asyncio.new_event_loop()
-    started = threading.Event()
-    state: dict[str, Any] = {}
-
-    async def serve() -> None:
-        emu = ReviewEmulator()
-        async with emu, kmock.Server(emu) as srv:
-            state.update(emu=emu, url=str(srv.url).rstrip("/"), stop=asyncio.Event())
-            started.set()
-            await state["stop"].wait()
-
-    thread = threading.Thread(target=lambda: loop.run_until_complete(serve()), daemon=True)
-    thread.start()
-    assert started.wait(10), "emulator did not start"
-    kubeconfig = tmp_path / "kubeconfig"
-    kubeconfig.write_text(yaml.safe_dump({
-        "apiVersion": "v1", "kind": "Config", "current-context": "emu",
-        "clusters": [{"name": "emu", "cluster": {"server": state["url"]}}],
-        "users": [{"name": "emu", "user": {"token": "master-sa-token"}}],
-        "contexts": [{"name": "emu", "context": {"cluster": "emu", "user": "emu"}}]}))
-
-    def stop() -> None:
-        if not state["stop"].is_set():
-            loop.call_soon_threadsafe(state["stop"].set)
-            thread.join(10)
-
-    yield state["emu"], kubeconfig, stop
-    stop()
-    loop.close()
+def api(tmp_path: Path) -> Iterator[ReviewApi]:
+    with review_api(tmp_path) as handle:
+        yield handle
 
 
 def _call(method: Any, request: Any, token: str) -> grpc.StatusCode:
@@ -123,10 +48,10 @@ def _call(method: Any, request: Any, token: str) -> grpc.StatusCode:
 
 
 @pytest.fixture
-def k8s_cluster(api: tuple[ReviewEmulator, Path, Any], tmp_path: Path) -> Iterator[Any]:
+def k8s_cluster(api: ReviewApi, tmp_path: Path) -> Iterator[Any]:
     """Master with --worker-identity k8s + two workers (node-1, node-2), each with its own token file and the
     verifier file only."""
-    emu, kubeconfig, _ = api
+    emu, kubeconfig = api.emu, api.kubeconfig
     tokens = tmp_path / "tokens.json"
     entries = [{"name": "master", "token": MASTER, "role": "worker"}, {"name": "ops", "token": ADMIN, "role": "admin"}]
     tokens.write_text(json.dumps(entries))
@@ -164,11 +89,11 @@ def _attacks(cluster: Any, token: str, victim_node: str, victim_id: str) -> list
             _call(m.RemoveBlocks, pb.BlocksRemoved(worker_id=victim_id), token)]
 
 
-def test_node_token_registers_its_node_only(k8s_cluster: Any, api: tuple[ReviewEmulator, Path, Any]) -> None:
+def test_node_token_registers_its_node_only(k8s_cluster: Any, api: ReviewApi) -> None:
     """Workers register with their projected tokens (no tokens file, no shared secret). node-1's token cannot
     register, heartbeat or report as node-2's worker, neither while node-2 is live nor right after a master
     restart (when no in-memory owner binding exists yet); node-2 keeps its address."""
-    emu = api[0]
+    emu = api.emu
     ids = _ids(k8s_cluster)
     assert set(ids) == {"node-1", "node-2"}
     with k8s_cluster.client(token=ADMIN) as c:  # workers check the client's token against digests only
@@ -189,11 +114,11 @@ def test_node_token_registers_its_node_only(k8s_cluster: Any, api: tuple[ReviewE
     assert node1 in emu.seen
 
 
-def test_unknown_expired_or_foreign_tokens_are_refused(k8s_cluster: Any, api: tuple[ReviewEmulator, Path, Any]) -> None:
+def test_unknown_expired_or_foreign_tokens_are_refused(k8s_cluster: Any, api: ReviewApi) -> None:
     """A token the API server does not authenticate (unknown, expired), one of another ServiceAccount and one
     for another audience are UNAUTHENTICATED for worker calls; so is a static client token (admin) on them it
     is PERMISSION_DENIED (its role). When the API server cannot be reached, a new token is refused too."""
-    emu, _, stop = api
+    emu, stop = api.emu, api.stop
     ids = _ids(k8s_cluster)
     other_sa = jwt("node-1")
     emu.table[other_sa] = ("system:serviceaccount:default:evil", "node-1", ["l2fs"])
@@ -220,11 +145,11 @@ def test_unknown_expired_or_foreign_tokens_are_refused(k8s_cluster: Any, api: tu
     assert "TokenReview failed" in log
 
 
-def test_rotated_token_keeps_the_worker_registered(k8s_cluster: Any, api: tuple[ReviewEmulator, Path, Any]) -> None:
+def test_rotated_token_keeps_the_worker_registered(k8s_cluster: Any, api: ReviewApi) -> None:
     """The kubelet rewrites the projected token; the worker re-reads it per call, so the new token is what the
     master reviews and the worker stays alive past several heartbeat timeouts (the old one is no longer known
     to the API server)."""
-    emu = api[0]
+    emu = api.emu
     ids = _ids(k8s_cluster)
     f = k8s_cluster.token_files["node-1"]
     old = f.read_text()
