@@ -21,15 +21,18 @@ R = TypeVar("R")
 # of the block calls): a protocol-3 worker under a master with a block key accepts only capabilities on its
 # data plane, fd socket and block calls, so an older client is refused there (DENIED / PERMISSION_DENIED: a
 # failed put, a read miss), and the master mints capabilities only for workers that registered with >= 3.
+# 4 = seal MACs (BlockReport.seal, the worker call SealBlocks): a master with a block key pushes each committed
+# block's seal to its worker (>= 4 only) and, after a restart, publishes a reported block only when its seal
+# verifies; a protocol-3 worker is served, but its blocks are not published again after a master restart.
 # A peer below MIN_PEER_VERSION is refused with both versions named; a newer peer is served as long
 # as it accepts us (its min_protocol_version <= PROTOCOL_VERSION). New calls are optional: a caller that
 # gets UNIMPLEMENTED from an older peer falls back to the unary calls.
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 MIN_PEER_VERSION = 1
 # Worker manifest format (SQLite `PRAGMA user_version` of each data dir's manifest): 0 = written before the
-# stamp, the same table as 1. A worker refuses to start on a manifest newer than it reads (it would misread
-# it) and stamps older ones it can read.
-MANIFEST_VERSION = 1
+# stamp, the same table as 1; 2 = the seal column (a format-0/1 manifest gets it, its blocks unsealed). A worker
+# refuses to start on a manifest newer than it reads (it would misread it) and stamps older ones it can read.
+MANIFEST_VERSION = 2
 # Master journal of pending deletes/renames (`l2fs master --journal`, SQLite `PRAGMA user_version`): a master
 # refuses to start on a journal newer than it reads.
 JOURNAL_VERSION = 1

@@ -22,6 +22,13 @@ operation, and the worker checks it without asking anyone:
 
 A worker that holds no data key (its master has no block key, or is older than protocol 3) stays in token
 mode: any known token of its tokens file is accepted, as before.
+
+Seal MACs (protocol 4): the first 128 bits of HMAC-SHA256(block key, "l2fs-seal\\0" worker id "\\0" block id
+"\\0" size "\\0" crc32c), minted by the master when it publishes a commit, delivered to the worker (SealBlocks)
+and kept in its manifest. A restarted master publishes a reported block only when its seal verifies over the
+reported (worker, id, size, CRC): a worker that altered a block's bytes and rewrote its CRC to match cannot
+make a new seal (it never holds the block key). The block id (BlockKey) only binds worker and size, because
+the CRC is known after the id is minted.
 """
 
 from __future__ import annotations
@@ -45,6 +52,20 @@ _DATA_LABEL = b"l2fs-data\0"
 def data_key(block_key: bytes, worker_id: str) -> bytes:
     """K_w: what a worker checks capabilities with (derived, so every master of the cluster agrees)."""
     return hmac.new(block_key, _DATA_LABEL + worker_id.encode("utf-8", "surrogatepass"), hashlib.sha256).digest()
+
+
+_SEAL_LABEL = "l2fs-seal"
+
+
+def seal_mac(block_key: bytes, worker_id: str, bid: str, size: int, crc: int) -> str:
+    """The seal of a committed block: what the worker keeps and reports, what a master checks at registration."""
+    msg = f"{_SEAL_LABEL}\0{worker_id}\0{bid}\0{size}\0{crc}".encode("utf-8", "surrogatepass")
+    return hmac.new(block_key, msg, hashlib.sha256).hexdigest()[:MAC_HEX]
+
+
+def seal_ok(block_key: bytes, mac: str, worker_id: str, bid: str, size: int, crc: int) -> bool:
+    """Whether `mac` seals exactly this (worker, block id, size, CRC32C) under `block_key`."""
+    return len(mac) == MAC_HEX and mac.isascii() and hmac.compare_digest(mac, seal_mac(block_key, worker_id, bid, size, crc))
 
 
 def _mac(key: bytes, op: str, bid: str, expiry: int, path: str) -> str:

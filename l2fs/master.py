@@ -89,8 +89,11 @@ QUOTA_REFUSED = Counter("l2fs_master_quota_refusals_total", "Writes refused by a
 PREFIX_USED = Gauge("l2fs_master_prefix_used_bytes", "Bytes of files under a --prefix-quota prefix", ["prefix"])
 REPORT_REJECTS = Counter("l2fs_master_report_rejects_total",
                          "Reported blocks not published because of what they are (mac: the id is not one a master "
-                         "with this --block-key-file minted for that worker and size)", ["reason"])
-_MAC_REJECT = REPORT_REJECTS.labels("mac")
+                         "with this --block-key-file minted for that worker and size; seal: the block's seal MAC "
+                         "does not verify over the reported worker, id, size and CRC32C, e.g. altered bytes and CRC; "
+                         "unsealed: no seal, deleted: committed just before a master restart, or from before "
+                         "seals)", ["reason"])
+_MAC_REJECT, _SEAL_REJECT, _UNSEALED = (REPORT_REJECTS.labels(r) for r in ("mac", "seal", "unsealed"))
 PENDING = Gauge("l2fs_master_pending_namespace_ops",
                 "Deletes/renames acknowledged to clients that their worker has not confirmed yet")
 
@@ -123,6 +126,7 @@ class WorkerEntry:
     pending: int = 0  # bytes placed here since the last heartbeat: a placement estimate, never reported as used
     owner: str = ""  # name of the credential that registered it (tokens file); "" without authentication
     caps: bool = False  # it holds its data key (protocol >= 3, we have a block key): give clients capabilities
+    seals: bool = False  # it keeps seal MACs (protocol >= 4, we have a block key): push it its blocks' seals
 
     @property
     def free(self) -> int:
@@ -168,6 +172,10 @@ class MasterService(pbg.MasterServicer):
         self.pending = PendingOps(journal)
         self._send_locks: dict[str, threading.Lock] = {}  # one push at a time per worker: acks stay ordered
         self._push_wake = threading.Event()
+        # Seal MACs of committed blocks not delivered to their worker yet: worker id -> block id -> (crc32c,
+        # MAC), pushed (SealBlocks) by the pusher thread. Also what a worker's re-registration is checked
+        # against while its seals are on their way. Bounded per worker (a protocol-3 worker never takes them).
+        self.seals: dict[str, OrderedDict[str, tuple[int, str]]] = {}
         self.allocation_ttl = allocation_ttl
         # Blocks allocated but not committed yet (block id -> (worker id, expiry)), and those given up on: an
         # expired allocation, or one whose worker re-registered before the commit. An abandoned block is never
@@ -480,11 +488,93 @@ class MasterService(pbg.MasterServicer):
         finally:
             send_lock.release()
 
+    # ---------- seal MACs ----------
+
+    SEAL_MEMORY = 1 << 16  # undelivered seals remembered per worker (oldest forgotten: that block is unsealed)
+    SEAL_WAIT = 1.0  # seconds a commit waits for its seals to reach the worker before the pusher takes over
+
+    @property
+    def sealing(self) -> bool:
+        """Whether this master seals commits and publishes only sealed reports (a block key, protocol >= 4)."""
+        return self.block_key is not None and self.protocol_version >= 4
+
+    def _seal(self, wid: str, bid: str, size: int, crc: int, sealed: list[tuple[str, str]]) -> None:
+        """Queue the seal of a block just published (lock held); `sealed` collects what to deliver now."""
+        if self.block_key is None or not self.sealing:
+            return
+        sealed.append((wid, bid))
+        q = self.seals.setdefault(wid, OrderedDict())
+        q[bid] = (crc, capability.seal_mac(self.block_key.key, wid, bid, size, crc))
+        if len(q) > self.SEAL_MEMORY:
+            q.popitem(last=False)
+
+    def _seal_of(self, wid: str, b: pb.BlockReport) -> str:
+        """The seal to check a report against: the worker's own, else one still on its way to it (lock held)."""
+        if b.seal:
+            return b.seal
+        q = self.seals.get(wid)
+        got = q.get(b.block_id) if q is not None else None
+        return got[1] if got is not None else ""
+
+    def _deliver_now(self, sealed: list[tuple[str, str]]) -> None:
+        """Deliver the seals a Commit/CommitMany just minted before it answers (one call per worker), so an
+        acknowledged put survives a master restart that follows at once; a worker that does not answer within
+        SEAL_WAIT gets them from the pusher (the put is acknowledged anyway: only a master restart before that
+        delivery costs the block, as a miss)."""
+        by_worker: dict[str, list[str]] = {}
+        for wid, bid in sealed:
+            by_worker.setdefault(wid, []).append(bid)
+        for wid, bids in by_worker.items():
+            with self.lock:
+                q = self.seals.get(wid)
+                batch = [(b, q[b]) for b in bids if q is not None and b in q]
+            if batch:
+                self._send_seals(wid, batch, self.SEAL_WAIT)
+
+    def _push_seals(self, wid: str, timeout: float = 2.0) -> bool:
+        """Deliver one batch of `wid`'s undelivered seals; True when something was delivered (the caller goes on)."""
+        with self.lock:
+            q = self.seals.get(wid)
+            if not q:
+                self.seals.pop(wid, None)
+                return False
+            batch = list(q.items())[:self.PUSH_BATCH]
+        return self._send_seals(wid, batch, timeout)
+
+    def _send_seals(self, wid: str, batch: list[tuple[str, tuple[int, str]]], timeout: float) -> bool:
+        """One SealBlocks call; the seals it delivered are forgotten. False when `wid` is not live, takes no
+        seals or did not answer."""
+        with self.lock:
+            w = self.workers.get(wid)
+            if w is None or not w.alive or not w.seals:
+                return False
+            address = w.address
+        try:
+            self._worker_stub(address).SealBlocks(pb.SealRequest(
+                block_ids=[b for b, _ in batch], crc32cs=[v[0] for _, v in batch], seals=[v[1] for _, v in batch]),
+                timeout=timeout, metadata=auth_metadata(self._token))
+        except grpc.RpcError as e:
+            log.warning("worker %s: %d seal(s) not delivered yet (%s)", wid, len(batch), e.code())
+            return False
+        with self.lock:
+            q = self.seals.get(wid, OrderedDict())
+            for bid, v in batch:
+                if q.get(bid) == v:
+                    del q[bid]
+            if not q:
+                self.seals.pop(wid, None)
+        return True
+
     def _pusher(self) -> None:
-        """Retries every pending change until its worker confirms it (woken by registrations)."""
+        """Retries every pending change until its worker confirms it, and delivers seals (woken by
+        registrations and commits)."""
         while not self._stop.is_set():
             self._push_wake.wait(1.0)
             self._push_wake.clear()
+            for wid in list(self.seals):
+                for _ in range(100):
+                    if self._stop.is_set() or not self._push_seals(wid):
+                        break
             for wid in self.pending.workers():
                 if self._stop.is_set():
                     return
@@ -537,7 +627,7 @@ class MasterService(pbg.MasterServicer):
             log.error("refusing registration: %s", why)
             raise RpcError(grpc.StatusCode.FAILED_PRECONDITION, why)
         reject: list[str] = []
-        foreign = unverified = 0
+        foreign = unverified = bad_seal = unsealed = 0
         remote_deletes: list[tuple[str, str, str | None]] = []
         with self.lock:
             owner = self._check_owner(context, request.worker_id, claim=True,  # under the lock: no race
@@ -559,7 +649,8 @@ class MasterService(pbg.MasterServicer):
                                 data_address=request.data_address, owner=owner,
                                 domain_socket=request.domain_socket,
                                 caps=self.minter is not None and self.protocol_version >= 3
-                                and peer_version(request.protocol_version) >= 3)
+                                and peer_version(request.protocol_version) >= 3,
+                                seals=self.sealing and peer_version(request.protocol_version) >= 4)
                 self.workers[request.worker_id] = w
             data_key = self.minter.key_for(w.worker_id) if self.minter is not None and w.caps else b""
             for b in request.blocks:
@@ -580,6 +671,15 @@ class MasterService(pbg.MasterServicer):
                 if has_op and new_path is None:  # deleted or overwritten while the worker was away
                     reject.append(b.block_id)
                     continue
+                if self.block_key is not None and self.sealing:
+                    mac = self._seal_of(w.worker_id, b)
+                    if not mac:  # never sealed: committed just before a master restart, or cached before seals;
+                        unsealed += 1  # its id verified, so it is this worker's own allocation: safe to delete
+                        reject.append(b.block_id)
+                        continue
+                    if not capability.seal_ok(self.block_key.key, mac, w.worker_id, b.block_id, b.size, b.crc32c):
+                        bad_seal += 1  # altered (bytes and CRC), or a seal of another key: neither published
+                        continue  # nor deleted, as for an id that does not verify
                 try:
                     path = norm_path(new_path if has_op and new_path is not None else b.path)  # renamed meanwhile
                 except PathError:
@@ -611,6 +711,15 @@ class MasterService(pbg.MasterServicer):
             log.warning("worker %s reported %d block(s) whose id does not verify for it and their size (not "
                         "allocated by a master with this block key: forged, another worker's, resized, or written "
                         "before the key was set): not published", request.worker_id, unverified)
+        if bad_seal:
+            _SEAL_REJECT.inc(bad_seal)
+            log.warning("worker %s reported %d block(s) whose seal does not verify over the reported size and CRC32C "
+                        "(altered on the worker, or sealed by a master with another key): not published",
+                        request.worker_id, bad_seal)
+        if unsealed:
+            _UNSEALED.inc(unsealed)
+            log.info("worker %s reported %d unsealed block(s) (committed just before a master restart, or from before "
+                     "seals): not published, deleted", request.worker_id, unsealed)
         if foreign:
             log.warning("worker %s reported %d block(s) of other shards (this master is shard %d/%d): is its "
                         "master list the cluster's?", request.worker_id, foreign, self.shard, self.shards)
@@ -720,9 +829,11 @@ class MasterService(pbg.MasterServicer):
     def Commit(self, request: pb.CommitRequest, context: Any) -> pb.CommitResponse:  # noqa: N802
         self.creds.check_write(context, [(request.path, request.if_absent)])
         orphans: list[tuple[str, str]] = []
+        sealed: list[tuple[str, str]] = []
         try:
-            return self._commit(request, orphans)
+            return self._commit(request, orphans, sealed)
         finally:
+            self._deliver_now(sealed)
             self._delete_orphans(orphans)
 
     @_rpc
@@ -730,15 +841,19 @@ class MasterService(pbg.MasterServicer):
         """Publish a whole put batch under one lock hold; each item is its own atomic, put-if-absent commit."""
         self.creds.check_write(context, [(r.path, r.if_absent) for r in request.items])
         orphans: list[tuple[str, str]] = []
+        sealed: list[tuple[str, str]] = []
         with self.lock:
-            items = each(list(request.items), lambda r: self._commit(r, orphans),
+            items = each(list(request.items), lambda r: self._commit(r, orphans, sealed),
                          lambda err: pb.CommitResponse(error=err))
+        self._deliver_now(sealed)
         self._delete_orphans(orphans)
         return pb.CommitManyResponse(items=items)
 
     def _delete_orphans(self, orphans: list[tuple[str, str]]) -> None:
         """Blocks that lost a put-if-absent race or were replaced: pending deletes (so a re-report never
-        publishes them again), pushed in the background."""
+        publishes them again), pushed in the background. Also wakes the pusher for the commits' seals."""
+        if self.sealing:
+            self._push_wake.set()
         if not orphans:
             return
         try:
@@ -747,7 +862,8 @@ class MasterService(pbg.MasterServicer):
             return
         self._push_wake.set()
 
-    def _commit(self, request: pb.CommitRequest, orphans: list[tuple[str, str]]) -> pb.CommitResponse:
+    def _commit(self, request: pb.CommitRequest, orphans: list[tuple[str, str]],
+                sealed: list[tuple[str, str]]) -> pb.CommitResponse:
         path = norm_path(request.path)
         self._own(path)
         if path == "/":
@@ -789,6 +905,7 @@ class MasterService(pbg.MasterServicer):
                     orphan = (cur.worker_id, cur.block_id)
                 self._add_file(path, FileEntry(request.block_id, w.worker_id, request.size, request.crc32c,
                                                time.time(), request.order_hint, request.local_path))
+                self._seal(w.worker_id, request.block_id, request.size, request.crc32c, sealed)
                 published = True
         (_PUBLISHED if published else _EXISTED).inc()
         if orphan is not None:

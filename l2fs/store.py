@@ -1,7 +1,8 @@
 """l2fs block store: the worker's data dirs, their SQLite manifests, space accounting and eviction.
 
 Each data dir holds `blocks/<id[:2]>/<id>` files, a `tmp/` folder for in-flight writes and a SQLite
-manifest (block id, file path, size, crc32c, sealed, last access, order hint). The manifest is what
+manifest (block id, file path, size, crc32c, sealed, last access, order hint, and the seal MAC the master
+delivered once the block was committed: "" until then, and for blocks from before manifest format 2). The manifest is what
 lets a restarted master rebuild its namespace: on (re)registration the worker re-reports every sealed
 block. CRC32C is computed on write and verified on read; a mismatch deletes the block and the read is a
 miss. Both transports (gRPC, raw-TCP data plane) write through `Store.receive` and open blocks through
@@ -58,6 +59,7 @@ class Block:
     mtime: float
     last_access: float
     order_hint: int
+    seal: str = ""  # the master's seal MAC over (worker, id, size, crc32c) once committed ("" = not yet)
 
 
 TIERS = {"MEM": 0, "SSD": 1, "DISK": 1, "HDD": 2}
@@ -83,7 +85,10 @@ class DataDir:
         self.db.execute("""CREATE TABLE IF NOT EXISTS blocks (
             block_id TEXT PRIMARY KEY, path TEXT NOT NULL, size INTEGER NOT NULL, crc32c INTEGER NOT NULL,
             sealed INTEGER NOT NULL, mtime REAL NOT NULL, last_access REAL NOT NULL,
-            order_hint INTEGER NOT NULL)""")
+            order_hint INTEGER NOT NULL, seal TEXT NOT NULL DEFAULT '')""")
+        # manifest format 2 added the seal column: a format-0/1 manifest gets it, its blocks unsealed
+        if "seal" not in {row[1] for row in self.db.execute("PRAGMA table_info(blocks)")}:
+            self.db.execute("ALTER TABLE blocks ADD COLUMN seal TEXT NOT NULL DEFAULT ''")
 
     def block_file(self, bid: str) -> Path:
         return self.root / "blocks" / bid[:2] / bid
@@ -166,6 +171,10 @@ class VerifiedFrames:
             self.ok = False
 
 
+_INSERT = ("INSERT OR REPLACE INTO blocks (block_id, path, size, crc32c, sealed, mtime, last_access, order_hint, "
+           "seal) VALUES (?,?,?,?,1,?,?,?,?)")
+
+
 class Store:
     """Blocks over all data dirs; one lock; eviction (LRU by read, deepest order hint first)."""
 
@@ -194,10 +203,10 @@ class Store:
         for i, d in enumerate(self.dirs):
             for f in (d.root / "tmp").iterdir():
                 f.unlink(missing_ok=True)
-            rows = d.db.execute("SELECT block_id, path, size, crc32c, sealed, mtime, last_access, order_hint"
+            rows = d.db.execute("SELECT block_id, path, size, crc32c, sealed, mtime, last_access, order_hint, seal"
                                 " FROM blocks").fetchall()
             known = set()
-            for bid, path, size, crc, sealed, mtime, la, oh in rows:
+            for bid, path, size, crc, sealed, mtime, la, oh, mac in rows:
                 f = d.block_file(bid)
                 try:
                     st = os.lstat(f)  # a symlink in blocks/ is damage, never followed
@@ -209,7 +218,7 @@ class Store:
                     d.db.execute("DELETE FROM blocks WHERE block_id=?", (bid,))
                     f.unlink(missing_ok=True)
                     continue
-                self.blocks[bid] = Block(bid, i, path, size, crc, mtime, la, oh)
+                self.blocks[bid] = Block(bid, i, path, size, crc, mtime, la, oh, mac)
                 d.used += size
                 known.add(bid)
             for sub in (d.root / "blocks").iterdir():
@@ -328,8 +337,8 @@ class Store:
             log.warning("demoting block %s to %s failed: %s", b.block_id, dst_dir.root, e)
             tmp.unlink(missing_ok=True)
             return False
-        dst_dir.db.execute("INSERT OR REPLACE INTO blocks VALUES (?,?,?,?,1,?,?,?)",
-                           (b.block_id, b.path, b.size, b.crc32c, b.mtime, b.last_access, b.order_hint))
+        dst_dir.db.execute(_INSERT, (b.block_id, b.path, b.size, b.crc32c, b.mtime, b.last_access, b.order_hint,
+                                     b.seal))
         src_dir.db.execute("DELETE FROM blocks WHERE block_id=?", (b.block_id,))
         src.unlink(missing_ok=True)
         src_dir.used -= b.size
@@ -390,8 +399,7 @@ class Store:
             now = time.time()
             b = Block(bid, i, path, size, crc, now, now, order_hint)
             self.blocks[bid] = b
-            d.db.execute("INSERT OR REPLACE INTO blocks VALUES (?,?,?,?,1,?,?,?)",
-                         (bid, path, size, crc, now, now, order_hint))
+            d.db.execute(_INSERT, (bid, path, size, crc, now, now, order_hint, ""))
             self._over_high(i, keep=bid)  # the bytes are here now: make room for them (never by dropping them)
             self._gauges()
         BYTES_WRITTEN.inc(size)
@@ -492,6 +500,37 @@ class Store:
                 b.path = path
                 self.dirs[b.dir_idx].db.execute("UPDATE blocks SET path=? WHERE block_id=?", (path, bid))
 
+    def seal_blocks(self, seals: Iterable[tuple[str, int, str]]) -> int:
+        """Keep the master's seal MACs (block id, committed CRC32C, MAC) in the manifest; returns how many were
+        kept. A seal is kept only when the committed CRC is the one this worker computed when it sealed the
+        block: a block committed with another CRC (a client that lied) is dropped as corrupt (reported, so the
+        master unpublishes it). Unknown ids (deleted or evicted meanwhile) are skipped."""
+        kept = 0
+        with self.lock:
+            updates: dict[int, list[tuple[str, str]]] = {}
+            for bid, crc, mac in seals:
+                b = self.blocks.get(bid)
+                if b is None:
+                    continue
+                if b.crc32c != crc:
+                    log.warning("block %s (%s) was committed with CRC32C %#010x, its bytes have %#010x: dropping it",
+                                bid, b.path, crc, b.crc32c)
+                    CORRUPT.inc()
+                    self.delete(bid, "corrupt")
+                    continue
+                if b.seal != mac:
+                    b.seal = mac
+                    updates.setdefault(b.dir_idx, []).append((mac, bid))
+                kept += 1
+            for i, rows in updates.items():  # one transaction per dir and batch, not one per block
+                db = self.dirs[i].db
+                db.execute("BEGIN")
+                try:
+                    db.executemany("UPDATE blocks SET seal=? WHERE block_id=?", rows)
+                finally:
+                    db.execute("COMMIT")
+        return kept
+
     def flush_access(self) -> None:
         """Persist read times in batches (a read must not cost a SQLite write)."""
         with self.lock:
@@ -564,5 +603,6 @@ class Store:
     def reports(self) -> list[pb.BlockReport]:
         with self.lock:
             return [pb.BlockReport(block_id=b.block_id, path=b.path, size=b.size, crc32c=b.crc32c,
-                                   mtime=b.mtime, order_hint=b.order_hint, local_path=self.local_path(b))
+                                   mtime=b.mtime, order_hint=b.order_hint, local_path=self.local_path(b),
+                                   seal=b.seal)
                     for b in self.blocks.values()]

@@ -34,7 +34,7 @@ WORKER_POLICY = {
     **dict.fromkeys(("WriteBlock", "ReserveLocal", "AdoptLocal", "ReserveLocalMany", "AdoptLocalMany",
                      "ReleaseLocal"), WRITERS),
     **dict.fromkeys(("ReadBlock", "Touch", "ReportCorrupt"), READERS),
-    **dict.fromkeys(("DeleteBlocks", "SetPaths"), WORKERS),
+    **dict.fromkeys(("DeleteBlocks", "SetPaths", "SealBlocks"), WORKERS),
 }
 
 
@@ -178,6 +178,18 @@ class WorkerService(pbg.WorkerServicer):
             raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, "block_ids and paths differ in length")
         for bid, path in zip(request.block_ids, request.paths, strict=True):
             self.store.set_path(check_block_id(bid), norm_path(path))
+        return pb.Empty()
+
+    @_rpc
+    def SealBlocks(self, request: pb.SealRequest, context: Any) -> pb.Empty:  # noqa: N802
+        """The master's seal MACs of committed blocks, kept in the manifest and reported at registration (a
+        restarted master publishes only blocks whose seal verifies). A block committed with a CRC32C other
+        than the one this worker computed is dropped as corrupt and reported at once."""
+        if not len(request.block_ids) == len(request.crc32cs) == len(request.seals):
+            raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, "block_ids, crc32cs and seals differ in length")
+        ids = [check_block_id(bid) for bid in request.block_ids]
+        if self.store.seal_blocks(zip(ids, request.crc32cs, request.seals, strict=True)) < len(ids):
+            self._report_now()  # some were dropped (or are gone): the master hears of it now
         return pb.Empty()
 
     # ---------- batched short-circuit writes (one RPC per put batch, each item on its own) ----------

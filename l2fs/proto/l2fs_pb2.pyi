@@ -48,7 +48,7 @@ class FileStat(_message.Message):
     def __init__(self, path: _Optional[str] = ..., exists: bool = ..., is_dir: bool = ..., size: _Optional[int] = ..., mtime: _Optional[float] = ..., crc32c: _Optional[int] = ..., order_hint: _Optional[int] = ..., locations: _Optional[_Iterable[_Union[Location, _Mapping]]] = ...) -> None: ...
 
 class BlockReport(_message.Message):
-    __slots__ = ("block_id", "path", "size", "crc32c", "mtime", "order_hint", "local_path")
+    __slots__ = ("block_id", "path", "size", "crc32c", "mtime", "order_hint", "local_path", "seal")
     BLOCK_ID_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
     SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -56,6 +56,7 @@ class BlockReport(_message.Message):
     MTIME_FIELD_NUMBER: _ClassVar[int]
     ORDER_HINT_FIELD_NUMBER: _ClassVar[int]
     LOCAL_PATH_FIELD_NUMBER: _ClassVar[int]
+    SEAL_FIELD_NUMBER: _ClassVar[int]
     block_id: str
     path: str
     size: int
@@ -63,7 +64,8 @@ class BlockReport(_message.Message):
     mtime: float
     order_hint: int
     local_path: str
-    def __init__(self, block_id: _Optional[str] = ..., path: _Optional[str] = ..., size: _Optional[int] = ..., crc32c: _Optional[int] = ..., mtime: _Optional[float] = ..., order_hint: _Optional[int] = ..., local_path: _Optional[str] = ...) -> None: ...
+    seal: str
+    def __init__(self, block_id: _Optional[str] = ..., path: _Optional[str] = ..., size: _Optional[int] = ..., crc32c: _Optional[int] = ..., mtime: _Optional[float] = ..., order_hint: _Optional[int] = ..., local_path: _Optional[str] = ..., seal: _Optional[str] = ...) -> None: ...
 
 class Empty(_message.Message):
     __slots__ = ()
@@ -448,3 +450,13 @@ class SetPathsRequest(_message.Message):
     block_ids: _containers.RepeatedScalarFieldContainer[str]
     paths: _containers.RepeatedScalarFieldContainer[str]
     def __init__(self, block_ids: _Optional[_Iterable[str]] = ..., paths: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class SealRequest(_message.Message):
+    __slots__ = ("block_ids", "crc32cs", "seals")
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    CRC32CS_FIELD_NUMBER: _ClassVar[int]
+    SEALS_FIELD_NUMBER: _ClassVar[int]
+    block_ids: _containers.RepeatedScalarFieldContainer[str]
+    crc32cs: _containers.RepeatedScalarFieldContainer[int]
+    seals: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, block_ids: _Optional[_Iterable[str]] = ..., crc32cs: _Optional[_Iterable[int]] = ..., seals: _Optional[_Iterable[str]] = ...) -> None: ...

@@ -850,6 +850,11 @@ class WorkerStub(object):
                 request_serializer=l2fs__pb2.SetPathsRequest.SerializeToString,
                 response_deserializer=l2fs__pb2.Empty.FromString,
                 _registered_method=True)
+        self.SealBlocks = channel.unary_unary(
+                '/l2fs.Worker/SealBlocks',
+                request_serializer=l2fs__pb2.SealRequest.SerializeToString,
+                response_deserializer=l2fs__pb2.Empty.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer(object):
@@ -926,6 +931,13 @@ class WorkerServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SealBlocks(self, request, context):
+        """protocol >= 4: seal MACs of committed blocks
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -982,6 +994,11 @@ def add_WorkerServicer_to_server(servicer, server):
             'SetPaths': grpc.unary_unary_rpc_method_handler(
                     servicer.SetPaths,
                     request_deserializer=l2fs__pb2.SetPathsRequest.FromString,
+                    response_serializer=l2fs__pb2.Empty.SerializeToString,
+            ),
+            'SealBlocks': grpc.unary_unary_rpc_method_handler(
+                    servicer.SealBlocks,
+                    request_deserializer=l2fs__pb2.SealRequest.FromString,
                     response_serializer=l2fs__pb2.Empty.SerializeToString,
             ),
     }
@@ -1281,6 +1298,33 @@ class Worker(object):
             target,
             '/l2fs.Worker/SetPaths',
             l2fs__pb2.SetPathsRequest.SerializeToString,
+            l2fs__pb2.Empty.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SealBlocks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/l2fs.Worker/SealBlocks',
+            l2fs__pb2.SealRequest.SerializeToString,
             l2fs__pb2.Empty.FromString,
             options,
             channel_credentials,

@@ -9,7 +9,7 @@ import grpc
 import pytest
 from l2fs_helpers import wait_until
 
-from l2fs.capability import mint_for
+from l2fs.capability import mint_for, seal_mac
 from l2fs.client import InvalidArgument, InvalidPath
 from l2fs.common import BlockKey
 from l2fs.local import LocalCluster
@@ -139,11 +139,14 @@ def test_double_registration_replaces_cleanly(bcluster: LocalCluster) -> None:
     assert bcluster.block_key_file is not None
     key = BlockKey(bcluster.block_key_file.read_bytes())  # ids as the master would have minted them
 
+    def report(path: str) -> pb.BlockReport:  # a committed block: its id minted and sealed (protocol 4)
+        bid = key.mint("dup", 3)
+        return pb.BlockReport(block_id=bid, path=path, size=3, mtime=1.0, seal=seal_mac(key.key, "dup", bid, 3, 0))
+
     def register(paths: list[str]) -> None:
         m.RegisterWorker(pb.RegisterRequest(
             worker_id="dup", node_id="ghost", address="127.0.0.1:1", capacity=1 << 30,
-            blocks=[pb.BlockReport(block_id=key.mint("dup", 3), path=p, size=3, mtime=1.0) for p in paths]),
-            timeout=5)
+            blocks=[report(p) for p in paths]), timeout=5)
 
     register(["/dup/a", "/dup/b"])
     c = bcluster.client()

@@ -14,10 +14,12 @@ import json
 import os
 import secrets
 import signal
+import sqlite3
 import subprocess
 import sys
 import urllib.request
 from collections.abc import Iterator
+from contextlib import closing
 from pathlib import Path
 
 import grpc
@@ -178,6 +180,9 @@ def test_node_bound_worker_id_survives_master_restart(keyed: LocalCluster) -> No
     assert admin.put(f"{PREFIX}/v", d) is True
     victim = keyed.workers[0]
     assert victim.proc is not None
+    bid = _master(keyed).Stat(pb.PathRequest(path=f"{PREFIX}/v"), timeout=T, metadata=_md(ADMIN)).locations[0].block_id
+    with closing(sqlite3.connect(victim.data_dir / "manifest.sqlite3")) as db:  # its seal reached the worker
+        wait_until(lambda: db.execute("SELECT seal FROM blocks WHERE block_id=?", (bid,)).fetchone()[0], timeout=15)
     keyed.kill_master()
     os.kill(victim.proc.pid, signal.SIGSTOP)  # it cannot re-register before the attacker tries
     try:

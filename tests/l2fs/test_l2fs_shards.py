@@ -18,6 +18,7 @@ import pytest
 from l2fs_helpers import wait_until
 
 from l2fs.batch import PROTOCOL_VERSION
+from l2fs.capability import seal_mac
 from l2fs.client import Client, CrossShard, L2fsError, NotFound, Unavailable, WrongShard, combine_prefix
 from l2fs.common import (
     BlockKey,
@@ -231,7 +232,8 @@ def test_worker_link_reports_only_its_shard(sharded: LocalCluster, tmp_path: Pat
     key = BlockKey(sharded.block_key_file.read_bytes())
     for p in ("/sh/link/a", "/sh/link/b", "/sh/link/c", "/sh/link/d"):
         bid = key.mint("w-shard-link", 3)
-        store.receive(bid, p, 3, 0, [b"abc"])
+        b = store.receive(bid, p, 3, 0, [b"abc"])
+        store.seal_blocks([(bid, b.crc32c, seal_mac(key.key, "w-shard-link", bid, 3, b.crc32c))])  # committed
         got[p] = bid
     assert {shard_of(p, N) for p in got} == {0, 1}
     link = MasterLink(store, master=f"127.0.0.1:{sharded.master_ports[1]}", tls_ca=None, token=None,

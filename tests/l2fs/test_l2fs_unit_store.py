@@ -225,7 +225,8 @@ def test_load_discards_leftovers(tmp_path: Path) -> None:
     stray.parent.mkdir(exist_ok=True)
     stray.write_bytes(b"nobody's")
     (tmp_path / "d" / "tmp" / f"{bid()}.part").write_bytes(b"half")
-    store.dirs[0].db.execute("INSERT INTO blocks VALUES (?,?,?,?,0,0,0,0)", (bid(), "/unsealed", 1, 0))
+    store.dirs[0].db.execute("INSERT INTO blocks (block_id, path, size, crc32c, sealed, mtime, last_access, order_hint)"
+                             " VALUES (?,?,?,?,0,0,0,0)", (bid(), "/unsealed", 1, 0))
     again = Store([(tmp_path / "d", 100 * KB)])
     assert list(again.blocks) == [b]
     assert not stray.exists() and not list((tmp_path / "d" / "tmp").iterdir())

@@ -33,6 +33,7 @@ from l2fs.store import Store
 
 ROOT = Path(__file__).resolve().parents[2]
 OLD_COMMIT = "5b8498410e71b244fed1b2f972a9c1e8f89325e1"  # the last commit before protocol versions (protocol 1)
+P3_COMMIT = "d7bf43e40fc33cf96ba64589b84dbe0cefc695df"  # the last commit before seal MACs (protocol 3, manifest 1)
 
 
 # ---------- the rule, in process ----------
@@ -84,16 +85,20 @@ def test_version_rule() -> None:
 
 # ---------- a rolling upgrade with the real old code ----------
 
-@pytest.fixture(scope="module")
-def old_tree(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    if not shutil.which("git") or subprocess.run(["git", "-C", str(ROOT), "cat-file", "-e", OLD_COMMIT],
+def _tree(tmp_path_factory: pytest.TempPathFactory, commit: str) -> Path:
+    if not shutil.which("git") or subprocess.run(["git", "-C", str(ROOT), "cat-file", "-e", commit],
                                                  capture_output=True).returncode != 0:
-        pytest.skip(f"needs git and commit {OLD_COMMIT[:12]} in {ROOT}")
+        pytest.skip(f"needs git and commit {commit[:12]} in {ROOT}")
     dst = tmp_path_factory.mktemp("l2fs-old")
-    archive = subprocess.run(["git", "-C", str(ROOT), "archive", OLD_COMMIT, "l2fs"], capture_output=True,
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", commit, "l2fs"], capture_output=True,
                              check=True).stdout
     subprocess.run(["tar", "-x", "-C", str(dst)], input=archive, check=True)
     return dst
+
+
+@pytest.fixture(scope="module")
+def old_tree(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _tree(tmp_path_factory, OLD_COMMIT)
 
 
 def _spawn(tree: Path, name: str, args: list[str], base: Path) -> tuple[subprocess.Popen, dict]:
@@ -123,6 +128,12 @@ def _roundtrip(c: Client, prefix: str) -> None:
     assert c.put_many(items[:2]) == [False, False]
     for p, d in items:
         assert c.get(p) == d
+
+
+def _roundtrip_get(c: Client, prefix: str) -> None:
+    for i in range(8):
+        got = c.get(f"{prefix}/{i}")
+        assert got is not None and len(got) == 5000 + i
 
 
 def test_new_master_serves_old_worker(old_tree: Path, tmp_path: Path) -> None:
@@ -162,6 +173,44 @@ def test_old_master_serves_new_worker_and_client(old_tree: Path, tmp_path: Path)
     finally:
         procs.stop(wproc)
         procs.stop(mproc)
+
+
+def test_protocol3_worker_under_sealing_master_then_upgraded(tmp_path_factory: pytest.TempPathFactory,
+                                                             tmp_path: Path) -> None:
+    """Protocol 4 (seal MACs), rolling upgrade: a protocol-3 worker (the real code from before seals) under a new
+    master with a block key serves puts and gets; after a master restart its blocks are not published again (it
+    holds no seals: deleted, its own allocations). The same data dir under the new worker (manifest 1 -> 2): its
+    files are sealed, and served again after another master restart."""
+    p3 = _tree(tmp_path_factory, P3_COMMIT)
+    with LocalCluster(tmp_path / "c", workers=0) as cl:
+        args = _worker_args(cl.master, tmp_path, "node-p3")
+        proc, _ = _spawn(p3, "p3-worker", args, tmp_path)
+        try:
+            with cl.client(node_id="node-p3") as c:
+                wait_until(lambda: any(w.alive for w in c.report().workers), timeout=30)
+                _roundtrip(c, "/v/p3/a")
+                cl.kill_master()
+                cl.start_master()
+                wait_until(lambda: any(w.alive for w in c.report().workers), timeout=30)
+                assert c.stat("/v/p3/a/0") is None  # unsealed: not published after the restart
+                _roundtrip(c, "/v/p3/b")  # still serves new puts
+        finally:
+            procs.stop(proc)
+        proc, _ = _spawn(ROOT, "upgraded-worker", args, tmp_path)  # same data dir, new code
+        try:
+            assert _user_version(tmp_path / "node-p3") == MANIFEST_VERSION
+            with cl.client(node_id="node-p3") as c:
+                wait_until(lambda: any(w.alive for w in c.report().workers), timeout=30)
+                _roundtrip(c, "/v/p3/c")
+                with closing(sqlite3.connect(tmp_path / "node-p3" / "manifest.sqlite3")) as db:
+                    wait_until(lambda: db.execute("SELECT count(*) FROM blocks WHERE seal != ''").fetchone()[0] >= 8,
+                               timeout=15)
+                cl.kill_master()
+                cl.start_master()
+                wait_until(lambda: c.stat("/v/p3/c/0") is not None, timeout=30)
+                _roundtrip_get(c, "/v/p3/c")
+        finally:
+            procs.stop(proc)
 
 
 # ---------- the worker manifest's format version ----------
