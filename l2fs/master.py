@@ -127,6 +127,7 @@ class WorkerEntry:
     owner: str = ""  # name of the credential that registered it (tokens file); "" without authentication
     caps: bool = False  # it holds its data key (protocol >= 3, we have a block key): give clients capabilities
     seals: bool = False  # it keeps seal MACs (protocol >= 4, we have a block key): push it its blocks' seals
+    seal_sync_after: float = 0.0  # monotonic time before which commits leave its seals to the pusher
 
     @property
     def free(self) -> int:
@@ -520,16 +521,23 @@ class MasterService(pbg.MasterServicer):
         """Deliver the seals a Commit/CommitMany just minted before it answers (one call per worker), so an
         acknowledged put survives a master restart that follows at once; a worker that does not answer within
         SEAL_WAIT gets them from the pusher (the put is acknowledged anyway: only a master restart before that
-        delivery costs the block, as a miss)."""
+        delivery costs the block, as a miss). A worker that missed that deadline gets its seals only from the
+        pusher for the next 10 s: a hung (or hostile) worker must not hold the master's handler threads."""
         by_worker: dict[str, list[str]] = {}
         for wid, bid in sealed:
             by_worker.setdefault(wid, []).append(bid)
         for wid, bids in by_worker.items():
+            now = time.monotonic()
             with self.lock:
+                w = self.workers.get(wid)
                 q = self.seals.get(wid)
                 batch = [(b, q[b]) for b in bids if q is not None and b in q]
-            if batch:
-                self._send_seals(wid, batch, self.SEAL_WAIT)
+                if w is None or w.seal_sync_after > now:
+                    continue
+            if batch and not self._send_seals(wid, batch, self.SEAL_WAIT):
+                with self.lock:
+                    if w is not None:
+                        w.seal_sync_after = time.monotonic() + 10.0
 
     def _push_seals(self, wid: str, timeout: float = 2.0) -> bool:
         """Deliver one batch of `wid`'s undelivered seals; True when something was delivered (the caller goes on)."""

@@ -14,6 +14,7 @@ import os
 import secrets
 import signal
 import sqlite3
+import time
 import urllib.request
 from contextlib import closing
 from pathlib import Path
@@ -96,7 +97,8 @@ def test_altered_block_and_crc_are_not_published(tmp_path: Path) -> None:
 def test_commit_sealed_only_after_delivery_master_restart_drops_it(tmp_path: Path) -> None:
     """A block written and committed while its worker is stopped (the master cannot deliver the seal), then the
     master restarts before the worker wakes: the restarted master does not publish it (no seal) and tells the
-    worker to delete it (its own allocation: the id verifies); a file sealed before is served as before."""
+    worker to delete it (its own allocation: the id verifies); a file sealed before is served as before. The
+    first commit waits at most SEAL_WAIT (1 s) for the stopped worker, the next one not at all."""
     with LocalCluster(tmp_path / "c", workers=1, capacity="256M", heartbeat_timeout=20) as c:
         cl = c.client(timeout=T)
         old = secrets.token_bytes(40_000)
@@ -104,24 +106,33 @@ def test_commit_sealed_only_after_delivery_master_restart_drops_it(tmp_path: Pat
         wait_until(lambda: all(_seals(c).values()) and len(_seals(c)) == 1, timeout=15)
         m = pbg.MasterStub(grpc.insecure_channel(c.master))
         data = secrets.token_bytes(30_000)
-        a = m.Allocate(pb.AllocateRequest(path="/s/new", size=len(data)), timeout=T)
-        w = pbg.WorkerStub(grpc.insecure_channel(a.worker.address))
-        r = w.WriteBlock(iter([pb.WriteChunk(block_id=a.block_id, path="/s/new", size=len(data), data=data,
-                                             capability=a.worker.capability)]), timeout=T)
+        written = []
+        for path in ("/s/new", "/s/new2"):
+            a = m.Allocate(pb.AllocateRequest(path=path, size=len(data)), timeout=T)
+            w = pbg.WorkerStub(grpc.insecure_channel(a.worker.address))
+            r = w.WriteBlock(iter([pb.WriteChunk(block_id=a.block_id, path=path, size=len(data), data=data,
+                                                 capability=a.worker.capability)]), timeout=T)
+            written.append((path, a, r))
         proc = c.workers[0].proc
         assert proc is not None
         os.kill(proc.pid, signal.SIGSTOP)
         try:
-            assert m.Commit(pb.CommitRequest(path="/s/new", block_id=a.block_id, worker_id=a.worker.worker_id,
-                                             size=len(data), crc32c=r.crc32c), timeout=T).published
+            took = []
+            for path, a, r in written:
+                t0 = time.monotonic()
+                assert m.Commit(pb.CommitRequest(path=path, block_id=a.block_id, worker_id=a.worker.worker_id,
+                                                 size=len(data), crc32c=r.crc32c), timeout=T).published
+                took.append(time.monotonic() - t0)
+            assert took[0] < 3.0 and took[1] < 0.5, took
             c.kill_master()
             c.start_master()
         finally:
             os.kill(proc.pid, signal.SIGCONT)
         c.wait_workers(ids=[c.workers[0].worker_id])
-        wait_until(lambda: not _block_file(c, a.block_id).exists(), timeout=15)  # deleted on the worker
-        assert cl.stat("/s/new") is None and cl.get("/s/new") is None
-        assert _rejects(c, "unsealed") == 1
+        for path, a, _ in written:
+            wait_until(lambda a=a: not _block_file(c, a.block_id).exists(), timeout=15)  # deleted on the worker
+            assert cl.stat(path) is None and cl.get(path) is None
+        assert _rejects(c, "unsealed") == 2
         assert cl.get("/s/old") == old
 
 
