@@ -40,7 +40,7 @@ TOKENS_SECRET = "l2fs-tokens"  # namespace kvtier: the whole file (master + work
 TOKENS_KEY = "tokens.json"
 VERIFIERS_SECRET = "l2fs-token-verifiers"  # namespace kvtier: every token's SHA-256 only (workers)
 VERIFIERS_KEY = "verifiers.json"
-MOUNT_SECRET = "l2fs-mount-token"  # namespace kvtier: the FUSE mount's admin token
+MOUNT_SECRET = "l2fs-mount-token"  # namespace kvtier: the FUSE mount's mount-role token
 ROUTER_SECRET = "kvtier-router-l2fs-token"  # the router's namespace: its router-role token
 ENGINE_SECRET = "{endpoint}-l2fs-token"  # the endpoint's namespace: its engine-role token (webhook default)
 TOKEN_KEY = "token"
@@ -95,8 +95,8 @@ def generate(workers: list[str], engines: list[tuple[str, str, str]], routers: l
         add(f"engine-{endpoint}", "engine", [prefix])
     for ns in routers:
         add(f"router-{ns}", "router")
-    if mount:
-        add("mount", "admin")
+    if mount:  # creates under kvtier's prefixes; replaces, renames and deletes only files it wrote itself
+        add("mount", "mount", [contract.KV_PREFIX, contract.MP_PREFIX, contract.META_PREFIX])
     if admin:
         add("admin", "admin")
     return entries
@@ -130,7 +130,7 @@ def secrets_for(entries: list[dict[str, Any]], engines: list[tuple[str, str, str
         out.append(_secret(BLOCK_KEY_SECRET, namespace, {BLOCK_KEY_KEY: base64.b64encode(block_key).decode()},
                            "l2fs master's block-id MAC key: the master only, never workers", field="data"))
     if "mount" in by_name:
-        out.append(_secret(MOUNT_SECRET, namespace, {TOKEN_KEY: by_name["mount"]}, "admin token of the FUSE mount"))
+        out.append(_secret(MOUNT_SECRET, namespace, {TOKEN_KEY: by_name["mount"]}, "mount-role token of the FUSE mount (its own files only)"))
     for endpoint, _, ns in engines:
         out.append(_secret(ENGINE_SECRET.format(endpoint=endpoint), ns, {TOKEN_KEY: by_name[f"engine-{endpoint}"]},
                            f"engine token of endpoint {endpoint}"))
@@ -248,8 +248,8 @@ def main(argv: list[str] | None = None) -> int:
                    help=f"an endpoint's engine token; PREFIX default {contract.KV_PREFIX}/ENDPOINT (repeatable)")
     g.add_argument("--router", action="append", default=[], metavar="NAMESPACE",
                    help="a router-role token (reads only) for the kvtier router in NAMESPACE (repeatable)")
-    g.add_argument("--mount", action="store_true", help="an admin token for the l2fs-mount DaemonSet (FUSE writes "
-                   "overwrite and rename, which only admin may)")
+    g.add_argument("--mount", action="store_true", help="a mount-role token for the l2fs-mount DaemonSet: writes "
+                   "under kvtier's prefixes; overwrites, renames (onto free paths) and deletes only files it wrote")
     g.add_argument("--admin", action="store_true", help="an admin token for people (rm, rename, overwrite)")
     g.add_argument("--keep", metavar="FILE", help="reuse the tokens of same-name entries of this earlier file")
     g.add_argument("--namespace", default="kvtier", help="namespace of l2fs (the tokens file and mount Secrets)")

@@ -256,11 +256,13 @@ def write_port_file(path: str | None, **info: Any) -> None:
 
 log = logging.getLogger("l2fs.common")
 
-ROLES = ("worker", "engine", "router", "admin")
+ROLES = ("worker", "engine", "router", "mount", "admin")
 # role sets for the per-method policies of master and worker (TokenInterceptor): the method's name -> these
 WORKERS = frozenset({"worker"})
-READERS = frozenset({"admin", "engine", "router"})
-WRITERS = frozenset({"admin", "engine"})  # engines further limited to put-if-absent under their prefixes
+READERS = frozenset({"admin", "engine", "router", "mount"})
+# engines further limited to put-if-absent under their prefixes, mounts to their prefixes (Credential.may_write)
+WRITERS = frozenset({"admin", "engine", "mount"})
+REMOVERS = frozenset({"admin", "mount"})  # Delete/Rename: a mount only of files it wrote (may_replace)
 ADMINS = frozenset({"admin"})
 
 
@@ -290,13 +292,21 @@ class Credential:
 
     def may_write(self, path: str, if_absent: bool, mkdir: bool = False) -> bool:
         """admin: anything; engine: put-if-absent under one of its prefixes (and mkdir of the prefixes'
-        ancestors, which the connector creates); everyone else: nothing."""
+        ancestors, which the connector creates); mount: puts under its prefixes, an overwrite only of a file
+        it wrote itself (the master checks that against the file: may_replace); everyone else: nothing."""
         if "admin" in self.roles:
             return True
-        if "engine" not in self.roles or not if_absent:
+        if not (("engine" in self.roles and if_absent) or "mount" in self.roles):
             return False
         return any(p == "/" or path == p or path.startswith(p + "/")
                    or (mkdir and (path == "/" or p.startswith(path + "/"))) for p in self.prefixes)
+
+    def may_replace(self, writer: str) -> bool:
+        """Whether this credential may overwrite, delete or rename away a file that credential `writer` wrote
+        ("" = unknown: reported by a worker after a master restart): admin any; mount only its own (a FUSE
+        publish after more writes, LMCache's temp file renamed into place or unlinked after a failed write);
+        never another's."""
+        return "admin" in self.roles or ("mount" in self.roles and bool(writer) and writer == self.name)
 
 
 SHA256_HEX = re.compile(r"[0-9a-f]{64}")
@@ -346,8 +356,9 @@ def load_token_entries(path: str) -> list[tuple[str, str, Credential]]:
             raise TokensFileError(f"{where}: role must be one of {', '.join(ROLES)}, not {role!r}")
         if not isinstance(prefixes, list) or not all(isinstance(p, str) for p in prefixes):
             raise TokensFileError(f"{where}: prefixes must be a list of paths")
-        if role == "engine" and not prefixes:
-            raise TokensFileError(f"{where}: an engine token needs at least one prefix it may write under")
+        if role in ("engine", "mount") and not prefixes:
+            raise TokensFileError(f"{where}: {'an' if role == 'engine' else 'a'} {role} token needs at least one "
+                                  f"prefix it may write under")
         if "node" in entry and (role != "worker" or not isinstance(node, str) or not 0 < len(node) <= 253
                                 or any(ord(ch) < 33 for ch in node)):
             raise TokensFileError(f"{where}: node must be a node name (1-253 printable characters, no spaces) "

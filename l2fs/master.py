@@ -32,10 +32,12 @@ from l2fs.common import (
     BLOCK_ID,
     DEFAULT_MAX_FILE_SIZE,
     READERS,
+    REMOVERS,
     WORKERS,
     WRITERS,
     BlockKey,
     BlockKeyError,
+    Credential,
     Credentials,
     PathError,
     RpcError,
@@ -68,7 +70,8 @@ MASTER_POLICY = {
     **dict.fromkeys(("RegisterWorker", "Heartbeat", "RemoveBlocks", "MoveBlocks"), WORKERS),
     **dict.fromkeys(("Allocate", "AllocateMany", "Commit", "CommitMany", "Mkdir"), WRITERS),
     **dict.fromkeys(("Stat", "StatMany", "PrefixLookup", "List", "Report"), READERS),
-    **dict.fromkeys(("Rmdir", "Delete", "Rename"), ADMINS),
+    "Rmdir": ADMINS,
+    **dict.fromkeys(("Delete", "Rename"), REMOVERS),  # a mount only of files it wrote (the handlers check)
 }
 
 RPC_LATENCY = Histogram("l2fs_master_rpc_seconds", "Master RPC latency", ["method"],
@@ -107,6 +110,7 @@ class FileEntry:
     mtime: float
     order_hint: int
     local_path: str
+    writer: str = ""  # name of the credential that committed it ("" = unknown, e.g. reported after a restart)
 
 
 @dataclass(slots=True)
@@ -839,7 +843,7 @@ class MasterService(pbg.MasterServicer):
         orphans: list[tuple[str, str]] = []
         sealed: list[tuple[str, str]] = []
         try:
-            return self._commit(request, orphans, sealed)
+            return self._commit(request, orphans, sealed, self.creds.caller(context))
         finally:
             self._deliver_now(sealed)
             self._delete_orphans(orphans)
@@ -851,7 +855,8 @@ class MasterService(pbg.MasterServicer):
         orphans: list[tuple[str, str]] = []
         sealed: list[tuple[str, str]] = []
         with self.lock:
-            items = each(list(request.items), lambda r: self._commit(r, orphans, sealed),
+            cred = self.creds.caller(context)
+            items = each(list(request.items), lambda r: self._commit(r, orphans, sealed, cred),
                          lambda err: pb.CommitResponse(error=err))
         self._deliver_now(sealed)
         self._delete_orphans(orphans)
@@ -871,7 +876,7 @@ class MasterService(pbg.MasterServicer):
         self._push_wake.set()
 
     def _commit(self, request: pb.CommitRequest, orphans: list[tuple[str, str]],
-                sealed: list[tuple[str, str]]) -> pb.CommitResponse:
+                sealed: list[tuple[str, str]], cred: Credential | None = None) -> pb.CommitResponse:
         path = norm_path(request.path)
         self._own(path)
         if path == "/":
@@ -900,6 +905,11 @@ class MasterService(pbg.MasterServicer):
             if cur is not None and request.if_absent:
                 orphan = (request.worker_id, request.block_id)  # lost the race: drop our copy
                 published = False
+            elif cur is not None and cred is not None and not cred.may_replace(cur.writer):
+                self._abandon(request.block_id)
+                orphans.append((request.worker_id, request.block_id))
+                raise RpcError(grpc.StatusCode.PERMISSION_DENIED,
+                               f"token {cred.name!r} may not overwrite {path}: another credential wrote it", "EACCES")
             else:
                 try:  # authoritative: concurrent allocations each fitted alone
                     self._check_quota([(path if cur is not None else None, None, cur.size if cur else 0),
@@ -912,7 +922,8 @@ class MasterService(pbg.MasterServicer):
                     self._drop_file(path)
                     orphan = (cur.worker_id, cur.block_id)
                 self._add_file(path, FileEntry(request.block_id, w.worker_id, request.size, request.crc32c,
-                                               time.time(), request.order_hint, request.local_path))
+                                               time.time(), request.order_hint, request.local_path,
+                                               cred.name if cred is not None else ""))
                 self._seal(w.worker_id, request.block_id, request.size, request.crc32c, sealed)
                 published = True
         (_PUBLISHED if published else _EXISTED).inc()
@@ -1009,18 +1020,27 @@ class MasterService(pbg.MasterServicer):
     @_rpc
     def Delete(self, request: pb.PathRequest, context: Any) -> pb.DeleteResponse:  # noqa: N802
         path = norm_path(request.path)
+        cred = self.creds.caller(context)
         with self.lock:
             if path in self.children:
+                self._may_replace(cred, path, "")
                 self._rmdir(path)
                 return pb.DeleteResponse(removed=True)
             self._own(path)
             e = self.files.get(path)
             if e is None:
                 return pb.DeleteResponse(removed=False)
+            self._may_replace(cred, path, e.writer)
             self._record([(e.worker_id, e.block_id, None)])  # durable before the namespace changes
             self._drop_file(path)
         self._push(e.worker_id)  # one attempt now; the pusher retries until the worker confirms
         return pb.DeleteResponse(removed=True)
+
+    @staticmethod
+    def _may_replace(cred: Credential | None, path: str, writer: str) -> None:
+        if cred is not None and not cred.may_replace(writer):
+            raise RpcError(grpc.StatusCode.PERMISSION_DENIED,
+                           f"token {cred.name!r} may not delete or rename {path}: not a file it wrote", "EACCES")
 
     @_rpc
     def Rename(self, request: pb.RenameRequest, context: Any) -> pb.Empty:  # noqa: N802
@@ -1046,7 +1066,13 @@ class MasterService(pbg.MasterServicer):
                                f"cannot rename {src} to {dst}: they belong to different l2fs shards "
                                f"(copy and delete instead)", "EXDEV")
         changes: list[tuple[str, str, str | None]] = []  # (worker, block, new path | None = deleted)
+        cred = self.creds.caller(context)
         with self.lock:
+            if cred is not None and "admin" not in cred.roles:  # a mount: its own file, to a free path of its own
+                self._may_replace(cred, src, self.files[src].writer if src in self.files else "")
+                if dst in self.files or dst in self.children or not cred.may_write(dst, True):
+                    raise RpcError(grpc.StatusCode.PERMISSION_DENIED,
+                                   f"token {cred.name!r} may not rename onto {dst}", "EACCES")
             if src in self.files:
                 if dst in self.children:
                     raise RpcError(grpc.StatusCode.FAILED_PRECONDITION, f"{dst} is a directory", "EISDIR")

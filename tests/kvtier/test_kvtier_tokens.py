@@ -37,7 +37,9 @@ def test_generate_is_what_l2fs_loads(tmp_path: Path) -> None:
                             "engine-ep-b", "router-team-a", "mount", "admin"]
     roles = {n: set(c.roles) for n, (_, c) in loaded.items()}
     assert roles["master"] == roles["worker-node-b"] == {"worker"}  # master first: its outbound token
-    assert roles["mount"] == roles["admin"] == {"admin"} and roles["router-team-a"] == {"router"}
+    assert roles["admin"] == {"admin"} and roles["router-team-a"] == {"router"}
+    # the FUSE mount: its own role, writing under kvtier's prefixes only (its own files: may_replace)
+    assert roles["mount"] == {"mount"} and loaded["mount"][1].prefixes == ("/kvtier/kv", "/kvtier/mp", "/kvtier/meta")
     assert loaded["engine-ep-a"][1].prefixes == ("/kvtier/kv/ep-a",)
     assert loaded["engine-ep-b"][1].prefixes == ("/kvtier/kv/custom",)
     assert len({t for t, _ in loaded.values()}) == len(loaded)

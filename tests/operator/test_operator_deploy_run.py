@@ -285,7 +285,7 @@ def test_scoped_tokens_from_the_generated_file(base: list[dict[str, Any]], env: 
     no token (only the verifier file) and registers with its pod's projected ServiceAccount token, which the
     master reviews and binds to node-a; a pod on another node showing that token is refused; the engine token
     puts under its endpoint's prefix only and cannot overwrite or delete; the router token only reads; the
-    mount's admin token may delete."""
+    mount's token cannot delete the engine's file, the admin token can."""
     master = container(base, "StatefulSet", "l2fs-master")
     env.wait_probe(master, "readinessProbe", env.start(master, "master.log"), "master.log")
     wp = start_worker(base, env)
@@ -351,7 +351,10 @@ def test_scoped_tokens_from_the_generated_file(base: list[dict[str, Any]], env: 
         assert denied.returncode != 0 and "may not" in denied.stderr + denied.stdout, denied
     assert cli(router, "get", own, str(env.tmp / "back")).returncode == 0
     assert (env.tmp / "back").read_bytes() == src.read_bytes()
-    assert cli(mount, "rm", own).returncode == 0  # the FUSE mount's admin token
+    # the FUSE mount's mount-role token: not another credential's file; the admin token may
+    denied = cli(mount, "rm", own)
+    assert denied.returncode != 0 and "may not" in denied.stderr + denied.stdout, denied
+    assert cli(env.tokens["admin"], "rm", own).returncode == 0
     assert cli(router, "stat", own).returncode != 0
 
 
@@ -397,8 +400,9 @@ def test_mount_command_probes_and_prestop(base: list[dict[str, Any]], env: Env) 
     assert not os.path.ismount(mnt)
     proc.wait(30)
     assert not env.probe(mount, "livenessProbe")
-    # why the mount holds an admin token: with an engine token, even inside that engine's own prefix, what
-    # LMCache's fs:// connector does through a mount (write a temp file, rename it) is refused
+    # why the mount has a role of its own (mount: renames of its own files onto free paths), not an engine token:
+    # with one, even inside that engine's own prefix, what LMCache's fs:// connector does through a mount (write
+    # a temp file, rename it) is refused
     env.secrets[("l2fs-mount-token", "token")] = env.tokens["engine-ep-a"]
     env.vars["L2FS_MOUNT_PATH"] = str(mnt) + "-engine"
     eproc = env.start(mount, "mount-engine.log")
