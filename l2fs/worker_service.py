@@ -130,12 +130,12 @@ class WorkerService(pbg.WorkerServicer):
         """The request's block ids, once each has passed `_need` (all or nothing: one bad capability refuses
         the call, as a read with it would be refused)."""
         n = len(request.block_ids)
+        bids = [check_block_id(b) for b in request.block_ids]  # malformed input first: INVALID_ARGUMENT
         if self.gate is not None and self.gate.cap_mode and len(request.capabilities) != n:
             raise RpcError(grpc.StatusCode.PERMISSION_DENIED,
                            f"{n} block ids but {len(request.capabilities)} capabilities", "EACCES")
         if request.paths and len(request.paths) != n:
             raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, "block_ids and paths differ in length")
-        bids = [check_block_id(b) for b in request.block_ids]
         for i, bid in enumerate(bids):
             cap = request.capabilities[i] if i < len(request.capabilities) else ""
             self._need(cap, op, bid, self._cap_path(request.paths[i]) if request.paths else "")

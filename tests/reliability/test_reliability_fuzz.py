@@ -23,6 +23,8 @@ ALLOWED = {
     grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND,
     grpc.StatusCode.ALREADY_EXISTS, grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.OUT_OF_RANGE,
     grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DATA_LOSS,
+    # the cluster runs with a block key (capability mode): a well-formed block call without its capability
+    grpc.StatusCode.PERMISSION_DENIED,
 }
 CAPACITY = 8 << 20
 MAX_EXAMPLES = 60
