@@ -37,6 +37,7 @@ import hashlib
 import hmac
 import time
 from collections.abc import Callable
+from typing import Any
 
 from l2fs.common import BLOCK_ID
 
@@ -124,6 +125,36 @@ def mint_for(block_key: bytes, worker_id: str, op: str, bid: str, path: str = ""
     return mint(data_key(block_key, worker_id), op, bid, int(time.time() + ttl), path)
 
 
+MASTER_MD = "l2fs-master-mac"  # call metadata: the master's MAC on its maintenance calls to a worker
+_MASTER_LABEL = "m1"
+MASTER_CALL_TTL = 60  # seconds a master call's MAC is valid (plus the worker's skew)
+
+
+def master_call_mac(key: bytes, method: str, body: bytes, expiry: int) -> str:
+    """`<expiry>.<mac>`: K_w's MAC over (method, expiry, SHA-256 of the request bytes).
+
+    Why: a worker's DeleteBlocks/SetPaths/SealBlocks took any worker-role token, so one worker (or anyone with a
+    worker token) could delete another worker's blocks or repoint its manifest. Only the master (and that
+    worker) holds K_w, so in capability mode the worker takes these calls only from the master, for exactly the
+    request the master sent. A replay of the same request before its expiry repeats an idempotent change."""
+    digest = hashlib.sha256(body).hexdigest()
+    msg = f"{_MASTER_LABEL}\0{method}\0{expiry}\0{digest}".encode()
+    return f"{expiry}.{hmac.new(key, msg, hashlib.sha256).hexdigest()[:MAC_HEX]}"
+
+
+def master_call_denied(key: bytes, presented: str, method: str, body: bytes, *, now: float | None = None,
+                       skew: float = DEFAULT_SKEW) -> str | None:
+    """None when `presented` is the master's MAC for this call (unexpired within `skew`), else why not."""
+    exp, _, mac = presented.partition(".")
+    if not exp.isdigit() or len(exp) > 20 or len(mac) != MAC_HEX:
+        return f"{method} is the master's call: it needs the master's {MASTER_MD} (a worker token is not enough)"
+    if (time.time() if now is None else now) > int(exp) + skew:
+        return f"{method}: the master's MAC expired"
+    if not hmac.compare_digest(presented, master_call_mac(key, method, body, int(exp))):
+        return f"{method}: the master's MAC does not verify for this worker and request"
+    return None
+
+
 class Minter:
     """The master's side: capabilities for a worker's blocks, under K_w derived once per worker id."""
 
@@ -142,6 +173,12 @@ class Minter:
 
     def mint(self, worker_id: str, op: str, bid: str, path: str = "") -> str:
         return mint(self.key_for(worker_id), op, bid, int(time.time() + self.ttl), path)
+
+    def call_metadata(self, worker_id: str, method: str, request: Any) -> tuple[tuple[str, str], ...]:
+        """The metadata that proves a maintenance call to `worker_id` comes from a master (master_call_mac)."""
+        mac = master_call_mac(self.key_for(worker_id), method, request.SerializeToString(),
+                              int(time.time() + MASTER_CALL_TTL))
+        return ((MASTER_MD, mac),)
 
 
 class DataGate:
@@ -171,6 +208,14 @@ class DataGate:
     @property
     def cap_mode(self) -> bool:
         return self.key is not None
+
+    def check_master(self, presented: str, method: str, body: bytes) -> str | None:
+        """None when a maintenance call (DeleteBlocks, SetPaths, SealBlocks) may go on: in cap mode only with
+        the master's MAC for exactly this request (master_call_mac); in token mode the worker-role token the
+        interceptor already checked is all there is."""
+        if self.key is None:
+            return None
+        return master_call_denied(self.key, presented, method, body, skew=self.skew)
 
     def check(self, presented: str | bytes, op: str, bid: str, path: str = "") -> str | None:
         """None when the request may go on, else why it is refused."""

@@ -361,6 +361,14 @@ class MasterService(pbg.MasterServicer):
             self._stubs[address] = stub
         return stub
 
+    def _worker_md(self, worker_id: str, method: str, request: Any) -> tuple[tuple[str, str], ...] | None:
+        """Metadata of a maintenance call to a worker: our token and, with a block key, the call's MAC under
+        that worker's data key (capability.master_call_mac: another worker's token does not make one)."""
+        md = tuple(auth_metadata(self._token) or ())
+        if self.minter is not None:
+            md += self.minter.call_metadata(worker_id, method, request)
+        return md or None
+
     def _tell_worker(self, worker_id: str, call: str, request: Any) -> None:
         """Master -> worker RPC in the background, best effort: a dead worker re-reports later."""
         with self.lock:
@@ -373,10 +381,10 @@ class MasterService(pbg.MasterServicer):
             # in the background, retry with growing deadlines: a loaded worker that misses one 1 s
             # deadline would otherwise keep a losing writer's orphan block until it restarts
             attempts = 3
+            md = self._worker_md(worker_id, call, request)
             for i in range(attempts):
                 try:
-                    getattr(self._worker_stub(address), call)(request, timeout=1.0 * (2 ** i),
-                                                              metadata=auth_metadata(self._token))
+                    getattr(self._worker_stub(address), call)(request, timeout=1.0 * (2 ** i), metadata=md)
                     return
                 except grpc.RpcError as e:
                     if i + 1 == attempts or e.code() not in (grpc.StatusCode.DEADLINE_EXCEEDED,
@@ -476,13 +484,14 @@ class MasterService(pbg.MasterServicer):
                 return True
             deletes = [b for b, p in ops.items() if p is None]
             moves = [(b, p) for b, p in ops.items() if p is not None]
-            stub, md = self._worker_stub(address), auth_metadata(self._token)
+            stub = self._worker_stub(address)
             try:
                 if deletes:
-                    stub.DeleteBlocks(pb.BlockIds(block_ids=deletes), timeout=timeout, metadata=md)
+                    req = pb.BlockIds(block_ids=deletes)
+                    stub.DeleteBlocks(req, timeout=timeout, metadata=self._worker_md(wid, "DeleteBlocks", req))
                 if moves:
-                    stub.SetPaths(pb.SetPathsRequest(block_ids=[b for b, _ in moves], paths=[p for _, p in moves]),
-                                  timeout=timeout, metadata=md)
+                    mreq = pb.SetPathsRequest(block_ids=[b for b, _ in moves], paths=[p for _, p in moves])
+                    stub.SetPaths(mreq, timeout=timeout, metadata=self._worker_md(wid, "SetPaths", mreq))
             except grpc.RpcError as e:
                 log.warning("worker %s: %d pending namespace change(s) not confirmed yet (%s)", wid, len(ops),
                             e.code())
@@ -562,9 +571,10 @@ class MasterService(pbg.MasterServicer):
                 return False
             address = w.address
         try:
-            self._worker_stub(address).SealBlocks(pb.SealRequest(
-                block_ids=[b for b, _ in batch], crc32cs=[v[0] for _, v in batch], seals=[v[1] for _, v in batch]),
-                timeout=timeout, metadata=auth_metadata(self._token))
+            sreq = pb.SealRequest(block_ids=[b for b, _ in batch], crc32cs=[v[0] for _, v in batch],
+                                  seals=[v[1] for _, v in batch])
+            self._worker_stub(address).SealBlocks(sreq, timeout=timeout,
+                                                  metadata=self._worker_md(wid, "SealBlocks", sreq))
         except grpc.RpcError as e:
             log.warning("worker %s: %d seal(s) not delivered yet (%s)", wid, len(batch), e.code())
             return False

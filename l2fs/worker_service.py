@@ -12,7 +12,7 @@ import grpc
 from prometheus_client import Counter, Histogram
 
 from l2fs.batch import each
-from l2fs.capability import READ, WRITE, DataGate
+from l2fs.capability import MASTER_MD, READ, WRITE, DataGate
 from l2fs.common import READERS, WORKERS, WRITERS, RpcError, check_block_id, norm_path, rpc_handler
 from l2fs.proto import l2fs_pb2 as pb
 from l2fs.proto import l2fs_pb2_grpc as pbg
@@ -166,16 +166,30 @@ class WorkerService(pbg.WorkerServicer):
         self._report_now()
         return pb.Empty()
 
+    def _from_master(self, context: Any, method: str, request: Any) -> None:
+        """PERMISSION_DENIED unless the call carries the master's MAC for this request (cap mode): a worker
+        token alone, which every worker holds, must not delete or repoint another worker's blocks."""
+        if self.gate is None:
+            return
+        presented = next((v for k, v in context.invocation_metadata() if k == MASTER_MD), "")
+        why = self.gate.check_master(presented if isinstance(presented, str) else "", method,
+                                     request.SerializeToString())
+        if why:
+            raise RpcError(grpc.StatusCode.PERMISSION_DENIED, why, "EACCES")
+
     @_rpc
     def DeleteBlocks(self, request: pb.BlockIds, context: Any) -> pb.Empty:  # noqa: N802
-        for bid in request.block_ids:
-            self.store.delete(check_block_id(bid))
+        bids = [check_block_id(bid) for bid in request.block_ids]  # malformed input first: INVALID_ARGUMENT
+        self._from_master(context, "DeleteBlocks", request)
+        for bid in bids:
+            self.store.delete(bid)
         return pb.Empty()
 
     @_rpc
     def SetPaths(self, request: pb.SetPathsRequest, context: Any) -> pb.Empty:  # noqa: N802
         if len(request.block_ids) != len(request.paths):
             raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, "block_ids and paths differ in length")
+        self._from_master(context, "SetPaths", request)
         for bid, path in zip(request.block_ids, request.paths, strict=True):
             self.store.set_path(check_block_id(bid), norm_path(path))
         return pb.Empty()
@@ -188,6 +202,7 @@ class WorkerService(pbg.WorkerServicer):
         if not len(request.block_ids) == len(request.crc32cs) == len(request.seals):
             raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, "block_ids, crc32cs and seals differ in length")
         ids = [check_block_id(bid) for bid in request.block_ids]
+        self._from_master(context, "SealBlocks", request)
         if self.store.seal_blocks(zip(ids, request.crc32cs, request.seals, strict=True)) < len(ids):
             self._report_now()  # some were dropped (or are gone): the master hears of it now
         return pb.Empty()

@@ -123,7 +123,7 @@ def test_commit_sealed_only_after_delivery_master_restart_drops_it(tmp_path: Pat
                 assert m.Commit(pb.CommitRequest(path=path, block_id=a.block_id, worker_id=a.worker.worker_id,
                                                  size=len(data), crc32c=r.crc32c), timeout=T).published
                 took.append(time.monotonic() - t0)
-            assert took[0] < 3.0 and took[1] < 0.5, took
+            assert took[0] < 3.0 and took[1] < 0.9, took  # the second does not wait SEAL_WAIT (1 s) again
             c.kill_master()
             c.start_master()
         finally:

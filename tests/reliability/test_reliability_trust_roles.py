@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,7 @@ import pytest
 from reliability_faults import DEADLINE, payload
 from test_reliability_security import _code
 
+from l2fs import capability
 from l2fs.client import PermissionDenied
 from l2fs.proto import l2fs_pb2 as pb
 from l2fs.proto import l2fs_pb2_grpc as pbg
@@ -52,6 +54,54 @@ def roles_cluster(make_cluster: Any, tmp_path: Path) -> Any:
     # extra args come after the cluster's --token ADMIN, so each process's own token wins
     return make_cluster(workers=1, token=ADMIN, master_args=["--tokens-file", str(f), "--token", MASTER],
                         worker_args=["--tokens-file", str(f), "--token", WORKER])
+
+
+def test_worker_tokens_cannot_make_the_masters_calls_to_a_worker(roles_cluster: Any) -> None:
+    """A worker's DeleteBlocks/SetPaths/SealBlocks took any worker-role token, so one worker could delete or
+    repoint another's blocks. With a block key the worker now takes them only with the master's MAC for that
+    exact request under its data key: its own token, another worker's, the admin's, a MAC of another key,
+    another request's, or an expired one are refused and nothing changes; the master's own deletes still land."""
+    admin = roles_cluster.client(token=ADMIN, timeout=DEADLINE)
+    data = payload(2, 32 * 1024, f"{PREFIX}/keep")
+    assert admin.put(f"{PREFIX}/keep", data) is True
+    real = admin.report().workers[0]
+    m = pbg.MasterStub(grpc.insecure_channel(roles_cluster.master))
+    loc = m.Stat(pb.PathRequest(path=f"{PREFIX}/keep"), timeout=DEADLINE, metadata=_md(ADMIN)).locations[0]
+    w = pbg.WorkerStub(grpc.insecure_channel(real.address))
+    dreq = pb.BlockIds(block_ids=[loc.block_id])
+    sreq = pb.SetPathsRequest(block_ids=[loc.block_id], paths=[f"{PREFIX}/moved"])
+    kreq = pb.SealRequest(block_ids=[loc.block_id], crc32cs=[1], seals=["0" * 32])  # would drop it (CRC differs)
+    assert roles_cluster.block_key_file is not None
+    kw = capability.data_key(roles_cluster.block_key_file.read_bytes(), real.worker_id)
+    soon, past = int(time.time() + 60), int(time.time() - 600)
+    calls = {"DeleteBlocks": (w.DeleteBlocks, dreq), "SetPaths": (w.SetPaths, sreq), "SealBlocks": (w.SealBlocks, kreq)}
+    for name, (call, req) in calls.items():
+        body = req.SerializeToString()
+        forged = [capability.master_call_mac(b"k" * 32, name, body, soon),  # another key
+                  capability.master_call_mac(kw, name, pb.BlockIds(block_ids=["f" * 32]).SerializeToString(), soon),
+                  capability.master_call_mac(kw, "Other", body, soon),  # another method
+                  capability.master_call_mac(kw, name, body, past)]  # expired
+        for token in (WORKER, WORKER_B, MASTER, ADMIN):
+            assert _code(lambda c=call, r=req, t=token: c(r, timeout=DEADLINE, metadata=_md(t))) \
+                == grpc.StatusCode.PERMISSION_DENIED, (name, token)
+        for mac in forged:
+            md = (*_md(WORKER_B), (capability.MASTER_MD, mac))
+            assert _code(lambda c=call, r=req, md=md: c(r, timeout=DEADLINE, metadata=md)) \
+                == grpc.StatusCode.PERMISSION_DENIED, (name, mac)
+    assert admin.get(f"{PREFIX}/keep") == data
+    assert m.Stat(pb.PathRequest(path=f"{PREFIX}/keep"), timeout=DEADLINE,
+                  metadata=_md(ADMIN)).locations[0].block_id == loc.block_id
+    # the master's own maintenance calls carry the MAC: a removed file's block leaves the worker
+    gone = payload(3, 16 * 1024, f"{PREFIX}/gone")
+    assert admin.put(f"{PREFIX}/gone", gone) is True
+    gid = m.Stat(pb.PathRequest(path=f"{PREFIX}/gone"), timeout=DEADLINE, metadata=_md(ADMIN)).locations[0].block_id
+    block = roles_cluster.workers[0].data_dir / "blocks" / gid[:2] / gid
+    assert block.exists()
+    admin.rm(f"{PREFIX}/gone")
+    end = time.monotonic() + 15
+    while block.exists() and time.monotonic() < end:
+        time.sleep(0.1)
+    assert not block.exists(), "the master's DeleteBlocks did not reach the worker"
 
 
 def test_engine_cannot_impersonate_a_worker(roles_cluster: Any) -> None:
