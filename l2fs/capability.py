@@ -58,15 +58,18 @@ def data_key(block_key: bytes, worker_id: str) -> bytes:
 _SEAL_LABEL = "l2fs-seal"
 
 
-def seal_mac(block_key: bytes, worker_id: str, bid: str, size: int, crc: int) -> str:
-    """The seal of a committed block: what the worker keeps and reports, what a master checks at registration."""
-    msg = f"{_SEAL_LABEL}\0{worker_id}\0{bid}\0{size}\0{crc}".encode("utf-8", "surrogatepass")
+def seal_mac(block_key: bytes, worker_id: str, bid: str, size: int, crc: int, path: str) -> str:
+    """The seal of a committed block at `path`: what the worker keeps and reports, what a master checks at
+    registration. The path is in it so a worker cannot republish one of its own (sealed) blocks under another
+    file's path; a rename re-seals (SetPaths carries the new seal)."""
+    msg = f"{_SEAL_LABEL}\0{worker_id}\0{bid}\0{size}\0{crc}\0{path}".encode("utf-8", "surrogatepass")
     return hmac.new(block_key, msg, hashlib.sha256).hexdigest()[:MAC_HEX]
 
 
-def seal_ok(block_key: bytes, mac: str, worker_id: str, bid: str, size: int, crc: int) -> bool:
-    """Whether `mac` seals exactly this (worker, block id, size, CRC32C) under `block_key`."""
-    return len(mac) == MAC_HEX and mac.isascii() and hmac.compare_digest(mac, seal_mac(block_key, worker_id, bid, size, crc))
+def seal_ok(block_key: bytes, mac: str, worker_id: str, bid: str, size: int, crc: int, path: str) -> bool:
+    """Whether `mac` seals exactly this (worker, block id, size, CRC32C, path) under `block_key`."""
+    return (len(mac) == MAC_HEX and mac.isascii()
+            and hmac.compare_digest(mac, seal_mac(block_key, worker_id, bid, size, crc, path)))
 
 
 def _mac(key: bytes, op: str, bid: str, expiry: int, path: str) -> str:

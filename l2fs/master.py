@@ -490,7 +490,8 @@ class MasterService(pbg.MasterServicer):
                     req = pb.BlockIds(block_ids=deletes)
                     stub.DeleteBlocks(req, timeout=timeout, metadata=self._worker_md(wid, "DeleteBlocks", req))
                 if moves:
-                    mreq = pb.SetPathsRequest(block_ids=[b for b, _ in moves], paths=[p for _, p in moves])
+                    mreq = pb.SetPathsRequest(block_ids=[b for b, _ in moves], paths=[p for _, p in moves],
+                                              seals=self._reseal(wid, moves))
                     stub.SetPaths(mreq, timeout=timeout, metadata=self._worker_md(wid, "SetPaths", mreq))
             except grpc.RpcError as e:
                 log.warning("worker %s: %d pending namespace change(s) not confirmed yet (%s)", wid, len(ops),
@@ -512,15 +513,29 @@ class MasterService(pbg.MasterServicer):
         """Whether this master seals commits and publishes only sealed reports (a block key, protocol >= 4)."""
         return self.block_key is not None and self.protocol_version >= 4
 
-    def _seal(self, wid: str, bid: str, size: int, crc: int, sealed: list[tuple[str, str]]) -> None:
+    def _seal(self, wid: str, bid: str, size: int, crc: int, path: str, sealed: list[tuple[str, str]]) -> None:
         """Queue the seal of a block just published (lock held); `sealed` collects what to deliver now."""
         if self.block_key is None or not self.sealing:
             return
         sealed.append((wid, bid))
         q = self.seals.setdefault(wid, OrderedDict())
-        q[bid] = (crc, capability.seal_mac(self.block_key.key, wid, bid, size, crc))
+        q[bid] = (crc, capability.seal_mac(self.block_key.key, wid, bid, size, crc, path))
         if len(q) > self.SEAL_MEMORY:
             q.popitem(last=False)
+
+    def _reseal(self, wid: str, moves: list[tuple[str, str]]) -> list[str]:
+        """Seals for renamed blocks at their new paths (sent with SetPaths, so the worker's manifest keeps a seal
+        that verifies over the path it reports); "" where this master does not seal or the path no longer
+        holds that block (a newer change of it follows)."""
+        if self.block_key is None or not self.sealing:
+            return []
+        out = []
+        with self.lock:
+            for bid, path in moves:
+                e = self.files.get(path)
+                out.append(capability.seal_mac(self.block_key.key, wid, bid, e.size, e.crc32c, path)
+                           if e is not None and e.block_id == bid and e.worker_id == wid else "")
+        return out
 
     def _seal_of(self, wid: str, b: pb.BlockReport) -> str:
         """The seal to check a report against: the worker's own, else one still on its way to it (lock held)."""
@@ -699,7 +714,8 @@ class MasterService(pbg.MasterServicer):
                         unsealed += 1  # its id verified, so it is this worker's own allocation: safe to delete
                         reject.append(b.block_id)
                         continue
-                    if not capability.seal_ok(self.block_key.key, mac, w.worker_id, b.block_id, b.size, b.crc32c):
+                    if not capability.seal_ok(self.block_key.key, mac, w.worker_id, b.block_id, b.size, b.crc32c,
+                                              b.path):
                         bad_seal += 1  # altered (bytes and CRC), or a seal of another key: neither published
                         continue  # nor deleted, as for an id that does not verify
                 try:
@@ -934,7 +950,7 @@ class MasterService(pbg.MasterServicer):
                 self._add_file(path, FileEntry(request.block_id, w.worker_id, request.size, request.crc32c,
                                                time.time(), request.order_hint, request.local_path,
                                                cred.name if cred is not None else ""))
-                self._seal(w.worker_id, request.block_id, request.size, request.crc32c, sealed)
+                self._seal(w.worker_id, request.block_id, request.size, request.crc32c, path, sealed)
                 published = True
         (_PUBLISHED if published else _EXISTED).inc()
         if orphan is not None:

@@ -59,7 +59,7 @@ class Block:
     mtime: float
     last_access: float
     order_hint: int
-    seal: str = ""  # the master's seal MAC over (worker, id, size, crc32c) once committed ("" = not yet)
+    seal: str = ""  # the master's seal MAC over (worker, id, size, crc32c, path) once committed ("" = not yet)
 
 
 TIERS = {"MEM": 0, "SSD": 1, "DISK": 1, "HDD": 2}
@@ -493,12 +493,17 @@ class Store:
                 b.last_access = time.time()
                 self._dirty_access.add(bid)
 
-    def set_path(self, bid: str, path: str) -> None:
+    def set_path(self, bid: str, path: str, seal: str = "") -> None:
+        """A rename reached this worker: the new path and, from a sealing master, the seal for it (the seal
+        covers the path, so the old one no longer verifies; "" keeps what is there)."""
         with self.lock:
             b = self.blocks.get(bid)
             if b is not None:
                 b.path = path
-                self.dirs[b.dir_idx].db.execute("UPDATE blocks SET path=? WHERE block_id=?", (path, bid))
+                if seal:
+                    b.seal = seal
+                self.dirs[b.dir_idx].db.execute("UPDATE blocks SET path=?, seal=? WHERE block_id=?",
+                                                (path, b.seal, bid))
 
     def seal_blocks(self, seals: Iterable[tuple[str, int, str]]) -> int:
         """Keep the master's seal MACs (block id, committed CRC32C, MAC) in the manifest; returns how many were

@@ -190,8 +190,11 @@ class WorkerService(pbg.WorkerServicer):
         if len(request.block_ids) != len(request.paths):
             raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, "block_ids and paths differ in length")
         self._from_master(context, "SetPaths", request)
-        for bid, path in zip(request.block_ids, request.paths, strict=True):
-            self.store.set_path(check_block_id(bid), norm_path(path))
+        if request.seals and len(request.seals) != len(request.block_ids):
+            raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, "block_ids and seals differ in length")
+        seals = list(request.seals) or [""] * len(request.block_ids)
+        for bid, path, seal in zip(request.block_ids, request.paths, seals, strict=True):
+            self.store.set_path(check_block_id(bid), norm_path(path), seal)
         return pb.Empty()
 
     @_rpc

@@ -444,12 +444,14 @@ class BlockIds(_message.Message):
     def __init__(self, block_ids: _Optional[_Iterable[str]] = ..., capabilities: _Optional[_Iterable[str]] = ..., paths: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class SetPathsRequest(_message.Message):
-    __slots__ = ("block_ids", "paths")
+    __slots__ = ("block_ids", "paths", "seals")
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     PATHS_FIELD_NUMBER: _ClassVar[int]
+    SEALS_FIELD_NUMBER: _ClassVar[int]
     block_ids: _containers.RepeatedScalarFieldContainer[str]
     paths: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, block_ids: _Optional[_Iterable[str]] = ..., paths: _Optional[_Iterable[str]] = ...) -> None: ...
+    seals: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, block_ids: _Optional[_Iterable[str]] = ..., paths: _Optional[_Iterable[str]] = ..., seals: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class SealRequest(_message.Message):
     __slots__ = ("block_ids", "crc32cs", "seals")

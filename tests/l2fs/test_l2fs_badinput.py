@@ -141,7 +141,7 @@ def test_double_registration_replaces_cleanly(bcluster: LocalCluster) -> None:
 
     def report(path: str) -> pb.BlockReport:  # a committed block: its id minted and sealed (protocol 4)
         bid = key.mint("dup", 3)
-        return pb.BlockReport(block_id=bid, path=path, size=3, mtime=1.0, seal=seal_mac(key.key, "dup", bid, 3, 0))
+        return pb.BlockReport(block_id=bid, path=path, size=3, mtime=1.0, seal=seal_mac(key.key, "dup", bid, 3, 0, path))
 
     def register(paths: list[str]) -> None:
         m.RegisterWorker(pb.RegisterRequest(

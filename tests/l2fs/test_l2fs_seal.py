@@ -94,6 +94,41 @@ def test_altered_block_and_crc_are_not_published(tmp_path: Path) -> None:
         assert _seals(c)[victim]  # the worker kept what it had
 
 
+def test_sealed_block_republished_under_another_path_is_not_served(tmp_path: Path) -> None:
+    """The seal covers the path: a worker that reports one of its own sealed blocks under another file's path
+    (with a newer mtime, which used to displace that file) gets it published nowhere, and the other file keeps
+    its own bytes. A rename re-seals (SetPaths carries the new path's seal), so a renamed file survives the
+    worker's and the master's restart. Fails with the path left out of the seal: /s/victim served the
+    attacker's block."""
+    with LocalCluster(tmp_path / "c", workers=1, capacity="256M", heartbeat_timeout=10) as c:
+        cl = c.client(timeout=T)
+        mine, victim = secrets.token_bytes(40_000), secrets.token_bytes(40_000)
+        assert cl.put("/s/mine", mine) is True and cl.put("/s/victim", victim) is True
+        assert cl.put("/s/before", b"r" * 30_000) is True
+        cl.rename("/s/before", "/s/after")
+        bids = {p: _block_id(c, p) for p in ("/s/mine", "/s/victim", "/s/after")}
+
+        def settled() -> bool:
+            with closing(_manifest(c)) as db:
+                paths = dict(db.execute("SELECT block_id, path FROM blocks").fetchall())
+            return paths.get(bids["/s/after"]) == "/s/after" and all(_seals(c).get(b) for b in bids.values())
+
+        wait_until(settled, timeout=15)  # seals and the rename reached the manifest
+        c.kill_worker(0)
+        with closing(_manifest(c)) as db:  # the attacker points its own block at the victim's path, newer
+            db.execute("UPDATE blocks SET path=?, mtime=? WHERE block_id=?",
+                       ("/s/victim", time.time() + 3600, bids["/s/mine"]))
+            db.commit()
+        c.kill_master()
+        c.start_master()
+        c.start_worker(0)
+        wait_until(lambda: cl.stat("/s/victim") is not None and cl.stat("/s/after") is not None, timeout=30)
+        assert cl.get("/s/victim") == victim
+        assert cl.get("/s/after") == b"r" * 30_000 and cl.stat("/s/before") is None
+        assert cl.get("/s/mine") is None  # its block now claims another path: published nowhere
+        assert _rejects(c, "seal") == 1
+
+
 def test_commit_sealed_only_after_delivery_master_restart_drops_it(tmp_path: Path) -> None:
     """A block written and committed while its worker is stopped (the master cannot deliver the seal), then the
     master restarts before the worker wakes: the restarted master does not publish it (no seal) and tells the
@@ -140,18 +175,19 @@ def test_commit_sealed_only_after_delivery_master_restart_drops_it(tmp_path: Pat
 
 @pytest.mark.unit
 def test_seal_mac_mint_and_verify() -> None:
-    key = b"k" * 32
-    mac = capability.seal_mac(key, "w1", "ab" * 16, 4096, 0x1234)
+    key, bid = b"k" * 32, "ab" * 16
+    mac = capability.seal_mac(key, "w1", bid, 4096, 0x1234, "/p/a")
     assert len(mac) == capability.MAC_HEX and int(mac, 16) >= 0
-    assert capability.seal_ok(key, mac, "w1", "ab" * 16, 4096, 0x1234)
-    for wid, bid, size, crc in (("w2", "ab" * 16, 4096, 0x1234), ("w1", "ac" * 16, 4096, 0x1234),
-                                ("w1", "ab" * 16, 4097, 0x1234), ("w1", "ab" * 16, 4096, 0x1235)):
-        assert not capability.seal_ok(key, mac, wid, bid, size, crc)  # each field is covered
-    assert not capability.seal_ok(b"j" * 32, mac, "w1", "ab" * 16, 4096, 0x1234)  # another key
-    assert not capability.seal_ok(key, "", "w1", "ab" * 16, 4096, 0x1234)
-    assert not capability.seal_ok(key, mac.upper(), "w1", "ab" * 16, 4096, 0x1234)
+    assert capability.seal_ok(key, mac, "w1", bid, 4096, 0x1234, "/p/a")
+    for wid, b, size, crc, path in (("w2", bid, 4096, 0x1234, "/p/a"), ("w1", "ac" * 16, 4096, 0x1234, "/p/a"),
+                                    ("w1", bid, 4097, 0x1234, "/p/a"), ("w1", bid, 4096, 0x1235, "/p/a"),
+                                    ("w1", bid, 4096, 0x1234, "/p/b")):
+        assert not capability.seal_ok(key, mac, wid, b, size, crc, path)  # each field is covered
+    assert not capability.seal_ok(b"j" * 32, mac, "w1", bid, 4096, 0x1234, "/p/a")  # another key
+    assert not capability.seal_ok(key, "", "w1", bid, 4096, 0x1234, "/p/a")
+    assert not capability.seal_ok(key, mac.upper(), "w1", bid, 4096, 0x1234, "/p/a")
     # not a capability, nor a data key: another label
-    assert mac != capability.mint(capability.data_key(key, "w1"), capability.READ, "ab" * 16, 4096)[-32:]
+    assert mac != capability.mint(capability.data_key(key, "w1"), capability.READ, bid, 4096)[-32:]
 
 
 @pytest.mark.unit
@@ -167,7 +203,7 @@ def test_master_publishes_only_sealed_reports() -> None:
 
         def report(wid: str, name: str, seal: str | None, crc: int = 7, version: int = 4) -> pb.BlockReport:
             bid = bk.mint(wid, 10)
-            mac = capability.seal_mac(bk.key, wid, bid, 10, 7) if seal is None else seal
+            mac = capability.seal_mac(bk.key, wid, bid, 10, 7, f"/p/{name}") if seal is None else seal
             return pb.BlockReport(block_id=bid, path=f"/p/{name}", size=10, crc32c=crc, mtime=1.0, seal=mac)
 
         for version in (4, 3):

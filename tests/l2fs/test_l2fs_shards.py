@@ -233,7 +233,7 @@ def test_worker_link_reports_only_its_shard(sharded: LocalCluster, tmp_path: Pat
     for p in ("/sh/link/a", "/sh/link/b", "/sh/link/c", "/sh/link/d"):
         bid = key.mint("w-shard-link", 3)
         b = store.receive(bid, p, 3, 0, [b"abc"])
-        store.seal_blocks([(bid, b.crc32c, seal_mac(key.key, "w-shard-link", bid, 3, b.crc32c))])  # committed
+        store.seal_blocks([(bid, b.crc32c, seal_mac(key.key, "w-shard-link", bid, 3, b.crc32c, p))])  # committed
         got[p] = bid
     assert {shard_of(p, N) for p in got} == {0, 1}
     link = MasterLink(store, master=f"127.0.0.1:{sharded.master_ports[1]}", tls_ca=None, token=None,
