@@ -201,7 +201,11 @@ class MasterLink:
                     log.error("master refused registration: %s", e.details())  # e.g. protocol versions
                     self._stop.wait(5.0)
                     continue
-                log.warning("master unreachable (%s); retrying", e.code())
+                if e.code() in (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED):
+                    # not a network fault: this worker's credential (token, pod token, node) is refused
+                    log.error("master refused this worker's credential (%s): %s; retrying", e.code(), e.details())
+                else:
+                    log.warning("master unreachable (%s); retrying", e.code())
                 self.registered = self.registered and e.code() != grpc.StatusCode.UNAVAILABLE
                 self._stop.wait(min(1.0, self.heartbeat_interval))
                 continue
