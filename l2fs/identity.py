@@ -14,8 +14,10 @@ tokens by Kubernetes >= 1.32). A review without it is refused (no pod lookup fal
 1.32 keeps the tokens-file workers, `--worker-identity tokens`).
 
 Positive reviews are cached (by the token's SHA-256) until min(the token's exp, CACHE_TTL) and at most
-CACHE_MAX of them; negative ones are not cached. A review that cannot be made (API server down, no RBAC)
-refuses the call with a log line: the worker retries at its next heartbeat. The `kubernetes` client is
+CACHE_MAX of them; a token the API server refused is refused again without asking for REFUSED_TTL s. Reviews
+of unknown tokens are admitted at most REVIEWS_IN_FLIGHT at a time and REVIEW_RATE/s (burst REVIEW_BURST), so a
+stranger's made-up tokens cannot hold the master's threads or flood the API server; beyond, and when a review
+cannot be made (API server down, no RBAC), the call is refused: the worker retries at its next heartbeat. The `kubernetes` client is
 imported only when this is configured.
 """
 
@@ -38,6 +40,12 @@ log = logging.getLogger("l2fs.identity")
 NODE_KEY = "authentication.kubernetes.io/node-name"
 CACHE_TTL = 60.0  # seconds a positive review is trusted (less when the token expires sooner)
 CACHE_MAX = 4096  # cached reviews (one per live worker token; oldest dropped first)
+# Reviews of tokens not in the cache are an API round trip (up to 5 s) on a master handler thread, asked for by
+# anyone who can reach the port: bounded so that strangers with made-up tokens can neither hold the master's
+# threads nor make it flood the API server. Workers need about one review per node per CACHE_TTL.
+REVIEWS_IN_FLIGHT = 4  # concurrent reviews; beyond: refused at once (the worker retries at its next heartbeat)
+REVIEW_RATE, REVIEW_BURST = 20.0, 100.0  # reviews/s admitted on average, and in a burst (token bucket)
+REFUSED_TTL = 10.0  # seconds a refused token is refused again without asking (bounded like the cache)
 
 
 def _jwt_exp(token: str) -> float | None:
@@ -70,6 +78,10 @@ class K8sIdentity:
         self._lock = threading.Lock()
         self._api: Any = None
         self.reviews = 0  # TokenReviews sent (tests read it: the cache works)
+        self.shed = 0  # reviews not asked for: too many in flight, over the rate, or refused recently
+        self._in_flight = threading.BoundedSemaphore(REVIEWS_IN_FLIGHT)
+        self._bucket, self._bucket_t = REVIEW_BURST, time.monotonic()
+        self._refused: collections.OrderedDict[str, float] = collections.OrderedDict()
 
     def _client(self) -> Any:
         if self._api is None:
@@ -99,14 +111,28 @@ class K8sIdentity:
                 if hit[1] > now:
                     return hit[0]
                 del self._cache[key]
+            if not self._admit(key, now):
+                self.shed += 1
+                return None
+        if not self._in_flight.acquire(blocking=False):
+            self.shed += 1
+            log.warning("worker identity: %d TokenReviews already in flight: refusing this one at once",
+                        REVIEWS_IN_FLIGHT)
+            return None
         try:
             status = self._ask(token).status
         except Exception as e:  # noqa: BLE001 (API down, no RBAC, bad config: whatever it is, refuse loudly)
             log.error("worker identity: TokenReview failed (%s): refusing the call; the worker retries at its "
                       "next heartbeat", str(e).splitlines()[0] if str(e) else type(e).__name__)
             return None
+        finally:
+            self._in_flight.release()
         cred = self._judge(status)
         if cred is None:
+            with self._lock:
+                self._refused[key] = time.monotonic() + REFUSED_TTL
+                while len(self._refused) > self.cache_max:
+                    self._refused.popitem(last=False)
             return None
         exp = _jwt_exp(token)
         until = min(now + self.cache_ttl, exp if exp is not None else now + self.cache_ttl)
@@ -115,6 +141,22 @@ class K8sIdentity:
             while len(self._cache) > self.cache_max:
                 self._cache.popitem(last=False)
         return cred
+
+    def _admit(self, key: str, now: float) -> bool:
+        """Whether a token not in the cache may be reviewed now (lock held): not refused in the last
+        REFUSED_TTL s, and a token of the rate bucket left."""
+        mono = time.monotonic()
+        until = self._refused.get(key)
+        if until is not None:
+            if until > mono:
+                return False
+            del self._refused[key]
+        self._bucket = min(REVIEW_BURST, self._bucket + (mono - self._bucket_t) * REVIEW_RATE)
+        self._bucket_t = mono
+        if self._bucket < 1.0:
+            return False
+        self._bucket -= 1.0
+        return True
 
     def _judge(self, status: Any) -> Credential | None:
         if status is None or not status.authenticated:
