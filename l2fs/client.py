@@ -305,7 +305,8 @@ class Client:
         paths are routed by shard_of(path), batches split per shard and sent in parallel); default
         $L2FS_MASTER.
     node_id: this process's node, for local-first placement and short-circuit I/O; default $L2FS_NODE_ID.
-    token: bearer token for clusters started with --token; default $L2FS_TOKEN.
+    token: bearer token for clusters started with --token; default $L2FS_TOKEN. A callable returning it (e.g.
+        l2fs.common.FileToken) is asked at every call.
     tls_ca: CA bundle path to enable TLS; default $L2FS_TLS_CA.
     timeout: per-call deadline in seconds (reads fail as a miss after it).
     short_circuit: read/write local blocks directly on disk when the worker is on this node.
@@ -320,7 +321,7 @@ class Client:
         master: str | None = None,
         *,
         node_id: str | None = None,
-        token: str | None = None,
+        token: str | Callable[[], str] | None = None,
         tls_ca: str | None = None,
         timeout: float = 2.0,
         short_circuit: bool = True,
@@ -333,12 +334,16 @@ class Client:
         shards = parse_masters(master)
         self.masters = [m for addrs in shards for m in addrs]
         self.node_id = node_id if node_id is not None else os.environ.get("L2FS_NODE_ID", "")
-        self.token = token if token is not None else os.environ.get("L2FS_TOKEN") or None
+        tok = token if token is not None else os.environ.get("L2FS_TOKEN") or None
+        # a callable (l2fs.common.FileToken: a projected ServiceAccount token the kubelet rotates) is asked at
+        # every call; `token` is then None (capabilities, not tokens, carry the data plane and fd requests)
+        self._token_fn: Callable[[], str] | None = tok if callable(tok) else None
+        self.token: str | None = None if callable(tok) else tok
         self.tls_ca = tls_ca if tls_ca is not None else os.environ.get("L2FS_TLS_CA") or None
         self.timeout = timeout
         self.short_circuit = short_circuit
         self.fd_passing = fd_passing
-        self._md = auth_metadata(self.token)
+        self._static_md = auth_metadata(self.token)
         self._lock = threading.Lock()
         self._channels: list[grpc.Channel] = []
         self._shards: list[_Shard] = []
@@ -365,6 +370,11 @@ class Client:
         self._no_local: dict[str, float] = {}  # worker address -> until when short-circuit writes are off
 
     # ---------- plumbing ----------
+
+    @property
+    def _md(self) -> tuple[tuple[str, str], ...] | None:
+        """Call metadata with the bearer token (re-read per call when the token is a callable)."""
+        return auth_metadata(self._token_fn()) if self._token_fn is not None else self._static_md
 
     def _worker(self, address: str) -> pbg.WorkerStub:
         with self._lock:

@@ -404,7 +404,7 @@ class Credentials:
 
     Tokens are matched by their SHA-256 (load_token_entries), so a verifier file (digests only) checks the
     same tokens as the full file. `identity` (l2fs.identity.K8sIdentity) turns a bearer token no entry knows
-    into a node-bound worker credential, for the methods where the caller asks for it (`review`)."""
+    into a node-bound worker or mount credential, for the methods where the caller asks for it (`review`)."""
 
     LEGACY = frozenset({"admin", "worker"})
 
@@ -432,8 +432,9 @@ class Credentials:
 
     def from_metadata(self, metadata: Any, review: bool = True) -> Credential | None:
         """The credential of `authorization: Bearer <token>`; a token no entry knows goes to `identity` when
-        `review` (the interceptor asks only for worker methods, so strangers cannot make every call cost an
-        API round trip)."""
+        `review` (the interceptor asks only on methods a role the identity grants may call: worker methods,
+        and client methods only with a mount ServiceAccount configured; so strangers cannot make every call
+        cost an API round trip)."""
         got = dict(metadata or ()).get("authorization", "")
         got = got if isinstance(got, bytes) else str(got).encode("utf-8", "surrogatepass")
         if not got.startswith(b"Bearer "):
@@ -578,8 +579,10 @@ class TokenInterceptor(grpc.ServerInterceptor):
     def intercept_service(self, continuation: Callable, handler_call_details: Any) -> Any:
         method = handler_call_details.method or ""
         name = method.rpartition("/")[2]
-        worker_method = self._policy is not None and "worker" in self._policy.get(name, frozenset())
-        cred = self._creds.from_metadata(handler_call_details.invocation_metadata, review=worker_method)
+        # an unknown token is reviewed (l2fs.identity) only on methods a role the identity grants may call
+        grantable = getattr(self._creds.identity, "roles", WORKERS)
+        review = self._policy is not None and bool(grantable & self._policy.get(name, ADMINS))
+        cred = self._creds.from_metadata(handler_call_details.invocation_metadata, review=review)
         if cred is not None:
             if self._policy is None or cred.roles & self._policy.get(name, frozenset({"admin"})):
                 return continuation(handler_call_details)

@@ -49,7 +49,7 @@ from l2fs.client import (
     NotFound,
     PermissionDenied,
 )
-from l2fs.common import DEFAULT_MAX_FILE_SIZE, crc32c_fast, parse_size
+from l2fs.common import DEFAULT_MAX_FILE_SIZE, FileToken, crc32c_fast, parse_size
 
 log = logging.getLogger("l2fs.fuse")
 
@@ -891,7 +891,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--master", default=os.environ.get("L2FS_MASTER"), help="HOST:PORT[,HOST:PORT] ($L2FS_MASTER)")
     p.add_argument("--node-id", default=os.environ.get("L2FS_NODE_ID"),
                    help="this node's id: local-first writes and short-circuit reads ($L2FS_NODE_ID)")
-    p.add_argument("--token", default=os.environ.get("L2FS_TOKEN"))
+    p.add_argument("--token", default=os.environ.get("L2FS_TOKEN"), help="bearer token ($L2FS_TOKEN)")
+    p.add_argument("--token-file", default=os.environ.get("L2FS_TOKEN_FILE") or None,
+                   help="read the bearer token from this file at every call instead ($L2FS_TOKEN_FILE): the pod's "
+                        "projected ServiceAccount token, which the kubelet rotates and the master reviews "
+                        "(master --mount-sa); wins over --token. Workers do not know such a token: block bytes go "
+                        "over the workers' raw-TCP data plane with the master's capabilities (no short-circuit; "
+                        "needs a master with a block key and no TLS)")
     p.add_argument("--tls-ca", default=os.environ.get("L2FS_TLS_CA"))
     p.add_argument("--root", default="/", help="l2fs directory shown at the mountpoint (default /)")
     p.add_argument("--read-only", action="store_true", help="mount read-only (writes fail with EROFS)")
@@ -967,7 +973,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     a = parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if a.debug else logging.INFO,
                         format="%(asctime)s l2fs-mount %(levelname)s %(message)s")
-    client = Client(a.master, node_id=a.node_id, token=a.token, tls_ca=a.tls_ca, timeout=a.timeout)
+    token = FileToken(a.token_file) if a.token_file else a.token
+    # A ServiceAccount token is known to the master (TokenReview), not to the workers (they hold token digests
+    # only): block bytes then move only with the master's per-block capabilities, over the data plane (no
+    # same-node ReserveLocal/AdoptLocal calls, which need a token the worker knows; the pod needs no data dir).
+    client = Client(a.master, node_id=a.node_id, token=token, tls_ca=a.tls_ca, timeout=a.timeout,
+                    short_circuit=not a.token_file)
     root = a.root.rstrip("/") or "/"
     if root != "/" and not a.read_only:
         try:

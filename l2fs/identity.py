@@ -1,4 +1,4 @@
-"""Node-bound worker identity from Kubernetes projected ServiceAccount tokens (issue 13).
+"""Node-bound worker (and FUSE mount) identity from Kubernetes projected ServiceAccount tokens (issue 13).
 
 Why: a DaemonSet's pods all see the same Secrets, so a per-node secret cannot be handed to one pod; whatever
 the worker pod of node A can read, the one of node B can too. The kubelet, however, gives each pod its own
@@ -8,6 +8,12 @@ it) as its bearer token; the master asks the API server about it with a TokenRev
 authenticated, for the expected ServiceAccount and audience, and names a node, treats the caller as a worker
 credential bound to that node (Credential.may_be_worker): node A's token cannot register or heartbeat node B's
 worker ids, before or after a master restart, and no worker pod holds anything that lets it act as another.
+
+The same review names the FUSE mounts (master --mount-sa): a mount pod's projected token becomes the mount
+credential "mount@<node>" (prefixes from --mount-prefixes), so each node's mount has its own name and may
+overwrite, rename or delete only the files written through it (Credential.may_replace), not another node's;
+the interceptor then also reviews unknown tokens on the client methods a mount may call (same admission
+limits below). Without --mount-sa no client-method call ever causes a review.
 
 The node comes from the review's user.extra["authentication.kubernetes.io/node-name"] (set for pod-bound
 tokens by Kubernetes >= 1.32). A review without it is refused (no pod lookup fallback: a cluster older than
@@ -59,18 +65,39 @@ def _jwt_exp(token: str) -> float | None:
         return None
 
 
-class K8sIdentity:
-    """TokenReview-backed worker identity: `review(token)` -> a worker Credential bound to the token's node,
-    or None. `service_account` is "NAMESPACE:NAME"; `kubeconfig` None = $KUBECONFIG, else in-cluster config."""
+def _username(service_account: str) -> str:
+    ns, sep, name = service_account.partition(":")
+    if not sep or not ns or not name or ":" in name:
+        raise ValueError(f"service account {service_account!r}: want NAMESPACE:NAME")
+    return f"system:serviceaccount:{ns}:{name}"
 
-    def __init__(self, service_account: str, audience: str, kubeconfig: str | None = None,
-                 cache_ttl: float = CACHE_TTL, cache_max: int = CACHE_MAX) -> None:
-        ns, sep, name = service_account.partition(":")
-        if not sep or not ns or not name or ":" in name:
-            raise ValueError(f"worker service account {service_account!r}: want NAMESPACE:NAME")
+
+class K8sIdentity:
+    """TokenReview-backed identity: `review(token)` -> the Credential of the token's ServiceAccount, bound to
+    the token's node, or None. A table maps each accepted ServiceAccount ("NAMESPACE:NAME") to a role: the
+    workers' (`service_account`) to a worker credential "k8s-node/<node>", the FUSE mounts' (`mount_sa`) to a
+    mount credential "mount@<node>" with `mount_prefixes` (so a mount pod may replace or delete only files
+    written through the mount of its own node: Credential.may_replace compares names). `roles` is what it can
+    grant: the interceptor asks for a review only on methods one of them may call. `kubeconfig` None =
+    $KUBECONFIG, else in-cluster config."""
+
+    def __init__(self, service_account: str | None, audience: str, kubeconfig: str | None = None,
+                 cache_ttl: float = CACHE_TTL, cache_max: int = CACHE_MAX, *, mount_sa: str | None = None,
+                 mount_prefixes: tuple[str, ...] = ()) -> None:
+        self.accounts: dict[str, tuple[str, tuple[str, ...]]] = {}  # username -> (role, prefixes)
+        if service_account:
+            self.accounts[_username(service_account)] = ("worker", ())
+        if mount_sa:
+            if not mount_prefixes:
+                raise ValueError("mount service account: needs at least one prefix the mounts may write under")
+            if _username(mount_sa) in self.accounts:
+                raise ValueError(f"mount service account {mount_sa!r} is the workers' too: want its own")
+            self.accounts[_username(mount_sa)] = ("mount", tuple(mount_prefixes))
+        if not self.accounts:
+            raise ValueError("k8s identity: no service account to accept")
+        self.roles = frozenset(role for role, _ in self.accounts.values())
         if not audience:
-            raise ValueError("worker token audience must not be empty")
-        self.username = f"system:serviceaccount:{ns}:{name}"
+            raise ValueError("k8s token audience must not be empty")
         self.audience = audience
         self.kubeconfig = kubeconfig or os.environ.get("KUBECONFIG") or None
         self.cache_ttl, self.cache_max = cache_ttl, cache_max
@@ -116,14 +143,14 @@ class K8sIdentity:
                 return None
         if not self._in_flight.acquire(blocking=False):
             self.shed += 1
-            log.warning("worker identity: %d TokenReviews already in flight: refusing this one at once",
+            log.warning("k8s identity: %d TokenReviews already in flight: refusing this one at once",
                         REVIEWS_IN_FLIGHT)
             return None
         try:
             status = self._ask(token).status
         except Exception as e:  # noqa: BLE001 (API down, no RBAC, bad config: whatever it is, refuse loudly)
-            log.error("worker identity: TokenReview failed (%s): refusing the call; the worker retries at its "
-                      "next heartbeat", str(e).splitlines()[0] if str(e) else type(e).__name__)
+            log.error("k8s identity: TokenReview failed (%s): refusing the call (a worker retries at its "
+                      "next heartbeat)", str(e).splitlines()[0] if str(e) else type(e).__name__)
             return None
         finally:
             self._in_flight.release()
@@ -160,20 +187,24 @@ class K8sIdentity:
 
     def _judge(self, status: Any) -> Credential | None:
         if status is None or not status.authenticated:
-            log.warning("worker identity: token not authenticated (%s)", getattr(status, "error", None) or "no error")
+            log.warning("k8s identity: token not authenticated (%s)", getattr(status, "error", None) or "no error")
             return None
         user = status.user
-        if user is None or user.username != self.username:
-            log.warning("worker identity: token of %r, want %r: refused", getattr(user, "username", None),
-                        self.username)
+        account = self.accounts.get(getattr(user, "username", None) or "")
+        if user is None or account is None:
+            log.warning("k8s identity: token of %r, want one of %s: refused", getattr(user, "username", None),
+                        sorted(self.accounts))
             return None
         if self.audience not in (status.audiences or []):
-            log.warning("worker identity: token audiences %s lack %r: refused", status.audiences, self.audience)
+            log.warning("k8s identity: token audiences %s lack %r: refused", status.audiences, self.audience)
             return None
         nodes = (user.extra or {}).get(NODE_KEY) or []
         if len(nodes) != 1 or not nodes[0]:
-            log.warning("worker identity: review names no node (%s; Kubernetes >= 1.32 puts it in pod-bound "
+            log.warning("k8s identity: review names no node (%s; Kubernetes >= 1.32 puts it in pod-bound "
                         "tokens): refused", NODE_KEY)
             return None
         node = nodes[0]
+        role, prefixes = account
+        if role == "mount":
+            return Credential(f"mount@{node}", frozenset({"mount"}), prefixes, node)
         return Credential(f"k8s-node/{node}", frozenset({"worker"}), (), node)

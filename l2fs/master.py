@@ -64,6 +64,9 @@ from l2fs.proto import l2fs_pb2_grpc as pbg
 
 log = logging.getLogger("l2fs.master")
 
+# what `kvtier tokens generate --mount` gives a mount token (kvtier.contract's KV/MP/META prefixes; l2fs imports
+# nothing of kvtier): the default --mount-prefixes of ServiceAccount-reviewed mounts
+MOUNT_PREFIXES = "/kvtier/kv,/kvtier/mp,/kvtier/meta"
 # Which roles may call which RPC (checked before the message is read; see TokenInterceptor). Engines' writes
 # are further limited to put-if-absent under their prefixes in the handlers.
 MASTER_POLICY = {
@@ -1207,8 +1210,17 @@ def build_parser() -> argparse.ArgumentParser:
                    metavar="NAMESPACE:NAME", help="with --worker-identity k8s: the workers' ServiceAccount")
     p.add_argument("--worker-audience", default=os.environ.get("L2FS_WORKER_AUDIENCE") or "l2fs",
                    help="with --worker-identity k8s: the audience the workers' tokens must carry (default l2fs)")
+    p.add_argument("--mount-sa", default=os.environ.get("L2FS_MOUNT_SA") or None, metavar="NAMESPACE:NAME",
+                   help="the FUSE mounts' ServiceAccount (also $L2FS_MOUNT_SA): a mount pod's projected token "
+                        "(--worker-audience), checked with a TokenReview, becomes the mount credential "
+                        "mount@<node>, so a mount replaces or deletes only files written through its own node's "
+                        "mount. Default: none (mounts use tokens-file entries)")
+    p.add_argument("--mount-prefixes", default=os.environ.get("L2FS_MOUNT_PREFIXES") or MOUNT_PREFIXES,
+                   metavar="P1,P2", help=f"with --mount-sa: the prefixes the mounts may write under (default "
+                                         f"{MOUNT_PREFIXES}, what `kvtier tokens generate --mount` gives)")
     p.add_argument("--kubeconfig", default=None,
-                   help="with --worker-identity k8s: API server config (default $KUBECONFIG, else in-cluster)")
+                   help="with --worker-identity k8s or --mount-sa: API server config (default $KUBECONFIG, else "
+                        "in-cluster)")
     p.add_argument("--block-key-file", default=os.environ.get("L2FS_BLOCK_KEY_FILE") or None,
                    help="file of >= 32 random bytes shared by every master (also $L2FS_BLOCK_KEY_FILE): block ids "
                         "become a MAC over (worker id, size), and commits or worker reports of ids it does not "
@@ -1245,12 +1257,14 @@ def main(argv: list[str] | None = None) -> int:
     token = args.token or os.environ.get("L2FS_TOKEN") or None
     try:
         identity = None
-        if args.worker_identity == "k8s":
+        if args.worker_identity == "k8s" or args.mount_sa:
             from l2fs.identity import K8sIdentity
 
-            identity = K8sIdentity(args.worker_sa, args.worker_audience, args.kubeconfig)
+            prefixes = tuple(norm_path(p.strip()) for p in args.mount_prefixes.split(",") if p.strip())
+            identity = K8sIdentity(args.worker_sa if args.worker_identity == "k8s" else None, args.worker_audience,
+                                   args.kubeconfig, mount_sa=args.mount_sa, mount_prefixes=prefixes)
         creds = Credentials(token, args.tokens_file, identity)
-    except (TokensFileError, ValueError) as e:
+    except (TokensFileError, ValueError, PathError) as e:
         print(f"l2fs master: {e}", file=sys.stderr)
         return 2
     if args.capability_ttl <= 0:

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 from pathlib import Path
+
+import pytest
 
 from l2fs import fuse
 
@@ -46,3 +49,18 @@ def metric(port: int | None, name: str, **labels: str) -> float:
             if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
                 total += s.value
     return total
+
+
+def assert_cannot_replace(path: Path, mine: Path, moved: Path) -> None:
+    """Through a mount: a truncate, an overwrite, a rename of `mine` (a fresh file this mount writes, allowed)
+    over `path` (LMCache's publish onto an existing key), a rename of `path` to `moved` and an unlink of it all
+    fail with EACCES (the mount role may replace only files its own credential wrote)."""
+    def overwrite() -> None:
+        with open(path, "r+b") as f:
+            f.write(b"poison")
+
+    mine.write_bytes(b"poison" * 1000)
+    for attempt in (lambda: os.truncate(path, 0), overwrite, lambda: os.replace(mine, path),
+                    lambda: os.rename(path, moved), lambda: os.unlink(path)):
+        with pytest.raises(PermissionError):
+            attempt()

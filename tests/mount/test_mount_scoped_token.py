@@ -12,10 +12,9 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
-from mount_helpers import Mount, start_mount
+from mount_helpers import Mount, assert_cannot_replace, start_mount
 from test_mount_lmcache import _drive
 
 from l2fs.local import LocalCluster
@@ -78,21 +77,7 @@ def test_mount_cannot_overwrite_rename_or_delete_others_files(scoped: tuple[Loca
     path = m1 / victim.lstrip("/")
     assert path.read_bytes() == data
 
-    def refused(fn: object) -> None:
-        with pytest.raises(PermissionError):
-            fn()  # type: ignore[operator]
-
-    def overwrite() -> None:
-        with open(path, "r+b") as f:
-            f.write(b"poison")
-
-    refused(lambda: os.truncate(path, 0))
-    refused(overwrite)
-    mine = m1 / "kvtier/kv/ep/mine.tmp"
-    mine.write_bytes(b"poison" * 1000)  # a fresh file of its own: allowed
-    refused(lambda: os.replace(mine, path))  # what LMCache's publish would do onto an existing key
-    refused(lambda: os.rename(path, m1 / "kvtier/kv/ep/moved"))
-    refused(lambda: os.unlink(path))
+    assert_cannot_replace(path, m1 / "kvtier/kv/ep/mine.tmp", m1 / "kvtier/kv/ep/moved")
     with pytest.raises(OSError):
         (m1 / "elsewhere.bin").write_bytes(b"x")
     with c.client(token=ADMIN) as admin:
@@ -100,4 +85,4 @@ def test_mount_cannot_overwrite_rename_or_delete_others_files(scoped: tuple[Loca
         assert admin.stat(f"{KV}/ep/moved") is None and admin.stat("/elsewhere.bin") is None
         assert admin.get(f"{KV}/ep/mine.tmp") == b"poison" * 1000
     assert path.read_bytes() == data
-    Path(mine).unlink()
+    (m1 / "kvtier/kv/ep/mine.tmp").unlink()

@@ -1,0 +1,142 @@
+"""One mount identity per node (issue 13, least privilege for mount pods): each FUSE mount pod presents its own
+projected ServiceAccount token (`l2fs mount --token-file`, re-read per call); the master (`--mount-sa`) reviews
+it with a TokenReview and names the caller `mount@<node>` from the node the review names. The mount role may
+replace, rename or delete only files its own credential wrote (Credential.may_replace), so with per-node names
+node 2's mount can no longer touch what node 1's mount wrote. With the one mount token every mount pod shared
+before (Secret l2fs-mount-token), it could: shown below with that token.
+
+Real master, workers and two `l2fs mount` processes; the API server is kmock's emulator answering TokenReviews
+from a table (tests/operator/operator_helpers.py). The workers know only the master's and the admin's tokens:
+the mounts move bytes with the master's per-block capabilities, not with their token.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from mount_helpers import Mount, assert_cannot_replace, start_mount
+
+from l2fs.client import PermissionDenied
+from l2fs.local import LocalCluster
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "operator"))
+from operator_helpers import jwt, review_api  # noqa: E402
+
+pytestmark = pytest.mark.k8s
+
+MASTER = "master-token-0123456789abcdef"
+ADMIN = "admin-token-0123456789abcdef"
+SHARED = "shared-mount-token-0123456789abcdef"  # the one mount token of before
+MOUNT_SA = "system:serviceaccount:kvtier:l2fs-mount"
+KV = "/kvtier/kv"
+
+
+@pytest.fixture(scope="module")
+def sa_mounts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LocalCluster, Mount, Mount, Any]]:
+    base = tmp_path_factory.mktemp("samount")
+    with review_api(base) as api:
+        tokens = base / "tokens.json"
+        tokens.write_text(json.dumps([
+            {"name": "master", "token": MASTER, "role": "worker"},
+            {"name": "ops", "token": ADMIN, "role": "admin"},
+            {"name": "mount", "token": SHARED, "role": "mount", "prefixes": ["/kvtier"]}]))
+        sec = ["--tokens-file", str(tokens), "--token", MASTER]
+        master = [*sec, "--mount-sa", "kvtier:l2fs-mount", "--worker-audience", "l2fs",
+                  "--kubeconfig", str(api.kubeconfig)]
+        with LocalCluster(base / "c", workers=2, capacity="1G", token=ADMIN, master_args=master,
+                          worker_args=sec) as c:
+            files = {}
+            for node in ("node-1", "node-2"):
+                tok = jwt(node)
+                api.emu.table[tok] = (MOUNT_SA, node, ["l2fs"])
+                files[node] = base / f"{node}.token"
+                files[node].write_text(tok)
+            m1 = start_mount(base / "m1", c.master, "--node-id", "node-1", "--token-file", str(files["node-1"]))
+            m2 = start_mount(base / "m2", c.master, "--node-id", "node-2", "--token-file", str(files["node-2"]))
+            c.token_files = files
+            try:
+                yield c, m1, m2, api
+            finally:
+                m1.stop()
+                m2.stop()
+
+
+def test_each_node_mount_replaces_only_its_own_files(sa_mounts: tuple[LocalCluster, Mount, Mount, Any]) -> None:
+    """Written through node 1's mount, read byte-exact through node 2's; through node 2's mount a truncate, an
+    overwrite, a rename over it, a rename of it and an unlink of node 1's file all fail with EACCES and leave it
+    as it was; node 1's mount still rewrites, renames and removes its own file."""
+    c, m1, m2, api = sa_mounts
+    victim = f"{KV}/ep/chunk.data"
+    data = os.urandom(200_000)
+    (m1 / "kvtier/kv/ep").mkdir(parents=True, exist_ok=True)
+    (m1 / victim.lstrip("/")).write_bytes(data)
+    path = m2 / victim.lstrip("/")
+    assert path.read_bytes() == data
+    mine = m2 / "kvtier/kv/ep/mine.tmp"  # a fresh file of node 2's own: allowed
+    assert_cannot_replace(path, mine, m2 / "kvtier/kv/ep/moved")
+    with c.client(token=ADMIN) as admin:
+        assert admin.get(victim) == data
+        assert admin.stat(f"{KV}/ep/moved") is None
+        assert admin.get(f"{KV}/ep/mine.tmp") == b"poison" * 1000
+    os.unlink(mine)  # its own
+    # node 1's mount: its own file it may overwrite, rename and delete
+    own = m1 / victim.lstrip("/")
+    own.write_bytes(b"b" * 3000)
+    os.rename(own, m1 / "kvtier/kv/ep/own2")
+    assert (m2 / "kvtier/kv/ep/own2").read_bytes() == b"b" * 3000
+    os.unlink(m1 / "kvtier/kv/ep/own2")
+    with c.client(token=ADMIN) as admin:
+        assert admin.stat(f"{KV}/ep/own2") is None and admin.stat(victim) is None
+    assert all(c.token_files[n].read_text() in api.emu.seen for n in ("node-1", "node-2"))
+
+
+def test_shared_mount_token_could_and_foreign_tokens_cannot(
+        sa_mounts: tuple[LocalCluster, Mount, Mount, Any]) -> None:
+    """The contrast: with the one shared mount token (what every mount pod held before), node 2 deletes and
+    overwrites what node 1 wrote. A token of another ServiceAccount, one naming no node and one for another
+    audience are refused on the client methods (writes and reads)."""
+    c, *_, api = sa_mounts
+    with c.client(token=SHARED, node_id="node-1") as n1, c.client(token=SHARED, node_id="node-2") as n2:
+        assert n1.put(f"{KV}/shared/a", b"1" * 1000) is True
+        assert n2.put(f"{KV}/shared/a", b"2" * 1000, if_absent=False) is True  # replaced node 1's file
+        assert n2.rm(f"{KV}/shared/a") is True
+        assert n1.stat(f"{KV}/shared/a") is None
+    other_sa, no_node, wrong_aud = jwt("node-1"), jwt("node-1"), jwt("node-1")
+    api.emu.table[other_sa] = ("system:serviceaccount:kvtier:default", "node-1", ["l2fs"])
+    api.emu.table[no_node] = (MOUNT_SA, "", ["l2fs"])
+    api.emu.table[wrong_aud] = (MOUNT_SA, "node-1", ["https://kubernetes.default.svc"])
+    for tok in (other_sa, no_node, wrong_aud, jwt("forged")):
+        with c.client(token=tok, node_id="node-1") as cl:
+            with pytest.raises(PermissionDenied):
+                cl.put(f"{KV}/foreign", b"x" * 1000)
+            with pytest.raises(PermissionDenied):
+                cl.stat(f"{KV}/ep")
+    with c.client(token=ADMIN) as admin:
+        assert admin.stat(f"{KV}/foreign") is None
+
+
+def test_mount_rereads_its_token_file(sa_mounts: tuple[LocalCluster, Mount, Mount, Any]) -> None:
+    """`--token-file` is read per call (the kubelet rotates the projected token): a rotated token the API
+    server knows keeps the mount working after the old one is forgotten; an unknown token in the file makes
+    the next write fail."""
+    c, m1, _, api = sa_mounts
+    f = c.token_files["node-1"]
+    bad = f.with_suffix(".new")
+    bad.write_text(jwt("nobody"))
+    bad.replace(f)
+    with pytest.raises(OSError):
+        (m1 / "kvtier/kv/rot-bad").write_bytes(b"x" * 100)
+    new = jwt("node-1")
+    api.emu.table[new] = (MOUNT_SA, "node-1", ["l2fs"])
+    bad.write_text(new)
+    bad.replace(f)
+    (m1 / "kvtier/kv/rot-ok").write_bytes(b"y" * 100)
+    assert new in api.emu.seen
+    with c.client(token=ADMIN) as admin:
+        assert admin.get(f"{KV}/rot-ok") == b"y" * 100 and admin.stat(f"{KV}/rot-bad") is None
