@@ -7,7 +7,11 @@ holds what (deploy/base):
   the tokens of the master and of clients but useless to act as any of them; a worker proves who it is with its
   pod's projected ServiceAccount token, which the master checks with a TokenReview and binds to the node the
   review names (`l2fs master --worker-identity k8s`, l2fs/identity.py);
-- clients never see either file: engines, the router and the FUSE mount get one token each, in their own Secrets.
+- clients never see either file: engines and the router get one token each, in their own Secrets;
+- the FUSE mounts of deploy/base hold no token: each shows its pod's projected ServiceAccount token, which the
+  master reviews as `--mount-sa` and names mount@<node>. `--mount` (one mount-role token, Secret
+  l2fs-mount-token) is for mounts outside Kubernetes or clusters without TokenReview node names: every holder
+  of it is the same credential, so one mount could replace or delete what another mount wrote.
 
 Clusters without TokenReview node names (Kubernetes < 1.32) can keep tokens-file workers: `--workers NODE...`
 adds one entry per node, named `worker-<node name>` and bound to it ("node"), and each worker container starts
@@ -18,7 +22,7 @@ The master's block key (l2fs master --block-key-file) is written next to the tok
 when it exists: a new key unpublishes every cached block) and, with --secret-yaml, as Secret
 `l2fs-block-key` that only the master mounts.
 
-  kvtier tokens generate --engine qwen2-7b@team-a --router team-a --mount --admin \
+  kvtier tokens generate --engine qwen2-7b@team-a --router team-a --admin \
       -o tokens.json --secret-yaml secrets.yaml      # also token-verifiers.json next to tokens.json
   kvtier tokens exec --entry worker-node-a --role worker -- l2fs worker ...   # tokens-file workers only
 """
@@ -248,8 +252,10 @@ def main(argv: list[str] | None = None) -> int:
                    help=f"an endpoint's engine token; PREFIX default {contract.KV_PREFIX}/ENDPOINT (repeatable)")
     g.add_argument("--router", action="append", default=[], metavar="NAMESPACE",
                    help="a router-role token (reads only) for the kvtier router in NAMESPACE (repeatable)")
-    g.add_argument("--mount", action="store_true", help="a mount-role token for the l2fs-mount DaemonSet: writes "
-                   "under kvtier's prefixes; overwrites, renames (onto free paths) and deletes only files it wrote")
+    g.add_argument("--mount", action="store_true", help="one mount-role token for FUSE mounts outside Kubernetes "
+                   "(deploy/base's mounts use their ServiceAccount token instead, master --mount-sa): writes under "
+                   "kvtier's prefixes; overwrites, renames (onto free paths) and deletes only files it wrote, i.e. "
+                   "that any holder of this one token wrote")
     g.add_argument("--admin", action="store_true", help="an admin token for people (rm, rename, overwrite)")
     g.add_argument("--keep", metavar="FILE", help="reuse the tokens of same-name entries of this earlier file")
     g.add_argument("--namespace", default="kvtier", help="namespace of l2fs (the tokens file and mount Secrets)")

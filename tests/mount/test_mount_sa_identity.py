@@ -26,14 +26,13 @@ from l2fs.client import PermissionDenied
 from l2fs.local import LocalCluster
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "operator"))
-from operator_helpers import jwt, review_api  # noqa: E402
+from operator_helpers import MOUNT_SA, jwt, review_api  # noqa: E402
 
 pytestmark = pytest.mark.k8s
 
 MASTER = "master-token-0123456789abcdef"
 ADMIN = "admin-token-0123456789abcdef"
 SHARED = "shared-mount-token-0123456789abcdef"  # the one mount token of before
-MOUNT_SA = "system:serviceaccount:kvtier:l2fs-mount"
 KV = "/kvtier/kv"
 
 

@@ -266,6 +266,7 @@ def cluster(tmp_path: Path) -> Iterator[Cluster]:
 # ---------- TokenReview (l2fs master --worker-identity k8s) ----------
 
 SA = "system:serviceaccount:kvtier:l2fs-worker"  # deploy/base: the workers' ServiceAccount
+MOUNT_SA = "system:serviceaccount:kvtier:l2fs-mount"  # deploy/base: the FUSE mounts' (master --mount-sa)
 REVIEW_PATH = "/apis/authentication.k8s.io/v1/tokenreviews"
 NODE_KEY = "authentication.kubernetes.io/node-name"
 

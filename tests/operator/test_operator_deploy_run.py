@@ -25,7 +25,7 @@ from typing import Any
 
 import pytest
 import yaml
-from operator_helpers import SA, ReviewApi, free_port, jwt, review_api
+from operator_helpers import MOUNT_SA, SA, ReviewApi, free_port, jwt, review_api
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -120,7 +120,7 @@ class Env:
         self.secrets: dict[tuple[str, str], str] = {}
         tokens = hostpath / "tokens.json"
         made = subprocess.run([sys.executable, "-m", "kvtier.cli", "tokens", "generate", "--workers", "node-a", "node-b",
-                               "--engine", "ep-a@team-a", "--router", "team-a", "--mount", "--admin", "-o", str(tokens),
+                               "--engine", "ep-a@team-a", "--router", "team-a", "--admin", "-o", str(tokens),
                                "--secret-yaml", "-"], capture_output=True, text=True, timeout=60, cwd=ROOT)
         assert made.returncode == 0, made.stderr
         for s in yaml.safe_load_all(made.stdout):
@@ -134,7 +134,13 @@ class Env:
         self.identity = jwt("l2fs-worker-pod-on-node-a")
         api.emu.table[self.identity] = (SA, "node-a", ["l2fs"])
         identity.write_text(self.identity)
-        for f in (tokens, key, verifiers, identity):
+        # the FUSE mount pod's projected token (ServiceAccount l2fs-mount): no Secret, the master names it
+        # mount@node-a (--mount-sa)
+        mount_identity = hostpath / "mount-identity-token"
+        self.mount_identity = jwt("l2fs-mount-pod-on-node-a")
+        api.emu.table[self.mount_identity] = (MOUNT_SA, "node-a", ["l2fs"])
+        mount_identity.write_text(self.mount_identity)
+        for f in (tokens, key, verifiers, identity, mount_identity):
             if os.geteuid() == 0:
                 os.chown(f, 0, 65532)
             f.chmod(0o440)
@@ -142,6 +148,7 @@ class Env:
         self.vars["L2FS_TOKENS_FILE"] = str(tokens)
         self.vars["L2FS_TOKEN_VERIFIERS_FILE"] = str(verifiers)
         self.vars["L2FS_WORKER_TOKEN_FILE"] = str(identity)
+        self.vars["L2FS_MOUNT_TOKEN_FILE"] = str(mount_identity)
         self.vars["KUBECONFIG"] = str(api.kubeconfig)
         self.vars["L2FS_BLOCK_KEY_FILE"] = str(key)
 
@@ -285,7 +292,7 @@ def test_scoped_tokens_from_the_generated_file(base: list[dict[str, Any]], env: 
     no token (only the verifier file) and registers with its pod's projected ServiceAccount token, which the
     master reviews and binds to node-a; a pod on another node showing that token is refused; the engine token
     puts under its endpoint's prefix only and cannot overwrite or delete; the router token only reads; the
-    mount's token cannot delete the engine's file, the admin token can."""
+    mount pod's ServiceAccount token cannot delete the engine's file, the admin token can."""
     master = container(base, "StatefulSet", "l2fs-master")
     env.wait_probe(master, "readinessProbe", env.start(master, "master.log"), "master.log")
     wp = start_worker(base, env)
@@ -324,7 +331,7 @@ def test_scoped_tokens_from_the_generated_file(base: list[dict[str, Any]], env: 
     src = env.tmp / "chunk"
     src.write_bytes(os.urandom(100_000))
     engine, router, mount = env.secrets[("ep-a-l2fs-token", "token")], env.secrets[
-        ("kvtier-router-l2fs-token", "token")], env.secrets[("l2fs-mount-token", "token")]
+        ("kvtier-router-l2fs-token", "token")], env.mount_identity
     assert engine == env.tokens["engine-ep-a"] and router == env.tokens["router-team-a"]
     own = "/kvtier/kv/ep-a/rev1/salt/c0.data"
     # as a plugin-mode pod on this node sees it (the webhook's mount): the worker's socket dir read-only and no
@@ -351,9 +358,10 @@ def test_scoped_tokens_from_the_generated_file(base: list[dict[str, Any]], env: 
         assert denied.returncode != 0 and "may not" in denied.stderr + denied.stdout, denied
     assert cli(router, "get", own, str(env.tmp / "back")).returncode == 0
     assert (env.tmp / "back").read_bytes() == src.read_bytes()
-    # the FUSE mount's mount-role token: not another credential's file; the admin token may
+    # the FUSE mount pod's ServiceAccount token (mount@node-a): not another credential's file; the admin may
     denied = cli(mount, "rm", own)
     assert denied.returncode != 0 and "may not" in denied.stderr + denied.stdout, denied
+    assert mount in env.api.emu.seen
     assert cli(env.tokens["admin"], "rm", own).returncode == 0
     assert cli(router, "stat", own).returncode != 0
 
@@ -403,7 +411,9 @@ def test_mount_command_probes_and_prestop(base: list[dict[str, Any]], env: Env) 
     # why the mount has a role of its own (mount: renames of its own files onto free paths), not an engine token:
     # with one, even inside that engine's own prefix, what LMCache's fs:// connector does through a mount (write
     # a temp file, rename it) is refused
-    env.secrets[("l2fs-mount-token", "token")] = env.tokens["engine-ep-a"]
+    engine_token = env.tmp / "engine-token"
+    engine_token.write_text(env.tokens["engine-ep-a"])
+    env.vars["L2FS_MOUNT_TOKEN_FILE"] = str(engine_token)
     env.vars["L2FS_MOUNT_PATH"] = str(mnt) + "-engine"
     eproc = env.start(mount, "mount-engine.log")
     env.wait_probe(mount, "readinessProbe", eproc, "mount-engine.log")

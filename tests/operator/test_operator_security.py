@@ -63,7 +63,8 @@ def test_scoped_tokens_wired_unless_explicitly_insecure(rendered: dict[str, list
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """The master reads the tokens file from Secret l2fs-tokens (required); workers only the verifier file
     (Secret l2fs-token-verifiers, digests) and prove who they are with their projected ServiceAccount token
-    (the master reviews it: --worker-identity k8s); the mount holds its own token, the router a router-role
+    (the master reviews it: --worker-identity k8s); so does the mount (--mount-sa: a credential per node, no
+    Secret), the router holds a router-role
     token and its salts; no pod holds the old shared token. Engine pods (webhook, plugin mode) get their
     endpoint's own Secret, never a privileged one."""
     from operator_helpers import load_yaml
@@ -102,9 +103,18 @@ def test_scoped_tokens_wired_unless_explicitly_insecure(rendered: dict[str, list
             assert master[master.index("--worker-identity") + 1] == "$(L2FS_WORKER_IDENTITY)"
             assert (cm["L2FS_WORKER_IDENTITY"], cm["L2FS_WORKER_SA"], cm["L2FS_WORKER_AUDIENCE"]) == (
                 "k8s", "kvtier:l2fs-worker", "l2fs")
-            mount = found["l2fs-mount"][0]
-            assert env_of(mount, "L2FS_TOKEN")[0]["valueFrom"]["secretKeyRef"] == {"name": "l2fs-mount-token",
-                                                                                   "key": "token"}
+            # the FUSE mount: no Secret at all; its pod's projected token (audience l2fs), which the master
+            # reviews as ServiceAccount l2fs-mount (--mount-sa) and names after the node
+            mount, mspec = found["l2fs-mount"]
+            assert not env_of(mount, "L2FS_TOKEN") and '--token-file "$L2FS_MOUNT_TOKEN_FILE"' in mount["args"][0]
+            assert mspec["serviceAccountName"] == "l2fs-mount" and mspec["automountServiceAccountToken"] is False
+            assert not [v for v in mspec["volumes"] if "secret" in v]
+            (ident,) = [v for v in mspec["volumes"] if v["name"] == "identity"]
+            assert ident["projected"]["sources"] == [{"serviceAccountToken": {
+                "path": "token", "audience": cm["L2FS_WORKER_AUDIENCE"], "expirationSeconds": 3600}}]
+            assert cm["L2FS_MOUNT_TOKEN_FILE"].rsplit("/", 1)[0] in [m["mountPath"] for m in mount["volumeMounts"]]
+            assert master[master.index("--mount-sa") + 1] == "$(L2FS_MOUNT_SA)"
+            assert cm["L2FS_MOUNT_SA"] == "kvtier:l2fs-mount"
             # the webhook's config: per-endpoint token Secrets, and the privileged ones it refuses
             cfg = patch_config(cm, monkeypatch)
             assert cfg.token_secret == "{endpoint}-l2fs-token"
