@@ -19,14 +19,17 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
 from mount_helpers import Mount, assert_cannot_replace, start_mount
 
 from l2fs.client import PermissionDenied
 from l2fs.local import LocalCluster
+from l2fs.proto import l2fs_pb2 as pb
+from l2fs.proto import l2fs_pb2_grpc as pbg
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "operator"))
-from operator_helpers import MOUNT_SA, jwt, review_api  # noqa: E402
+from operator_helpers import MOUNT_SA, SA, jwt, review_api  # noqa: E402
 
 pytestmark = pytest.mark.k8s
 
@@ -99,7 +102,8 @@ def test_shared_mount_token_could_and_foreign_tokens_cannot(
         sa_mounts: tuple[LocalCluster, Mount, Mount, Any]) -> None:
     """The contrast: with the one shared mount token (what every mount pod held before), node 2 deletes and
     overwrites what node 1 wrote. A token of another ServiceAccount, one naming no node and one for another
-    audience are refused on the client methods (writes and reads)."""
+    audience are refused on the client methods (writes and reads); a mount pod's token cannot act as a
+    worker, a worker pod's is no client credential."""
     c, *_, api = sa_mounts
     with c.client(token=SHARED, node_id="node-1") as n1, c.client(token=SHARED, node_id="node-2") as n2:
         assert n1.put(f"{KV}/shared/a", b"1" * 1000) is True
@@ -118,6 +122,18 @@ def test_shared_mount_token_could_and_foreign_tokens_cannot(
                 cl.stat(f"{KV}/ep")
     with c.client(token=ADMIN) as admin:
         assert admin.stat(f"{KV}/foreign") is None
+    # roles do not cross: a mount pod's token cannot register a worker of its node, a worker pod's token is no
+    # client credential (only --mount-sa is configured here: no review on worker methods)
+    m = pbg.MasterStub(grpc.insecure_channel(c.master))
+    reg = pb.RegisterRequest(worker_id="node-1-evil", node_id="node-1", address="127.0.0.1:1", capacity=1 << 30)
+    node1 = c.token_files["node-1"].read_text()
+    worker_tok = jwt("node-1")
+    api.emu.table[worker_tok] = (SA, "node-1", ["l2fs"])
+    for tok, method, req in ((node1, m.RegisterWorker, reg), (worker_tok, m.Report, pb.Empty())):
+        with pytest.raises(grpc.RpcError) as err:
+            method(req, timeout=10, metadata=(("authorization", f"Bearer {tok}"),))
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED, tok
+    assert worker_tok in api.emu.seen  # Report is a client method: reviewed, and not the mounts' ServiceAccount
 
 
 def test_mount_rereads_its_token_file(sa_mounts: tuple[LocalCluster, Mount, Mount, Any]) -> None:
