@@ -314,6 +314,10 @@ class Client:
         descriptors instead of opening paths in its data dir (which this pod then need not mount).
     data_plane: move bulk bytes over the workers' raw-TCP data plane when they offer one (else gRPC
         streaming); default on unless $L2FS_DATA_PLANE=grpc.
+    local_writes: write same-node blocks through the worker's ReserveLocal/AdoptLocal calls (short-circuit).
+        Off for a caller whose token the workers do not know (a pod ServiceAccount token only the master
+        reviews): its writes go over the data plane with capabilities, while same-node reads still take fds
+        from the worker's socket, which checks capabilities, not tokens.
     """
 
     def __init__(
@@ -327,6 +331,7 @@ class Client:
         short_circuit: bool = True,
         data_plane: bool | None = None,
         fd_passing: bool = True,
+        local_writes: bool = True,
     ) -> None:
         master = master or os.environ.get("L2FS_MASTER")
         if not master:
@@ -343,6 +348,7 @@ class Client:
         self.timeout = timeout
         self.short_circuit = short_circuit
         self.fd_passing = fd_passing
+        self.local_writes = local_writes
         self._static_md = auth_metadata(self.token)
         self._lock = threading.Lock()
         self._channels: list[grpc.Channel] = []
@@ -608,7 +614,7 @@ class Client:
         return [p for f in futs for p in f.result()]
 
     def _writes_local(self, loc: pb.Location) -> bool:
-        if not (self.short_circuit and self.node_id and loc.node_id == self.node_id):
+        if not (self.short_circuit and self.local_writes and self.node_id and loc.node_id == self.node_id):
             return False
         with self._lock:
             return self._no_local.get(loc.address, 0.0) < time.monotonic()

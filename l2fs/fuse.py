@@ -895,9 +895,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--token-file", default=os.environ.get("L2FS_TOKEN_FILE") or None,
                    help="read the bearer token from this file at every call instead ($L2FS_TOKEN_FILE): the pod's "
                         "projected ServiceAccount token, which the kubelet rotates and the master reviews "
-                        "(master --mount-sa); wins over --token. Workers do not know such a token: block bytes go "
-                        "over the workers' raw-TCP data plane with the master's capabilities (no short-circuit; "
-                        "needs a master with a block key and no TLS)")
+                        "(master --mount-sa); wins over --token. Workers do not know such a token: writes go over the "
+                        "workers' raw-TCP data plane with the master's capabilities (needs a master with a block "
+                        "key and no TLS); same-node reads still short-circuit")
     p.add_argument("--tls-ca", default=os.environ.get("L2FS_TLS_CA"))
     p.add_argument("--root", default="/", help="l2fs directory shown at the mountpoint (default /)")
     p.add_argument("--read-only", action="store_true", help="mount read-only (writes fail with EROFS)")
@@ -975,10 +975,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                         format="%(asctime)s l2fs-mount %(levelname)s %(message)s")
     token = FileToken(a.token_file) if a.token_file else a.token
     # A ServiceAccount token is known to the master (TokenReview), not to the workers (they hold token digests
-    # only): block bytes then move only with the master's per-block capabilities, over the data plane (no
-    # same-node ReserveLocal/AdoptLocal calls, which need a token the worker knows; the pod needs no data dir).
+    # only): writes then move with the master's per-block capabilities over the data plane (same-node
+    # ReserveLocal/AdoptLocal need a token the worker knows); same-node reads still take fds from the worker's
+    # socket, which checks capabilities only.
     client = Client(a.master, node_id=a.node_id, token=token, tls_ca=a.tls_ca, timeout=a.timeout,
-                    short_circuit=not a.token_file)
+                    local_writes=not a.token_file)
     root = a.root.rstrip("/") or "/"
     if root != "/" and not a.read_only:
         try:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -155,3 +156,25 @@ def test_mount_rereads_its_token_file(sa_mounts: tuple[LocalCluster, Mount, Moun
     assert new in api.emu.seen
     with c.client(token=ADMIN) as admin:
         assert admin.get(f"{KV}/rot-ok") == b"y" * 100 and admin.stat(f"{KV}/rot-bad") is None
+
+
+def _bytes_served(c: LocalCluster, i: int) -> float:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{c.workers[i].metrics_port}/metrics", timeout=5).read().decode()
+    return sum(float(x.rsplit(" ", 1)[1]) for x in text.splitlines() if x.startswith("l2fs_worker_bytes_read_total"))
+
+
+def test_pod_token_mount_still_reads_same_node_blocks_locally(
+        sa_mounts: tuple[LocalCluster, Mount, Mount, Any]) -> None:
+    """A mount with a pod token writes over the data plane (the workers do not know its token), but reads a
+    same-node block without asking the worker to serve it (short-circuit), and a remote one over the network."""
+    c, m1, m2, _ = sa_mounts
+    assert c.workers[0].node_id == "node-1"
+    data = os.urandom(300_000)
+    with c.client(token=ADMIN, node_id="node-1") as admin:
+        assert admin.put(f"{KV}/local/blk.data", data) is True
+        assert admin.stat(f"{KV}/local/blk.data").nodes == ["node-1"]  # type: ignore[union-attr]
+    before = _bytes_served(c, 0)
+    assert (m1 / "kvtier/kv/local/blk.data").read_bytes() == data  # node 1's mount: same node
+    assert _bytes_served(c, 0) == before
+    assert (m2 / "kvtier/kv/local/blk.data").read_bytes() == data  # node 2's mount: served by the worker
+    assert _bytes_served(c, 0) >= before + len(data)
