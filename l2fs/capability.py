@@ -128,6 +128,7 @@ def mint_for(block_key: bytes, worker_id: str, op: str, bid: str, path: str = ""
     return mint(data_key(block_key, worker_id), op, bid, int(time.time() + ttl), path)
 
 
+NOT_READY = "worker not registered with its master yet: retry"  # a (re)started worker's first instants
 MASTER_MD = "l2fs-master-mac"  # call metadata: the master's MAC on its maintenance calls to a worker
 _MASTER_LABEL = "m1"
 MASTER_CALL_TTL = 60  # seconds a master call's MAC is valid (plus the worker's skew)
@@ -225,6 +226,6 @@ class DataGate:
         if self.key is not None:
             return why_denied(self.key, presented, op, bid, path, skew=self.skew)
         if not self.ready:
-            return "worker not registered with its master yet: retry"
+            return NOT_READY
         tok = presented if isinstance(presented, bytes) else presented.encode()
         return None if self._token_ok(tok) else "missing or bad l2fs bearer token"

@@ -32,7 +32,7 @@ import crc32c
 import grpc
 
 from l2fs.batch import PROTOCOL_VERSION, status_code
-from l2fs.capability import expiry_of
+from l2fs.capability import NOT_READY, expiry_of
 from l2fs.common import (
     ERROR_KIND_KEY,
     FRAME,
@@ -639,6 +639,20 @@ class Client:
 
     def _write_block(self, loc: pb.Location, bid: str, path: str, mv: memoryview, hint: int,
                      deadline: float) -> pb.WriteResult:
+        """One write, tried again within the deadline while the worker has just (re)started and has not had
+        its master's answer yet (capability.NOT_READY: it refuses everything until it knows its mode)."""
+        delay = 0.02
+        while True:
+            try:
+                return self._write_block_once(loc, bid, path, mv, hint, deadline)
+            except L2fsError as e:
+                if NOT_READY not in str(e) or time.monotonic() + delay >= deadline:
+                    raise
+            time.sleep(delay)
+            delay = min(delay * 2, 0.2)
+
+    def _write_block_once(self, loc: pb.Location, bid: str, path: str, mv: memoryview, hint: int,
+                          deadline: float) -> pb.WriteResult:
         """TCP data plane, else gRPC stream (same-node short-circuit writes go through _write_local)."""
         try:
             if self.data_plane and loc.data_address:

@@ -89,7 +89,7 @@ def test_altered_block_and_crc_are_not_published(tmp_path: Path) -> None:
         for p, d in data.items():
             if p != "/s/f0":
                 assert cl.get(p) == d, p
-        assert _rejects(c, "seal") == 1
+        assert _rejects(c, "seal") >= 1  # once per registration that reported it
         assert f.exists()  # not deleted: a master with another key must not be able to wipe a worker
         assert _seals(c)[victim]  # the worker kept what it had
 
@@ -126,7 +126,7 @@ def test_sealed_block_republished_under_another_path_is_not_served(tmp_path: Pat
         assert cl.get("/s/victim") == victim
         assert cl.get("/s/after") == b"r" * 30_000 and cl.stat("/s/before") is None
         assert cl.get("/s/mine") is None  # its block now claims another path: published nowhere
-        assert _rejects(c, "seal") == 1
+        assert _rejects(c, "seal") >= 1  # once per registration that reported it
 
 
 def test_commit_sealed_only_after_delivery_master_restart_drops_it(tmp_path: Path) -> None:
