@@ -29,6 +29,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -249,15 +250,30 @@ class LocalCluster(procs.Started):
                     alive = {w.worker_id: w.address for w in rep.workers if w.alive}
                     if ids is not None:
                         want = {w.worker_id: w.address for w in self.workers if w.worker_id in ids}
-                        if all(alive.get(k) == v for k, v in want.items()):
+                        if all(alive.get(k) == v for k, v in want.items()) and self._workers_ready(ids):
                             return
-                    elif len(alive) >= (n or 0):
+                    elif len(alive) >= (n or 0) and self._workers_ready(list(alive)):
                         return
                 except L2fsError:
                     pass
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"l2fs workers not registered in time; logs in {self.base / 'logs'}")
                 time.sleep(0.05)
+
+    def _workers_ready(self, ids: list[str]) -> bool:
+        """Whether those of our workers have their master's registration answer themselves (their /health
+        "ready"): the master lists a worker a moment before the worker knows its mode, and until then it
+        refuses every block call. Loopback workers with a metrics port only (others: trusted as listed)."""
+        for w in self.workers:
+            if w.worker_id not in ids or self.netns is not None or not w.metrics_port:
+                continue
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{w.metrics_port}/readyz", timeout=1) as r:
+                    if r.status != 200:
+                        return False
+            except OSError:  # 503 (HTTPError) while not ready, or not listening yet
+                return False
+        return True
 
     def client(self, node_id: str | None = None, **kwargs: Any) -> Client:
         """A Client for this cluster (token/TLS filled in); node_id enables local-first/short-circuit.
