@@ -124,6 +124,8 @@ def test_apply_pauses_drains_patches_restores(cluster: Cluster, capsys: pytest.C
     assert dep["spec"]["template"]["spec"]["containers"][1:] == before["spec"]["template"]["spec"]["containers"][1:]
 
     assert run(cluster, "verify") == 0
+    for ns, name in ((CTRL_NS, CTRL), ("team-a", "qwen2-7b")):  # the emulated controller's last status write
+        _wait_status_settled(cluster, ns, name)  # lands every 50 ms: count only once it has (a loaded box lags)
     n_ctrl = len(cluster.history("apps/v1/deployments", CTRL_NS, CTRL))
     n_dep = len(cluster.history("apps/v1/deployments", "team-a", "qwen2-7b"))
     assert run(cluster, "apply") == 0  # re-run: nothing to do, nothing written
@@ -131,6 +133,20 @@ def test_apply_pauses_drains_patches_restores(cluster: Cluster, capsys: pytest.C
     time.sleep(0.2)
     assert len(cluster.history("apps/v1/deployments", CTRL_NS, CTRL)) == n_ctrl
     assert len(cluster.history("apps/v1/deployments", "team-a", "qwen2-7b")) == n_dep
+
+
+def _wait_status_settled(cluster: Cluster, ns: str, name: str, timeout: float = 10.0) -> None:
+    """Until the emulator's deployment controller has nothing left to write for this Deployment (its status
+    matches its spec and generation), so that counting stored versions is not racing that write."""
+    end = time.monotonic() + timeout
+    while True:
+        d = cluster.deployment(ns, name)
+        st, want = d.get("status") or {}, d["spec"].get("replicas", 1)
+        if (st.get("observedGeneration") == d["metadata"].get("generation") and st.get("replicas") == want
+                and st.get("readyReplicas") == want):
+            return
+        assert time.monotonic() < end, (ns, name, st)
+        time.sleep(0.05)
 
 
 def test_revert_restores_the_rendering(cluster: Cluster) -> None:
