@@ -111,20 +111,15 @@ class WorkerService(pbg.WorkerServicer):
 
     @_rpc
     def ReserveLocal(self, request: pb.ReserveRequest, context: Any) -> pb.ReserveResponse:  # noqa: N802
-        bid = check_block_id(request.block_id)
-        self._need(request.capability, WRITE, bid, self._cap_path(request.path))
-        i = self.store.reserve(bid, request.size, expires=True)
+        resp = self._reserve(request)
         self._report_now()
-        return pb.ReserveResponse(tmp_path=str(self.store.dirs[i].tmp_file(bid)))
+        return resp
 
     @_rpc
     def AdoptLocal(self, request: pb.AdoptRequest, context: Any) -> pb.WriteResult:  # noqa: N802
-        bid = check_block_id(request.block_id)
-        path = norm_path(request.path)
-        self._need(request.capability, WRITE, bid, path)
-        b = self.store.adopt(bid, path, request.size, request.crc32c, request.order_hint)
+        resp = self._adopt(request)
         self._report_now()  # sealing may have evicted
-        return pb.WriteResult(block_id=bid, size=b.size, crc32c=b.crc32c, local_path=self.store.local_path(b))
+        return resp
 
     def _each_allowed(self, request: pb.BlockIds, op: str) -> list[str]:
         """The request's block ids, once each has passed `_need` (all or nothing: one bad capability refuses
