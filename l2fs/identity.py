@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import base64
 import collections
-import hashlib
 import json
 import logging
 import os
@@ -39,7 +38,7 @@ import threading
 import time
 from typing import Any
 
-from l2fs.common import Credential
+from l2fs.common import Credential, token_digest
 
 log = logging.getLogger("l2fs.identity")
 
@@ -130,7 +129,7 @@ class K8sIdentity:
         return self._client().create_token_review(body, _request_timeout=5)
 
     def review(self, token: str) -> Credential | None:
-        key = hashlib.sha256(token.encode("utf-8", "surrogatepass")).hexdigest()
+        key = token_digest(token)
         now = time.time()
         with self._lock:
             hit = self._cache.get(key)
@@ -156,18 +155,19 @@ class K8sIdentity:
             self._in_flight.release()
         cred = self._judge(status)
         if cred is None:
-            with self._lock:
-                self._refused[key] = time.monotonic() + REFUSED_TTL
-                while len(self._refused) > self.cache_max:
-                    self._refused.popitem(last=False)
+            self._remember(self._refused, key, time.monotonic() + REFUSED_TTL)
             return None
         exp = _jwt_exp(token)
         until = min(now + self.cache_ttl, exp if exp is not None else now + self.cache_ttl)
-        with self._lock:
-            self._cache[key] = (cred, until)
-            while len(self._cache) > self.cache_max:
-                self._cache.popitem(last=False)
+        self._remember(self._cache, key, (cred, until))
         return cred
+
+    def _remember(self, table: collections.OrderedDict[str, Any], key: str, value: Any) -> None:
+        """Put key -> value into one of the bounded tables (cache, refused), dropping the oldest past cache_max."""
+        with self._lock:
+            table[key] = value
+            while len(table) > self.cache_max:
+                table.popitem(last=False)
 
     def _admit(self, key: str, now: float) -> bool:
         """Whether a token not in the cache may be reviewed now (lock held): not refused in the last
