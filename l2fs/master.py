@@ -563,12 +563,16 @@ class MasterService(pbg.MasterServicer):
                 w = self.workers.get(wid)
                 q = self.seals.get(wid)
                 batch = [(b, q[b]) for b in bids if q is not None and b in q]
-                if w is None or w.seal_sync_after > now:
-                    continue
-            if batch and not self._send_seals(wid, batch, self.SEAL_WAIT):
+                leave = w is not None and w.seal_sync_after > now  # it missed a deadline lately
+            if not batch:
+                continue
+            if w is None or leave:
+                self._push_wake.set()  # the pusher delivers them
+                continue
+            if not self._send_seals(wid, batch, self.SEAL_WAIT):
                 with self.lock:
-                    if w is not None:
-                        w.seal_sync_after = time.monotonic() + 10.0
+                    w.seal_sync_after = time.monotonic() + 10.0
+                self._push_wake.set()
 
     def _push_seals(self, wid: str, timeout: float = 2.0) -> bool:
         """Deliver one batch of `wid`'s undelivered seals; True when something was delivered (the caller goes on)."""
@@ -893,9 +897,7 @@ class MasterService(pbg.MasterServicer):
 
     def _delete_orphans(self, orphans: list[tuple[str, str]]) -> None:
         """Blocks that lost a put-if-absent race or were replaced: pending deletes (so a re-report never
-        publishes them again), pushed in the background. Also wakes the pusher for the commits' seals."""
-        if self.sealing:
-            self._push_wake.set()
+        publishes them again), pushed in the background."""
         if not orphans:
             return
         try:
