@@ -15,14 +15,13 @@ from __future__ import annotations
 import json
 import os
 import sys
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import grpc
 import pytest
-from mount_helpers import Mount, assert_cannot_replace, start_mount
+from mount_helpers import Mount, assert_cannot_replace, metric, start_mount
 
 from l2fs.client import PermissionDenied
 from l2fs.local import LocalCluster
@@ -159,8 +158,7 @@ def test_mount_rereads_its_token_file(sa_mounts: tuple[LocalCluster, Mount, Moun
 
 
 def _bytes_served(c: LocalCluster, i: int) -> float:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{c.workers[i].metrics_port}/metrics", timeout=5).read().decode()
-    return sum(float(x.rsplit(" ", 1)[1]) for x in text.splitlines() if x.startswith("l2fs_worker_bytes_read_total"))
+    return metric(c.workers[i].metrics_port, "l2fs_worker_bytes_read_total")
 
 
 def test_pod_token_mount_still_reads_same_node_blocks_locally(

@@ -8,6 +8,7 @@ import sys
 import time
 
 import pytest
+from reliability_faults import alive
 
 from l2fs import procs
 
@@ -26,14 +27,6 @@ time.sleep(600)
 """
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
 def test_stop_kills_children_that_outlive_the_leader(tmp_path) -> None:
     log = tmp_path / "leader.log"
     proc = procs.spawn([sys.executable, "-c", _LEADER], log)
@@ -41,14 +34,14 @@ def test_stop_kills_children_that_outlive_the_leader(tmp_path) -> None:
     while not log.read_text().strip() and time.monotonic() < deadline:
         time.sleep(0.05)
     child = int(log.read_text().split()[0])
-    assert _alive(child)
+    assert alive(child)
     t0 = time.monotonic()
     assert procs.stop(proc, grace=1.0) == 0  # the leader itself exits cleanly on SIGTERM
     waited = time.monotonic() - t0
     end = time.monotonic() + 5
-    while _alive(child) and time.monotonic() < end:  # reaped by init once killed
+    while alive(child) and time.monotonic() < end:  # reaped by init once killed
         time.sleep(0.05)
-    assert not _alive(child), "a child that ignores SIGTERM outlived procs.stop"
+    assert not alive(child), "a child that ignores SIGTERM outlived procs.stop"
     assert waited < 12, waited
     with pytest.raises(ProcessLookupError):
         os.killpg(proc.pid, 0)
