@@ -58,12 +58,17 @@ def data_key(block_key: bytes, worker_id: str) -> bytes:
 _SEAL_LABEL = "l2fs-seal"
 
 
+def _mac_hex(key: bytes, *fields: object) -> str:
+    """The first 128 bits (MAC_HEX hex digits) of HMAC-SHA256(key, fields joined by NUL): every MAC here."""
+    msg = "\0".join(map(str, fields)).encode("utf-8", "surrogatepass")
+    return hmac.new(key, msg, hashlib.sha256).hexdigest()[:MAC_HEX]
+
+
 def seal_mac(block_key: bytes, worker_id: str, bid: str, size: int, crc: int, path: str) -> str:
     """The seal of a committed block at `path`: what the worker keeps and reports, what a master checks at
     registration. The path is in it so a worker cannot republish one of its own (sealed) blocks under another
     file's path; a rename re-seals (SetPaths carries the new seal)."""
-    msg = f"{_SEAL_LABEL}\0{worker_id}\0{bid}\0{size}\0{crc}\0{path}".encode("utf-8", "surrogatepass")
-    return hmac.new(block_key, msg, hashlib.sha256).hexdigest()[:MAC_HEX]
+    return _mac_hex(block_key, _SEAL_LABEL, worker_id, bid, size, crc, path)
 
 
 def seal_ok(block_key: bytes, mac: str, worker_id: str, bid: str, size: int, crc: int, path: str) -> bool:
@@ -73,8 +78,7 @@ def seal_ok(block_key: bytes, mac: str, worker_id: str, bid: str, size: int, crc
 
 
 def _mac(key: bytes, op: str, bid: str, expiry: int, path: str) -> str:
-    msg = f"{VERSION}\0{op}\0{bid}\0{expiry}\0{path}".encode("utf-8", "surrogatepass")
-    return hmac.new(key, msg, hashlib.sha256).hexdigest()[:MAC_HEX]
+    return _mac_hex(key, VERSION, op, bid, expiry, path)
 
 
 def mint(key: bytes, op: str, bid: str, expiry: int, path: str = "") -> str:
@@ -141,9 +145,7 @@ def master_call_mac(key: bytes, method: str, body: bytes, expiry: int) -> str:
     worker token) could delete another worker's blocks or repoint its manifest. Only the master (and that
     worker) holds K_w, so in capability mode the worker takes these calls only from the master, for exactly the
     request the master sent. A replay of the same request before its expiry repeats an idempotent change."""
-    digest = hashlib.sha256(body).hexdigest()
-    msg = f"{_MASTER_LABEL}\0{method}\0{expiry}\0{digest}".encode()
-    return f"{expiry}.{hmac.new(key, msg, hashlib.sha256).hexdigest()[:MAC_HEX]}"
+    return f"{expiry}.{_mac_hex(key, _MASTER_LABEL, method, expiry, hashlib.sha256(body).hexdigest())}"
 
 
 def master_call_denied(key: bytes, presented: str, method: str, body: bytes, *, now: float | None = None,
