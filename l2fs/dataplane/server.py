@@ -70,18 +70,23 @@ class _Pending:
     buf: bytearray = field(default_factory=bytearray)
 
     def need(self) -> int:
-        """Bytes of the first request header still missing (each length is known once its field is in)."""
-        n = HDR.size
-        if len(self.buf) < n:
-            return n - len(self.buf)
-        n += HDR.unpack_from(self.buf)[2] + 32
-        if len(self.buf) < n or self.buf[4:5] != b"W":
-            return max(0, n - len(self.buf))
-        n += 2
-        if len(self.buf) < n:
-            return n - len(self.buf)
-        n += struct.unpack_from("<H", self.buf, n - 2)[0] + WRITE_HDR.size
-        return max(0, n - len(self.buf))
+        return _header_need(self.buf)
+
+
+def _header_need(buf: bytes | bytearray) -> int:
+    """Bytes of a request header still missing from `buf` (each length is known once its field is in): the
+    header's layout, for the first request (non-blocking) and the later ones of a connection alike."""
+    n = HDR.size
+    if len(buf) < n:
+        return n - len(buf)
+    n += HDR.unpack_from(buf)[2] + 32
+    if len(buf) < n or buf[4:5] != b"W":
+        return max(0, n - len(buf))
+    n += 2
+    if len(buf) < n:
+        return n - len(buf)
+    n += struct.unpack_from("<H", buf, n - 2)[0] + WRITE_HDR.size
+    return max(0, n - len(buf))
 
 
 @dataclass(slots=True)
@@ -97,7 +102,7 @@ class _Request:
 
 
 def _parse(buf: bytes | bytearray) -> _Request:
-    """A complete first request header (as _Pending.need counted it)."""
+    """A complete request header (as _header_need counted it)."""
     _, op, tlen = HDR.unpack_from(buf)
     n = HDR.size + tlen
     req = _Request(op, bytes(buf[HDR.size:n]), bytes(buf[n:n + 32]).decode("ascii", "replace"))
@@ -323,16 +328,14 @@ class DataServer:
             return False
         if len(head) < HDR.size:
             head += recv_exact(conn, HDR.size - len(head))
-        magic, op, tlen = HDR.unpack(head)
+        magic, _, tlen = HDR.unpack(head)
         if magic != MAGIC or tlen > MAX_TOKEN_LEN:
             send_err(conn, BAD, "bad magic or token length: not an l2fs data-plane client")
             return False
-        token = recv_exact(conn, tlen) if tlen else b""
-        req = _Request(op, token, recv_exact(conn, 32).decode("ascii", "replace"))
-        if op == b"W":
-            (plen,) = struct.unpack("<H", recv_exact(conn, 2))
-            req.raw_path = recv_exact(conn, plen).decode("utf-8", "replace")
-            req.size, req.hint = WRITE_HDR.unpack(recv_exact(conn, WRITE_HDR.size))
+        buf = bytearray(head)
+        while n := _header_need(buf):
+            buf += recv_exact(conn, n)
+        req = _parse(buf)
         why = self._denied(req)
         if why:
             send_err(conn, DENIED, why)
