@@ -18,9 +18,12 @@ from __future__ import annotations
 
 import sqlite3
 import threading
+from collections import OrderedDict
 from pathlib import Path
 
 from l2fs.batch import JOURNAL_VERSION
+
+DELETED_MEMORY = 1 << 16  # confirmed deletes remembered (PendingOps._deleted)
 
 # worker id -> block id -> new path of the block, or None when the block is deleted
 Ops = dict[str, dict[str, str | None]]
@@ -37,6 +40,10 @@ class PendingOps:
     def __init__(self, path: str | None = None) -> None:
         self._lock = threading.Lock()
         self.ops: Ops = {}
+        # Deletes a worker confirmed, kept a while: a re-registration report that worker built before it ran
+        # the delete may reach us after the confirmation, and must not publish the block again (block ids are
+        # never reused, so remembering an id as deleted is always right). Bounded, oldest forgotten.
+        self._deleted: OrderedDict[str, None] = OrderedDict()
         self._db: sqlite3.Connection | None = None
         if path:
             self._open(Path(path))
@@ -90,7 +97,7 @@ class PendingOps:
         with self._lock:
             mine = self.ops.get(wid)
             if mine is None or bid not in mine:
-                return False, None
+                return bid in self._deleted, None
             return True, mine[bid]
 
     def workers(self) -> list[str]:
@@ -119,7 +126,11 @@ class PendingOps:
                         self._db.execute("ROLLBACK")
                     return  # kept: sent again later, which is harmless (the worker's calls are idempotent)
             for bid in done:
+                if mine[bid] is None:
+                    self._deleted[bid] = None
                 del mine[bid]
+            while len(self._deleted) > DELETED_MEMORY:
+                self._deleted.popitem(last=False)
             if not mine:
                 self.ops.pop(wid, None)
 

@@ -55,3 +55,15 @@ def test_memory_only_without_a_path() -> None:
     ops = PendingOps()
     ops.record([("w", "b", None)])
     assert not ops.durable and ops.lookup("w", "b") == (True, None)
+
+
+def test_a_confirmed_delete_still_rejects_a_report_built_before_it() -> None:
+    """The worker ran the pushed delete and confirmed it while its re-registration report, built just before,
+    was on its way (CI: a removed file came back, test_ns_ops_survive_a_worker_paused_past_the_heartbeat_timeout):
+    the block still counts as deleted; a confirmed rename is forgotten as before (its report carries the new path)."""
+    ops = PendingOps()
+    ops.record([("w1", "a" * 32, None), ("w1", "b" * 32, "/new")])
+    ops.acked("w1", {"a" * 32: None, "b" * 32: "/new"})
+    assert ops.workers() == []
+    assert ops.lookup("w1", "a" * 32) == (True, None)
+    assert ops.lookup("w1", "b" * 32) == (False, None)
