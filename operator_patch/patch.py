@@ -43,6 +43,7 @@ IEC_PLURAL = "inferenceendpointconfigs"
 ROUTER_FLAG = "--routing-logic"  # vLLM production-stack router flag the HyperPod router uses
 ROUTER_STRATEGIES = contract.STRATEGIES
 URL_VAR = "LMCACHE_REMOTE_URL"
+PLUGINS_VAR = "LMCACHE_REMOTE_STORAGE_PLUGINS"  # comma-separated plugin names (LMCache's env list form)
 TOKEN_VAR = "L2FS_TOKEN"  # the l2fs client (connector.lmcache_l2fs) reads its bearer token from here
 KV_TRANSFER_FLAG = "--kv-transfer-config"
 KV_EVENTS_FLAG = "--kv-events-config"
@@ -101,6 +102,9 @@ class PatchConfig:
     # (label/annotation kvtier.io/l2fs on it or its Deployment); "redis" and L2-disabled ones never are
 
     def __post_init__(self) -> None:
+        if not re.fullmatch(r"[A-Za-z0-9_.-]+", self.plugin_name):
+            raise ValueError(f"plugin_name must be one plain name (LMCache splits its env list on ','), "
+                             f"not {self.plugin_name!r}")
         if self.mode not in ("mount", "plugin"):
             raise ValueError(f"mode must be 'mount' or 'plugin', not {self.mode!r}")
         for name in ("mount_path", "host_path", "data_path"):
@@ -521,7 +525,9 @@ def _patch_worker(dep: dict[str, Any], cfg: PatchConfig, iec: dict[str, Any] | N
     else:
         _drop_env(env, URL_VAR)
         _set_env(env, cfg.node_env, value_from={"fieldRef": {"fieldPath": "spec.nodeName"}})
-        _set_env(env, "LMCACHE_REMOTE_STORAGE_PLUGINS", json.dumps([cfg.plugin_name]))
+        # LMCache's from_env() reads list settings as comma-separated names: the bare name, not JSON
+        # ('["l2fs"]' is one plugin literally named so, found by no lookup: L1-only)
+        _set_env(env, PLUGINS_VAR, cfg.plugin_name)
         _set_env(env, "LMCACHE_EXTRA_CONFIG", _extra_config(env, cfg, chunk_dir(kv_prefix, secret), revision))
         token = token_secret(dep, cfg, iec, old)
         if token:
@@ -725,7 +731,7 @@ def check(dep: dict[str, Any], cfg: PatchConfig) -> list[str]:
     else:
         if urls:
             problems.append(f"env {URL_VAR}: plugin mode wants none, have {urls}")
-        want("LMCACHE_REMOTE_STORAGE_PLUGINS", json.dumps([cfg.plugin_name]))
+        want(PLUGINS_VAR, cfg.plugin_name)
         try:
             extra = json.loads(_env_value(env, "LMCACHE_EXTRA_CONFIG") or "{}")
         except json.JSONDecodeError:

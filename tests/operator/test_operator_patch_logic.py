@@ -117,7 +117,6 @@ def test_plugin_mode(shape: str) -> None:
     validate(out)
     assert check(out, cfg) == []
     assert env_entries(out, "LMCACHE_REMOTE_URL") == []
-    assert env_entries(out, "LMCACHE_REMOTE_STORAGE_PLUGINS")[0]["value"] == '["l2fs"]'
     extra = json.loads(env_entries(out, "LMCACHE_EXTRA_CONFIG")[0]["value"])
     assert extra["remote_storage_plugin.l2fs.module_path"] == "connector.lmcache_l2fs"
     assert extra["remote_storage_plugin.l2fs.master"] == "l2fs-master.kvtier:8995"

@@ -1,0 +1,155 @@
+"""What the webhook, `operator-patch` and `lmcache-config` produce, read by what reads it in a pod.
+
+The webhook's answer (an AdmissionReview JSON patch from operator_patch.webhook.review_response, configured
+from the rendered overlay's ConfigMap through the webhook's own flag parser) is applied to an operator
+rendering; the kubelet's env and `$(VAR)` rules (kubelet_env) turn the container into the environment and
+argv its programs get; then LMCache's own `LMCacheEngineConfig.from_env()` and StorageManager (whose
+ConnectorManager looks the remote plugin up) read the env, and vLLM's own CLI parser reads the argv.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import json
+import os
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import jsonpatch
+import pytest
+from kubelet_env import container_env, expand
+from operator_helpers import configmap, load_yaml, render
+
+from operator_patch import webhook
+from operator_patch.options import add_config_args, config_from_args
+from operator_patch.patch import PatchConfig, select_container
+
+NODE = "node-a"
+FIELDS = {"spec.nodeName": NODE, "status.podIP": "10.0.0.7", "status.hostIP": "10.0.1.1"}
+SHAPES = ["rendered-v3.2-stripped.yaml", "rendered-blog-duplicate.yaml", "rendered-no-env.yaml"]
+
+
+@pytest.mark.unit
+def test_kubelet_expansion_rules() -> None:
+    """The expander follows Kubernetes' rules (the cases of its expansion_test.go that matter here)."""
+    env = {"VAR_A": "A", "VAR_B": "B", "EMPTY": ""}
+    cases = {
+        "$(VAR_A)": "A", "___$(VAR_B)___": "___B___", "$(VAR_A)-$(VAR_B)": "A-B", "$(EMPTY)": "",
+        "$(UNDEFINED)": "$(UNDEFINED)", "$$(VAR_A)": "$(VAR_A)", "$$$(VAR_A)": "$A", "$$$$(VAR_A)": "$$(VAR_A)",
+        "$(VAR_A": "$(VAR_A", "$VAR_A": "$VAR_A", "$": "$", "$$": "$", "f000-$$VAR_A": "f000-$VAR_A",
+        "$()": "$()",
+    }
+    for text, want in cases.items():
+        assert expand(text, env) == want, text
+    c = {"envFrom": [{"configMapRef": {"name": "cm"}}],
+         "env": [{"name": "X", "value": "$(FROM_CM)-$(LATER)"}, {"name": "LATER", "value": "l"},
+                 {"name": "Y", "value": "$(X)/$(LATER)"},
+                 {"name": "N", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}}]}
+    got = container_env(c, configmaps={"cm": {"FROM_CM": "c", "RAW": "$(X)"}}, fields=FIELDS)
+    assert got == {"FROM_CM": "c", "RAW": "$(X)", "X": "c-$(LATER)", "LATER": "l", "Y": "c-$(LATER)/l", "N": NODE}
+
+
+def webhook_config(overlay: str, **over: str) -> PatchConfig:
+    """The PatchConfig `kvtier webhook` builds in the overlay's pod: its flags' defaults come from the
+    rendered kvtier-config ConfigMap (envFrom), read by the webhook's own flag parser."""
+    data = dict(configmap(render(overlay), "kvtier-config")["data"])
+    data.update(over)
+    old = dict(os.environ)
+    try:
+        os.environ.update({k: v for k, v in data.items() if k.startswith("KVTIER_")})
+        parser = argparse.ArgumentParser()
+        add_config_args(parser)
+        return config_from_args(parser.parse_args([]))
+    finally:
+        os.environ.clear()
+        os.environ.update(old)
+
+
+def admitted(dep: dict[str, Any], cfg: PatchConfig, iec: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The Deployment as the API server stores it after the webhook's answer (JSON patch applied)."""
+    req = {"uid": str(uuid.uuid4()), "kind": {"group": "apps", "version": "v1", "kind": "Deployment"},
+           "operation": "CREATE", "namespace": dep["metadata"].get("namespace"), "object": dep}
+    resp = webhook.review_response(req, cfg, iec=iec)
+    assert resp["allowed"] and resp.get("patchType") == "JSONPatch", resp
+    return jsonpatch.apply_patch(dep, json.loads(base64.b64decode(resp["patch"])))
+
+
+def vllm_container(dep: dict[str, Any]) -> dict[str, Any]:
+    return dep["spec"]["template"]["spec"]["containers"][select_container(dep)]
+
+
+SECRETS = {"qwen2-7b-l2fs-token": {"token": "engine-token-of-qwen2-7b"}}
+
+
+@pytest.fixture()
+def lmcache_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    """Sets exactly a pod's environment for LMCache (every LMCACHE_*/L2FS_* of this process removed first)."""
+    for k in list(os.environ):
+        if k.startswith(("LMCACHE_", "L2FS_")):
+            monkeypatch.delenv(k)
+
+    def use(env: dict[str, str]) -> None:
+        for k, v in env.items():
+            monkeypatch.setenv(k, v)
+    yield use
+
+
+def test_webhook_plugin_env_loads_the_l2fs_plugin(tmp_path: Path, lmcache_env: Any) -> None:
+    """Plugin mode as deployed (overlay hyperpod-p5): the webhook-patched pod's env, read by LMCache's own
+    from_env() and StorageManager, gives a RemoteBackend whose connector is the kvtier l2fs one, and a
+    chunk put through it lands in l2fs under the endpoint's prefix (against a real master and worker).
+    The master address is the local cluster's instead of the cluster DNS name (KVTIER_MASTER, as an
+    overlay sets it)."""
+    import torch
+    from l2fs.local import LocalCluster
+    from lmcache.utils import CacheEngineKey
+    from lmcache.v1.config import LMCacheEngineConfig
+    from lmcache.v1.event_manager import EventManager
+    from lmcache.v1.memory_management import MemoryFormat
+    from lmcache.v1.metadata import LMCacheMetadata
+    from lmcache.v1.storage_backend.storage_manager import StorageManager
+
+    from connector.lmcache_l2fs import L2fsConnector
+
+    with LocalCluster(tmp_path / "l2fs", workers=1) as cluster:
+        cfg = webhook_config("overlays/hyperpod-p5", KVTIER_MASTER=cluster.master)
+        assert cfg.mode == "plugin"
+        dep = load_yaml("rendered-v3.2-stripped.yaml")
+        # the operator's L1 size (a small one: this test allocates it)
+        vllm_container(dep)["env"].append({"name": "LMCACHE_MAX_LOCAL_CPU_SIZE", "value": "0.05"})
+        out = admitted(dep, cfg)
+        env = container_env(vllm_container(out), secrets=SECRETS, fields=FIELDS)
+        lmcache_env({k: v for k, v in env.items() if k.startswith(("LMCACHE_", "L2FS_"))})
+        lmc = LMCacheEngineConfig.from_env()
+        meta = LMCacheMetadata(model_name="/opt/ml/model", world_size=1, local_world_size=1, worker_id=0,
+                               local_worker_id=0, kv_dtype=torch.bfloat16, kv_shape=(2, 2, lmc.chunk_size, 2, 8))
+        sm = StorageManager(lmc, meta, EventManager())
+        try:
+            backends = {name: b for name, b in sm.storage_backends.items() if name.startswith("RemoteBackend")}
+            assert list(backends) == [f"RemoteBackend-{cfg.plugin_name}"], list(sm.storage_backends)
+            conn = backends[f"RemoteBackend-{cfg.plugin_name}"].connection
+            assert conn is not None
+            inner = getattr(conn, "connector", None) or getattr(conn, "_connector", None) or conn
+            assert isinstance(inner, L2fsConnector), type(inner)
+            kv_prefix = out["spec"]["template"]["metadata"]["annotations"]["kvtier.io/kv-prefix"]
+            assert inner.prefix == kv_prefix and inner.node_id == NODE
+            shape = torch.Size([2, 2, lmc.chunk_size, 16])
+            key = CacheEngineKey(model_name="/opt/ml/model", world_size=1, worker_id=0, chunk_hash=1234,
+                                 dtype=torch.bfloat16)
+            obj = sm.allocate(shape, torch.bfloat16, MemoryFormat.KV_2LTD)
+            obj.tensor.fill_(3)
+            sm.batched_put([key], [obj])
+            client = cluster.client()
+            path = inner.path(key)
+            assert path.startswith(kv_prefix + "/")
+            import time
+            deadline = time.monotonic() + 20
+            while not client.exists(path) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert client.exists(path), f"the chunk did not reach l2fs at {path}"
+            client.close()
+        finally:
+            sm.close()
