@@ -11,7 +11,7 @@ import sys
 
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "up": ("kvtier.up", "start a local cluster: l2fs master + workers, vLLM CPU replicas, router"),
-    "bench": ("kvtier.bench", "benchmarks: cross-pod | l2 | routing"),
+    "bench": ("kvtier.bench", "benchmarks: cross-pod | l2 | routing | ... (kvtier bench --help)"),
     "chaos": ("kvtier.chaos", "faults on a running --netns cluster: link down/up, rate, partition, kill/stop/cont"),
     "router": ("router.cli", "cache-aware OpenAI-compatible router"),
     "lmcache-config": ("connector.config", "print/write LMCache YAML + vLLM args/env for a replica"),

@@ -1,4 +1,4 @@
-"""`kvtier bench cross-pod|l2|routing`: benchmarks that run the real stack and print tables.
+"""`kvtier bench <name>`: every benchmark of the project (`kvtier bench --help` lists them).
 
 Each benchmark prints raw numbers and ratios measured side by side in one run, and writes JSON/CSV
 (and plots where useful) under --out. CI runs them only at a tiny size (--quick); it never times them.
@@ -10,6 +10,15 @@ BENCHES: dict[str, tuple[str, str]] = {
     "cross-pod": ("kvtier.bench.cross_pod", "TTFT cold vs cross-pod L2 hit vs same-pod L1 hit, by prompt length"),
     "l2": ("kvtier.bench.l2", "L2 data path: l2fs client/mount vs local dir vs Redis, same bytes"),
     "routing": ("kvtier.bench.routing", "multi-round chat through each router strategy and vllm-router"),
+    "routing-sim": ("kvtier.bench.routing_sim",
+                    "routers on fake test replicas: hit rate vs oracle, balance, --overhead at a fixed rate"),
+    "vllm-serve": ("kvtier.bench.vllm_serve", "vLLM's own `bench serve` (prefix_repetition) through each router"),
+    "connector": ("kvtier.bench.connector_tiers", "TTFT cold / L1 / cross-pod L2 on two replicas, no router"),
+    "chunk-read": ("kvtier.bench.chunk_read", "per-chunk cost of the in-engine L2 read (l2fs -> LMCache MemoryObj)"),
+    "gpu-path": ("kvtier.bench.gpu_path", "l2fs chunk reads into pinned host memory and on to the GPU"),
+    "l2fs": ("kvtier.bench.l2fs_read", "l2fs client reads/writes vs hot local file and raw loopback TCP"),
+    "load": ("kvtier.bench.l2fs_load", "sustained mixed put/get/lookup load: latency, errors, memory growth"),
+    "mount": ("kvtier.bench.mount", "FUSE mount vs native l2fs client vs local file, same bytes"),
 }
 
 

@@ -1,10 +1,11 @@
-"""Small helpers shared by the benchmarks: percentiles, plain-text tables, raw-result files."""
+"""Small helpers shared by the benchmarks: percentiles, process memory, plain-text tables, raw-result files."""
 
 from __future__ import annotations
 
 import csv
 import json
 import math
+import os
 import platform
 import time
 from collections.abc import Sequence
@@ -20,6 +21,15 @@ def pct(values: Sequence[float], q: float) -> float:
     k = (len(xs) - 1) * q / 100.0
     lo, hi = math.floor(k), math.ceil(k)
     return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+
+
+def rss_bytes(pid: int) -> int:
+    """Resident set size of a live process, from /proc (0 if it is gone): the leak signal of long runs."""
+    try:
+        with open(f"/proc/{pid}/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return 0
 
 
 def fmt(v: Any, nd: int = 1) -> str:

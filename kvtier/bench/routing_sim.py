@@ -11,14 +11,14 @@ shared by all replicas, i.e. every block any earlier request produced counts as 
 Balance = max/mean over replicas of requests served and of prefill tokens actually computed.
 Overhead: open-loop at --rate req/s, latency via each router minus latency straight to one replica.
 
-    .venv/bin/python benchmarks/routing_bench.py [--users 20 --rounds 5 --replicas 4 --rate 200]
+    .venv/bin/kvtier bench routing-sim [--users 20 --rounds 5 --replicas 4 --rate 200]
 
 --overhead (router overhead at 200 req/s): only the kvtier strategies, each a fresh router
 process, open loop at --rate for --duration s, then the --sweep rates; per request the router's own time
 (X-Kvtier-Router-Ms), its tokenization (X-Kvtier-Tokenize-Ms) and end-to-end latency, next to the same
 requests sent straight to the replicas at the same rate. The load generator is this process (aiohttp).
 
-    .venv/bin/python benchmarks/routing_bench.py --overhead [--rate 200 --duration 25 --out docs/results-data]
+    .venv/bin/kvtier bench routing-sim --overhead [--rate 200 --duration 25 --out docs/results-data]
 """
 
 from __future__ import annotations
@@ -489,7 +489,7 @@ def cpu_seconds(pid: int) -> float:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="kvtier bench routing-sim", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--users", type=int, default=20)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--systems", type=int, default=4, help="distinct shared system prompts")

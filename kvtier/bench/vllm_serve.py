@@ -184,7 +184,7 @@ def ideal_hit_rate(args: argparse.Namespace, block: int = 128) -> float:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="vllm_bench_serve.py", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="kvtier bench vllm-serve", description=__doc__.split("\n")[0])
     p.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated, from: {', '.join(ARMS)}")
     p.add_argument("--reps", type=int, default=1, help="interleaved repetitions of all arms")
     p.add_argument("--replicas", type=int, default=4)

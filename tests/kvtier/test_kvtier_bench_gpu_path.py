@@ -1,4 +1,4 @@
-"""benchmarks/gpu_path.py on a machine without a GPU (CI): `--device cpu --quick` must say that there is no CUDA,
+"""`kvtier bench gpu-path` (kvtier/bench/gpu_path.py) on a machine without a GPU (CI): `--device cpu --quick` must say that there is no CUDA,
 still run the host part of every arm against a real l2fs master + worker, and print/write a well-formed table.
 The CUDA half (pinned buffers, .to('cuda', non_blocking=True)) only runs on an NVIDIA machine."""
 
@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_gpu_path_host_part_without_cuda(tmp_path: Path) -> None:
     out = tmp_path / "gpu_path.json"
-    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_path.py"), "--device", "cpu", "--quick",
+    r = subprocess.run([sys.executable, "-m", "kvtier.cli", "bench", "gpu-path", "--device", "cpu", "--quick",
                         "--dir", str(tmp_path), "--json", str(out)], cwd=ROOT, capture_output=True, text=True,
                        timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr[-3000:]

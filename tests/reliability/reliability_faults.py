@@ -1,4 +1,4 @@
-"""Fault-injection helpers for the reliability suite (and benchmarks/l2fs_load.py).
+"""Fault-injection helpers for the reliability suite.
 
 Every fault here is real: signals to real processes, bytes flipped in real block files on disk, a real
 TCP proxy that drops or black-holes connections. Nothing here replaces one of our own servers.
@@ -20,6 +20,8 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from kvtier.bench.common import rss_bytes  # noqa: F401  (re-exported: the reliability tests use it)
 
 # Client deadline used throughout the suite; the issue asks for <= 2 s by default.
 DEADLINE = 2.0
@@ -48,15 +50,6 @@ def proc_pid(handle: Any) -> int:
         if isinstance(pid, int):
             return pid
     raise TypeError(f"cannot find a pid on {handle!r}")
-
-
-def rss_bytes(pid: int) -> int:
-    """Resident set size of a live process, from /proc (0 if it is gone)."""
-    try:
-        with open(f"/proc/{pid}/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (FileNotFoundError, ProcessLookupError, IndexError):
-        return 0
 
 
 def alive(pid: int) -> bool:

@@ -1,4 +1,4 @@
-"""A tiny-duration run of benchmarks/l2fs_load.py (the 60 s run is the benchmark, not a test).
+"""A tiny-duration run of `kvtier bench load` (kvtier/bench/l2fs_load.py; the 60 s run is the benchmark, not a test).
 
 Checks the script end to end against a real local cluster: every op type ran, no errors, no call past
 the client deadline, and no process grew by more than a loose bound in a short run.
@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_load_script_short_run(tmp_path: Path) -> None:
     out = tmp_path / "load.json"
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "l2fs_load.py"), "--duration", "3", "--clients", "4",
+        [sys.executable, "-m", "kvtier.cli", "bench", "load", "--duration", "3", "--clients", "4",
          "--procs", "2", "--chains", "8", "--warm-chains", "8", "--size", "32K", "--timeout", str(DEADLINE),
          "--json", str(out)], capture_output=True, text=True, timeout=180, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]

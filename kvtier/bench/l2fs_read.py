@@ -1,6 +1,6 @@
 """l2fs throughput benchmark: prints one table of raw numbers and ratios measured side by side in one run.
 
-    .venv/bin/python benchmarks/l2fs_bench.py [--iters 20] [--size 14680064] [--dir /tmp/l2fs-bench]
+    .venv/bin/kvtier bench l2fs [--iters 20] [--size 14680064] [--dir /tmp/l2fs-bench]
 
 Object size defaults to one 256-token KV chunk of a 7B model (Qwen2-7B: 57,344 B/token -> 14.7 MB).
 Rows:
@@ -23,8 +23,6 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from l2fs.local import LocalCluster
 
@@ -204,7 +202,7 @@ def print_table(rows: list[tuple[str, str, str, str]], size: int, iters: int) ->
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="kvtier bench l2fs", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--size", type=int, default=CHUNK)
     p.add_argument("--dir", default=None, help="scratch dir (default: a temp dir)")

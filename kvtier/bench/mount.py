@@ -1,6 +1,6 @@
 """`l2fs mount` throughput: FUSE mount vs the native l2fs client vs a plain local file, side by side in one run.
 
-    .venv/bin/python benchmarks/mount_bench.py [--iters 10] [--size 14680064] [--dir /tmp/mount-bench]
+    .venv/bin/kvtier bench mount [--iters 10] [--size 14680064] [--dir /tmp/mount-bench]
 
 Starts its own LocalCluster (2 workers = node-1, node-2) and two mounts (--node-id node-1 / node-2).
 Object size defaults to one 256-token KV chunk of a 7B model (14.7 MB). Every number is a median GB/s over
@@ -29,10 +29,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from l2fs.local import LocalCluster
 
-from l2fs import fuse  # noqa: E402
-from l2fs.local import LocalCluster  # noqa: E402
+from l2fs import fuse
 
 CHUNK = 256 * 57344  # 14,680,064 bytes
 
@@ -61,7 +60,7 @@ def read_file(path: Path, buf: bytearray) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="kvtier bench mount", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--size", type=int, default=CHUNK)
     p.add_argument("--dir", default=None, help="work dir (default: a temp dir, removed afterwards)")

@@ -13,7 +13,7 @@ format) that replica A stored on another node's worker. Arms, same bytes, same r
 Prints a table of raw numbers (median over --reps batches): ms per batch, ms per chunk, GB/s, and each arm's
 ratio to the local-file floor.
 
-    .venv/bin/python benchmarks/chunk_read_bench.py [--chunks 31] [--reps 15] [--profile]
+    .venv/bin/kvtier bench chunk-read [--chunks 31] [--reps 15] [--profile]
 """
 
 from __future__ import annotations
@@ -27,20 +27,17 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+import torch
+from l2fs.local import LocalCluster
+from lmcache.utils import CacheEngineKey
+from lmcache.v1.config import LMCacheEngineConfig
+from lmcache.v1.event_manager import EventManager
+from lmcache.v1.memory_management import MemoryFormat
+from lmcache.v1.metadata import LMCacheMetadata
+from lmcache.v1.storage_backend.storage_manager import StorageManager
 
-import torch  # noqa: E402
-from lmcache.utils import CacheEngineKey  # noqa: E402
-from lmcache.v1.config import LMCacheEngineConfig  # noqa: E402
-from lmcache.v1.event_manager import EventManager  # noqa: E402
-from lmcache.v1.memory_management import MemoryFormat  # noqa: E402
-from lmcache.v1.metadata import LMCacheMetadata  # noqa: E402
-from lmcache.v1.storage_backend.storage_manager import StorageManager  # noqa: E402
-
-from connector import keys as ckeys  # noqa: E402
-from connector.config import lmcache_config  # noqa: E402
-from l2fs.local import LocalCluster  # noqa: E402
+from connector import keys as ckeys
+from connector.config import lmcache_config
 
 MODEL = "bench/tiny"
 SHAPE = torch.Size([2, 4, 256, 128])  # one 256-token chunk of the tiny Llama: 1 MiB of fp32 KV
@@ -177,7 +174,7 @@ def _conn(sm: StorageManager):
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="kvtier bench chunk-read", description=__doc__.split("\n\n")[0])
     p.add_argument("--chunks", type=int, default=31)
     p.add_argument("--reps", type=int, default=15)
     p.add_argument("--threads", default="8", help="plugin thread pool sizes to compare (default: the plugin's 8)")

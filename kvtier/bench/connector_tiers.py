@@ -6,7 +6,7 @@ For each prompt length: cold (replica A computes and stores), same-pod L1 hit (A
 from LMCache. Prints a table of raw numbers and the ratios against the goals (cross-pod within 1.25x of
 the L1 hit; >= 2.7x faster than cold at ~2.5k tokens).
 
-    flock /tmp/kvtier-vllm.lock .venv/bin/python benchmarks/connector_bench.py [--model DIR] \
+    flock /tmp/kvtier-vllm.lock .venv/bin/kvtier bench connector [--model DIR] \
         [--lengths 1000,2000,2500,4000,8000] [--reps 2] [--json out.json]
 """
 
@@ -21,13 +21,11 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from l2fs.local import LocalCluster
 
-from connector import keys as ckeys  # noqa: E402
-from kvtier.devstack.replica import Replica, start_replica  # noqa: E402
-from l2fs.common import free_port  # noqa: E402
-from l2fs.local import LocalCluster  # noqa: E402
+from connector import keys as ckeys
+from kvtier.devstack.replica import Replica, start_replica
+from l2fs.common import free_port
 
 
 def wait_files(cluster: LocalCluster, model: str, n: int, timeout: float = 120) -> int:
@@ -104,8 +102,8 @@ def table(rows: list[dict], lengths: list[int]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default=str(ROOT / ".kvtier" / "test-cache" / "tiny-llama"))
+    p = argparse.ArgumentParser(prog="kvtier bench connector", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=str(Path(".kvtier") / "test-cache" / "tiny-llama"))
     p.add_argument("--lengths", default="1000,2000,2500,4000,8000")
     p.add_argument("--reps", type=int, default=2)
     p.add_argument("--json", type=Path)

@@ -4,8 +4,8 @@ Reports, in one run, per-operation throughput and latency (p50 / p99 / max), the
 counts, and the resident memory of the master, every worker and the load generator at the start and
 end of the run (memory growth is the leak signal). Starts its own local cluster unless --master is given.
 
-    .venv/bin/python benchmarks/l2fs_load.py --duration 60 --clients 16
-    .venv/bin/python benchmarks/l2fs_load.py --duration 5 --clients 4 --json out.json
+    .venv/bin/kvtier bench load --duration 60 --clients 16
+    .venv/bin/kvtier bench load --duration 5 --clients 4 --json out.json
 
 Keys model KV chunks: chains of --chain objects ("/load/c<k>/<i>"). A put (over)writes one chunk with
 its order hint (if_absent=False, so every put really writes and replaces a block); a get reads a random
@@ -27,9 +27,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "reliability"))
-
-from reliability_faults import percentile, proc_pid, rss_bytes
+from kvtier.bench.common import pct, rss_bytes
 
 OPS = ("put", "get", "prefix")
 
@@ -120,8 +118,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         cluster.__enter__()
         master = cluster.master
         nodes = [w.node_id for w in cluster.workers]
-        pids = {f"worker {w.node_id}": proc_pid(w) for w in cluster.workers}
-        pids["master"] = proc_pid(cluster.master_proc)
+        pids = {f"worker {w.node_id}": w.proc.pid for w in cluster.workers}
+        pids["master"] = cluster.master_proc.pid
     try:
         # Warm-up: one full pass of puts so gets and lookups find data, then sample memory.
         from l2fs.client import Client
@@ -172,8 +170,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     ops = {}
     for op in OPS:
         v = lat[op]
-        ops[op] = {"count": len(v), "ops_per_s": len(v) / args.duration, "p50_ms": percentile(v, 50) * 1e3,
-                   "p99_ms": percentile(v, 99) * 1e3, "max_ms": (max(v) if v else 0.0) * 1e3,
+        ops[op] = {"count": len(v), "ops_per_s": len(v) / args.duration, "p50_ms": pct(v, 50) * 1e3,
+                   "p99_ms": pct(v, 99) * 1e3, "max_ms": (max(v) if v else 0.0) * 1e3,
                    "errors": errors[op]}
     mem = {name: {"start_mb": rss0[name] / 2**20, "end_mb": rss1[name] / 2**20, "peak_mb": peak[name] / 2**20,
                   "growth_mb": (rss1[name] - rss0[name]) / 2**20} for name in pids}
@@ -201,7 +199,7 @@ def print_tables(res: dict[str, Any]) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="l2fs_load", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="kvtier bench load", description=__doc__.split("\n\n")[0])
     p.add_argument("--master", help="attach to a running cluster (default: start a local one)")
     p.add_argument("--token", default=os.environ.get("L2FS_TOKEN"))
     p.add_argument("--workers", type=int, default=2)

@@ -13,9 +13,9 @@ one chunk of a 70B-class model):
 Each arm: host read ms, then host->device copy ms, per batch (median over --reps); GB/s of each phase and of
 the whole path, and the ratio of each arm's whole path to the local-file arm's.
 
-    .venv/bin/python benchmarks/gpu_path.py                      # CUDA if torch sees one, else host only
-    .venv/bin/python benchmarks/gpu_path.py --master H:P --node-id NODE   # an existing l2fs cluster
-    .venv/bin/python benchmarks/gpu_path.py --device cpu --quick # what CI runs (no GPU)
+    .venv/bin/kvtier bench gpu-path                      # CUDA if torch sees one, else host only
+    .venv/bin/kvtier bench gpu-path --master H:P --node-id NODE   # an existing l2fs cluster
+    .venv/bin/kvtier bench gpu-path --device cpu --quick # what CI runs (no GPU)
 
 Without CUDA it says so and measures the host part only (the copy columns are '-'; buffers are not pinned,
 since pinning needs a CUDA driver).
@@ -27,19 +27,15 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import tempfile
 import time
 import uuid
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+import torch
 
-import torch  # noqa: E402
-
-from l2fs.client import Client  # noqa: E402
+from l2fs.client import Client
 
 MIB = 1 << 20
 SIZES = {1 * MIB: 32, 32 * MIB: 8}  # chunk size -> chunks per batch
@@ -172,7 +168,7 @@ def render(rows: list[dict[str, Any]], device: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="kvtier bench gpu-path", description=__doc__.split("\n")[0])
     p.add_argument("--master", help="an existing l2fs master host:port (default: start master + 1 worker here)")
     p.add_argument("--node-id", default="node-1", help="node of the writer and the short-circuit reader; with "
                    "--master, run this on a node that has a worker and give that worker's node id")
