@@ -20,7 +20,7 @@ from typing import Any
 
 import jsonpatch
 import pytest
-from kubelet_env import container_env, expand
+from kubelet_env import container_argv, container_env, expand
 from operator_helpers import configmap, load_yaml, render
 
 from operator_patch import webhook
@@ -153,3 +153,46 @@ def test_webhook_plugin_env_loads_the_l2fs_plugin(tmp_path: Path, lmcache_env: A
             client.close()
         finally:
             sm.close()
+
+
+def worker_parser() -> argparse.ArgumentParser:
+    try:
+        from l2fs.worker.main import build_parser
+    except ImportError:  # before l2fs's split by role
+        from l2fs.worker import build_parser  # type: ignore[no-redef]
+    return build_parser()
+
+
+def rendered_container(docs: list[dict[str, Any]], kind: str, name: str) -> dict[str, Any]:
+    obj = [d for d in docs if d["kind"] == kind and d["metadata"]["name"] == name]
+    assert len(obj) == 1, (kind, name)
+    return obj[0]["spec"]["template"]["spec"]["containers"][0]
+
+
+@pytest.mark.unit
+def test_plugin_pods_see_the_workers_socket_not_the_data_dir() -> None:
+    """The rendered worker's argv (kubelet-expanded, parsed by `l2fs worker`'s own parser) names its data
+    dirs and fd-passing socket; the webhook-patched plugin pod mounts the socket's directory at the same
+    path (the client connects to the path the worker reports) and no hostPath that is, holds or lies in a
+    data dir."""
+    docs = render("overlays/hyperpod-p5")
+    cm = configmap(docs, "kvtier-config")
+    worker = rendered_container(docs, "DaemonSet", "l2fs-worker")
+    env = container_env(worker, configmaps={cm["metadata"]["name"]: cm["data"]}, fields=FIELDS)
+    argv = container_argv(worker, env)
+    assert argv[:2] == ["l2fs", "worker"], argv
+    ns = worker_parser().parse_args(argv[2:])
+    data_dirs = [str(d).split(":")[0].rstrip("/") for d in ns.data_dir]
+    socket_dir = os.path.dirname(ns.domain_socket)
+    assert data_dirs and ns.domain_socket
+    out = admitted(load_yaml("rendered-v3.2-stripped.yaml"), webhook_config("overlays/hyperpod-p5"))
+    pod = out["spec"]["template"]["spec"]
+    c = vllm_container(out)
+    host = {v["name"]: v["hostPath"]["path"].rstrip("/") for v in pod["volumes"] if "hostPath" in v}
+    for name, path in host.items():
+        for d in data_dirs:
+            assert not (path == d or d.startswith(path + "/") or path.startswith(d + "/")), \
+                f"plugin pod volume {name} ({path}) exposes the worker data dir {d}"
+    mounts = {m["name"]: m for m in c["volumeMounts"] if m["name"] in host}
+    seen = {(host[n], m["mountPath"].rstrip("/"), m.get("readOnly", False)) for n, m in mounts.items()}
+    assert (socket_dir, socket_dir, True) in seen, f"socket dir {socket_dir} not mounted read-only: {seen}"
