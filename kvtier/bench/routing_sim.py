@@ -18,7 +18,7 @@ process, open loop at --rate for --duration s, then the --sweep rates; per reque
 (X-Kvtier-Router-Ms), its tokenization (X-Kvtier-Tokenize-Ms) and end-to-end latency, next to the same
 requests sent straight to the replicas at the same rate. The load generator is this process (aiohttp).
 
-    .venv/bin/kvtier bench routing-sim --overhead [--rate 200 --duration 25 --out docs/results-data]
+    .venv/bin/kvtier bench routing-sim --overhead [--rate 200 --duration 25 --out docs/results/data]
 """
 
 from __future__ import annotations

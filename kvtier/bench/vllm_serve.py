@@ -37,7 +37,7 @@ ARMS = {  # arm name -> (router kind, policy/strategy)
     "kvtier roundrobin": ("kvtier", "roundrobin"),
     "vllm-router cache_aware": ("vllm-router", "cache_aware"),
 }
-OUT = Path("docs/results-data/vllm-bench-serve")
+OUT = Path("docs/results/data/vllm-bench-serve")
 PERCENTILE_METRICS = "ttft,tpot,e2el"
 PERCENTILES = "50,99"
 
