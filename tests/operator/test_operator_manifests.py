@@ -1,0 +1,58 @@
+"""deploy/ as its consumers read it: kustomize (images transformer, an operator's overlay on top), the
+Prometheus Operator's and Grafana sidecar's selectors (kube-prometheus-stack defaults), and the claims
+docs/deploy.md makes about the rendered objects."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from operator_helpers import DEPLOY, kubectl, render
+
+ROOT = DEPLOY.parent
+# every kustomization a user applies (components are not applied alone)
+TARGETS = sorted(str(p.parent.relative_to(DEPLOY)) for p in DEPLOY.rglob("kustomization.yaml")
+                 if "components" not in p.parts)
+KVTIER_IMAGE = "ghcr.io/kvtier/kvtier"
+
+
+def containers(docs: list[dict[str, Any]]) -> list[tuple[str, dict[str, Any]]]:
+    out = []
+    for d in docs:
+        spec = (d.get("spec") or {})
+        pod = ((spec.get("jobTemplate") or {}).get("spec") or spec).get("template", {}).get("spec")
+        if not pod:
+            continue
+        for c in (pod.get("initContainers") or []) + (pod.get("containers") or []):
+            out.append((f"{d['kind']}/{d['metadata']['name']}/{c['name']}", c))
+    return out
+
+
+def render_over(target: str, tmp: Path, overlay: dict[str, Any]) -> list[dict[str, Any]]:
+    """`kubectl kustomize` of a user's overlay with `resources: [<target>]` plus `overlay`."""
+    (tmp / "kustomization.yaml").write_text(yaml.safe_dump(
+        {"resources": [os.path.relpath(DEPLOY / target, tmp)], **overlay}))
+    out = subprocess.run([kubectl(), "kustomize", str(tmp)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    return [d for d in yaml.safe_load_all(out.stdout) if d]
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_every_image_is_pinned_and_kvtier_ones_follow_one_entry(target: str, tmp_path: Path) -> None:
+    """No container renders with a bare or unpinned image, and one `images:` entry for ghcr.io/kvtier/kvtier
+    in an overlay on top retags every kvtier container (what docs/deploy.md "Images" tells operators to do)."""
+    plain = containers(render(target))
+    for where, c in plain:
+        image = c["image"]
+        name, _, tag = image.rpartition(":") if "@" not in image else (image, "", "digest")
+        assert name and tag and tag != "latest" and "/" not in tag, \
+            f"{target}: {where} image {image!r} is bare or unpinned"
+    ours = {w for w, c in plain if c["image"].split(":")[0] in (KVTIER_IMAGE, "kvtier")}
+    retagged = containers(render_over(target, tmp_path, {"images": [
+        {"name": KVTIER_IMAGE, "newName": "registry.example/team/kvtier", "newTag": "t1"},
+        {"name": "kvtier", "newName": "registry.example/team/kvtier", "newTag": "t1"}]}))
+    assert {w for w, c in retagged if c["image"] == "registry.example/team/kvtier:t1"} == ours
