@@ -1,6 +1,6 @@
 """`kvtier chaos`: faults on a running `kvtier up --netns` (or `l2fs local --netns`) cluster, from another shell.
 
-A thin front on `l2fs.netns.chaos` (the code of `l2fs netns chaos`): the cluster is found by its prefix
+A thin front on `l2fs.testing.netns.chaos` (the code of `l2fs netns chaos`): the cluster is found by its prefix
 (`--cluster kvt1a2b3c`), or from a `kvtier up` state file (`--from-up`, default ./.kvtier/up.json when it
 names a live cluster), or as the only live cluster of ours on the machine. The one thing it adds is naming
 a node's process by role (worker, mount, replica) instead of a command-line match, because that is what a
@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 
 from kvtier.up import DEFAULT_DIR, STATE_NAME
-from l2fs.netns import CHAOS_FAULTS, PREFIX_RE, NetnsCluster, NetnsError, chaos, clusters
+from l2fs.testing.netns import CHAOS_FAULTS, PREFIX_RE, NetnsCluster, NetnsError, chaos, clusters
 
 # What each role's process has in its command line (kvtier up / l2fs local start them so).
 PROCESSES = {"worker": "l2fs.cli worker", "mount": "l2fs.cli mount", "replica": "vllm.entrypoints", "all": None}

@@ -6,7 +6,7 @@ holds what (deploy/base):
 - workers: the verifier file only (Secret l2fs-token-verifiers: each token's SHA-256, no token), enough to check
   the tokens of the master and of clients but useless to act as any of them; a worker proves who it is with its
   pod's projected ServiceAccount token, which the master checks with a TokenReview and binds to the node the
-  review names (`l2fs master --worker-identity k8s`, l2fs/identity.py);
+  review names (`l2fs master --worker-identity k8s`, l2fs/master/identity.py);
 - clients never see either file: engines and the router get one token each, in their own Secrets;
 - the FUSE mounts of deploy/base hold no token: each shows its pod's projected ServiceAccount token, which the
   master reviews as `--mount-sa` and names mount@<node>. `--mount` (one mount-role token, Secret

@@ -217,10 +217,10 @@ class Stack(procs.Started):
     def _start_l2fs(self) -> list[str]:
         """Master + workers (in their namespaces with --netns), and each node's mount in mount mode; returns the
         node ids (one per worker)."""
-        from l2fs.local import LocalCluster
+        from l2fs.testing.cluster import LocalCluster
 
         if self.use_netns:
-            from l2fs.netns import NetnsCluster
+            from l2fs.testing.netns import NetnsCluster
 
             self.net = NetnsCluster(self.n_workers, link=self.link)
             self.net.__enter__()
@@ -486,7 +486,7 @@ def check_args(args: argparse.Namespace) -> str | None:
         except ValueError as e:
             return f"--device cuda: {e}"
     if args.netns:
-        from l2fs.netns import NetnsError, check_host, parse_rate
+        from l2fs.testing.netns import NetnsError, check_host, parse_rate
 
         try:
             check_host()
@@ -500,7 +500,7 @@ def check_args(args: argparse.Namespace) -> str | None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.cleanup:
-        from l2fs.local import cleanup_leftovers
+        from l2fs.testing.cluster import cleanup_leftovers
 
         return cleanup_leftovers("kvtier up")
     problem = check_args(args)

@@ -152,17 +152,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0 if argv else 2
     cmd, rest = argv[0], argv[1:]
     if cmd == "master":
-        from l2fs.master import main as run
+        from l2fs.master.main import main as run
     elif cmd == "worker":
-        from l2fs.worker import main as run
+        from l2fs.worker.main import main as run
     elif cmd == "local":
-        from l2fs.local import main as run
+        from l2fs.testing.cluster import main as run
     elif cmd == "mount" and "--passthrough" in rest:  # read-only native-protocol server (docs/mount.md)
-        from l2fs.fuse_passthrough import main as run
+        from l2fs.fuse.passthrough import main as run
     elif cmd == "mount":
-        from l2fs.fuse import main as run
+        from l2fs.fuse.main import main as run
     elif cmd == "netns":
-        from l2fs.netns import main as run
+        from l2fs.testing.netns import main as run
     elif cmd in ("put", "get", "cat", "ls", "stat", "rm", "mkdir", "mv", "report"):
         return _files(cmd, rest)
     else:

@@ -549,7 +549,7 @@ def _patch_worker(dep: dict[str, Any], cfg: PatchConfig, iec: dict[str, Any] | N
             mount["mountPropagation"] = "HostToContainer"
             volume = {"name": cfg.volume_name, "hostPath": {"path": cfg.host_path, "type": "DirectoryOrCreate"}}
     elif cfg.data_path:
-        # Same-node short-circuit: the co-located worker hands block fds over its Unix socket (l2fs/fdpass.py,
+        # Same-node short-circuit: the co-located worker hands block fds over its Unix socket (l2fs/common/fdpass.py,
         # `--domain-socket /run/l2fs/worker.sock` in deploy/base/worker.yaml), at the path the worker reports, so
         # the pod sees that hostPath dir (only the socket in it) at the identical path. Read-only suffices to
         # connect; the pod never sees the data dir, so it cannot overwrite blocks or the manifest. (An older

@@ -28,7 +28,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from l2fs.local import LocalCluster
 from lmcache.utils import CacheEngineKey
 from lmcache.v1.config import LMCacheEngineConfig
 from lmcache.v1.event_manager import EventManager
@@ -38,6 +37,7 @@ from lmcache.v1.storage_backend.storage_manager import StorageManager
 
 from connector import keys as ckeys
 from connector.config import lmcache_config
+from l2fs.testing.cluster import LocalCluster
 
 MODEL = "bench/tiny"
 SHAPE = torch.Size([2, 4, 256, 128])  # one 256-token chunk of the tiny Llama: 1 MiB of fp32 KV

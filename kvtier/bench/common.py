@@ -108,7 +108,7 @@ def shaper_bound(measured_bps: float, link: str | None) -> bool | None:
     A number far below the rate means the CPU (or something else) was the bound, not the link."""
     if not link:
         return None
-    from l2fs.netns import parse_rate
+    from l2fs.testing.netns import parse_rate
 
     rate = parse_rate(link)
     return abs(measured_bps - rate) <= SHAPER_BOUND_TOLERANCE * rate

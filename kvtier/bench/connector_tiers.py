@@ -21,11 +21,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from l2fs.local import LocalCluster
-
 from connector import keys as ckeys
 from kvtier.devstack.replica import Replica, start_replica
 from l2fs.common import free_port
+from l2fs.testing.cluster import LocalCluster
 
 
 def wait_files(cluster: LocalCluster, model: str, n: int, timeout: float = 120) -> int:

@@ -641,7 +641,7 @@ def link_tcp(state: Any, a: Target, b: Target, nbytes: int, net: Any = None) -> 
         from kvtier.bench.l2 import tcp_stream_gbps
 
         return [g * 8e9 for g in tcp_stream_gbps(nbytes, 3)], None
-    from l2fs.netns import NetnsCluster
+    from l2fs.testing.netns import NetnsCluster
 
     if net is None:
         net = NetnsCluster.attach(state.netns["prefix"])
@@ -679,7 +679,7 @@ def _check_stack_args(args: argparse.Namespace, http_mode: bool) -> str | None:
         if spec.kind == "rate" and not args.netns:
             return "--throttle-l2 rate:... shapes a node link: needs --netns"
     if args.link:
-        from l2fs.netns import NetnsError, parse_rate
+        from l2fs.testing.netns import NetnsError, parse_rate
 
         try:
             parse_rate(args.link)

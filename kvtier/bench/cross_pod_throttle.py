@@ -16,7 +16,7 @@ declined; the second is 1.0 when the gate picks the faster of recompute and the 
 Throttles (on the l2fs worker of A's node, which holds A's chunks: placement is local-first):
   stop:ON/OFF   SIGSTOP for ON s, SIGCONT for OFF s, repeated (a worker that stalls: GC, a busy disk, a
                 noisy neighbour); works on loopback and --netns; the worker is always left running
-  rate:RATE     tc rate of A's node link (--netns only, `l2fs.netns` set_rate, as `kvtier chaos rate`);
+  rate:RATE     tc rate of A's node link (--netns only, `l2fs.testing.netns` set_rate, as `kvtier chaos rate`);
                 restored to the stack's --link afterwards
 The throttle is on for `lead` seconds (two periods for stop, 0.5 s for rate) before B's first request.
 """
@@ -64,7 +64,7 @@ def parse_throttle(spec: str) -> ThrottleSpec:
                              "is an outage, not a throttle)")
         return ThrottleSpec("stop", on, off)
     if kind == "rate":
-        from l2fs.netns import NetnsError, parse_rate
+        from l2fs.testing.netns import NetnsError, parse_rate
 
         try:
             parse_rate(arg)
@@ -91,7 +91,7 @@ class Throttle:
         self._thread: threading.Thread | None = None
 
     def _signal(self, sig: int) -> None:
-        from l2fs.netns import NetnsCluster
+        from l2fs.testing.netns import NetnsCluster
 
         NetnsCluster.signal(self.worker.proc, sig)
 

@@ -187,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
         if a.master:
             raw = run(a.master, a.node_id, device, sizes, reps, work)
         else:
-            from l2fs.local import LocalCluster
+            from l2fs.testing.cluster import LocalCluster
 
             with LocalCluster(Path(tmp) / "l2fs", workers=1, metrics=False) as cluster:
                 raw = run(cluster.master, cluster.workers[0].node_id, device, sizes, reps, work)

@@ -6,7 +6,7 @@ FUSE mount, and Redis (HyperPod's other L2 backend; Debian's redis-server starte
 port). A raw loopback TCP stream is printed as the network limit. Ratios are to the local directory.
 Objects: 14.7 MiB (one 256-token chunk of a 7B model: 256 x 56 KiB) and 32 MiB by default.
 
---netns [--link RATE]: the workers run in node namespaces (l2fs.netns); the l2fs client arms run as child
+--netns [--link RATE]: the workers run in node namespaces (l2fs.testing.netns); the l2fs client arms run as child
 processes inside the nodes (a worker's data address is reachable only there): same node = a node-1 client,
 cross node = written by node-1, read by node-2 over the (shaped) link, mount = node-1's FUSE mount started in
 its namespace. The plain TCP throughput node-1 -> node-2 of the same link is measured in the same run.
@@ -329,8 +329,8 @@ def run_netns(args: argparse.Namespace, sizes: list[int], reps: int, scratch: Pa
               raw: list[dict[str, Any]]) -> tuple[list[str], dict[str, Any], dict[int, list[float]]]:
     """The arms with workers in node namespaces; returns arm names (table order), placements and the link's
     plain TCP throughput node-1 -> node-2 per size (bits/s)."""
-    from l2fs.local import LocalCluster
-    from l2fs.netns import NetnsCluster
+    from l2fs.testing.cluster import LocalCluster
+    from l2fs.testing.netns import NetnsCluster
 
     arms: list[Arm] = [LocalDir(scratch / "local")]
     tcp: dict[int, list[float]] = {}
@@ -407,7 +407,7 @@ def _close_arms(arms: list[Arm]) -> None:
 def run_loopback(args: argparse.Namespace, sizes: list[int], reps: int, scratch: Path,
                  raw: list[dict[str, Any]]) -> tuple[list[str], dict[str, Any]]:
     """The arms on one loopback: in-process clients of node-1 and node-2, the mount as a subprocess."""
-    from l2fs.local import LocalCluster
+    from l2fs.testing.cluster import LocalCluster
 
     arms: list[Arm] = []
     log(f"starting l2fs (master + 2 workers) under {scratch}")
@@ -461,7 +461,7 @@ def main(argv: list[str] | None = None) -> int:
         print("kvtier bench l2: --link needs --netns (loopback has no link to shape)", file=sys.stderr)
         return 2
     if args.netns:
-        from l2fs.netns import NetnsError, check_host, parse_rate
+        from l2fs.testing.netns import NetnsError, check_host, parse_rate
 
         try:
             if args.link:

@@ -43,7 +43,7 @@ import psutil
 from kvtier.bench.common import fmt, table, write_results
 from l2fs.client import Client
 from l2fs.common import shard_of
-from l2fs.local import LocalCluster
+from l2fs.testing.cluster import LocalCluster
 
 OBJ = 4096
 MIB = 1 << 20

@@ -110,7 +110,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.master:
         master, nodes = args.master, [None]
     else:
-        from l2fs.local import LocalCluster
+        from l2fs.testing.cluster import LocalCluster
 
         tmp = tempfile.TemporaryDirectory(prefix="l2fs-load-")
         opts: dict[str, Any] = {"capacity": str(args.capacity)} if args.capacity else {}

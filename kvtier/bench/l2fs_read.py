@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from l2fs.local import LocalCluster
+from l2fs.testing.cluster import LocalCluster
 
 CHUNK = 256 * 57344  # 14,680,064 bytes
 

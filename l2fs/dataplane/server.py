@@ -43,7 +43,7 @@ from l2fs.dataplane.wire import (
     recv_exact,
     send_err,
 )
-from l2fs.store import BYTES_READ, READ_HITS, READ_MISSES, Store
+from l2fs.worker.store import BYTES_READ, READ_HITS, READ_MISSES, Store
 
 log = logging.getLogger("l2fs.dataplane")
 REFUSED = Counter("l2fs_worker_data_refused_total", "Data-plane connections refused over the connection limit")
@@ -147,7 +147,7 @@ class DataServer:
         self.preauth_max = preauth_max
         self.preauth_per_ip = min(preauth_per_ip, max_conns)
         self._slots = threading.BoundedSemaphore(max_conns)
-        # a checker (the worker's l2fs.capability.DataGate.check: a block capability, or in token mode any
+        # a checker (the worker's l2fs.common.capability.DataGate.check: a block capability, or in token mode any
         # known token of its tokens file) or one token
         self._check = token if callable(token) else self._one_token((token or "").encode())
         self._report_now = report_now  # wakes the registration loop: removals/moves reach the master now

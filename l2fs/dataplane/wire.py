@@ -1,7 +1,7 @@
 """Data-plane wire format, shared by server and client (little-endian), several requests per connection:
 
   request   b"L2D1" op:1 token_len:u16 token block_id:32   (token: the block's capability when the worker
-            has a data key, l2fs/capability.py; else the bearer token)
+            has a data key, l2fs/common/capability.py; else the bearer token)
   op R  ->  status:u8 then (status 0) size:u64 crc32c:u32 + size bytes via sendfile, or msg_len:u16 msg
   op W      + path_len:u16 path size:u64 order_hint:i64
         ->  status:u8 (0 = send the data; else msg_len:u16 msg)  then the client sends size bytes

@@ -14,7 +14,7 @@ import yaml
 
 from connector.config import lmcache_config, main, replica_env
 from kvtier import contract
-from l2fs.local import LocalCluster
+from l2fs.testing.cluster import LocalCluster
 
 
 def _run(*args: str) -> subprocess.CompletedProcess:

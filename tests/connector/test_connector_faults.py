@@ -20,7 +20,7 @@ import pytest
 from connector import keys as ckeys
 from kvtier.devstack.replica import start_replica
 from l2fs.common import free_port
-from l2fs.local import LocalCluster
+from l2fs.testing.cluster import LocalCluster
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1500)]
 

@@ -27,7 +27,7 @@ from connector import keys as ckeys
 from connector.config import lmcache_config
 from connector.fingerprint import record_and_check
 from l2fs.common import free_port
-from l2fs.local import LocalCluster
+from l2fs.testing.cluster import LocalCluster
 
 MODEL = "org/tiny@v1%x"  # '/', '@' and '%' must all survive the file name
 SHAPE = torch.Size([2, 4, 256, 128])

@@ -25,7 +25,7 @@ from lmcache.v1.memory_management import MemoryFormat
 from connector import keys as ckeys
 from connector.mp_l2fs import L2fsL2Adapter
 from l2fs.common import free_port
-from l2fs.local import LocalCluster
+from l2fs.testing.cluster import LocalCluster
 
 SHAPE = torch.Size([2, 2, 256, 64])
 

@@ -31,7 +31,7 @@ from test_connector_mp_adapter import _adapter, _key, _objs, _poll
 from connector import keys as ckeys
 from connector import positions
 from connector.loadgate import LoadGate
-from l2fs.local import LocalCluster
+from l2fs.testing.cluster import LocalCluster
 
 CHUNK = 256
 

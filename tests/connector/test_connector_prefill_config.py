@@ -72,7 +72,7 @@ def test_plugin_follows_the_prefill_file(tmp_path: Path) -> None:
     the fixed figure is the fallback while the file holds none."""
     from test_connector_l2fs_plugin import _conn, _manager
 
-    from l2fs.local import LocalCluster
+    from l2fs.testing.cluster import LocalCluster
 
     f = tmp_path / "prefill"
     with LocalCluster(tmp_path / "l2fs", workers=1) as cluster:

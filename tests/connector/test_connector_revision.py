@@ -192,7 +192,7 @@ def test_replicas_of_different_weights_never_share_chunks(tmp_path: Path, tiny_m
     from connector.fingerprint import diff, load_records
     from kvtier.devstack.tiny_model import build
     from l2fs.client import NotFound
-    from l2fs.local import LocalCluster
+    from l2fs.testing.cluster import LocalCluster
 
     name = "/opt/ml/model"  # what every HyperPod endpoint's LMCache sees
     other = build(tmp_path / "seed1", seed=1)  # same architecture (default args), other weights
@@ -262,7 +262,7 @@ def test_same_name_other_revision_is_reported_loudly(tmp_path: Path, caplog: pyt
     from types import SimpleNamespace
 
     from connector.fingerprint import record_and_check
-    from l2fs.local import LocalCluster
+    from l2fs.testing.cluster import LocalCluster
 
     caplog.set_level(logging.ERROR, logger="kvtier.connector.fingerprint")
     cfg = SimpleNamespace(chunk_size=256, pre_caching_hash_algorithm="builtin")

@@ -30,7 +30,7 @@ from lmcache.v1.storage_backend.storage_manager import StorageManager
 
 from connector.config import lmcache_config, salt_secret
 from kvtier import contract
-from l2fs.local import LocalCluster
+from l2fs.testing.cluster import LocalCluster
 from router.l2 import L2Lookup
 
 ROOT = Path(__file__).resolve().parents[2]

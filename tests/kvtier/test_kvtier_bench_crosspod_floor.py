@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from kvtier.bench.cross_pod import LocalProbe
-from l2fs.local import LocalCluster
+from l2fs.testing.cluster import LocalCluster
 
 PREFIX = "/kvtier/kv"
 

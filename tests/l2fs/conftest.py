@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from l2fs.local import LocalCluster
+from l2fs.testing.cluster import LocalCluster
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,7 @@ from typing import TypeVar
 
 import pytest
 
-from l2fs.local import LocalCluster
+from l2fs.testing.cluster import LocalCluster
 
 T = TypeVar("T")
 

@@ -9,12 +9,12 @@ import grpc
 import pytest
 from l2fs_helpers import wait_until
 
-from l2fs.capability import mint_for, seal_mac
 from l2fs.client import InvalidArgument, InvalidPath
 from l2fs.common import BlockKey
-from l2fs.local import LocalCluster
+from l2fs.common.capability import mint_for, seal_mac
 from l2fs.proto import l2fs_pb2 as pb
 from l2fs.proto import l2fs_pb2_grpc as pbg
+from l2fs.testing.cluster import LocalCluster
 
 BAD_PATHS = ["relative/x", "/a/../../etc/passwd", "/a//b", "/nul\x00x", "", "/" + "n" * 256,
              "/" + "/".join(["d"] * 3000), "/a/./b", "/ctl\nx"]

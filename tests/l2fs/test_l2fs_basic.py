@@ -8,7 +8,7 @@ import os
 import pytest
 
 from l2fs.client import AlreadyExists, AsyncClient, InvalidPath, L2fsError, NotFound
-from l2fs.local import LocalCluster
+from l2fs.testing.cluster import LocalCluster
 
 MB = 1 << 20
 

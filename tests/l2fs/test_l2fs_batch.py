@@ -21,12 +21,12 @@ from l2fs_helpers import block_files, master_rpcs, wait_until
 
 from l2fs.client import AlreadyExists, InvalidArgument, InvalidPath, L2fsError
 from l2fs.common import make_channel
-from l2fs.local import LocalCluster
 from l2fs.master import MasterService, serve
 from l2fs.proto import l2fs_pb2 as pb
 from l2fs.proto import l2fs_pb2_grpc as pbg
-from l2fs.registration import MasterLink
-from l2fs.store import Store
+from l2fs.testing.cluster import LocalCluster
+from l2fs.worker.registration import MasterLink
+from l2fs.worker.store import Store
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -22,7 +22,7 @@ from lmcache.v1.storage_backend.storage_manager import StorageManager  # noqa: E
 from connector import keys as ckeys  # noqa: E402
 from connector.config import lmcache_config  # noqa: E402
 from connector.fingerprint import load_records  # noqa: E402
-from l2fs.local import LocalCluster  # noqa: E402
+from l2fs.testing.cluster import LocalCluster  # noqa: E402
 
 MODEL = "org/batch-model"
 SHAPE = torch.Size([2, 4, 256, 128])

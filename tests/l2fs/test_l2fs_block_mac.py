@@ -28,9 +28,9 @@ from l2fs_helpers import wait_until
 
 from l2fs.common import BlockKey, BlockKeyError, Credential, TokensFileError, load_block_key, load_tokens_file
 from l2fs.common import ensure_block_key as make_key
-from l2fs.local import LocalCluster
 from l2fs.proto import l2fs_pb2 as pb
 from l2fs.proto import l2fs_pb2_grpc as pbg
+from l2fs.testing.cluster import LocalCluster
 
 MASTER = "master-token-0123456789"
 WORKER_A = "worker-a-token-0123456789"  # node-1: the real worker's credential

@@ -24,17 +24,16 @@ import grpc
 import pytest
 from l2fs_helpers import wait_until
 
-from l2fs import capability
-from l2fs.capability import DataGate, Minter, data_key, expiry_of, mint, mint_for, parse, why_denied
-from l2fs.common import make_channel
+from l2fs.common import capability, make_channel
+from l2fs.common.capability import DataGate, Minter, data_key, expiry_of, mint, mint_for, parse, why_denied
+from l2fs.common.fdpass import READ as FD_READ
+from l2fs.common.fdpass import WRITE as FD_WRITE
+from l2fs.common.fdpass import FdPassError, request_fd
 from l2fs.dataplane import DataClient, DataPlaneError
 from l2fs.dataplane.wire import DENIED
-from l2fs.fdpass import READ as FD_READ
-from l2fs.fdpass import WRITE as FD_WRITE
-from l2fs.fdpass import FdPassError, request_fd
-from l2fs.local import LocalCluster
 from l2fs.proto import l2fs_pb2 as pb
 from l2fs.proto import l2fs_pb2_grpc as pbg
+from l2fs.testing.cluster import LocalCluster
 
 ROOT = Path(__file__).resolve().parents[2]
 MASTER, WORKER, ENGINE, ADMIN = (f"{who}-token-0123456789" for who in ("master", "worker", "engine", "admin"))

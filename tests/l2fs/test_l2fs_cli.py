@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-from l2fs.local import LocalCluster
+from l2fs.testing.cluster import LocalCluster
 
 L2FS = [sys.executable, "-m", "l2fs.cli"]
 

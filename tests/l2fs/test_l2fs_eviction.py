@@ -8,7 +8,7 @@ import time
 import pytest
 from l2fs_helpers import block_files, wait_until
 
-from l2fs.local import LocalCluster
+from l2fs.testing.cluster import LocalCluster
 
 MB = 1 << 20
 CAP = 40 * MB

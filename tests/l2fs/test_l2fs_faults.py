@@ -10,7 +10,7 @@ import time
 import pytest
 from l2fs_helpers import block_files, wait_until
 
-from l2fs.local import LocalCluster
+from l2fs.testing.cluster import LocalCluster
 
 HB_TIMEOUT = 2.0
 

@@ -28,7 +28,7 @@ import pytest
 
 import l2fs.client as client_mod
 from l2fs.common import make_channel
-from l2fs.fdpass import (
+from l2fs.common.fdpass import (
     BAD,
     BUSY,
     DENIED,
@@ -41,9 +41,9 @@ from l2fs.fdpass import (
     FdPassError,
     request_fd,
 )
-from l2fs.local import LocalCluster
 from l2fs.proto import l2fs_pb2 as pb
 from l2fs.proto import l2fs_pb2_grpc as pbg
+from l2fs.testing.cluster import LocalCluster
 
 ROOT = Path(__file__).resolve().parents[2]
 MASTER, WORKER, ENGINE, ROUTER, ADMIN = (f"{who}-token-0123456789" for who in

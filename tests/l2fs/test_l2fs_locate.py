@@ -10,7 +10,7 @@ from l2fs_helpers import master_rpcs
 
 from l2fs.client import AsyncClient, Client, InvalidPath
 from l2fs.common import free_port
-from l2fs.local import LocalCluster
+from l2fs.testing.cluster import LocalCluster
 
 
 def _delta(before: dict[str, float], after: dict[str, float], method: str) -> float:

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from l2fs.client import PermissionDenied
-from l2fs.local import LocalCluster
+from l2fs.testing.cluster import LocalCluster
 
 ROOT = Path(__file__).resolve().parents[2]
 

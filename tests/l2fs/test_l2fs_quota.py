@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from l2fs.client import QuotaExceeded, Unavailable
-from l2fs.local import LocalCluster
+from l2fs.testing.cluster import LocalCluster
 
 OBJ = 256 * 1024
 

@@ -24,13 +24,12 @@ import grpc
 import pytest
 from l2fs_helpers import wait_until
 
-from l2fs import capability
-from l2fs.common import BlockKey
-from l2fs.local import LocalCluster
+from l2fs.common import BlockKey, capability
 from l2fs.master import MasterService, serve
 from l2fs.proto import l2fs_pb2 as pb
 from l2fs.proto import l2fs_pb2_grpc as pbg
-from l2fs.store import Store
+from l2fs.testing.cluster import LocalCluster
+from l2fs.worker.store import Store
 
 T = 10.0
 

@@ -17,8 +17,6 @@ import fsspec
 import pytest
 from l2fs_helpers import wait_until
 
-from l2fs.batch import PROTOCOL_VERSION
-from l2fs.capability import seal_mac
 from l2fs.client import Client, CrossShard, L2fsError, NotFound, Unavailable, WrongShard, combine_prefix
 from l2fs.common import (
     BlockKey,
@@ -29,9 +27,11 @@ from l2fs.common import (
     parse_shard,
     shard_of,
 )
-from l2fs.local import LocalCluster
-from l2fs.registration import MasterLink
-from l2fs.store import Store
+from l2fs.common.capability import seal_mac
+from l2fs.common.protocol import PROTOCOL_VERSION
+from l2fs.testing.cluster import LocalCluster
+from l2fs.worker.registration import MasterLink
+from l2fs.worker.store import Store
 
 N = 2
 
@@ -304,7 +304,7 @@ def test_dead_worker_dropped_and_rereported_on_every_shard(sharded: LocalCluster
 def test_worker_queues_reach_every_shard(tmp_path: Path) -> None:
     """An eviction (or any removal the worker reports) goes to every shard's link, a tier move only to the
     link of the shard owning the block's path, and a link's full report clears only its own queues."""
-    from l2fs.registration import MasterLinks
+    from l2fs.worker.registration import MasterLinks
 
     store = Store([(tmp_path / "d", 1 << 20)])
     ids = {}

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 import l2fs.client as client_mod
-from l2fs.local import LocalCluster
+from l2fs.testing.cluster import LocalCluster
 
 
 def test_planted_symlink_at_reserved_temp_path_is_not_written_through(

@@ -10,9 +10,9 @@ from pathlib import Path
 import grpc
 from l2fs_helpers import wait_until
 
-from l2fs.local import LocalCluster
 from l2fs.proto import l2fs_pb2 as pb
 from l2fs.proto import l2fs_pb2_grpc as pbg
+from l2fs.testing.cluster import LocalCluster
 
 MB = 1 << 20
 

@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 from kubernetes import client
 
-from l2fs import identity
-from l2fs.identity import K8sIdentity
+from l2fs.master import identity
+from l2fs.master.identity import K8sIdentity
 
 pytestmark = pytest.mark.unit
 

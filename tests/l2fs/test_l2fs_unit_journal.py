@@ -1,4 +1,4 @@
-"""The master's pending-change journal (l2fs/journal.py): what a reopened journal still knows, and when a
+"""The master's pending-change journal (l2fs/master/journal.py): what a reopened journal still knows, and when a
 change may be forgotten."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from l2fs.batch import JOURNAL_VERSION
-from l2fs.journal import JournalError, PendingOps
+from l2fs.common.protocol import JOURNAL_VERSION
+from l2fs.master.journal import JournalError, PendingOps
 
 pytestmark = pytest.mark.unit
 

@@ -17,8 +17,8 @@ from l2fs.common import grpc_server, make_channel
 from l2fs.master import MasterService, serve
 from l2fs.proto import l2fs_pb2 as pb
 from l2fs.proto import l2fs_pb2_grpc as pbg
-from l2fs.store import Store
-from l2fs.worker_service import WorkerService
+from l2fs.worker.service import WorkerService
+from l2fs.worker.store import Store
 
 pytestmark = pytest.mark.unit
 GB = 1 << 30

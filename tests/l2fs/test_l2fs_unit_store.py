@@ -1,4 +1,4 @@
-"""Unit tier: the worker's block store (l2fs.store) in process, on tmp_path: reservations, the one write
+"""Unit tier: the worker's block store (l2fs.worker.store) in process, on tmp_path: reservations, the one write
 path, watermarks and the eviction policy, tiers, damage checks and the manifest across a restart."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import grpc
 import pytest
 
 from l2fs.common import RpcError
-from l2fs.store import Store
+from l2fs.worker.store import Store
 
 pytestmark = pytest.mark.unit
 KB = 1024

@@ -21,8 +21,8 @@ from l2fs.dataplane.server import DataServer
 from l2fs.dataplane.wire import BAD, DENIED, NOT_FOUND
 from l2fs.proto import l2fs_pb2 as pb
 from l2fs.proto import l2fs_pb2_grpc as pbg
-from l2fs.store import Store
-from l2fs.worker_service import WorkerService
+from l2fs.worker.service import WorkerService
+from l2fs.worker.store import Store
 
 pytestmark = pytest.mark.unit
 KB = 1024

@@ -21,15 +21,15 @@ import pytest
 from l2fs_helpers import wait_until
 
 from l2fs import procs
-from l2fs.batch import MANIFEST_VERSION, PROTOCOL_VERSION, version_mismatch
 from l2fs.client import Client
 from l2fs.common import make_channel
-from l2fs.local import LocalCluster
+from l2fs.common.protocol import MANIFEST_VERSION, PROTOCOL_VERSION, version_mismatch
 from l2fs.master import MasterService, serve
 from l2fs.proto import l2fs_pb2 as pb
 from l2fs.proto import l2fs_pb2_grpc as pbg
-from l2fs.registration import MasterLink, VersionRefused
-from l2fs.store import Store
+from l2fs.testing.cluster import LocalCluster
+from l2fs.worker.registration import MasterLink, VersionRefused
+from l2fs.worker.store import Store
 
 ROOT = Path(__file__).resolve().parents[2]
 OLD_COMMIT = "5b8498410e71b244fed1b2f972a9c1e8f89325e1"  # the last commit before protocol versions (protocol 1)

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from mount_helpers import Mount, start_mount
 
-from l2fs.local import LocalCluster
+from l2fs.testing.cluster import LocalCluster
 
 FUSE_OK = os.path.exists("/dev/fuse") and os.geteuid() == 0 and bool(
     subprocess.run(["sh", "-c", "command -v fusermount3"], capture_output=True).stdout)

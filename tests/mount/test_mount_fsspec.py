@@ -9,7 +9,7 @@ import fsspec
 import pytest
 
 from l2fs.fsspec import L2FileSystem
-from l2fs.local import LocalCluster
+from l2fs.testing.cluster import LocalCluster
 
 
 @pytest.fixture

@@ -17,7 +17,7 @@ import pytest
 from mount_helpers import Mount, metric, start_mount
 
 from l2fs.fuse import is_mounted, mount_type
-from l2fs.local import LocalCluster
+from l2fs.testing.cluster import LocalCluster
 
 
 def _d(m: Mount, tmp_path: Path) -> Path:

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from mount_helpers import Mount
 
-from l2fs.local import LocalCluster
+from l2fs.testing.cluster import LocalCluster
 
 pytest.importorskip("lmcache")
 DRIVER = Path(__file__).with_name("mount_lmc_driver.py")

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 from mount_helpers import Mount, metric
 
-from l2fs.local import LocalCluster
+from l2fs.testing.cluster import LocalCluster
 
 pytest.importorskip("lmcache")
 ROOT = Path(__file__).resolve().parents[2]

@@ -12,7 +12,7 @@ import psutil
 import pytest
 from mount_helpers import Mount
 
-from l2fs.local import LocalCluster
+from l2fs.testing.cluster import LocalCluster
 
 MiB = 1 << 20
 

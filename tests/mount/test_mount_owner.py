@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from mount_helpers import Mount, start_mount
 
-from l2fs.local import LocalCluster
+from l2fs.testing.cluster import LocalCluster
 
 pytestmark = pytest.mark.skipif(shutil.which("setpriv") is None, reason="needs setpriv (util-linux)")
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from mount_helpers import Mount
 
-from l2fs.local import LocalCluster
+from l2fs.testing.cluster import LocalCluster
 
 MiB = 1 << 20
 

@@ -1,4 +1,4 @@
-"""`l2fs mount --passthrough` (l2fs/fuse_passthrough.py): a read-only mount whose reads go through FUSE
+"""`l2fs mount --passthrough` (l2fs/fuse/passthrough.py): a read-only mount whose reads go through FUSE
 passthrough. Real processes: a LocalCluster (node-1, node-2) and passthrough mount processes as node-1 and
 node-2; the server's own counters (--metrics-port) show whether a READ request ever reached it."""
 
@@ -17,7 +17,7 @@ from mount_helpers import Mount, metric
 
 from l2fs import fuse
 from l2fs.client import Client
-from l2fs.local import LocalCluster
+from l2fs.testing.cluster import LocalCluster
 
 MIB = 1 << 20
 SIZES = {"empty.bin": 0, "small.bin": 1000, "one.bin": MIB, "big.bin": 17 * MIB + 3}

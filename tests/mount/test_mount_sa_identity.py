@@ -24,9 +24,9 @@ import pytest
 from mount_helpers import Mount, assert_cannot_replace, metric, start_mount
 
 from l2fs.client import PermissionDenied
-from l2fs.local import LocalCluster
 from l2fs.proto import l2fs_pb2 as pb
 from l2fs.proto import l2fs_pb2_grpc as pbg
+from l2fs.testing.cluster import LocalCluster
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "operator"))
 from operator_helpers import MOUNT_SA, SA, jwt, review_api  # noqa: E402

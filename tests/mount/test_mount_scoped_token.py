@@ -17,7 +17,7 @@ import pytest
 from mount_helpers import Mount, assert_cannot_replace, start_mount
 from test_mount_lmcache import _drive
 
-from l2fs.local import LocalCluster
+from l2fs.testing.cluster import LocalCluster
 
 MASTER = "master-token-0123456789abcdef"
 ADMIN = "admin-token-0123456789abcdef"

@@ -1,4 +1,4 @@
-"""Fixtures for tests/netns: clusters of network namespaces built by l2fs.netns (the same code as
+"""Fixtures for tests/netns: clusters of network namespaces built by l2fs.testing.netns (the same code as
 `l2fs netns up`). They need root and ip/tc/nsenter; without them the tests skip with the reason."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import pytest
 from netns_helpers import require_host
 
-from l2fs.netns import NetnsCluster
+from l2fs.testing.netns import NetnsCluster
 
 
 @pytest.fixture

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from l2fs.netns import NetnsCluster, NetnsError, Where, check_host
+from l2fs.testing.netns import NetnsCluster, NetnsError, Where, check_host
 
 ROOT = Path(__file__).resolve().parents[2]
 

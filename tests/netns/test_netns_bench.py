@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from netns_helpers import require_host
 
-from l2fs.netns import _our_namespaces
+from l2fs.testing.netns import _our_namespaces
 
 KVTIER = [sys.executable, "-m", "kvtier.cli"]
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from netns_helpers import ROOT, echo_server, launch_local, reaches, require_host, wait_line, wait_reaches
 
-from l2fs.netns import NETNS_DIR, NetnsCluster
+from l2fs.testing.netns import NETNS_DIR, NetnsCluster
 
 
 def _proc_state(pid: int) -> str:

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from netns_helpers import echo_server, host_net, reaches, wait_reaches
 
-from l2fs.netns import (
+from l2fs.testing.netns import (
     NETNS_DIR,
     STATE_DIR,
     NetnsCluster,
@@ -153,7 +153,7 @@ def test_delay_and_loss_need_netem(netns_cluster: NetnsCluster) -> None:
 
 CRASHER = """
 import os, subprocess, sys
-from l2fs.netns import NetnsCluster
+from l2fs.testing.netns import NetnsCluster
 c = NetnsCluster(2)
 c.start()
 mnt = sys.argv[1]
@@ -205,7 +205,7 @@ def test_two_launchers_get_distinct_names_and_subnets(netns_cluster: NetnsCluste
 
 @pytest.mark.unit
 def test_refuses_without_root_or_tools(monkeypatch: pytest.MonkeyPatch) -> None:
-    import l2fs.netns as netns
+    import l2fs.testing.netns as netns
 
     monkeypatch.setattr(netns.os, "geteuid", lambda: 1000)
     with pytest.raises(NetnsError, match="root"):

@@ -20,7 +20,7 @@ from netns_helpers import require_host
 
 from l2fs import procs
 from l2fs.client import Client
-from l2fs.netns import NetnsCluster, Where
+from l2fs.testing.netns import NetnsCluster, Where
 
 ROOT = Path(__file__).resolve().parents[2]
 PY = [sys.executable, "-m", "l2fs.cli"]

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from netns_helpers import launch_local, require_host, wait_line
 
-from l2fs.netns import NETNS_DIR, NetnsCluster
+from l2fs.testing.netns import NETNS_DIR, NetnsCluster
 
 ROOT = Path(__file__).resolve().parents[2]
 PY = [sys.executable, "-m", "l2fs.cli"]

@@ -119,7 +119,7 @@ def test_webhook_plugin_env_loads_the_l2fs_plugin(tmp_path: Path, lmcache_env: A
     try:
         from l2fs.testing.cluster import LocalCluster
     except ImportError:  # before l2fs's split by role
-        from l2fs.local import LocalCluster  # type: ignore[no-redef]
+        from l2fs.testing.cluster import LocalCluster  # type: ignore[no-redef]
 
     with LocalCluster(tmp_path / "l2fs", workers=1) as cluster:
         cfg = webhook_config("overlays/hyperpod-p5", KVTIER_MASTER=cluster.master)

@@ -1,6 +1,6 @@
 """Node-bound worker identity (issue 13, finding 1): workers prove who they are with a projected ServiceAccount
 token that the master checks with a TokenReview; the node the review names binds the worker ids the caller
-may register, heartbeat and report for (l2fs/identity.py).
+may register, heartbeat and report for (l2fs/master/identity.py).
 
 A real `l2fs master --worker-identity k8s` whose kubeconfig points at a kmock API emulator that answers
 POST /apis/authentication.k8s.io/v1/tokenreviews from a table, as the API server would for tokens it
@@ -22,9 +22,9 @@ import pytest
 from operator_helpers import SA, ReviewApi, jwt, review_api
 
 from l2fs.common import token_digest
-from l2fs.local import LocalCluster
 from l2fs.proto import l2fs_pb2 as pb
 from l2fs.proto import l2fs_pb2_grpc as pbg
+from l2fs.testing.cluster import LocalCluster
 
 pytestmark = pytest.mark.k8s
 

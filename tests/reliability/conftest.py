@@ -13,7 +13,7 @@ import pytest
 @pytest.fixture
 def make_cluster(tmp_path: Path) -> Iterator[Callable[..., Any]]:
     """Factory for LocalCluster instances; every cluster it made is stopped at teardown."""
-    from l2fs.local import LocalCluster
+    from l2fs.testing.cluster import LocalCluster
 
     made: list[Any] = []
 

@@ -62,7 +62,7 @@ DAMAGE = ["flip-first", "flip-middle", "flip-last", "truncate-half", "truncate-z
 @pytest.fixture(scope="module")
 def corrupt_cluster(tmp_path_factory: pytest.TempPathFactory) -> Any:
     """One 2-worker cluster shared by the damage cases (each case uses its own paths)."""
-    from l2fs.local import LocalCluster
+    from l2fs.testing.cluster import LocalCluster
 
     with LocalCluster(tmp_path_factory.mktemp("corrupt"), workers=2) as cluster:
         yield cluster

@@ -1,6 +1,6 @@
 """Deletes and renames cannot come back (issue 13.4): a worker that missed them (SIGSTOPped past the heartbeat
 timeout, the master restarted meanwhile) re-reports its manifest at re-registration, and the master's
-pending changes (`l2fs/journal.py`; on disk with `--journal`) decide what that report may publish.
+pending changes (`l2fs/master/journal.py`; on disk with `--journal`) decide what that report may publish.
 
 Before: the removed file came back, the renamed file reappeared under its old name, and the destination of
 an overwriting rename served the bytes it had before the rename.

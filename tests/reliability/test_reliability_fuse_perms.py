@@ -56,7 +56,7 @@ def _as_nobody(root: Path) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    from l2fs.local import LocalCluster
+    from l2fs.testing.cluster import LocalCluster
 
     with LocalCluster(tmp_path_factory.mktemp("fuseperm"), workers=1) as c:
         yield c

@@ -75,7 +75,7 @@ def _methods(service: str) -> list[tuple[str, Any, bool, bool]]:
 
 @pytest.fixture(scope="module")
 def fuzz_cluster(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    from l2fs.local import LocalCluster
+    from l2fs.testing.cluster import LocalCluster
 
     with LocalCluster(tmp_path_factory.mktemp("fuzz"), workers=1, capacity=str(CAPACITY)) as cluster:
         c = cluster.client(timeout=DEADLINE)
@@ -247,7 +247,7 @@ def _still_healthy(cluster: Any) -> None:
 def test_register_rejects_malformed_addresses(tmp_path_factory: pytest.TempPathFactory) -> None:
     """A registration whose address is not host:port must be refused with INVALID_ARGUMENT; otherwise
     the master hands clients an unusable worker (found by the garbage-bytes fuzzer)."""
-    from l2fs.local import LocalCluster
+    from l2fs.testing.cluster import LocalCluster
 
     with LocalCluster(tmp_path_factory.mktemp("badreg"), workers=0) as cluster:
         ch = grpc.insecure_channel(cluster.master)

@@ -69,7 +69,7 @@ def test_master_kill9_restart_rebuilds_namespace(make_cluster: Any, record_prope
     assert served == len(located), f"only {served}/{len(located)} already-located reads served without the master"
 
     # A long outage: with gRPC's default reconnect backoff (grows to 120 s) re-registration took 13.6 s
-    # after 25 s down; l2fs caps the backoff at 1 s (l2fs/common.py).
+    # after 25 s down; l2fs caps the backoff at 1 s (l2fs/common/).
     time.sleep(max(0.0, OUTAGE - (time.monotonic() - t_kill)))
     cluster.start_master()
     fresh = cluster.client(timeout=DEADLINE)

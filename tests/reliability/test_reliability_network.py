@@ -1,6 +1,6 @@
 """Network faults between nodes: real partitions and a real link going down, between network namespaces.
 
-Layout (one cluster for the module, `l2fs.netns` + `LocalCluster(netns=...)`): the master in the control
+Layout (one cluster for the module, `l2fs.testing.netns` + `LocalCluster(netns=...)`): the master in the control
 namespace, worker-1 on node-1, worker-2 on node-2, and the client under test as its own process on node-3
 (`node_client.NodeClient`: only a process inside the node meets the node's network). Faults are routes of
 kind blackhole (packets silently dropped: connects and reads hang until the deadline) or prohibit (refused at
@@ -37,8 +37,8 @@ from reliability_faults import (
 )
 
 from l2fs.client import L2fsError
-from l2fs.local import LocalCluster
-from l2fs.netns import NetnsCluster, NetnsError, check_host
+from l2fs.testing.cluster import LocalCluster
+from l2fs.testing.netns import NetnsCluster, NetnsError, check_host
 
 SIZE = 256 * 1024
 DEAD_AFTER = 3.0  # the master's heartbeat timeout here

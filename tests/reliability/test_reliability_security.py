@@ -151,7 +151,7 @@ def test_tls_cluster_refuses_plaintext(make_cluster: Any, certs: dict[str, str])
 
 @pytest.fixture(scope="module")
 def plain_cluster(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    from l2fs.local import LocalCluster
+    from l2fs.testing.cluster import LocalCluster
 
     with LocalCluster(tmp_path_factory.mktemp("plain"), workers=1, block_key=False) as cluster:  # token mode: raw calls with the token (capabilities: tests/l2fs/test_l2fs_capabilities.py)
         yield cluster

@@ -20,8 +20,8 @@ import pytest
 from reliability_faults import DEADLINE, payload
 from test_reliability_security import _code
 
-from l2fs import capability
 from l2fs.client import PermissionDenied
+from l2fs.common import capability
 from l2fs.proto import l2fs_pb2 as pb
 from l2fs.proto import l2fs_pb2_grpc as pbg
 

@@ -15,7 +15,7 @@ from router_helpers import PY, Proc, _spawn
 
 from kvtier import contract
 
-LocalCluster = pytest.importorskip("l2fs.local").LocalCluster
+LocalCluster = pytest.importorskip("l2fs.testing.cluster").LocalCluster
 
 SALT_A = "tenant-a-0123456789abcdef"
 SALT_B = "tenant-b-0123456789abcdef"

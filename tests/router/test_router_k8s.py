@@ -109,7 +109,7 @@ def test_l2_hit_is_credited_only_to_the_revision_whose_prefix_holds_it(k8s, clus
     from router.l2 import L2Lookup
 
     assert KV_PREFIX_ANNOTATION == KV_PREFIX_KEY  # the router reads what the operator patch writes
-    local = pytest.importorskip("l2fs.local")
+    local = pytest.importorskip("l2fs.testing.cluster")
     from l2fs.client import Client
 
     url, api = k8s

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from router_helpers import PY, ROOT, Proc, _spawn
 
-LocalCluster = pytest.importorskip("l2fs.local").LocalCluster
+LocalCluster = pytest.importorskip("l2fs.testing.cluster").LocalCluster
 if importlib.util.find_spec("lmcache") is None:  # the reference side needs it; this process never imports it
     pytest.skip("lmcache not installed", allow_module_level=True)
 

@@ -14,12 +14,12 @@ op READ (1): the block's fd, size and CRC32C (the client still verifies what it 
 reserved temp file's write fd (block id of a ReserveLocal reservation, path the put is for); the client
 writes it and calls AdoptLocal, which re-checks the file and recomputes the CRC as before.
 Auth as on the data plane: a worker with a data key wants the block's capability in the token field (a
-read one for READ, a write one for that block and `path` for WRITE; l2fs/capability.py). In token mode (no
+read one for READ, a write one for that block and `path` for WRITE; l2fs/common/capability.py). In token mode (no
 block key) any known token reads; a write needs a writer token allowed to put-if-absent `path` (an engine
 token only under its prefixes). Bounded: `max_conns` connections (more are answered
 BUSY), one deadline over the whole request, and the worker closes its copy of the fd right after sending.
 
-This module is the wire and the client (`request_fd`); the worker's server is l2fs/fdpass_server.py.
+This module is the wire and the client (`request_fd`); the worker's server is l2fs/worker/fdserver.py.
 """
 
 from __future__ import annotations

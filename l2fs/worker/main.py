@@ -1,7 +1,7 @@
 """l2fs worker: the `l2fs worker` command. Assembles a worker from its parts and runs it.
 
-The parts: `l2fs.store` (data dirs, manifests, eviction), `l2fs.worker_service` (gRPC), `l2fs.dataplane`
-(raw-TCP bulk bytes) and `l2fs.registration` (heartbeat and block reports to the master).
+The parts: `l2fs.worker.store` (data dirs, manifests, eviction), `l2fs.worker.service` (gRPC), `l2fs.dataplane`
+(raw-TCP bulk bytes) and `l2fs.worker.registration` (heartbeat and block reports to the master).
 """
 
 from __future__ import annotations
@@ -18,27 +18,27 @@ import uuid
 from contextlib import closing
 from pathlib import Path
 
-from l2fs import capability
-from l2fs.batch import MANIFEST_VERSION
 from l2fs.common import (
     DEFAULT_MAX_FILE_SIZE,
     Credentials,
     FileToken,
     TokensFileError,
+    capability,
     grpc_server,
     parse_size,
     start_metrics_server,
     wait_for_stop_signal,
     write_port_file,
 )
+from l2fs.common.fdpass import default_socket_path
+from l2fs.common.protocol import MANIFEST_VERSION
 from l2fs.dataplane.server import DataServer
 from l2fs.dataplane.wire import DATA_IDLE_TIMEOUT, DATA_MAX_CONNS
-from l2fs.fdpass import default_socket_path
-from l2fs.fdpass_server import FdServer
 from l2fs.proto import l2fs_pb2_grpc as pbg
-from l2fs.registration import MasterLinks
-from l2fs.store import RESERVATION_TTL, RESERVED_FRACTION, TIERS, Store
-from l2fs.worker_service import WORKER_POLICY, WorkerService
+from l2fs.worker.fdserver import FdServer
+from l2fs.worker.registration import MasterLinks
+from l2fs.worker.service import WORKER_POLICY, WorkerService
+from l2fs.worker.store import RESERVATION_TTL, RESERVED_FRACTION, TIERS, Store
 
 
 class Worker:
@@ -59,7 +59,7 @@ class Worker:
         self.node_id, self.worker_id = node_id, worker_id
         wake = threading.Event()  # set by the servers when blocks were removed/moved: report them now
         # what the data plane, the fd socket and the block calls accept: per-block capabilities once a master
-        # with a block key hands us our data key at registration, else the tokens (l2fs/capability.py)
+        # with a block key hands us our data key at registration, else the tokens (l2fs/common/capability.py)
         self.gate = capability.DataGate(creds.data_token_ok, capability_skew)
         self.server, self.port, tls = grpc_server(
             host, port, lambda s: pbg.add_WorkerServicer_to_server(WorkerService(store, wake.set, self.gate), s),

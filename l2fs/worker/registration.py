@@ -16,11 +16,11 @@ from typing import Any
 
 import grpc
 
-from l2fs.batch import MIN_PEER_VERSION, PROTOCOL_VERSION, peer_version, version_mismatch
 from l2fs.common import PathError, auth_metadata, make_channel, norm_path, parse_masters, shard_of
+from l2fs.common.protocol import MIN_PEER_VERSION, PROTOCOL_VERSION, peer_version, version_mismatch
 from l2fs.proto import l2fs_pb2 as pb
 from l2fs.proto import l2fs_pb2_grpc as pbg
-from l2fs.store import Store
+from l2fs.worker.store import Store
 
 log = logging.getLogger("l2fs.worker")
 

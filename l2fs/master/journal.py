@@ -21,7 +21,7 @@ import threading
 from collections import OrderedDict
 from pathlib import Path
 
-from l2fs.batch import JOURNAL_VERSION
+from l2fs.common.protocol import JOURNAL_VERSION
 
 DELETED_MEMORY = 1 << 16  # confirmed deletes remembered (PendingOps._deleted)
 

@@ -1,5 +1,5 @@
 """The worker's gRPC service: block writes and reads (streamed), short-circuit reserve/adopt, and the
-master's maintenance calls. Storage rules live in `l2fs.store`; this module maps them onto RPCs."""
+master's maintenance calls. Storage rules live in `l2fs.worker.store`; this module maps them onto RPCs."""
 
 from __future__ import annotations
 
@@ -11,12 +11,12 @@ from typing import Any
 import grpc
 from prometheus_client import Counter, Histogram
 
-from l2fs.batch import each
-from l2fs.capability import MASTER_MD, READ, WRITE, DataGate
 from l2fs.common import READERS, WORKERS, WRITERS, RpcError, check_block_id, norm_path, rpc_handler
+from l2fs.common.capability import MASTER_MD, READ, WRITE, DataGate
+from l2fs.common.protocol import each
 from l2fs.proto import l2fs_pb2 as pb
 from l2fs.proto import l2fs_pb2_grpc as pbg
-from l2fs.store import BYTES_READ, READ_HITS, READ_MISSES, Store, VerifiedFrames
+from l2fs.worker.store import BYTES_READ, READ_HITS, READ_MISSES, Store, VerifiedFrames
 
 RPC_LATENCY = Histogram("l2fs_worker_rpc_seconds", "Worker RPC latency", ["method"],
                         buckets=(.0001, .0005, .001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 5))

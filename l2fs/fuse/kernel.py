@@ -3,7 +3,7 @@
 Why our own: libfuse 3.14 (Debian 12, wrapped by pyfuse3) cannot set the FUSE_PASSTHROUGH init flag nor put
 a backing_id in an OPEN reply (docs/mount.md, Speed step 6), so `l2fs mount --passthrough` speaks the
 protocol on /dev/fuse itself. Only structs, constants and the mount(2)/ioctl calls live here; the server is
-l2fs/fuse_passthrough.py.
+l2fs/fuse/passthrough.py.
 """
 
 from __future__ import annotations

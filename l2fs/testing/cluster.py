@@ -1,5 +1,5 @@
 """Local l2fs cluster: a master and N workers as real processes (each worker its own node), on loopback or,
-with a `l2fs.netns.NetnsCluster`, the master in its control namespace and worker K in node K's namespace.
+with a `l2fs.testing.netns.NetnsCluster`, the master in its control namespace and worker K in node K's namespace.
 
 Used by `l2fs local`, tests and `kvtier up`:
 
@@ -40,7 +40,7 @@ from l2fs.client import Client, L2fsError
 from l2fs.common import ensure_block_key
 
 if TYPE_CHECKING:
-    from l2fs.netns import NetnsCluster
+    from l2fs.testing.netns import NetnsCluster
 
 
 @dataclass
@@ -368,7 +368,7 @@ def main(argv: list[str] | None = None) -> int:
     with contextlib.ExitStack() as outer:
         net = None
         if args.netns:
-            from l2fs.netns import NetnsCluster, NetnsError
+            from l2fs.testing.netns import NetnsCluster, NetnsError
 
             try:
                 net = outer.enter_context(NetnsCluster(args.workers, link=args.link))
@@ -409,8 +409,8 @@ def _print_cluster(cluster: LocalCluster) -> None:
 
 
 def cleanup_leftovers(prog: str) -> int:
-    """`--cleanup`: l2fs.netns.cleanup() of launchers whose process is gone (live ones are left alone)."""
-    from l2fs.netns import NetnsError, cleanup
+    """`--cleanup`: l2fs.testing.netns.cleanup() of launchers whose process is gone (live ones are left alone)."""
+    from l2fs.testing.netns import NetnsError, cleanup
 
     try:
         removed = cleanup()

@@ -40,7 +40,7 @@ from typing import Any
 
 from l2fs.common import Credential, token_digest
 
-log = logging.getLogger("l2fs.identity")
+log = logging.getLogger("l2fs.master.identity")
 
 NODE_KEY = "authentication.kubernetes.io/node-name"
 CACHE_TTL = 60.0  # seconds a positive review is trusted (less when the token expires sooner)

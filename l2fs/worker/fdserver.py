@@ -1,6 +1,6 @@
-"""The worker's side of fd passing (l2fs/fdpass.py has the wire and the client's `request_fd`).
+"""The worker's side of fd passing (l2fs/common/fdpass.py has the wire and the client's `request_fd`).
 
-Why a module of its own: a client process (a vLLM pod) imports l2fs.fdpass for `request_fd` only and must
+Why a module of its own: a client process (a vLLM pod) imports l2fs.common.fdpass for `request_fd` only and must
 neither import the worker's store nor register worker metrics (under an inherited PROMETHEUS_MULTIPROC_DIR,
 LMCache's in a vLLM pod, registering opens files there, which a non-root client cannot). Only l2fs.worker
 imports this module.
@@ -20,8 +20,6 @@ from pathlib import Path
 
 from prometheus_client import Counter
 
-from l2fs import store as store_mod
-from l2fs.capability import DataGate
 from l2fs.common import (
     READERS,
     WRITERS,
@@ -32,7 +30,8 @@ from l2fs.common import (
     check_block_id,
     norm_path,
 )
-from l2fs.fdpass import (
+from l2fs.common.capability import DataGate
+from l2fs.common.fdpass import (
     BAD,
     BUSY,
     DENIED,
@@ -49,9 +48,10 @@ from l2fs.fdpass import (
     SUN_PATH_MAX,
     WRITE,
 )
-from l2fs.store import Store
+from l2fs.worker import store as store_mod
+from l2fs.worker.store import Store
 
-log = logging.getLogger("l2fs.fdpass")
+log = logging.getLogger("l2fs.common.fdpass")
 
 FDS_PASSED = Counter("l2fs_worker_fdpass_fds_total", "File descriptors passed to same-node clients", ["op"])
 FD_REFUSED = Counter("l2fs_worker_fdpass_refused_total", "fd-passing requests refused", ["reason"])

@@ -5,7 +5,7 @@ request reaches this process.
 Why: through pyfuse3/libfuse 3.14 every byte crosses /dev/fuse and Python (0.25-0.65x the native client,
 docs/mount.md). Passthrough (Linux >= 6.9, CONFIG_FUSE_PASSTHROUGH) needs the FUSE_PASSTHROUGH init flag
 and a backing_id in each OPEN reply, which libfuse 3.14 cannot send. Scope: read-only (writes get EROFS);
-the pyfuse3 mount (l2fs/fuse.py) stays the default and the portable path.
+the pyfuse3 mount (l2fs/fuse/) stays the default and the portable path.
 
 - Namespace from `l2fs.client.Client` (Stat/ls); inodes per path, dropped on forget.
 - OPEN asks the master for the file's current location (one Stat RPC: close-to-open as in fuse.py). A
@@ -41,13 +41,14 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from l2fs import fuse_proto as fp
 from l2fs.client import Client, L2fsError
 from l2fs.common import crc32c_fast, parse_size
-from l2fs.fuse import errno_of, mount_type, stat_is_dir
+from l2fs.fuse import kernel as fp
+from l2fs.fuse.main import mount_type, stat_is_dir
+from l2fs.fuse.operations import errno_of
 from l2fs.proto import l2fs_pb2 as pb
 
-log = logging.getLogger("l2fs.fuse_passthrough")
+log = logging.getLogger("l2fs.fuse.passthrough")
 
 ROOT = 1
 NAME_MAX = 255

@@ -9,7 +9,7 @@ from typing import TypeVar
 
 import grpc
 
-from l2fs.common import PathError, RpcError
+from l2fs.common.errors import PathError, RpcError
 from l2fs.proto import l2fs_pb2 as pb
 
 T = TypeVar("T")

@@ -39,7 +39,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from l2fs.common import BLOCK_ID
+from l2fs.common.paths import BLOCK_ID
 
 VERSION = "c1"
 READ, WRITE = "r", "w"

@@ -1,0 +1,276 @@
+"""Who may call what: roles, credentials, tokens files and the TokenInterceptor that checks them."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import logging
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from l2fs.common.errors import PathError, RpcError
+from l2fs.common.paths import norm_path
+
+log = logging.getLogger("l2fs.common")
+
+ROLES = ("worker", "engine", "router", "mount", "admin")
+# role sets for the per-method policies of master and worker (TokenInterceptor): the method's name -> these
+WORKERS = frozenset({"worker"})
+READERS = frozenset({"admin", "engine", "router", "mount"})
+# engines further limited to put-if-absent under their prefixes, mounts to their prefixes (Credential.may_write)
+WRITERS = frozenset({"admin", "engine", "mount"})
+REMOVERS = frozenset({"admin", "mount"})  # Delete/Rename: a mount only of files it wrote (may_replace)
+ADMINS = frozenset({"admin"})
+
+
+class TokensFileError(ValueError):
+    """A --tokens-file that cannot be used (the processes exit 2 with this message)."""
+
+
+@dataclass(frozen=True)
+class Credential:
+    """Who a bearer token is: its name (for logs), roles, the path prefixes an engine may write under, and the
+    node a worker credential is bound to ("" = any node: the weaker, in-memory-only binding)."""
+
+    name: str
+    roles: frozenset[str]
+    prefixes: tuple[str, ...] = ()
+    node: str = ""
+
+    def may_be_worker(self, worker_id: str, node_id: str | None = None) -> bool:
+        """A node-bound worker credential may only act as a worker of its node: node_id (when given) equal to
+        the node, and the worker id the node itself or "<node>-..." (the worker's default id). Static, so it
+        holds across master restarts, unlike the in-memory owner binding."""
+        if not self.node:
+            return True
+        if node_id is not None and node_id != self.node:
+            return False
+        return worker_id == self.node or worker_id.startswith(self.node + "-")
+
+    def may_write(self, path: str, if_absent: bool, mkdir: bool = False) -> bool:
+        """admin: anything; engine: put-if-absent under one of its prefixes (and mkdir of the prefixes'
+        ancestors, which the connector creates); mount: puts under its prefixes, an overwrite only of a file
+        it wrote itself (the master checks that against the file: may_replace); everyone else: nothing."""
+        if "admin" in self.roles:
+            return True
+        if not (("engine" in self.roles and if_absent) or "mount" in self.roles):
+            return False
+        return any(p == "/" or path == p or path.startswith(p + "/")
+                   or (mkdir and (path == "/" or p.startswith(path + "/"))) for p in self.prefixes)
+
+    def may_replace(self, writer: str) -> bool:
+        """Whether this credential may overwrite, delete or rename away a file that credential `writer` wrote
+        ("" = unknown: reported by a worker after a master restart): admin any; mount only its own (a FUSE
+        publish after more writes, LMCache's temp file renamed into place or unlinked after a failed write);
+        never another's."""
+        return "admin" in self.roles or ("mount" in self.roles and bool(writer) and writer == self.name)
+
+
+SHA256_HEX = re.compile(r"[0-9a-f]{64}")
+
+
+def token_digest(token: str | bytes) -> str:
+    """The verifier of a token: hex SHA-256 of its bytes (a verifier file holds these instead of tokens)."""
+    raw = token if isinstance(token, bytes) else token.encode("utf-8", "surrogatepass")
+    return hashlib.sha256(raw).hexdigest()
+
+
+def load_token_entries(path: str) -> list[tuple[str, str, Credential]]:
+    """[(token or "", sha256 hex of the token, credential)] from a JSON list of {"name", "token" | "sha256",
+    "role", "prefixes", "node"}; TokensFileError says what is wrong (a typo must stop the process, not silently
+    open or close the cluster). "node" (worker role only) binds a worker credential to one node's worker ids
+    (Credential.may_be_worker). An entry with "sha256" instead of "token" is a verifier: the server accepts the
+    token whose digest it is but cannot present it (a verifier file lets workers check tokens they do not hold)."""
+    try:
+        entries = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise TokensFileError(f"tokens file {path}: {e}") from None
+    if not isinstance(entries, list) or not entries:
+        raise TokensFileError(f"tokens file {path}: want a non-empty JSON list of {{name, token, role, prefixes}}")
+    out: list[tuple[str, str, Credential]] = []
+    seen: set[str] = set()
+    names: set[str] = set()
+    for i, entry in enumerate(entries):
+        where = f"tokens file {path} entry {i}"
+        if not isinstance(entry, dict) or set(entry) - {"name", "token", "sha256", "role", "prefixes", "node"}:
+            raise TokensFileError(f"{where}: want an object with keys name, token (or sha256), role, prefixes, node")
+        token, role, prefixes = entry.get("token"), entry.get("role"), entry.get("prefixes", [])
+        node = entry.get("node", "")
+        if ("token" in entry) == ("sha256" in entry):
+            raise TokensFileError(f"{where}: want exactly one of token and sha256")
+        if "sha256" in entry:
+            digest = entry["sha256"]
+            if not isinstance(digest, str) or not SHA256_HEX.fullmatch(digest):
+                raise TokensFileError(f"{where}: sha256 must be 64 lowercase hex characters (sha256 of the token)")
+            token = ""
+        elif not isinstance(token, str) or len(token) < 16:
+            raise TokensFileError(f"{where}: token must be a string of at least 16 characters")
+        else:
+            digest = token_digest(token)
+        if digest in seen:
+            raise TokensFileError(f"{where}: duplicate token")
+        if role not in ROLES:
+            raise TokensFileError(f"{where}: role must be one of {', '.join(ROLES)}, not {role!r}")
+        if not isinstance(prefixes, list) or not all(isinstance(p, str) for p in prefixes):
+            raise TokensFileError(f"{where}: prefixes must be a list of paths")
+        if role in ("engine", "mount") and not prefixes:
+            raise TokensFileError(f"{where}: {'an' if role == 'engine' else 'a'} {role} token needs at least one "
+                                  f"prefix it may write under")
+        if "node" in entry and (role != "worker" or not isinstance(node, str) or not 0 < len(node) <= 253
+                                or any(ord(ch) < 33 for ch in node)):
+            raise TokensFileError(f"{where}: node must be a node name (1-253 printable characters, no spaces) "
+                                  f"on a worker-role entry")
+        try:
+            norm = tuple(norm_path(p) for p in prefixes)
+        except PathError as err:
+            raise TokensFileError(f"{where}: {err}") from None
+        name = str(entry.get("name") or f"entry{i}")
+        if name in names:  # the name is the identity a worker id is bound to: two holders must not share it
+            raise TokensFileError(f"{where}: duplicate name {name!r}")
+        seen.add(digest)
+        names.add(name)
+        out.append((token, digest, Credential(name, frozenset({role}), norm, node)))
+    return out
+
+
+def load_tokens_file(path: str) -> list[tuple[str, Credential]]:
+    """[(token, credential)] of a tokens file (load_token_entries); token "" for a verifier-only entry."""
+    return [(t, c) for t, _, c in load_token_entries(path)]
+
+
+class FileToken:
+    """A bearer token read from a file at every use (a projected ServiceAccount token: the kubelet rewrites
+    it before it expires, so a copy taken at start-up would go stale). An unreadable file gives "" (the call
+    then fails UNAUTHENTICATED and is retried, like any refused heartbeat)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __call__(self) -> str:
+        try:
+            return Path(self.path).read_text().strip()
+        except OSError as e:
+            log.warning("token file %s: %s", self.path, e.strerror or e)
+            return ""
+
+
+class Credentials:
+    """The tokens a server accepts and what each may do. Without a tokens file the single `--token` is the
+    old shared secret (admin + worker: every holder can do everything, the insecure-between-pods mode);
+    with neither (and no `identity`), authentication is off (`enabled` False, every call allowed).
+
+    Tokens are matched by their SHA-256 (load_token_entries), so a verifier file (digests only) checks the
+    same tokens as the full file. `identity` (l2fs.master.identity.K8sIdentity) turns a bearer token no entry knows
+    into a node-bound worker or mount credential, for the methods where the caller asks for it (`review`)."""
+
+    LEGACY = frozenset({"admin", "worker"})
+
+    def __init__(self, token: str | None = None, tokens_file: str | None = None, identity: Any = None) -> None:
+        if tokens_file:
+            self.entries = load_token_entries(tokens_file)
+        elif token:
+            self.entries = [(token, token_digest(token), Credential("shared-token", self.LEGACY))]
+        else:
+            self.entries = []
+        self.identity = identity
+        self._digests = [(bytes.fromhex(d), c) for _, d, c in self.entries]
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.entries) or self.identity is not None
+
+    def _match(self, got: bytes) -> Credential | None:
+        digest = hashlib.sha256(got).digest()
+        found = None
+        for want, cred in self._digests:  # compare against every entry in constant time: no guessing by timing
+            if hmac.compare_digest(digest, want):
+                found = cred
+        return found
+
+    def from_metadata(self, metadata: Any, review: bool = True) -> Credential | None:
+        """The credential of `authorization: Bearer <token>`; a token no entry knows goes to `identity` when
+        `review` (the interceptor asks only on methods a role the identity grants may call: worker methods,
+        and client methods only with a mount ServiceAccount configured; so strangers cannot make every call
+        cost an API round trip)."""
+        got = dict(metadata or ()).get("authorization", "")
+        got = got if isinstance(got, bytes) else str(got).encode("utf-8", "surrogatepass")
+        if not got.startswith(b"Bearer "):
+            return None
+        raw = got[len(b"Bearer "):]
+        cred = self._match(raw)
+        if cred is None and review and self.identity is not None and raw:
+            cred = self.identity.review(raw.decode("utf-8", "replace"))
+        return cred
+
+    def data_token_ok(self, token: bytes) -> bool:
+        """Token mode of the raw-TCP data plane (a worker whose master has no block key): any known token,
+        whatever its role. With a block key the worker takes per-block capabilities instead
+        (l2fs.common.capability.DataGate)."""
+        return not self.entries or self._match(token) is not None
+
+    def caller(self, context: grpc.ServicerContext) -> Credential | None:
+        """The credential of a call already past TokenInterceptor; None when authentication is off."""
+        return self.from_metadata(context.invocation_metadata()) if self.enabled else None
+
+    def check_write(self, context: grpc.ServicerContext, writes: Any, mkdir: bool = False) -> None:
+        """PERMISSION_DENIED unless the caller may make every (path, if_absent) write (prefix known only once
+        the message is read). The caller is looked up once per call, not per item of a batch."""
+        cred = self.caller(context)
+        if cred is None:
+            return
+        for p, if_absent in writes:
+            if not cred.may_write(norm_path(p), if_absent, mkdir):
+                what = "put-if-absent" if if_absent else "overwrite"
+                raise RpcError(grpc.StatusCode.PERMISSION_DENIED,
+                               f"token {cred.name!r} ({', '.join(sorted(cred.roles))}) may not {what} {p}", "EACCES")
+
+    def outbound_token(self, own: str | None) -> str | None:
+        """The token a master uses to call workers: its own --token, else the first worker-role entry."""
+        if own:
+            return own
+        return next((t for t, _, c in self.entries if t and "worker" in c.roles), None)
+
+
+class TokenInterceptor(grpc.ServerInterceptor):
+    """Maps `authorization: Bearer <token>` metadata to a credential and checks its roles against the
+    method's `policy` entry (method name -> roles allowed; unlisted methods: admin only), before the request
+    message is read: unknown token UNAUTHENTICATED, known token with the wrong role PERMISSION_DENIED.
+
+    Why request-streaming deny handlers for every method: gRPC Python reads a unary request whole before
+    it calls even a denying handler (a 60 MiB unauthenticated call cost the master its full size, several
+    at once +360 MiB). A handler for a request stream is called before any message is read, and the wire
+    does not tell unary from streaming, so the stranger's call ends with UNAUTHENTICATED after at most the
+    HTTP/2 flow-control window has been buffered."""
+
+    def __init__(self, creds: Credentials | str, policy: dict[str, frozenset[str]] | None = None) -> None:
+        self._creds = creds if isinstance(creds, Credentials) else Credentials(creds)
+        self._policy = policy
+
+        def denier(code: grpc.StatusCode, msg: str) -> tuple[Any, Any]:
+            def deny(_requests: Any, context: grpc.ServicerContext) -> Any:
+                context.abort(code, msg)
+            return grpc.stream_unary_rpc_method_handler(deny), grpc.stream_stream_rpc_method_handler(deny)
+
+        self._unauth = denier(grpc.StatusCode.UNAUTHENTICATED, "missing or bad l2fs bearer token")
+        self._forbidden = denier(grpc.StatusCode.PERMISSION_DENIED, "this l2fs token's role may not call this method")
+
+    def intercept_service(self, continuation: Callable, handler_call_details: Any) -> Any:
+        method = handler_call_details.method or ""
+        name = method.rpartition("/")[2]
+        # an unknown token is reviewed (l2fs.master.identity) only on methods a role the identity grants may call
+        grantable = getattr(self._creds.identity, "roles", WORKERS)
+        review = self._policy is not None and bool(grantable & self._policy.get(name, ADMINS))
+        cred = self._creds.from_metadata(handler_call_details.invocation_metadata, review=review)
+        if cred is not None:
+            if self._policy is None or cred.roles & self._policy.get(name, frozenset({"admin"})):
+                return continuation(handler_call_details)
+            deny = self._forbidden
+        else:
+            deny = self._unauth
+        return deny[1] if name == "ReadBlock" else deny[0]  # ReadBlock: the one server-streaming method
