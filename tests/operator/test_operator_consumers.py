@@ -176,7 +176,6 @@ def rendered_container(docs: list[dict[str, Any]], kind: str, name: str) -> dict
     return obj[0]["spec"]["template"]["spec"]["containers"][0]
 
 
-@pytest.mark.unit
 def test_plugin_pods_see_the_workers_socket_not_the_data_dir() -> None:
     """The rendered worker's argv (kubelet-expanded, parsed by `l2fs worker`'s own parser) names its data
     dirs and fd-passing socket; the webhook-patched plugin pod mounts the socket's directory at the same

@@ -5,6 +5,7 @@ docs/deploy.md makes about the rendered objects."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -56,3 +57,44 @@ def test_every_image_is_pinned_and_kvtier_ones_follow_one_entry(target: str, tmp
         {"name": KVTIER_IMAGE, "newName": "registry.example/team/kvtier", "newTag": "t1"},
         {"name": "kvtier", "newName": "registry.example/team/kvtier", "newTag": "t1"}]}))
     assert {w for w, c in retagged if c["image"] == "registry.example/team/kvtier:t1"} == ours
+
+
+def _runs_where() -> dict[str, list[str]]:
+    """docs/deploy.md "What runs where": object name -> its cells."""
+    text = (ROOT / "docs" / "deploy.md").read_text()
+    table = text.split("## What runs where", 1)[1].split("\n\n", 2)[1]
+    rows = {}
+    for line in table.splitlines()[2:]:
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        name = re.match(r"`([^`]+)`", cells[0])
+        if name:
+            rows[name.group(1)] = cells
+    return rows
+
+
+def test_docs_claims_match_the_rendered_manifests() -> None:
+    """What docs/deploy.md says about replicas, the master's volume and the plugin pods' node dir is what
+    kustomize renders (overlay hyperpod-g6e holds every one of these objects)."""
+    docs = render("overlays/hyperpod-g6e")
+    rows = _runs_where()
+    text = (ROOT / "docs" / "deploy.md").read_text()
+    checked = 0
+    for d in docs:
+        if d["kind"] not in ("Deployment", "StatefulSet") or d["metadata"]["name"] not in rows:
+            continue
+        cells = rows[d["metadata"]["name"]]
+        claim = re.search(rf"{d['kind']} \(\**(\d+)\**\)", cells[1])
+        assert claim, f"docs row {d['metadata']['name']}: no '{d['kind']} (N)' in {cells[1]!r}"
+        assert int(claim.group(1)) == d["spec"].get("replicas", 1), (d["metadata"]["name"], cells[1])
+        checked += 1
+        for vct in d["spec"].get("volumeClaimTemplates") or []:
+            size = vct["spec"]["resources"]["requests"]["storage"]
+            assert f"PVC `{vct['metadata']['name']}` ({size[:-2]} {size[-2:]}" in cells[1], (cells[1], size)
+            assert "no volume" not in " ".join(cells)
+            prereq = text.split("Prerequisites:", 1)[1].split("```", 1)[0]
+            assert "StorageClass" in prereq and "PVC" in prereq, "the prerequisites must name the StorageClass"
+    assert checked >= 3  # master, webhook, router
+    cfg = [c for c in docs if c["kind"] == "ConfigMap" and c["metadata"]["name"].startswith("kvtier-config-")]
+    socket_dir = cfg[0]["data"]["L2FS_SOCKET_DIR"]
+    said = re.findall(r"plugin-mode vLLM pods see only the worker's socket dir `([^`]+)`", text)
+    assert said == [socket_dir], said
