@@ -98,3 +98,51 @@ def test_docs_claims_match_the_rendered_manifests() -> None:
     socket_dir = cfg[0]["data"]["L2FS_SOCKET_DIR"]
     said = re.findall(r"plugin-mode vLLM pods see only the worker's socket dir `([^`]+)`", text)
     assert said == [socket_dir], said
+
+
+def selects(selector: dict[str, Any] | None, labels: dict[str, str]) -> bool:
+    """Kubernetes LabelSelector semantics (nil selects nothing, {} everything)."""
+    if selector is None:
+        return False
+    if any(labels.get(k) != v for k, v in (selector.get("matchLabels") or {}).items()):
+        return False
+    for e in selector.get("matchExpressions") or []:
+        key, op, values = e["key"], e["operator"], e.get("values") or []
+        ok = {"In": key in labels and labels[key] in values, "NotIn": labels.get(key) not in values,
+              "Exists": key in labels, "DoesNotExist": key not in labels}[op]
+        if not ok:
+            return False
+    return True
+
+
+def kube_prometheus_stack(release: str) -> dict[str, Any]:
+    """What kube-prometheus-stack renders from its default values.yaml for Helm release `release`: the
+    Prometheus CR's selectors (…SelectorNilUsesHelmValues: true -> matchLabels release; namespace selectors
+    {} = all namespaces) and the Grafana dashboard sidecar (label grafana_dashboard, labelValue "1",
+    searchNamespace ALL)."""
+    return {"PodMonitor": ({"matchLabels": {"release": release}}, {}),
+            "PrometheusRule": ({"matchLabels": {"release": release}}, {}),
+            "dashboards": {"label": "grafana_dashboard", "labelValue": "1", "searchNamespace": "ALL"}}
+
+
+@pytest.mark.parametrize("release", ["kube-prometheus-stack", "prom"])
+def test_monitoring_objects_are_selected_by_kube_prometheus_stack(release: str, tmp_path: Path) -> None:
+    """Every PodMonitor and the PrometheusRule match the default Prometheus's selectors, the dashboard
+    ConfigMap the sidecar's; for another release name, with the one overlay line docs/deploy.md shows."""
+    docs = render("monitoring") if release == "kube-prometheus-stack" else \
+        render_over("monitoring", tmp_path, {"labels": [{"pairs": {"release": release}}]})
+    stack = kube_prometheus_stack(release)
+    ns_labels = {"kubernetes.io/metadata.name": "kvtier"}
+    kinds = {d["kind"] for d in docs}
+    assert {"PodMonitor", "PrometheusRule"} <= kinds
+    for d in docs:
+        if d["kind"] in ("PodMonitor", "PrometheusRule"):
+            sel, ns_sel = stack[d["kind"]]
+            assert selects(sel, d["metadata"].get("labels") or {}) and selects(ns_sel, ns_labels), \
+                f"{d['kind']}/{d['metadata']['name']} is not selected by release {release}'s Prometheus"
+    side = stack["dashboards"]
+    cms = [d for d in docs if d["kind"] == "ConfigMap"
+           and (d["metadata"].get("labels") or {}).get(side["label"]) == side["labelValue"]
+           and side["searchNamespace"] in ("ALL", d["metadata"].get("namespace"))]
+    assert [c["metadata"]["name"] for c in cms] == ["kvtier-grafana-dashboard"]
+    assert any(k.endswith(".json") for k in cms[0]["data"])
