@@ -18,7 +18,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "model": ("kvtier.devstack.tiny_model", "build a tiny local test model (no download)"),
     "operator-patch": ("operator_patch.cli", "apply|verify|revert the HyperPod inference-operator patch"),
     "webhook": ("operator_patch.webhook", "serve the mutating admission webhook (TLS)"),
-    "tokens": ("kvtier.tokens", "scoped l2fs credentials: generate a tokens file + Secrets; exec with one entry"),
+    "tokens": ("kvtier.credentials", "scoped l2fs credentials: generate a tokens file + Secrets; exec with one entry"),
 }
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from kvtier import tokens
+from kvtier import credentials as tokens  # the `kvtier tokens` command
 from l2fs.common import Credentials, load_tokens_file, token_digest
 
 pytestmark = pytest.mark.unit
