@@ -40,13 +40,14 @@ from l2fs.dataplane.wire import (
     PREAUTH_PER_IP,
     READ_OK,
     WRITE_HDR,
-    recv_exact,
     send_err,
 )
 from l2fs.worker.store import BYTES_READ, READ_HITS, READ_MISSES, Store
 
 log = logging.getLogger("l2fs.dataplane")
 REFUSED = Counter("l2fs_worker_data_refused_total", "Data-plane connections refused over the connection limit")
+HEADER_TIMEOUTS = Counter("l2fs_worker_data_header_timeouts_total",
+                          "Authenticated data-plane connections closed: a request header not complete in time")
 PREAUTH_DROPPED = Counter("l2fs_worker_data_preauth_dropped_total",
                           "Data-plane connections closed before authenticating", ["reason"])
 
@@ -54,8 +55,9 @@ ACCEPT_BATCH = 16
 _STATUS = {grpc.StatusCode.RESOURCE_EXHAUSTED: BUSY}  # anything else the store refuses is BAD
 
 
-# (presented token or capability, op "r"/"w", block id, a write's normalised path) -> None, or why refused
-Checker = Callable[[bytes, str, str, str], "str | None"]
+# (presented token or capability, op "r"/"w", block id, a write's normalised path, a write's declared size)
+# -> None, or why refused
+Checker = Callable[[bytes, str, str, str, int], "str | None"]
 _OPS = {b"R": "r", b"W": "w"}
 
 
@@ -161,12 +163,12 @@ class DataServer:
 
     @staticmethod
     def _one_token(want: bytes) -> Checker:
-        def check(got: bytes, op: str, bid: str, path: str) -> str | None:
+        def check(got: bytes, op: str, bid: str, path: str, size: int = 0) -> str | None:
             return None if not want or hmac.compare_digest(got, want) else "missing or bad l2fs bearer token"
         return check
 
     def _denied(self, req: _Request) -> str | None:
-        return self._check(req.token, _OPS.get(req.op, "?"), req.bid, _norm_or_raw(req.raw_path))
+        return self._check(req.token, _OPS.get(req.op, "?"), req.bid, _norm_or_raw(req.raw_path), req.size)
 
     def start(self) -> None:
         threading.Thread(target=self._loop, name="l2fs-data-accept", daemon=True).start()
@@ -322,19 +324,39 @@ class DataServer:
 
     def _serve_one(self, conn: socket.socket) -> bool:
         """One further request on an authenticated connection; False when the connection is to be closed
-        (client done, or an error answered)."""
-        head = conn.recv(HDR.size, socket.MSG_WAITALL)
-        if not head:
+        (client done, or an error answered).
+
+        Between requests the connection may idle for idle_timeout; once a request's first byte is in, the
+        whole header must follow within handshake_timeout (one deadline, not restarted by each byte): a
+        client trickling a header a byte at a time held its slot for ever, and 256 of them every slot."""
+        first = conn.recv(1)
+        if not first:
             return False
-        if len(head) < HDR.size:
-            head += recv_exact(conn, HDR.size - len(head))
-        magic, _, tlen = HDR.unpack(head)
-        if magic != MAGIC or tlen > MAX_TOKEN_LEN:
-            send_err(conn, BAD, "bad magic or token length: not an l2fs data-plane client")
+        buf = bytearray(first)
+        deadline = time.monotonic() + self.handshake_timeout
+        checked = False
+        try:
+            while n := _header_need(buf):
+                if not checked and len(buf) >= HDR.size:
+                    magic, _, tlen = HDR.unpack_from(buf)
+                    if magic != MAGIC or tlen > MAX_TOKEN_LEN:
+                        send_err(conn, BAD, "bad magic or token length: not an l2fs data-plane client")
+                        return False
+                    checked = True
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    HEADER_TIMEOUTS.inc()
+                    return False
+                conn.settimeout(left)
+                chunk = conn.recv(n)
+                if not chunk:
+                    return False
+                buf += chunk
+        except TimeoutError:
+            HEADER_TIMEOUTS.inc()
             return False
-        buf = bytearray(head)
-        while n := _header_need(buf):
-            buf += recv_exact(conn, n)
+        finally:
+            conn.settimeout(self.idle_timeout)
         req = _parse(buf)
         why = self._denied(req)
         if why:
