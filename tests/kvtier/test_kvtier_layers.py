@@ -40,6 +40,7 @@ VIOLATIONS = [
     ("connector/revision.py", "import kvtier.devstack.replica", "connector is not allowed to import kvtier.devstack"),
     ("router/app.py", "import kvtier.brand_new", "router is not allowed to import kvtier.brand_new"),
     ("operator_patch/patch.py", "import tests.node_client", "operator_patch is not allowed to import tests"),
+    ("connector/keys.py", "import l2fs.testing.cluster", "connector is not allowed to import l2fs.testing"),
 ]
 
 
