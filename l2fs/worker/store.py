@@ -11,6 +11,8 @@ miss. Both transports (gRPC, raw-TCP data plane) write through `Store.receive` a
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import io
 import logging
 import os
@@ -65,6 +67,26 @@ class Block:
 TIERS = {"MEM": 0, "SSD": 1, "DISK": 1, "HDD": 2}
 
 
+def private_dir(root: Path) -> None:
+    """Make `root` (a data dir) 0700, also when it was made world-readable before: the manifest lists every
+    path (salt directories included) and the blocks are the cache's bytes; same-node clients of other uids
+    get block fds over the worker's socket, never the dir."""
+    root.mkdir(mode=0o700, parents=True, exist_ok=True)
+    if stat.S_IMODE(root.stat().st_mode) != 0o700:
+        os.chmod(root, 0o700)
+
+
+def private_file(path: Path) -> Path:
+    """Create `path` 0600 if missing, else tighten it, and its SQLite WAL and shared-memory files (SQLite
+    gives those the database file's mode when it creates them)."""
+    os.close(os.open(path, os.O_CREAT | os.O_RDWR, 0o600))
+    for p in (path, path.with_name(path.name + "-wal"), path.with_name(path.name + "-shm")):
+        with contextlib.suppress(FileNotFoundError):
+            if stat.S_IMODE(p.stat().st_mode) & 0o077:
+                os.chmod(p, 0o600)
+    return path
+
+
 class DataDir:
     """One storage directory with a capacity, a tier rank (0 = fastest) and its own manifest."""
 
@@ -74,9 +96,11 @@ class DataDir:
         self.tier = tier
         self.used = 0  # sealed + reserved bytes
         self.reserved = 0  # bytes promised to writes not yet sealed (part of `used`)
-        (root / "blocks").mkdir(parents=True, exist_ok=True)
-        (root / "tmp").mkdir(parents=True, exist_ok=True)
-        self.db = sqlite3.connect(root / "manifest.sqlite3", check_same_thread=False, isolation_level=None)
+        private_dir(root)
+        (root / "blocks").mkdir(exist_ok=True)
+        (root / "tmp").mkdir(exist_ok=True)
+        self.db = sqlite3.connect(private_file(root / "manifest.sqlite3"), check_same_thread=False,
+                                  isolation_level=None)
         self.db.execute("PRAGMA journal_mode=WAL")
         self.db.execute("PRAGMA synchronous=NORMAL")
         # Keep the WAL small (it sits outside the block capacity): checkpoint every 1 MiB, truncate to 1 MiB.
@@ -193,6 +217,8 @@ class Store:
         # bid -> (dir, size, since, expires): short-circuit reservations expire, streamed ones are
         # released by the thread that receives the bytes
         self.reservations: dict[str, tuple[int, int, float, bool]] = {}
+        # the worker's own copy of each same-node write fd it handed out (open_write_fd): a sealed memfd
+        self.memfds: dict[str, int] = {}
         self.removed: list[tuple[str, str]] = []  # (block_id, reason) not yet reported to the master
         self.moved: list[tuple[str, str]] = []  # (block_id, new local path) not yet reported
         self._dirty_access: set[str] = set()
@@ -284,9 +310,44 @@ class Store:
             self._gauges()
             return i
 
+    def reserved_size(self, bid: str) -> int | None:
+        """The bytes reserved under `bid` (None: no reservation)."""
+        with self.lock:
+            r = self.reservations.get(bid)
+        return r[1] if r is not None else None
+
+    def open_write_fd(self, bid: str) -> tuple[int, int] | str:
+        """(fd for the client, size) of a same-node reservation, else why not. The fd is a memfd of exactly the
+        reserved size, sealed so it can neither grow nor shrink: a client writes at most what it reserved.
+
+        Why not the temp file's fd, as before: a client could write any amount into it (256 MiB through a
+        1-byte reservation into a 64 MiB worker, none of it counted), and, holding the fd, keep that disk
+        space after the reservation expired. A memfd's pages belong to the client that writes them and are
+        bounded by the reservation; the worker copies them to disk only at adoption (recomputing the CRC as
+        it copies), and keeps nothing of an expired one: its copy of the fd is closed with the reservation."""
+        with self.lock:
+            r = self.reservations.get(bid)
+            if r is None or not r[3]:  # only a short-circuit (ReserveLocal) reservation, never a write in flight
+                return f"block {bid} has no short-circuit reservation"
+            if bid in self.memfds:
+                return f"block {bid}: its write fd was handed out already"
+            fd = os.memfd_create(f"l2fs-{bid}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+            try:
+                os.ftruncate(fd, r[1])
+                fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_GROW | fcntl.F_SEAL_SHRINK)
+                theirs = os.dup(fd)
+            except OSError:
+                os.close(fd)
+                raise
+            self.memfds[bid] = fd
+            return theirs, r[1]
+
     def release(self, bid: str) -> None:
         """Give back a reservation of a write that did not complete."""
         with self.lock:
+            m = self.memfds.pop(bid, None)
+            if m is not None:
+                os.close(m)
             r = self.reservations.pop(bid, None)
             if r is not None:
                 self.dirs[r[0]].used -= r[1]
@@ -444,8 +505,14 @@ class Store:
         a client CRC that does not match the bytes is refused. Any refusal releases the reservation."""
         with self.lock:
             r = self.reservations.get(bid)
+            mfd = self.memfds.pop(bid, None) if r is not None else None
         if r is None:
             raise RpcError(grpc.StatusCode.FAILED_PRECONDITION, f"block {bid} was not reserved")
+        if r[1] != size:
+            self.release(bid)
+            raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, f"block {bid}: {size} bytes declared, {r[1]} reserved")
+        if mfd is not None:  # written through the fd we handed out
+            return self._adopt_memfd(bid, path, size, crc, order_hint, r[0], mfd)
         tmp = self.dirs[r[0]].tmp_file(bid)
         try:
             try:
@@ -469,6 +536,44 @@ class Store:
             self.release(bid)
             raise
         return self.seal(bid, path, size, crc, order_hint, tmp, st)
+
+    def _adopt_memfd(self, bid: str, path: str, size: int, crc: int, order_hint: int, i: int, mfd: int) -> Block:
+        """Seal a same-node write made through our memfd (open_write_fd): sealed against further writes first
+        (refused while the client still maps it writable), then copied into a temp file of ours while its
+        CRC32C is recomputed; a client CRC that does not match is refused. Any refusal releases the
+        reservation."""
+        tmp = self.dirs[i].tmp_file(bid)
+        try:
+            try:
+                try:
+                    fcntl.fcntl(mfd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SEAL)
+                except OSError as e:
+                    raise RpcError(grpc.StatusCode.INVALID_ARGUMENT,
+                                   f"block {bid}: write fd still mapped writable by the client: {e}") from e
+                try:
+                    f = create_exclusive(tmp)
+                except OSError as e:
+                    raise RpcError(grpc.StatusCode.FAILED_PRECONDITION, f"block {bid}: temp file refused: {e}") from e
+                with f:
+                    buf = bytearray(min(FRAME, max(size, 1)))
+                    mv, actual, off = memoryview(buf), 0, 0
+                    while off < size:
+                        n = os.preadv(mfd, [mv[:min(len(buf), size - off)]], off)
+                        if n <= 0:
+                            break
+                        actual = crc32c.crc32c(mv[:n], value=actual)
+                        f.write(mv[:n])
+                        off += n
+                    ident = os.fstat(f.fileno())
+            finally:
+                os.close(mfd)
+            if off != size or actual != crc:
+                raise RpcError(grpc.StatusCode.INVALID_ARGUMENT,
+                               f"local block does not match the declared CRC32C {crc:#010x} (recomputed)")
+        except RpcError:
+            self.release(bid)
+            raise
+        return self.seal(bid, path, size, crc, order_hint, tmp, ident)
 
     def delete(self, bid: str, reason: str = "deleted") -> bool:
         """Drop a block and its file; any reason but "deleted" (the master asked) is reported to the master."""
