@@ -23,8 +23,15 @@ Positive reviews are cached (by the token's SHA-256) until min(the token's exp, 
 CACHE_MAX of them; a token the API server refused is refused again without asking for REFUSED_TTL s. Reviews
 of unknown tokens are admitted at most REVIEWS_IN_FLIGHT at a time and REVIEW_RATE/s (burst REVIEW_BURST), so a
 stranger's made-up tokens cannot hold the master's threads or flood the API server; beyond, and when a review
-cannot be made (API server down, no RBAC), the call is refused: the worker retries at its next heartbeat. The `kubernetes` client is
-imported only when this is configured.
+cannot be made (API server down, no RBAC), the call is refused: the worker retries at its next heartbeat.
+
+Known identities never wait behind strangers: a token reviewed positively is re-reviewed (renewed) once two
+thirds of its cache time have passed, while its cached review still answers, and that renewal, like any
+review of a token that was accepted before (its cache entry expired), comes out of a budget of its own
+(KNOWN_IN_FLIGHT, KNOWN_RATE/KNOWN_BURST) that made-up tokens never reach. Before, one shared budget served
+both: ~7,000 made-up tokens/s kept it empty, and once the workers' 60 s cache expired their reviews were shed
+and they were declared dead. A renewal the API server cannot answer keeps the cached review until it expires;
+one it refuses drops it at once. The `kubernetes` client is imported only when this is configured.
 """
 
 from __future__ import annotations
@@ -38,7 +45,7 @@ import threading
 import time
 from typing import Any
 
-from l2fs.common import Credential, token_digest
+from l2fs.common import WORKER_ID_SEP, Credential, token_digest
 
 log = logging.getLogger("l2fs.master.identity")
 
@@ -51,6 +58,12 @@ CACHE_MAX = 4096  # cached reviews (one per live worker token; oldest dropped fi
 REVIEWS_IN_FLIGHT = 4  # concurrent reviews; beyond: refused at once (the worker retries at its next heartbeat)
 REVIEW_RATE, REVIEW_BURST = 20.0, 100.0  # reviews/s admitted on average, and in a burst (token bucket)
 REFUSED_TTL = 10.0  # seconds a refused token is refused again without asking (bounded like the cache)
+# Tokens accepted before (renewals, re-reviews after the cache expired): their own budget, unreachable by
+# strangers. A node's worker needs about 1.5 reviews per CACHE_TTL, so this covers thousands of nodes.
+KNOWN_IN_FLIGHT = 4
+KNOWN_RATE, KNOWN_BURST = 20.0, 100.0
+RENEW_AFTER = 2 / 3  # fraction of a cached review's time after which it is renewed
+KNOWN_KEEP = 10  # an accepted token stays "known" for this many cache TTLs after its last positive review
 
 
 def _jwt_exp(token: str) -> float | None:
@@ -100,7 +113,7 @@ class K8sIdentity:
         self.audience = audience
         self.kubeconfig = kubeconfig or os.environ.get("KUBECONFIG") or None
         self.cache_ttl, self.cache_max = cache_ttl, cache_max
-        self._cache: collections.OrderedDict[str, tuple[Credential, float]] = collections.OrderedDict()
+        self._cache: collections.OrderedDict[str, tuple[Credential, float, float]] = collections.OrderedDict()
         self._lock = threading.Lock()
         self._api: Any = None
         self.reviews = 0  # TokenReviews sent (tests read it: the cache works)
@@ -108,6 +121,12 @@ class K8sIdentity:
         self._in_flight = threading.BoundedSemaphore(REVIEWS_IN_FLIGHT)
         self._bucket, self._bucket_t = REVIEW_BURST, time.monotonic()
         self._refused: collections.OrderedDict[str, float] = collections.OrderedDict()
+        # known identities: digest -> until when it counts as known (its own review budget, see the module doc)
+        self._known: collections.OrderedDict[str, float] = collections.OrderedDict()
+        self._known_in_flight = threading.BoundedSemaphore(KNOWN_IN_FLIGHT)
+        self._known_bucket, self._known_t = KNOWN_BURST, time.monotonic()
+        self._renewing: set[str] = set()
+        self.renewed = 0  # renewals made (tests read it)
 
     def _client(self) -> Any:
         if self._api is None:
@@ -134,32 +153,62 @@ class K8sIdentity:
         with self._lock:
             hit = self._cache.get(key)
             if hit is not None:
-                if hit[1] > now:
-                    return hit[0]
-                del self._cache[key]
-            if not self._admit(key, now):
+                cred, until, renew_at = hit
+                if now < renew_at or (now < until and key in self._renewing):
+                    return cred
+                if now < until:  # due for renewal: this caller renews, the others keep the cached answer
+                    self._renewing.add(key)
+                else:
+                    del self._cache[key]
+                    hit = None
+            known = hit is not None or self._known.get(key, 0.0) > time.monotonic()
+            if not (self._admit_known() if known else self._admit(key, now)):
+                self._renewing.discard(key)
+                if hit is not None:
+                    return hit[0]  # renewal shed: the cached review stands until it expires
                 self.shed += 1
                 return None
-        if not self._in_flight.acquire(blocking=False):
+        try:
+            return self._review(token, key, now, known, hit[0] if hit is not None else None)
+        finally:
+            with self._lock:
+                self._renewing.discard(key)
+
+    def _review(self, token: str, key: str, now: float, known: bool, cached: Credential | None) -> Credential | None:
+        """Ask the API server (admitted already); `cached`: the still valid review this renews."""
+        sem = self._known_in_flight if known else self._in_flight
+        if not sem.acquire(blocking=False):
+            if cached is not None:
+                return cached
             self.shed += 1
             log.warning("k8s identity: %d TokenReviews already in flight: refusing this one at once",
-                        REVIEWS_IN_FLIGHT)
+                        KNOWN_IN_FLIGHT if known else REVIEWS_IN_FLIGHT)
             return None
         try:
             status = self._ask(token).status
         except Exception as e:  # noqa: BLE001 (API down, no RBAC, bad config: whatever it is, refuse loudly)
+            if cached is not None:  # a renewal that failed: the cached review stands until it expires
+                log.warning("k8s identity: renewing a TokenReview failed (%s): the cached one stands",
+                            str(e).splitlines()[0] if str(e) else type(e).__name__)
+                return cached
             log.error("k8s identity: TokenReview failed (%s): refusing the call (a worker retries at its "
                       "next heartbeat)", str(e).splitlines()[0] if str(e) else type(e).__name__)
             return None
         finally:
-            self._in_flight.release()
+            sem.release()
         cred = self._judge(status)
         if cred is None:
+            with self._lock:
+                self._cache.pop(key, None)
+                self._known.pop(key, None)
             self._remember(self._refused, key, time.monotonic() + REFUSED_TTL)
             return None
+        if cached is not None:
+            self.renewed += 1
         exp = _jwt_exp(token)
         until = min(now + self.cache_ttl, exp if exp is not None else now + self.cache_ttl)
-        self._remember(self._cache, key, (cred, until))
+        self._remember(self._cache, key, (cred, until, now + (until - now) * RENEW_AFTER))
+        self._remember(self._known, key, time.monotonic() + KNOWN_KEEP * self.cache_ttl)
         return cred
 
     def _remember(self, table: collections.OrderedDict[str, Any], key: str, value: Any) -> None:
@@ -168,6 +217,17 @@ class K8sIdentity:
             table[key] = value
             while len(table) > self.cache_max:
                 table.popitem(last=False)
+
+    def _admit_known(self) -> bool:
+        """Whether a token accepted before may be reviewed now (lock held): its own bucket, never drained
+        by tokens nobody issued."""
+        mono = time.monotonic()
+        self._known_bucket = min(KNOWN_BURST, self._known_bucket + (mono - self._known_t) * KNOWN_RATE)
+        self._known_t = mono
+        if self._known_bucket < 1.0:
+            return False
+        self._known_bucket -= 1.0
+        return True
 
     def _admit(self, key: str, now: float) -> bool:
         """Whether a token not in the cache may be reviewed now (lock held): not refused in the last
@@ -204,6 +264,9 @@ class K8sIdentity:
                         "tokens): refused", NODE_KEY)
             return None
         node = nodes[0]
+        if WORKER_ID_SEP in node:  # no Kubernetes node name holds it; a name that did could extend another's ids
+            log.warning("k8s identity: review names node %r, which holds %r: refused", node, WORKER_ID_SEP)
+            return None
         role, prefixes = account
         if role == "mount":
             return Credential(f"mount@{node}", frozenset({"mount"}), prefixes, node)
