@@ -15,7 +15,7 @@ from l2fs.common import (
     norm_path,
     valid_address,
 )
-from l2fs.common.protocol import peer_version, version_mismatch
+from l2fs.common.protocol import SIZED_CAPABILITIES, peer_version, version_mismatch
 from l2fs.master.state import (
     _MAC_REJECT,
     _SEAL_REJECT,
@@ -32,9 +32,17 @@ from l2fs.master.state import (
 from l2fs.master.writes import WriteOps
 from l2fs.proto import l2fs_pb2 as pb
 
+FORGET_DEAD_AFTER = 3600.0  # seconds a dead worker's entry is kept (its owner binding, its Report line)
+# Worker ids one node-bound credential may hold at once (alive or dead): a node runs one worker, a few while
+# it is replaced; each entry costs master memory and gets a data key. Past it the credential's oldest dead
+# entry gives way; with none dead the registration is refused.
+WORKERS_PER_NODE_CREDENTIAL = 8
+
 
 class RegistryOps(WriteOps):
     """Worker-facing RPCs and the sweeper thread that expires workers and allocations."""
+
+    forget_dead_after = FORGET_DEAD_AFTER  # l2fs master --forget-dead-after sets it on the service
 
 
     def _drop_worker_files(self, w: WorkerEntry, reason: str) -> None:
@@ -65,6 +73,7 @@ class RegistryOps(WriteOps):
                 if paused:  # the master itself stalled (SIGSTOP, swap): silence was ours, not theirs
                     for w in self.workers.values():
                         w.last_seen = max(w.last_seen, now - w.interval)
+                forget = []
                 for w in self.workers.values():
                     limit = max(self.heartbeat_timeout - w.interval - period, 2 * w.interval)
                     if w.alive and now - w.last_seen > limit:
@@ -72,6 +81,11 @@ class RegistryOps(WriteOps):
                         self._drop_worker_files(w, "worker_dead")
                         log.warning("worker %s (%s) dead: no heartbeat for %.1fs", w.worker_id, w.address,
                                     now - w.last_seen)
+                    elif not w.alive and now - w.last_seen > self.forget_dead_after:
+                        forget.append(w.worker_id)
+                for wid in forget:  # dead for long: a stopped node's id must not list (and cost) for ever
+                    del self.workers[wid]
+                    log.info("forgot worker %s: dead for over %.0fs", wid, self.forget_dead_after)
                 self._update_gauges()
                 expired = self._expire_allocations(now)
             for wid, ids in expired.items():  # their writers gave up long ago: free whatever got sealed
@@ -100,6 +114,25 @@ class RegistryOps(WriteOps):
                                f"worker {worker_id!r} is registered by another credential than {cred.name!r}")
         return cred.name
 
+
+    def _make_room(self, context: Any, owner: str, worker_id: str) -> None:
+        """A node-bound credential registering one more worker id: within WORKERS_PER_NODE_CREDENTIAL entries
+        (its oldest dead one dropped to make room), else RESOURCE_EXHAUSTED (lock held). Without a bound,
+        one node's credential registered any number of ids, each given a data key and never dropped."""
+        cred = self.creds.caller(context)
+        if cred is None or not cred.node:
+            return
+        mine = [w for w in self.workers.values() if w.owner == owner]
+        if len(mine) < WORKERS_PER_NODE_CREDENTIAL:
+            return
+        dead = [w for w in mine if not w.alive]
+        if not dead:
+            raise RpcError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                           f"credential {owner!r} already has {len(mine)} live worker ids (at most "
+                           f"{WORKERS_PER_NODE_CREDENTIAL}): not registering {worker_id!r}")
+        oldest = min(dead, key=lambda w: w.last_seen)
+        del self.workers[oldest.worker_id]
+        log.info("forgot dead worker %s: its credential %s registers %s", oldest.worker_id, owner, worker_id)
 
     @_rpc
     def RegisterWorker(self, request: pb.RegisterRequest, context: Any) -> pb.RegisterResponse:  # noqa: N802
@@ -130,6 +163,8 @@ class RegistryOps(WriteOps):
             owner = self._check_owner(context, request.worker_id, claim=True,  # under the lock: no race
                                       node_id=request.node_id or request.worker_id)
             old = self.workers.get(request.worker_id)
+            if old is None and not request.continuation:
+                self._make_room(context, owner, request.worker_id)
             if request.continuation:  # more reports of the registration this worker just made
                 if old is None or not old.alive or old.address != request.address:
                     raise RpcError(grpc.StatusCode.FAILED_PRECONDITION,
@@ -147,7 +182,9 @@ class RegistryOps(WriteOps):
                                 domain_socket=request.domain_socket,
                                 caps=self.minter is not None and self.protocol_version >= 3
                                 and peer_version(request.protocol_version) >= 3,
-                                seals=self.sealing and peer_version(request.protocol_version) >= 4)
+                                seals=self.sealing and peer_version(request.protocol_version) >= 4,
+                                sized=self.minter is not None and self.protocol_version >= SIZED_CAPABILITIES
+                                and peer_version(request.protocol_version) >= SIZED_CAPABILITIES)
                 self.workers[request.worker_id] = w
             data_key = self.minter.key_for(w.worker_id) if self.minter is not None and w.caps else b""
             for b in request.blocks:
