@@ -8,6 +8,7 @@ from l2fs.common.auth import (  # noqa: F401
     REMOVERS,
     ROLES,
     SHA256_HEX,
+    WORKER_ID_SEP,
     WORKERS,
     WRITERS,
     Credential,
@@ -17,7 +18,9 @@ from l2fs.common.auth import (  # noqa: F401
     TokensFileError,
     load_token_entries,
     load_tokens_file,
+    new_worker_id,
     token_digest,
+    worker_node,
 )
 from l2fs.common.blockkey import (  # noqa: F401
     BLOCK_KEY_MIN,

@@ -7,6 +7,7 @@ import hmac
 import json
 import logging
 import re
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +32,21 @@ ADMINS = frozenset({"admin"})
 
 class TokensFileError(ValueError):
     """A --tokens-file that cannot be used (the processes exit 2 with this message)."""
+
+
+WORKER_ID_SEP = "@"  # between a worker id's node name and its suffix: no Kubernetes node name holds it
+
+
+def worker_node(worker_id: str) -> str:
+    """The node a worker id names: all of it up to the first WORKER_ID_SEP (the whole id without one).
+    Node names cannot contain the separator (DNS subdomain names; tokens-file nodes are checked), so no
+    node's name extends another's ids."""
+    return worker_id.partition(WORKER_ID_SEP)[0]
+
+
+def new_worker_id(node_id: str) -> str:
+    """A fresh worker id of `node_id`: "<node>@<8 hex>"."""
+    return f"{node_id}{WORKER_ID_SEP}{uuid.uuid4().hex[:8]}"
 
 
 @dataclass(frozen=True)
@@ -123,9 +139,9 @@ def load_token_entries(path: str) -> list[tuple[str, str, Credential]]:
             raise TokensFileError(f"{where}: {'an' if role == 'engine' else 'a'} {role} token needs at least one "
                                   f"prefix it may write under")
         if "node" in entry and (role != "worker" or not isinstance(node, str) or not 0 < len(node) <= 253
-                                or any(ord(ch) < 33 for ch in node)):
-            raise TokensFileError(f"{where}: node must be a node name (1-253 printable characters, no spaces) "
-                                  f"on a worker-role entry")
+                                or any(ord(ch) < 33 for ch in node) or WORKER_ID_SEP in node):
+            raise TokensFileError(f"{where}: node must be a node name (1-253 printable characters, no spaces, "
+                                  f"no {WORKER_ID_SEP!r}) on a worker-role entry")
         try:
             norm = tuple(norm_path(p) for p in prefixes)
         except PathError as err:
