@@ -9,7 +9,7 @@ import logging
 import re
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -58,16 +58,20 @@ class Credential:
     roles: frozenset[str]
     prefixes: tuple[str, ...] = ()
     node: str = ""
+    # a mount's: prefixes served by an engine credential (an endpoint of its own, plugin mode), which no mount
+    # may write under (Credentials sets them from the tokens file: Credentials.bounded)
+    excluded: tuple[str, ...] = ()
 
     def may_be_worker(self, worker_id: str, node_id: str | None = None) -> bool:
         """A node-bound worker credential may only act as a worker of its node: node_id (when given) equal to
-        the node, and the worker id the node itself or "<node>-..." (the worker's default id). Static, so it
-        holds across master restarts, unlike the in-memory owner binding."""
+        the node, and the worker id's node part (worker_node) exactly the node. Static, so it holds across
+        master restarts, unlike the in-memory owner binding. (A prefix rule, "<node>-...", let node-1's
+        credential take node-1-gpu's worker ids.)"""
         if not self.node:
             return True
         if node_id is not None and node_id != self.node:
             return False
-        return worker_id == self.node or worker_id.startswith(self.node + "-")
+        return worker_node(worker_id) == self.node
 
     def may_write(self, path: str, if_absent: bool, mkdir: bool = False) -> bool:
         """admin: anything; engine: put-if-absent under one of its prefixes (and mkdir of the prefixes'
@@ -77,6 +81,8 @@ class Credential:
             return True
         if not (("engine" in self.roles and if_absent) or "mount" in self.roles):
             return False
+        if any(path.startswith(p + "/") or (path == p and not mkdir) for p in self.excluded):
+            return False  # another endpoint's (its engine credential's) directory: the mount may make it, no more
         return any(p == "/" or path == p or path.startswith(p + "/")
                    or (mkdir and (path == "/" or p.startswith(path + "/"))) for p in self.prefixes)
 
@@ -195,7 +201,21 @@ class Credentials:
         else:
             self.entries = []
         self.identity = identity
+        # Prefixes an engine credential serves are that endpoint's alone: a mount's prefixes (the whole KV
+        # prefix by default) covered them, so a write through any node's mount planted a key of a plugin-mode
+        # endpoint, whose put then answered "exists" and whose engine loaded the planted bytes.
+        self.served = tuple(sorted({p for _, _, c in self.entries if "engine" in c.roles and "admin" not in c.roles
+                                    for p in c.prefixes if p != "/"}))
+        self.entries = [(t, d, self.bounded(c)) for t, d, c in self.entries]
         self._digests = [(bytes.fromhex(d), c) for _, d, c in self.entries]
+
+    def bounded(self, cred: Credential) -> Credential:
+        """A mount credential kept out of the prefixes engine credentials serve (those not inside its own
+        prefixes at or below them); any other credential as it is."""
+        if "mount" not in cred.roles or "admin" in cred.roles or not self.served:
+            return cred
+        out = tuple(p for p in self.served if not any(q == p or q.startswith(p + "/") for q in cred.prefixes))
+        return cred if out == cred.excluded else replace(cred, excluded=out)
 
     @property
     def enabled(self) -> bool:
@@ -222,6 +242,8 @@ class Credentials:
         cred = self._match(raw)
         if cred is None and review and self.identity is not None and raw:
             cred = self.identity.review(raw.decode("utf-8", "replace"))
+            if cred is not None:  # a mount pod's ServiceAccount: bounded like a tokens-file mount
+                cred = self.bounded(cred)
         return cred
 
     def data_token_ok(self, token: bytes) -> bool:

@@ -24,7 +24,9 @@ from l2fs.common import (
     wait_for_stop_signal,
     write_port_file,
 )
+from l2fs.master.identity import CACHE_TTL
 from l2fs.master.journal import JournalError
+from l2fs.master.registry import FORGET_DEAD_AFTER
 from l2fs.master.service import MasterService, serve
 from l2fs.master.state import MOUNT_PREFIXES
 
@@ -39,6 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--heartbeat-timeout", type=float, default=10.0,
                    help="seconds without a heartbeat before a worker is dead (default 10)")
     p.add_argument("--max-file-size", default=str(DEFAULT_MAX_FILE_SIZE), help="e.g. 1G (default)")
+    p.add_argument("--forget-dead-after", type=float, default=FORGET_DEAD_AFTER, metavar="SECONDS",
+                   help=f"drop a dead worker's entry after this long (default {FORGET_DEAD_AFTER:g})")
     p.add_argument("--allocation-ttl", type=float, default=600.0,
                    help="seconds a put may take from Allocate to Commit; older uncommitted blocks are deleted "
                         "and never published (default 600)")
@@ -71,6 +75,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mount-prefixes", default=os.environ.get("L2FS_MOUNT_PREFIXES") or MOUNT_PREFIXES,
                    metavar="P1,P2", help=f"with --mount-sa: the prefixes the mounts may write under (default "
                                          f"{MOUNT_PREFIXES}, what `kvtier tokens generate --mount` gives)")
+    p.add_argument("--review-cache-ttl", type=float, default=CACHE_TTL, metavar="SECONDS",
+                   help=f"with --worker-identity k8s or --mount-sa: seconds a positive TokenReview is trusted "
+                        f"(renewed after two thirds of it, on a budget made-up tokens cannot reach; default "
+                        f"{CACHE_TTL:g})")
     p.add_argument("--kubeconfig", default=None,
                    help="with --worker-identity k8s or --mount-sa: API server config (default $KUBECONFIG, else "
                         "in-cluster)")
@@ -115,13 +123,16 @@ def main(argv: list[str] | None = None) -> int:
 
             prefixes = tuple(norm_path(p.strip()) for p in args.mount_prefixes.split(",") if p.strip())
             identity = K8sIdentity(args.worker_sa if args.worker_identity == "k8s" else None, args.worker_audience,
-                                   args.kubeconfig, mount_sa=args.mount_sa, mount_prefixes=prefixes)
+                                   args.kubeconfig, cache_ttl=args.review_cache_ttl, mount_sa=args.mount_sa,
+                                   mount_prefixes=prefixes)
         creds = Credentials(token, args.tokens_file, identity)
     except (TokensFileError, ValueError, PathError) as e:
         print(f"l2fs master: {e}", file=sys.stderr)
         return 2
     if args.capability_ttl <= 0:
         parser.error("--capability-ttl must be > 0 seconds")
+    if args.review_cache_ttl <= 0 or args.forget_dead_after <= 0:
+        parser.error("--review-cache-ttl and --forget-dead-after must be > 0 seconds")
     try:
         block_key = BlockKey(load_block_key(args.block_key_file)) if args.block_key_file else None
     except BlockKeyError as e:
@@ -133,6 +144,7 @@ def main(argv: list[str] | None = None) -> int:
                                 allocation_ttl=args.allocation_ttl, journal=args.journal, prefix_quotas=quotas,
                                 creds=creds, shard=shard, block_key=block_key,
                                 capability_ttl=args.capability_ttl)
+        service.forget_dead_after = args.forget_dead_after
     except (JournalError, OSError, sqlite3.Error) as e:
         print(f"l2fs master: cannot open the journal: {e}", file=sys.stderr)
         return 2

@@ -14,20 +14,22 @@ import socket
 import sqlite3
 import sys
 import threading
-import uuid
 from contextlib import closing
 from pathlib import Path
 
 from l2fs.common import (
     DEFAULT_MAX_FILE_SIZE,
+    WORKER_ID_SEP,
     Credentials,
     FileToken,
     TokensFileError,
     capability,
     grpc_server,
+    new_worker_id,
     parse_size,
     start_metrics_server,
     wait_for_stop_signal,
+    worker_node,
     write_port_file,
 )
 from l2fs.common.fdpass import default_socket_path
@@ -38,7 +40,7 @@ from l2fs.proto import l2fs_pb2_grpc as pbg
 from l2fs.worker.fdserver import FdServer
 from l2fs.worker.registration import MasterLinks
 from l2fs.worker.service import WORKER_POLICY, WorkerService
-from l2fs.worker.store import RESERVATION_TTL, RESERVED_FRACTION, TIERS, Store
+from l2fs.worker.store import RESERVATION_TTL, RESERVED_FRACTION, TIERS, Store, private_file
 
 
 class Worker:
@@ -177,12 +179,25 @@ def stamp_manifests(store: Store) -> None:
 
 
 def _worker_id(first_dir: Path, node_id: str) -> str:
-    """Stable across restarts: stored in the first data dir the first time."""
+    """Stable across restarts: stored (0600) in the first data dir the first time. An id stored for another
+    node, or in the older "<node>-<hex>" form that a node-bound credential no longer accepts (a longer node
+    name could extend it), is replaced by a fresh "<node>@<hex>" one: its blocks' ids are bound to the old
+    id, so the master does not publish them again (recomputable cache)."""
     f = first_dir / "worker_id"
     if f.exists():
-        return f.read_text().strip()
-    wid = f"{node_id}-{uuid.uuid4().hex[:8]}"
-    f.write_text(wid)
+        wid = f.read_text().strip()
+        if worker_node(wid) == node_id:
+            private_file(f)
+            return wid
+        logging.getLogger("l2fs.worker").warning(
+            "stored worker id %r is not of node %r in the exact form <node>%s<suffix>: starting as a new worker "
+            "id (blocks stored under the old one are not published again)", wid, node_id, WORKER_ID_SEP)
+    wid = new_worker_id(node_id)
+    tmp = f.with_name("worker_id.tmp")
+    tmp.unlink(missing_ok=True)
+    os.close(os.open(tmp, os.O_CREAT | os.O_WRONLY | os.O_EXCL, 0o600))
+    tmp.write_text(wid)
+    tmp.replace(f)
     return wid
 
 
@@ -277,6 +292,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.data_max_conns < 1 or args.data_idle_timeout <= 0:
         print("l2fs worker: need --data-max-conns >= 1 and --data-idle-timeout > 0", file=sys.stderr)
+        return 2
+    if not args.node_id or WORKER_ID_SEP in args.node_id:
+        print(f"l2fs worker: --node-id must be a non-empty node name without {WORKER_ID_SEP!r} (it separates a "
+              f"worker id's node from its suffix)", file=sys.stderr)
         return 2
     why = manifest_too_new(dirs)
     if why:

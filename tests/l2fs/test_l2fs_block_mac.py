@@ -86,7 +86,7 @@ def _mac_rejects(c: LocalCluster) -> float:
 def _register_attacker(c: LocalCluster, blocks: list[pb.BlockReport]) -> pb.RegisterResponse:
     """worker-node-2's credential registers as itself (legitimately: its node, its id) and reports `blocks`."""
     return _master(c).RegisterWorker(pb.RegisterRequest(
-        worker_id="node-2-evil", node_id="node-2", address="127.0.0.1:1", capacity=1 << 30, blocks=blocks),
+        worker_id="node-2@evil", node_id="node-2", address="127.0.0.1:1", capacity=1 << 30, blocks=blocks),
         timeout=T, metadata=_md(WORKER_B))
 
 
@@ -106,7 +106,7 @@ def test_unallocated_reported_blocks_are_never_published(keyed: LocalCluster) ->
     # one id a master did mint for the attacker's worker (size 10), to report with another size
     own = _master(keyed).Allocate(pb.AllocateRequest(path=f"{PREFIX}/own", size=10, exclude_workers=[real_loc.worker_id]),
                                   timeout=T, metadata=_md(ADMIN))
-    assert own.worker.worker_id == "node-2-evil"
+    assert own.worker.worker_id == "node-2@evil"
     forged = [
         pb.BlockReport(block_id=secrets.token_hex(16), path=f"{PREFIX}/real0", size=5, mtime=4e9),  # displace
         pb.BlockReport(block_id=secrets.token_hex(16), path=f"{PREFIX}/fresh", size=5, mtime=4e9),
@@ -130,7 +130,7 @@ def test_unallocated_reported_blocks_are_never_published(keyed: LocalCluster) ->
     assert _mac_rejects(keyed) - before == len(forged)
     # the same report as a continuation of that registration
     _master(keyed).RegisterWorker(pb.RegisterRequest(
-        worker_id="node-2-evil", node_id="node-2", address="127.0.0.1:1", capacity=1 << 30, blocks=forged,
+        worker_id="node-2@evil", node_id="node-2", address="127.0.0.1:1", capacity=1 << 30, blocks=forged,
         continuation=True), timeout=T, metadata=_md(WORKER_B))
     check_not_published()
     # master restart, same key: the real worker re-registers and its blocks (minted before) verify again
@@ -149,10 +149,10 @@ def test_commit_must_name_the_allocated_worker_and_size(keyed: LocalCluster) -> 
     _register_attacker(keyed, [])
     eng = pbg.MasterStub(grpc.insecure_channel(keyed.master))
     real_id = keyed.workers[0].worker_id
-    a = eng.Allocate(pb.AllocateRequest(path=f"{PREFIX}/c", size=100, if_absent=True, exclude_workers=["node-2-evil"]),
+    a = eng.Allocate(pb.AllocateRequest(path=f"{PREFIX}/c", size=100, if_absent=True, exclude_workers=["node-2@evil"]),
                      timeout=T, metadata=_md(ENGINE))
     assert a.worker.worker_id == real_id and len(a.block_id) == 32
-    bad = [pb.CommitRequest(path=f"{PREFIX}/c", block_id=a.block_id, worker_id="node-2-evil", size=100, if_absent=True),
+    bad = [pb.CommitRequest(path=f"{PREFIX}/c", block_id=a.block_id, worker_id="node-2@evil", size=100, if_absent=True),
            pb.CommitRequest(path=f"{PREFIX}/c", block_id=a.block_id, worker_id=real_id, size=101, if_absent=True),
            pb.CommitRequest(path=f"{PREFIX}/c", block_id=secrets.token_hex(16), worker_id=real_id, size=100,
                             if_absent=True)]
@@ -196,14 +196,14 @@ def test_node_bound_worker_id_survives_master_restart(keyed: LocalCluster) -> No
         assert _code(lambda: m.Heartbeat(pb.HeartbeatRequest(worker_id=victim.worker_id), timeout=T,
                                          metadata=_md(WORKER_B))) == grpc.StatusCode.PERMISSION_DENIED
         # a worker id of node-2 under node-1's node id, or node-1's credential as node-2: refused too
-        assert _code(lambda: m.RegisterWorker(pb.RegisterRequest(worker_id="node-2-x", node_id="node-1",
+        assert _code(lambda: m.RegisterWorker(pb.RegisterRequest(worker_id="node-2@x", node_id="node-1",
                                                                  address="127.0.0.1:1", capacity=1), timeout=T,
                                               metadata=_md(WORKER_B))) == grpc.StatusCode.PERMISSION_DENIED
-        assert _code(lambda: m.RegisterWorker(pb.RegisterRequest(worker_id="node-2-y", node_id="node-2",
+        assert _code(lambda: m.RegisterWorker(pb.RegisterRequest(worker_id="node-2@y", node_id="node-2",
                                                                  address="127.0.0.1:1", capacity=1), timeout=T,
                                               metadata=_md(WORKER_A))) == grpc.StatusCode.PERMISSION_DENIED
         assert not [w for w in admin.report().workers if w.worker_id == victim.worker_id]
-        assert _code(lambda: m.RegisterWorker(pb.RegisterRequest(worker_id="node-2-own", node_id="node-2",
+        assert _code(lambda: m.RegisterWorker(pb.RegisterRequest(worker_id="node-2@own", node_id="node-2",
                                                                  address="127.0.0.1:1", capacity=1), timeout=T,
                                               metadata=_md(WORKER_B))) == grpc.StatusCode.OK
     finally:
@@ -255,14 +255,18 @@ def test_tokens_file_node_binding(tmp_path: Path) -> None:
 
     (_, cred), = load([{"name": "w", "token": WORKER_A, "role": "worker", "node": "node-1"}])
     assert cred.node == "node-1"
-    assert cred.may_be_worker("node-1", "node-1") and cred.may_be_worker("node-1-1234abcd", "node-1")
-    assert cred.may_be_worker("node-1-1234abcd")  # heartbeats carry no node id: the worker id alone
-    assert not cred.may_be_worker("node-1-1234abcd", "node-2")
-    assert not cred.may_be_worker("node-10-1234abcd", "node-1")  # a node whose name merely starts the same
-    assert not cred.may_be_worker("node-2-1234abcd", "node-1") and not cred.may_be_worker("xnode-1", "node-1")
+    assert cred.may_be_worker("node-1", "node-1") and cred.may_be_worker("node-1@1234abcd", "node-1")
+    assert cred.may_be_worker("node-1@1234abcd")  # heartbeats carry no node id: the worker id alone
+    assert not cred.may_be_worker("node-1@1234abcd", "node-2")
+    assert not cred.may_be_worker("node-10@1234abcd", "node-1")  # a node whose name merely starts the same
+    assert not cred.may_be_worker("node-2@1234abcd", "node-1") and not cred.may_be_worker("xnode-1", "node-1")
+    # exact: node-1's credential takes none of node-1-gpu's ids, nor the older "<node>-<hex>" form
+    assert not cred.may_be_worker("node-1-gpu", "node-1") and not cred.may_be_worker("node-1-gpu@1234abcd")
+    assert not cred.may_be_worker("node-1-1234abcd", "node-1")
     (_, free), = load([{"name": "w", "token": WORKER_A, "role": "worker"}])
     assert free.node == "" and free.may_be_worker("anything", "anywhere")  # no node: the weaker binding
     for bad in ({"role": "engine", "prefixes": ["/p"], "node": "n"}, {"role": "worker", "node": ""},
-                {"role": "worker", "node": "a b"}, {"role": "worker", "node": 3}, {"role": "admin", "node": "n"}):
+                {"role": "worker", "node": "a b"}, {"role": "worker", "node": 3}, {"role": "admin", "node": "n"},
+                {"role": "worker", "node": "node-1@x"}):
         with pytest.raises(TokensFileError, match="node"):
             load([{"name": "x", "token": WORKER_B, **bad}])

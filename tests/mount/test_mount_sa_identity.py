@@ -125,7 +125,7 @@ def test_shared_mount_token_could_and_foreign_tokens_cannot(
     # roles do not cross: a mount pod's token cannot register a worker of its node, a worker pod's token is no
     # client credential (only --mount-sa is configured here: no review on worker methods)
     m = pbg.MasterStub(grpc.insecure_channel(c.master))
-    reg = pb.RegisterRequest(worker_id="node-1-evil", node_id="node-1", address="127.0.0.1:1", capacity=1 << 30)
+    reg = pb.RegisterRequest(worker_id="node-1@evil", node_id="node-1", address="127.0.0.1:1", capacity=1 << 30)
     node1 = c.token_files["node-1"].read_text()
     worker_tok = jwt("node-1")
     api.emu.table[worker_tok] = (SA, "node-1", ["l2fs"])
