@@ -68,3 +68,4 @@ class _Put:
     exclude: list[str] = field(default_factory=list)  # workers that were unreachable for this item
     error: L2fsError | None = None  # why the last round has to be retried
     tries: int = 0
+    crc: int | None = None  # CRC32C of mv as this client sends it: what the commit publishes

@@ -153,15 +153,18 @@ class WriteOps(ClientCore):
             else:
                 p.bid, p.loc, p.written = a.block_id, a.worker, None
                 to_write.append(p)
+        for p in to_write:  # the writer's own checksum of the bytes it sends (once per put, kept for retries)
+            if p.crc is None:
+                p.crc = crc32c_fast(p.mv)
         retry = self._write_many(to_write, deadline)
         for p in retry:
             if p.tries >= 3 or time.monotonic() >= deadline:
                 p.result = p.error or Unavailable(f"put {p.path}: no worker took it")
         retry = [p for p in retry if p.result is None]
-        done = [(p, p.written) for p in to_write if p.written is not None]
+        done = [(p, p.written) for p in to_write if p.written is not None and self._worker_agrees(p, p.written)]
         if done:
             creqs = [pb.CommitRequest(path=p.path, block_id=p.bid, worker_id=p.loc.worker_id, size=p.mv.nbytes,
-                                      crc32c=w.crc32c, if_absent=if_absent, order_hint=p.hint,
+                                      crc32c=p.crc, if_absent=if_absent, order_hint=p.hint,
                                       local_path=w.local_path) for p, w in done]
             try:
                 commits = self._many(f"master{shard}", lambda m, r: self._master(m, r, deadline, shard),
@@ -174,6 +177,20 @@ class WriteOps(ClientCore):
                 p.result = c if isinstance(c, L2fsError) else c.published
         return retry
 
+
+    @staticmethod
+    def _worker_agrees(p: _Put, w: pb.WriteResult) -> bool:
+        """Whether the worker's answer is the CRC32C of the bytes we sent; else the put fails (not committed).
+
+        Why: the commit publishes and seals the CRC it carries, and it used to carry the worker's: a worker that
+        altered the bytes and answered with their CRC had them published, sealed and served to every reader.
+        Now the commit carries our CRC, so altered bytes can only ever fail a reader's check (a miss), and a
+        worker whose answer disagrees fails the put here, before anything is published."""
+        if w.crc32c == p.crc:
+            return True
+        p.result = L2fsError(f"put {p.path}: worker {p.loc.worker_id!r} answered CRC32C {w.crc32c:#010x} for bytes "
+                             f"sent with CRC32C {p.crc:#010x}: not published (damaged in transit or by the worker)")
+        return False
 
     def _many(self, peer: str, call: Callable[[str, Any], Any], many: str, many_request: Any, one: str,
               requests: list[Any]) -> list[Any]:
@@ -317,7 +334,8 @@ class WriteOps(ClientCore):
             except L2fsError:
                 pass  # an older worker (or a gone one): the reservations expire on their own
         if wrote:
-            areqs = [pb.AdoptRequest(block_id=p.bid, path=p.path, size=p.mv.nbytes, crc32c=crc32c_fast(p.mv),
+            areqs = [pb.AdoptRequest(block_id=p.bid, path=p.path, size=p.mv.nbytes,
+                                     crc32c=p.crc if p.crc is not None else crc32c_fast(p.mv),
                                      order_hint=p.hint, capability=p.loc.capability) for p in wrote]
             try:
                 adopted = self._many(address, call, "AdoptLocalMany", pb.AdoptManyRequest(items=areqs),

@@ -77,15 +77,19 @@ def seal_ok(block_key: bytes, mac: str, worker_id: str, bid: str, size: int, crc
             and hmac.compare_digest(mac, seal_mac(block_key, worker_id, bid, size, crc, path)))
 
 
-def _mac(key: bytes, op: str, bid: str, expiry: int, path: str) -> str:
-    return _mac_hex(key, VERSION, op, bid, expiry, path)
+def _mac(key: bytes, op: str, bid: str, expiry: int, path: str, size: int | None = None) -> str:
+    if size is None:  # a read, or a write minted for a worker older than protocol 5
+        return _mac_hex(key, VERSION, op, bid, expiry, path)
+    return _mac_hex(key, VERSION, op, bid, expiry, path, size)
 
 
-def mint(key: bytes, op: str, bid: str, expiry: int, path: str = "") -> str:
-    """A capability for `op` on block `bid` until `expiry` (unix seconds); `path`: a write's path."""
+def mint(key: bytes, op: str, bid: str, expiry: int, path: str = "", size: int | None = None) -> str:
+    """A capability for `op` on block `bid` until `expiry` (unix seconds); `path` and `size`: a write's path and
+    allocated size (size None: the MAC of protocol 3-4 workers, which bind no size)."""
     if op not in (READ, WRITE):
         raise ValueError(f"capability op must be {READ!r} or {WRITE!r}, not {op!r}")
-    return f"{VERSION}.{op}.{bid}.{expiry}.{_mac(key, op, bid, expiry, path if op == WRITE else '')}"
+    w = op == WRITE
+    return f"{VERSION}.{op}.{bid}.{expiry}.{_mac(key, op, bid, expiry, path if w else '', size if w else None)}"
 
 
 def parse(cap: str) -> tuple[str, str, int, str] | None:
@@ -108,9 +112,10 @@ def expiry_of(cap: str) -> int | None:
 
 
 def why_denied(key: bytes, presented: str | bytes, op: str, bid: str, path: str = "", *,
-               now: float | None = None, skew: float = DEFAULT_SKEW) -> str | None:
-    """None when `presented` is a capability of this worker's key for `op` on `bid` (and a write's `path`),
-    unexpired within `skew`; else why not (the message a refused client sees)."""
+               now: float | None = None, skew: float = DEFAULT_SKEW, size: int | None = None) -> str | None:
+    """None when `presented` is a capability of this worker's key for `op` on `bid` (and a write's `path` and,
+    when given, `size`: the bytes the request declares), unexpired within `skew`; else why not (the message a
+    refused client sees)."""
     if isinstance(presented, bytes):
         presented = presented.decode("ascii", "replace")
     got = parse(presented)
@@ -122,14 +127,17 @@ def why_denied(key: bytes, presented: str | bytes, op: str, bid: str, path: str 
         return f"capability is for {'reading' if cop == READ else 'writing'} another block or operation"
     if (time.time() if now is None else now) > exp + skew:
         return "capability expired: locate the block again"
-    if not hmac.compare_digest(mac, _mac(key, op, bid, exp, path if op == WRITE else "")):
-        return "capability does not verify for this worker (forged, another worker's, or another path)"
+    w = op == WRITE
+    if not hmac.compare_digest(mac, _mac(key, op, bid, exp, path if w else "", size if w else None)):
+        return ("capability does not verify for this worker (forged, another worker's, another path, or a size "
+                "other than the allocated one)")
     return None
 
 
-def mint_for(block_key: bytes, worker_id: str, op: str, bid: str, path: str = "", ttl: float = DEFAULT_TTL) -> str:
+def mint_for(block_key: bytes, worker_id: str, op: str, bid: str, path: str = "", ttl: float = DEFAULT_TTL,
+             size: int | None = None) -> str:
     """A capability as a master with `block_key` mints it for `worker_id` (tools and tests holding the key)."""
-    return mint(data_key(block_key, worker_id), op, bid, int(time.time() + ttl), path)
+    return mint(data_key(block_key, worker_id), op, bid, int(time.time() + ttl), path, size)
 
 
 NOT_READY = "worker not registered with its master yet: retry"  # a (re)started worker's first instants
@@ -177,8 +185,8 @@ class Minter:
             k = self._keys[worker_id] = data_key(self._block_key, worker_id)
         return k
 
-    def mint(self, worker_id: str, op: str, bid: str, path: str = "") -> str:
-        return mint(self.key_for(worker_id), op, bid, int(time.time() + self.ttl), path)
+    def mint(self, worker_id: str, op: str, bid: str, path: str = "", size: int | None = None) -> str:
+        return mint(self.key_for(worker_id), op, bid, int(time.time() + self.ttl), path, size)
 
     def call_metadata(self, worker_id: str, method: str, request: Any) -> tuple[tuple[str, str], ...]:
         """The metadata that proves a maintenance call to `worker_id` comes from a master (master_call_mac)."""
@@ -202,6 +210,9 @@ class DataGate:
         self.skew = skew
         self.key: bytes | None = None
         self.ready = False
+        # write capabilities bind the allocated size (a master of protocol >= 5 mints them so): a write that
+        # declares any other size is refused, so a 1-byte allocation cannot reserve (and evict for) 40 MiB
+        self.sized = False
 
     def set_key(self, key: bytes) -> bool:
         """A registration answer's data key (b"" = none); True when this changed the mode or key."""
@@ -223,10 +234,13 @@ class DataGate:
             return None
         return master_call_denied(self.key, presented, method, body, skew=self.skew)
 
-    def check(self, presented: str | bytes, op: str, bid: str, path: str = "") -> str | None:
-        """None when the request may go on, else why it is refused."""
+    def check(self, presented: str | bytes, op: str, bid: str, path: str = "", size: int | None = None) -> str | None:
+        """None when the request may go on, else why it is refused. `size`: the bytes a write declares (a
+        reservation, a stream's header); under a sized master a write capability verifies only for the size it
+        was allocated for."""
         if self.key is not None:
-            return why_denied(self.key, presented, op, bid, path, skew=self.skew)
+            return why_denied(self.key, presented, op, bid, path, skew=self.skew,
+                              size=size if self.sized and op == WRITE else None)
         if not self.ready:
             return NOT_READY
         tok = presented if isinstance(presented, bytes) else presented.encode()

@@ -27,7 +27,12 @@ R = TypeVar("R")
 # A peer below MIN_PEER_VERSION is refused with both versions named; a newer peer is served as long
 # as it accepts us (its min_protocol_version <= PROTOCOL_VERSION). New calls are optional: a caller that
 # gets UNIMPLEMENTED from an older peer falls back to the unary calls.
-PROTOCOL_VERSION = 4
+# 5 = size-bound write capabilities: a master with a block key mints a worker of >= 5 write capabilities whose
+# MAC also covers the allocated size, and such a worker (once each of its masters is >= 5) verifies a write's
+# capability with the size the write declares (data plane header, WriteBlock, ReserveLocal, AdoptLocal), so a
+# writer cannot reserve or send more than it was allocated; older peers keep the size-free MAC.
+PROTOCOL_VERSION = 5
+SIZED_CAPABILITIES = 5
 MIN_PEER_VERSION = 1
 # Worker manifest format (SQLite `PRAGMA user_version` of each data dir's manifest): 0 = written before the
 # stamp, the same table as 1; 2 = the seal column (a format-0/1 manifest gets it, its blocks unsealed). A worker

@@ -109,9 +109,12 @@ class NamespaceOps(QuotaOps):
         DUPLICATES.set(self.duplicates)
 
 
-    def _cap(self, w: WorkerEntry, op: str, bid: str, path: str = "") -> str:
-        """The capability a client shows `w` for `op` on `bid` ("" when `w` takes tokens)."""
-        return self.minter.mint(w.worker_id, op, bid, path) if self.minter is not None and w.caps else ""
+    def _cap(self, w: WorkerEntry, op: str, bid: str, path: str = "", size: int | None = None) -> str:
+        """The capability a client shows `w` for `op` on `bid` ("" when `w` takes tokens); a write's binds its
+        path and, for a worker that checks it (protocol >= 5), the allocated `size`."""
+        if self.minter is None or not w.caps:
+            return ""
+        return self.minter.mint(w.worker_id, op, bid, path, size if w.sized else None)
 
 
     def _location(self, e: FileEntry, caps: bool = True) -> pb.Location:

@@ -25,7 +25,7 @@ from l2fs.common import (
 )
 from l2fs.master.journal import PendingOps
 from l2fs.master.registry import RegistryOps
-from l2fs.master.state import MASTER_POLICY, PENDING, FileEntry, WorkerEntry
+from l2fs.master.state import MASTER_POLICY, PENDING, Allocation, FileEntry, WorkerEntry
 from l2fs.proto import l2fs_pb2_grpc as pbg
 
 
@@ -65,10 +65,11 @@ class MasterService(RegistryOps, pbg.MasterServicer):
         # against while its seals are on their way. Bounded per worker (a protocol-3 worker never takes them).
         self.seals: dict[str, OrderedDict[str, tuple[int, str]]] = {}
         self.allocation_ttl = allocation_ttl
-        # Blocks allocated but not committed yet (block id -> (worker id, expiry)), and those given up on: an
+        # Blocks allocated but not committed yet (block id -> Allocation: worker, expiry, and the caller, path
+        # and size only whose commit publishes it), and those given up on: an
         # expired allocation, or one whose worker re-registered before the commit. An abandoned block is never
         # published (a put that never returned must not surface after a worker restart) and is deleted.
-        self.allocations: OrderedDict[str, tuple[str, float]] = OrderedDict()
+        self.allocations: OrderedDict[str, Allocation] = OrderedDict()
         self.abandoned: OrderedDict[str, None] = OrderedDict()
         self.max_file_size = max_file_size
         self.lock = threading.RLock()

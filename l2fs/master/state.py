@@ -7,6 +7,7 @@ import threading
 from collections import OrderedDict
 from concurrent import futures
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from prometheus_client import Counter, Gauge, Histogram
 
@@ -79,6 +80,17 @@ class FileEntry:
     writer: str = ""  # name of the credential that committed it ("" = unknown, e.g. reported after a restart)
 
 
+class Allocation(NamedTuple):
+    """An open allocation: where the block goes, until when, and the one commit that may publish it (the
+    allocating credential's name, "" without authentication; the normalised path; the size)."""
+
+    worker_id: str
+    expiry: float
+    writer: str
+    path: str
+    size: int
+
+
 @dataclass(slots=True)
 class WorkerEntry:
     worker_id: str
@@ -97,6 +109,7 @@ class WorkerEntry:
     owner: str = ""  # name of the credential that registered it (tokens file); "" without authentication
     caps: bool = False  # it holds its data key (protocol >= 3, we have a block key): give clients capabilities
     seals: bool = False  # it keeps seal MACs (protocol >= 4, we have a block key): push it its blocks' seals
+    sized: bool = False  # its write capabilities bind the allocated size (protocol >= 5, we have a block key)
     seal_sync_after: float = 0.0  # monotonic time before which commits leave its seals to the pusher
 
     @property
@@ -130,7 +143,7 @@ class MasterBase:
     _push_wake: threading.Event
     seals: dict[str, OrderedDict[str, tuple[int, str]]]
     allocation_ttl: float
-    allocations: OrderedDict[str, tuple[str, float]]
+    allocations: OrderedDict[str, Allocation]
     abandoned: OrderedDict[str, None]
     max_file_size: int
     lock: threading.RLock

@@ -19,7 +19,7 @@ from l2fs.common import (
 )
 from l2fs.common.protocol import each
 from l2fs.master.pusher import PusherOps
-from l2fs.master.state import _EXISTED, _PUBLISHED, FileEntry, WorkerEntry, _rpc
+from l2fs.master.state import _EXISTED, _PUBLISHED, Allocation, FileEntry, WorkerEntry, _rpc
 from l2fs.proto import l2fs_pb2 as pb
 
 
@@ -44,7 +44,7 @@ class WriteOps(PusherOps):
         """Abandon allocations older than allocation_ttl (lock held); returns worker -> block ids to delete."""
         out: dict[str, list[str]] = {}
         while self.allocations:
-            bid, (wid, expiry) = next(iter(self.allocations.items()))
+            bid, (wid, expiry, *_) = next(iter(self.allocations.items()))
             if expiry > now:
                 break
             self.allocations.popitem(last=False)
@@ -58,7 +58,7 @@ class WriteOps(PusherOps):
     @_rpc
     def Allocate(self, request: pb.AllocateRequest, context: Any) -> pb.AllocateResponse:  # noqa: N802
         self.creds.check_write(context, [(request.path, request.if_absent)])
-        return self._allocate(request)
+        return self._allocate(request, self.creds.caller(context))
 
 
     @_rpc
@@ -66,12 +66,16 @@ class WriteOps(PusherOps):
         """Allocate for a whole put batch under one lock hold; a failed item gets its error, the rest go on."""
         # a batch with one path outside the caller's scope is refused whole
         self.creds.check_write(context, [(r.path, r.if_absent) for r in request.items])
+        cred = self.creds.caller(context)
         with self.lock:
-            items = each(list(request.items), self._allocate, lambda err: pb.AllocateResponse(error=err))
+            items = each(list(request.items), lambda r: self._allocate(r, cred),
+                         lambda err: pb.AllocateResponse(error=err))
         return pb.AllocateManyResponse(items=items)
 
 
-    def _allocate(self, request: pb.AllocateRequest) -> pb.AllocateResponse:
+    def _allocate(self, request: pb.AllocateRequest, cred: Credential | None = None) -> pb.AllocateResponse:
+        """`cred`: the caller, remembered with the allocation: only it may commit the block, at this path and
+        size (Allocation)."""
         path = norm_path(request.path)
         self._own(path)
         if path == "/":
@@ -91,7 +95,9 @@ class WriteOps(PusherOps):
             w.pending += request.size  # until the next heartbeat: spreads concurrent writers
             # the exact size asked for: the client writes (and the worker seals) exactly that many bytes
             bid = self.block_key.mint(w.worker_id, request.size) if self.block_key else uuid.uuid4().hex
-            self._remember(self.allocations, bid, (w.worker_id, time.monotonic() + self.allocation_ttl))
+            self._remember(self.allocations, bid, Allocation(w.worker_id, time.monotonic() + self.allocation_ttl,
+                                                             cred.name if cred is not None else "", path,
+                                                             request.size))
             charged = self._quotas_of(path) if self.quotas else []
             if charged:
                 self._alloc_charge[bid] = (path, request.size)
@@ -99,7 +105,7 @@ class WriteOps(PusherOps):
                     self.quota_inflight[q] += request.size
             return pb.AllocateResponse(block_id=bid, worker=pb.Location(
                 worker_id=w.worker_id, node_id=w.node_id, address=w.address, data_address=w.data_address,
-                domain_socket=w.domain_socket, capability=self._cap(w, capability.WRITE, bid, path)))
+                domain_socket=w.domain_socket, capability=self._cap(w, capability.WRITE, bid, path, request.size)))
 
 
     def _place(self, size: int, node_id: str, exclude: set[str]) -> WorkerEntry:
@@ -159,6 +165,24 @@ class WriteOps(PusherOps):
         self._push_wake.set()
 
 
+    def _check_allocation(self, request: pb.CommitRequest, path: str, cred: Credential | None) -> None:
+        """PERMISSION_DENIED (nothing changes, the allocation stays open) unless the block is an open allocation
+        of this caller, for this path, size and worker (lock held).
+
+        Why: the id's MAC binds only worker and size, and `Stat` hands out every file's block id, so an engine
+        of endpoint A committed endpoint B's blocks: onto a path A owns the master took them as A's lost-race
+        orphans and had the worker delete them; under a fresh path it re-sealed them for A. An allocation the
+        master no longer holds (forgotten past ALLOC_MEMORY, or made before a master restart) is refused the
+        same way: that put fails, a miss, and its block is dropped when its worker re-registers."""
+        a = self.allocations.get(request.block_id)
+        who = cred.name if cred is not None else ""
+        if a is None or (a.writer, a.path, a.size, a.worker_id) != (who, path, request.size, request.worker_id):
+            raise RpcError(grpc.StatusCode.PERMISSION_DENIED,
+                           f"block {request.block_id} is not an open allocation of {who or 'this caller'} for "
+                           f"{path} ({request.size} bytes on {request.worker_id!r}): not published (another "
+                           f"writer's block, another path or size, or allocated before a master restart)",
+                           "EACCES")
+
     def _commit(self, request: pb.CommitRequest, orphans: list[tuple[str, str]],
                 sealed: list[tuple[str, str]], cred: Credential | None = None) -> pb.CommitResponse:
         path = norm_path(request.path)
@@ -184,6 +208,7 @@ class WriteOps(PusherOps):
                 raise RpcError(grpc.StatusCode.FAILED_PRECONDITION,
                                f"block {request.block_id} was abandoned before its commit (allocation older than "
                                f"{self.allocation_ttl:.0f} s, or its worker restarted): write it again")
+            self._check_allocation(request, path, cred)
             self.allocations.pop(request.block_id, None)
             self._uncharge_allocation(request.block_id)
             if cur is not None and request.if_absent:

@@ -207,7 +207,12 @@ class FdServer:
             path = norm_path(path) if op == WRITE else ""
         except (RpcError, PathError) as e:
             return BAD, str(e), None, 0, 0
-        why = self.gate.check(cap, "r" if op == READ else "w", bid, path)
+        size = None
+        if op == WRITE:  # a write capability binds the allocated size: the reservation's
+            size = self.store.reserved_size(bid)
+            if size is None:
+                return BAD, f"block {bid} has no short-circuit reservation", None, 0, 0
+        why = self.gate.check(cap, "r" if op == READ else "w", bid, path, size)
         if why:
             return DENIED, why, None, 0, 0
         return self._open_read(bid) if op == READ else self._open_write(bid)
@@ -227,18 +232,15 @@ class FdServer:
         return OK, "", fd, b.size, b.crc32c
 
     def _open_write(self, bid: str) -> tuple[int, str, int | None, int, int]:
-        with self.store.lock:
-            r = self.store.reservations.get(bid)
-        if r is None or not r[3]:  # only a short-circuit (ReserveLocal) reservation, never a write in flight
-            return BAD, f"block {bid} has no short-circuit reservation", None, 0, 0
-        tmp = self.store.dirs[r[0]].tmp_file(bid)
+        """A sealed memfd of exactly the reserved size (Store.open_write_fd): the client writes no more."""
         try:
-            f = store_mod.create_exclusive(tmp)  # O_CREAT|O_EXCL|O_NOFOLLOW, 0600: never through a planted link
+            got = self.store.open_write_fd(bid)
         except OSError as e:
-            return BAD, f"block {bid}: temp file refused: {e}", None, 0, 0
-        fd = os.dup(f.fileno())
-        f.close()
-        return OK, "", fd, r[1], 0
+            return BAD, f"block {bid}: no write fd: {e}", None, 0, 0
+        if isinstance(got, str):
+            return BAD, got, None, 0, 0
+        fd, size = got
+        return OK, "", fd, size, 0
 
 
 def _recv_exact(conn: socket.socket, n: int, deadline: float) -> bytes:

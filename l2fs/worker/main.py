@@ -33,7 +33,7 @@ from l2fs.common import (
     write_port_file,
 )
 from l2fs.common.fdpass import default_socket_path
-from l2fs.common.protocol import MANIFEST_VERSION
+from l2fs.common.protocol import MANIFEST_VERSION, SIZED_CAPABILITIES
 from l2fs.dataplane.server import DataServer
 from l2fs.dataplane.wire import DATA_IDLE_TIMEOUT, DATA_MAX_CONNS
 from l2fs.proto import l2fs_pb2_grpc as pbg
@@ -90,6 +90,9 @@ class Worker:
                                 domain_socket=self.fds.path if self.fds else "", on_data_key=self._data_key)
 
     def _data_key(self, key: bytes) -> None:
+        link = getattr(self, "link", None)  # every master answered: their write capabilities bind the size
+        if key and link is not None and link.master_version >= SIZED_CAPABILITIES:
+            self.gate.sized = True  # and stays so until restarted (fail closed, like cap mode)
         if self.gate.set_key(key):
             logging.getLogger("l2fs.worker").info(
                 "data plane: %s", "block capabilities (the master's data key)" if self.gate.cap_mode

@@ -51,7 +51,7 @@ class WorkerService(pbg.WorkerServicer):
         self.gate = gate
         self._reverified: dict[str, float] = {}  # block id -> when ReportCorrupt last re-read it
 
-    def _need(self, cap: str, op: str, bid: str, path: str = "") -> None:
+    def _need(self, cap: str, op: str, bid: str, path: str = "", size: int | None = None) -> None:
         """PERMISSION_DENIED unless `cap` lets the caller `op` block `bid` (a no-op in token mode).
 
         In cap mode Touch and ReportCorrupt need each block's read capability and ReleaseLocal the
@@ -59,7 +59,7 @@ class WorkerService(pbg.WorkerServicer):
         blocks warm, nor make the worker re-read them, nor cancel another client's write."""
         if self.gate is None or (self.gate.ready and not self.gate.cap_mode):
             return
-        why = self.gate.check(cap, op, bid, path)
+        why = self.gate.check(cap, op, bid, path, size)  # a write's: the size it declares (bound when sized)
         if why:
             raise RpcError(grpc.StatusCode.PERMISSION_DENIED, f"block {bid}: {why}", "EACCES")
 
@@ -71,7 +71,7 @@ class WorkerService(pbg.WorkerServicer):
             raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, "empty write stream")
         bid = check_block_id(first.block_id)
         path = norm_path(first.path)
-        self._need(first.capability, WRITE, bid, path)
+        self._need(first.capability, WRITE, bid, path, first.size)
         try:
             b = self.store.receive(bid, path, first.size, first.order_hint,
                                    (m.data for m in itertools.chain([first], it) if m.data))
@@ -133,7 +133,11 @@ class WorkerService(pbg.WorkerServicer):
             raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, "block_ids and paths differ in length")
         for i, bid in enumerate(bids):
             cap = request.capabilities[i] if i < len(request.capabilities) else ""
-            self._need(cap, op, bid, self._cap_path(request.paths[i]) if request.paths else "")
+            # a write capability (ReleaseLocal) binds the size: the reservation's (none: nothing to release)
+            size = self.store.reserved_size(bid) if op == WRITE else None
+            if op == WRITE and size is None:
+                continue  # nothing reserved under that id: releasing it changes nothing
+            self._need(cap, op, bid, self._cap_path(request.paths[i]) if request.paths else "", size)
         return bids
 
     @_rpc
@@ -213,14 +217,14 @@ class WorkerService(pbg.WorkerServicer):
 
     def _reserve(self, request: pb.ReserveRequest) -> pb.ReserveResponse:
         bid = check_block_id(request.block_id)
-        self._need(request.capability, WRITE, bid, self._cap_path(request.path))
+        self._need(request.capability, WRITE, bid, self._cap_path(request.path), request.size)
         i = self.store.reserve(bid, request.size, expires=True)
         return pb.ReserveResponse(tmp_path=str(self.store.dirs[i].tmp_file(bid)))
 
     def _adopt(self, request: pb.AdoptRequest) -> pb.WriteResult:
         bid = check_block_id(request.block_id)
         path = norm_path(request.path)
-        self._need(request.capability, WRITE, bid, path)
+        self._need(request.capability, WRITE, bid, path, request.size)
         b = self.store.adopt(bid, path, request.size, request.crc32c, request.order_hint)
         return pb.WriteResult(block_id=bid, size=b.size, crc32c=b.crc32c, local_path=self.store.local_path(b))
 

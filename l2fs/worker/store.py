@@ -541,8 +541,10 @@ class Store:
         """Seal a same-node write made through our memfd (open_write_fd): sealed against further writes first
         (refused while the client still maps it writable), then copied into a temp file of ours while its
         CRC32C is recomputed; a client CRC that does not match is refused. Any refusal releases the
-        reservation."""
-        tmp = self.dirs[i].tmp_file(bid)
+        reservation. The copy goes to a fresh name of ours (nothing planted at the reservation's temp name is
+        ever opened; whatever is there is removed)."""
+        planted = self.dirs[i].tmp_file(bid)
+        tmp = planted.with_name(f"{bid}.{os.urandom(8).hex()}.copy")
         try:
             try:
                 try:
@@ -568,11 +570,13 @@ class Store:
             finally:
                 os.close(mfd)
             if off != size or actual != crc:
+                tmp.unlink(missing_ok=True)
                 raise RpcError(grpc.StatusCode.INVALID_ARGUMENT,
                                f"local block does not match the declared CRC32C {crc:#010x} (recomputed)")
         except RpcError:
             self.release(bid)
             raise
+        planted.unlink(missing_ok=True)  # not ours (a link someone made there): never followed, now gone
         return self.seal(bid, path, size, crc, order_hint, tmp, ident)
 
     def delete(self, bid: str, reason: str = "deleted") -> bool:

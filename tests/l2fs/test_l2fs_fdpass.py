@@ -24,9 +24,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import crc32c
 import pytest
 
-import l2fs.client as client_mod
+import l2fs.client.write as client_mod  # the put path (its module-level helpers are patched)
 from l2fs.common import make_channel
 from l2fs.common.fdpass import (
     BAD,
@@ -35,7 +36,6 @@ from l2fs.common.fdpass import (
     FD_MAX_CONNS,
     MAGIC,
     READ,
-    REPLY,
     REQ,
     WRITE,
     FdPassError,
@@ -196,14 +196,17 @@ def test_engine_gets_no_write_fd_outside_its_prefix(fdcluster: LocalCluster) -> 
     for token, path in ((ENGINE, "/kv/ep-b/x"), (ENGINE, "/kv/ep-a-other/x"), (ROUTER, f"{PREFIX}/x")):
         data, fds = _raw(sock, _req(WRITE, token, bid, path))
         assert fds == [] and data[0] == DENIED, (token, path, data)
-    fd, _, _ = request_fd(sock, WRITE, ENGINE, bid, f"{PREFIX}/x")  # its own prefix: a fresh temp file
+    fd, _, _ = request_fd(sock, WRITE, ENGINE, bid, f"{PREFIX}/x")  # its own prefix: a fd of the reserved size
     try:
         assert os.write(fd, b"y" * 1000) == 1000
-        st = os.fstat(fd)
-        assert st.st_mode & 0o777 == 0o600 and st.st_size == 1000
+        assert os.fstat(fd).st_size == 1000
+        with pytest.raises(OSError):  # sealed at the reserved size: not one byte more
+            os.write(fd, b"z")
+        with pytest.raises(OSError):
+            os.ftruncate(fd, 1 << 20)
     finally:
         os.close(fd)
-    with pytest.raises(FdPassError) as e:  # one fd per reservation: the temp file now exists
+    with pytest.raises(FdPassError) as e:  # one fd per reservation
         request_fd(sock, WRITE, ENGINE, bid, f"{PREFIX}/x")
     assert e.value.status == BAD
     data, fds = _raw(sock, _req(WRITE, ADMIN, uuid.uuid4().hex, f"{PREFIX}/y"))  # nothing reserved
@@ -219,8 +222,17 @@ def test_planted_symlink_in_tmp_does_not_redirect_the_workers_create(fdcluster: 
     tmps = list(fdcluster.workers[0].data_dir.glob("tmp"))
     assert tmps
     (tmps[0] / f"{bid}.part").symlink_to(outside)
-    data, fds = _raw(sock, _req(WRITE, ADMIN, bid, f"{PREFIX}/planted"))
-    assert fds == [] and data[0] == BAD and b"temp file refused" in data[REPLY.size:]
+    fd, _, _ = request_fd(sock, WRITE, ADMIN, bid, f"{PREFIX}/planted")  # our bytes go to a memfd, not tmp/
+    try:
+        assert os.write(fd, b"attacker") == 8
+    finally:
+        os.close(fd)
+    stub = pbg.WorkerStub(make_channel(fdcluster.workers[0].address, None))
+    # the worker copies to a fresh name of its own and removes what was planted at the reservation's name
+    r = stub.AdoptLocal(pb.AdoptRequest(block_id=bid, path=f"{PREFIX}/planted", size=8,
+                                        crc32c=crc32c.crc32c(b"attacker")), metadata=_md(ADMIN), timeout=5)
+    assert r.size == 8 and Path(r.local_path).read_bytes() == b"attacker"
+    assert not (tmps[0] / f"{bid}.part").is_symlink()
     assert outside.read_bytes() == b"precious"
     assert outside.stat().st_mode & 0o777 != 0o600  # nothing was created or changed through the link
 
@@ -310,10 +322,11 @@ def test_idle_strangers_are_bounded_and_dropped(fdcluster: LocalCluster) -> None
     assert size == 1000
 
 
-def test_refused_fd_write_releases_and_goes_over_the_network_with_a_fresh_id(
+def test_link_planted_at_the_temp_name_is_never_written_through(
         fdcluster: LocalCluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A link planted at the temp name before the client asks for the write fd: the worker refuses, the
-    client releases the reservation (the link goes with it) and the put succeeds over the data plane."""
+    """A link planted at the temp name before the client asks for the write fd: the write fd is a memfd of
+    the worker's (nothing at the temp name is opened), the worker copies it to a fresh name of its own at
+    adoption and removes the link; the put succeeds and the link's target is untouched."""
     w = fdcluster.workers[0]
     outside = tmp_path / "precious"
     outside.write_bytes(b"precious")
@@ -332,6 +345,5 @@ def test_refused_fd_write_releases_and_goes_over_the_network_with_a_fresh_id(
     with fdcluster.client(node_id=w.node_id, token=ENGINE) as c:
         assert c.put(f"{PREFIX}/refused", data) is True
         assert c.get(f"{PREFIX}/refused") == data
-    assert len(planted) == 1 and not planted[0].is_symlink()  # released: the reservation's temp name is gone
-    assert _block_id(fdcluster, f"{PREFIX}/refused") != planted[0].name.removesuffix(".part")  # a fresh id
+    assert len(planted) == 1 and not planted[0].is_symlink()  # the link is gone
     assert outside.read_bytes() == b"precious"

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-import l2fs.client as client_mod
+import l2fs.client.write as client_mod  # the put path (its module-level helpers are patched)
 from l2fs.testing.cluster import LocalCluster
 
 
