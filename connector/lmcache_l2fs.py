@@ -35,6 +35,8 @@ Design (why):
 * Every chunk is stored with its absolute index in the prompt as l2fs order hint (connector.positions), so
   l2fs evicts the deepest chunks of a prefix chain first and a cached prefix stays whole.
 * L2 hits are claimed only while loading them beats recomputing them (connector.loadgate).
+* At start-up the installed LMCache's chunk keys are checked against kvtier.contract (connector.keycheck);
+  on a drift nothing is written (keys no router or other replica would find), reads continue.
 """
 
 from __future__ import annotations
@@ -53,8 +55,8 @@ from lmcache.v1.protocol import RemoteMetadata
 from lmcache.v1.storage_backend.connector import ConnectorAdapter, ConnectorContext, extract_plugin_type
 from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
 
+from connector import keycheck, positions
 from connector import keys as ckeys
-from connector import positions
 from connector.config import PREFILL_ENV, PREFILL_FILE_ENV, PREFILL_FILE_KEY, PREFILL_KEY, watch_prefill_file
 from connector.fingerprint import record_and_check
 from connector.loadgate import LoadGate
@@ -149,7 +151,7 @@ class L2fsConnector(RemoteConnector):
         self.pool = ThreadPoolExecutor(int(_opt(cfg, plugin, "threads", 8)), thread_name_prefix="kvtier-l2fs")
         self.breaker = Breaker(f"master {self.master}", lambda: self.client.ls("/"))
         self.stats = {"get_hit": 0, "get_miss": 0, "corrupt": 0, "put": 0, "put_exists": 0, "put_fail": 0,
-                      "bytes_read": 0, "read_s": 0.0, "gated": 0}
+                      "bytes_read": 0, "read_s": 0.0, "gated": 0, "put_drift": 0}
         self.timeout = timeout
         positions.install_inprocess()  # chunk hash -> index in the prompt, for the order hints of puts
         prefill = float(_opt(cfg, plugin, PREFILL_KEY) or os.environ.get(PREFILL_ENV) or 0)
@@ -161,6 +163,8 @@ class L2fsConnector(RemoteConnector):
         if prefill_file:  # a figure measured after start: the file's, while it holds one, else the fixed one
             watch_prefill_file(prefill_file, lambda v: setattr(self.gate, "prefill_tps", v or prefill))
         self._meta = local_cpu_backend.metadata
+        # chunk keys of the installed LMCache vs kvtier.contract: on a drift no chunk is written (see keycheck)
+        self.key_check = keycheck.run("lmcache_l2fs", keycheck.lmcache_builtin, cfg, self._meta)
         self._tls = threading.local()  # one reusable read buffer per pool thread
         self._closed = False
         log.info("kvtier l2fs connector: master=%s node=%s prefix=%s", self.master, self.node_id, self.prefix)
@@ -343,6 +347,9 @@ class L2fsConnector(RemoteConnector):
         from l2fs.client import Busy, Unavailable
 
         if self._closed or not keys:
+            return
+        if not self.key_check.writes_allowed:  # keys nobody could find: write nothing (logged at start-up)
+            self.stats["put_drift"] += len(keys)
             return
         counted = False
 

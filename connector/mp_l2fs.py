@@ -29,8 +29,8 @@ from lmcache.v1.distributed.l2_adapters.base import L2AdapterInterface, L2TaskId
 from lmcache.v1.distributed.l2_adapters.config import L2AdapterConfigBase
 from lmcache.v1.platform import create_event_notifier
 
+from connector import keycheck, positions
 from connector import keys as ckeys
-from connector import positions
 from connector.loadgate import LoadGate
 from connector.logs import ensure_log_handler
 from kvtier import contract
@@ -44,15 +44,19 @@ class L2fsL2AdapterConfig(L2AdapterConfigBase):
     model_revision + namespace: objects then live under <prefix>/<namespace>/<model_revision>, so servers of
     different weights never share them (kvtier.contract.revision_prefix). prefill_tokens_per_s (or
     $KVTIER_PREFILL_TOKENS_PER_S), load_margin, rate_probe_interval, chunk_size: lookups find nothing while
-    loading would be slower than recomputing (connector.loadgate; unset prefill rate = off)."""
+    loading would be slower than recomputing (connector.loadgate; unset prefill rate = off). hash_algorithm:
+    the server's --hash-algorithm (LMCache's default blake3), whose keys are checked against kvtier.contract
+    at start-up (connector.keycheck: on a drift the adapter stores nothing)."""
 
     def __init__(self, master: str, node_id: str = "", prefix: str = contract.MP_PREFIX, timeout: float = 2.0,
                  threads: int = 8, prefill_tokens_per_s: float = 0.0, load_margin: float = 1.0,
-                 rate_probe_interval: float = 5.0, chunk_size: int = contract.CHUNK_SIZE) -> None:
+                 rate_probe_interval: float = 5.0, chunk_size: int = contract.CHUNK_SIZE,
+                 hash_algorithm: str = "blake3") -> None:
         self.master, self.node_id, self.prefix = master, node_id, prefix.rstrip("/") or contract.MP_PREFIX
         self.timeout, self.threads = timeout, threads
         self.prefill_tokens_per_s, self.load_margin = prefill_tokens_per_s, load_margin
         self.rate_probe_interval, self.chunk_size = rate_probe_interval, chunk_size
+        self.hash_algorithm = hash_algorithm
 
     @classmethod
     def from_dict(cls, d: dict) -> L2fsL2AdapterConfig:
@@ -68,7 +72,7 @@ class L2fsL2AdapterConfig(L2AdapterConfigBase):
         prefill = float(d.get("prefill_tokens_per_s") or os.environ.get("KVTIER_PREFILL_TOKENS_PER_S") or 0)
         return cls(master, str(d.get("node_id") or os.environ.get("L2FS_NODE_ID", "")), prefix, timeout, threads,
                    prefill, float(d.get("load_margin", 1.0)), float(d.get("rate_probe_interval", 5.0)),
-                   int(d.get("chunk_size", contract.CHUNK_SIZE)))
+                   int(d.get("chunk_size", contract.CHUNK_SIZE)), str(d.get("hash_algorithm") or "blake3"))
 
     @classmethod
     def help(cls) -> str:
@@ -93,6 +97,7 @@ class L2fsL2Adapter(L2AdapterInterface):
             config = L2fsL2AdapterConfig.from_dict(config)
         self.cfg = config
         self.client = Client(config.master, node_id=config.node_id, timeout=config.timeout)
+        self.key_check = keycheck.run("mp_l2fs", keycheck.lmcache_mp, config.hash_algorithm, config.chunk_size)
         positions.install_mp()  # ObjectKey.chunk_hash -> index in the prompt, for the order hints of stores
         # bytes per token is learnt from the first loaded object (object bytes / chunk tokens); 0 = gate off
         self.gate = LoadGate(0, config.prefill_tokens_per_s, margin=config.load_margin,
@@ -136,6 +141,11 @@ class L2fsL2Adapter(L2AdapterInterface):
 
     def _store(self, tid: L2TaskId, keys: list[Any], objects: list[Any]) -> None:
         ok, total, new_keys, sizes = True, 0, [], []
+        if not self.key_check.writes_allowed:  # keys nobody could find: store nothing (logged at start-up)
+            with self._lock:
+                self._stores[tid] = L2StoreResult(False, 0)
+            self._store_efd.notify()
+            return
         try:
             datas = [memoryview(_bytes(obj)) for obj in objects]
             # one put_many for the task (one AllocateMany + one CommitMany); a failed chunk fails the task's

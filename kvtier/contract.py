@@ -275,3 +275,115 @@ def iter_chunk_hashes(tokens: Sequence[int], chunk_size: int = CHUNK_SIZE,
 
 def chunk_hashes(tokens: Sequence[int], chunk_size: int = CHUNK_SIZE, seed: str | int = HASH_SEED) -> list[int]:
     return list(iter_chunk_hashes(tokens, chunk_size, seed))
+
+
+# ======================================================================================================
+# Key drift: known-answer vectors checked at start-up against the INSTALLED LMCache / vLLM.
+# Why: everything above reimplements (or, for MP mode, pins) how LMCache and vLLM name a chunk. Another
+# LMCache or vLLM that hashes differently would turn every router L2 lookup into a miss and every replica's
+# L2 writes into files nobody finds, silently. So each component that computes chunk keys hashes KAT_TOKENS
+# with the installed library at start-up and compares with the values here: the router (installed_builtin_
+# check, in a subprocess with the replicas' seed) falls back to no L2 credit on a mismatch; engine-side
+# components (connector.keycheck) stop writing L2. Verdicts: KEY_OK, KEY_DRIFT, KEY_UNVERIFIED (nothing to
+# compare with here, e.g. no LMCache installed or a hash algorithm without a reference), KEY_PENDING.
+# ======================================================================================================
+KEY_OK, KEY_DRIFT, KEY_UNVERIFIED, KEY_PENDING = "ok", "drift", "unverified", "pending"
+KEY_STATES = (KEY_OK, KEY_DRIFT, KEY_UNVERIFIED, KEY_PENDING)
+KAT_TOKENS: tuple[int, ...] = tuple((i * 7919 + 13) % 50257 for i in range(2 * CHUNK_SIZE + 7))
+VLLM_DEFAULT_NONE_HASH_SEED = "vllm-none-hash"  # vllm.v1.core.kv_cache_utils.DEFAULT_NONE_HASH_SEED
+# LMCache 0.5.6 MP server (multiprocess/token_hasher.py, --hash-algorithm blake3, the default), chunk 256:
+# blake3(prefix || tokens as big-endian u32), NONE_HASH = blake3 of (0, (0,), None) hashed the same way.
+# blake3 is not in the stdlib, so these digests of KAT_TOKENS are pinned, not recomputed.
+MP_BLAKE3_KAT = ("b072719b20284b65dc4bdd95be64c11ff51aa420903ed0f4aad58c9db208fc74",
+                 "80e952bb4361f26b4584e3e8883b0e91ea7c019052e9f1bc93cb678d291435fe")
+
+
+def builtin_chain(tokens: Sequence[int], chunk_size: int, start: int) -> list[int]:
+    """The chained builtin hashes of the full chunks of `tokens` from a given NONE_HASH (seed-free: only ints
+    and tuples are hashed), so an engine can check its installed library's chaining whatever its seed."""
+    _check_interpreter()
+    out, h = [], start
+    for i in range(0, len(tokens) - len(tokens) % chunk_size, chunk_size):
+        h = hash((h, tuple(int(t) for t in tokens[i:i + chunk_size]), ()))
+        out.append(h)
+    return out
+
+
+def vllm_block_hashes(tokens: Sequence[int], block_size: int, seed: str | None = None) -> list[bytes]:
+    """vLLM 0.32's prefix-caching block hashes with its default `sha256` (vllm.utils.hashing.sha256 =
+    SHA-256 of pickle protocol 5; hash_block_tokens: (parent, tuple(tokens), extra_keys=None)), chained from
+    NONE_HASH = sha256(seed), seed = PYTHONHASHSEED or vLLM's fixed default. What the native tier's keys are."""
+    import pickle
+
+    def sha(obj: object) -> bytes:
+        return hashlib.sha256(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)).digest()
+
+    h = sha(VLLM_DEFAULT_NONE_HASH_SEED if seed is None else seed)
+    out = []
+    for i in range(0, len(tokens) - len(tokens) % block_size, block_size):
+        h = sha((h, tuple(int(t) for t in tokens[i:i + block_size]), None))
+        out.append(h)
+    return out
+
+
+_LMCACHE_REFERENCE = r"""
+import json, sys, types
+from lmcache.v1.token_database import ChunkedTokenDatabase
+req = json.loads(sys.stdin.read())
+meta = types.SimpleNamespace(model_name="kvtier-kat", world_size=1, worker_id=0, kv_dtype=None, use_mla=False)
+cfg = types.SimpleNamespace(chunk_size=req["chunk_size"], save_unfull_chunk=False, remote_url=None,
+                            enable_pd=False, pre_caching_hash_algorithm="builtin",
+                            get_extra_config_value=lambda k, d: d)
+db = ChunkedTokenDatabase(cfg, meta)
+print("KVTIER-KAT " + json.dumps([int(k) for _s, _e, k in db.process_tokens(tokens=req["tokens"], make_key=False)]))
+"""
+_PYTHON_REFERENCE = r"""
+import json, os, sys
+req = json.loads(sys.stdin.read())
+h, t, n, out = hash(os.environ["PYTHONHASHSEED"]), req["tokens"], req["chunk_size"], []
+for i in range(0, len(t) - len(t) % n, n):
+    h = hash((h, tuple(t[i:i + n]), ()))
+    out.append(h)
+print("KVTIER-KAT " + json.dumps(out))
+"""
+
+
+def _run_reference(code: str, seed: str, chunk_size: int, python: str, timeout: float,
+                   env: dict[str, str] | None) -> list[int] | None:
+    import json
+    import subprocess
+
+    e = dict(os.environ if env is None else env, PYTHONHASHSEED=str(seed), LMCACHE_TRACK_USAGE="false")
+    try:
+        out = subprocess.run([python, "-c", code], input=json.dumps({"tokens": list(KAT_TOKENS),
+                                                                     "chunk_size": chunk_size}),
+                             capture_output=True, text=True, timeout=timeout, env=e)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("KVTIER-KAT ")]
+    if out.returncode != 0 or not lines:
+        return None
+    return [int(x) for x in json.loads(lines[-1][len("KVTIER-KAT "):])]
+
+
+def installed_builtin_check(seed: str | int = HASH_SEED, chunk_size: int = CHUNK_SIZE, *,
+                            python: str | None = None, timeout: float = 180.0,
+                            env: dict[str, str] | None = None) -> tuple[str, str]:
+    """(verdict, detail): LMCache's builtin chunk keys of KAT_TOKENS as the installed LMCache computes them
+    (a child `python` started with PYTHONHASHSEED=seed, as the replicas are) == chunk_hashes(...) here.
+    Without an importable LMCache (a router image) the child checks CPython's own hash chain instead and the
+    verdict is KEY_UNVERIFIED unless that already differs. Blocking (the LMCache import takes seconds)."""
+    python = python or sys.executable
+    want = chunk_hashes(KAT_TOKENS, chunk_size, seed)
+    got = _run_reference(_LMCACHE_REFERENCE, str(seed), chunk_size, python, timeout, env)
+    if got is not None:
+        if got == want:
+            return KEY_OK, f"installed LMCache's builtin chunk keys match kvtier.contract (seed {seed})"
+        return KEY_DRIFT, (f"installed LMCache computes other chunk keys than kvtier.contract for the same tokens "
+                           f"(seed {seed}, chunk {chunk_size}): first {got[:1]} != {want[:1]}")
+    py = _run_reference(_PYTHON_REFERENCE, str(seed), chunk_size, python, timeout, env)
+    if py is None:
+        return KEY_UNVERIFIED, "could not run the reference interpreter"
+    if py != want:
+        return KEY_DRIFT, f"this CPython's hash chain differs from kvtier.contract's (seed {seed})"
+    return KEY_UNVERIFIED, "LMCache is not importable here: only CPython's hash chain was checked (it matches)"

@@ -31,6 +31,7 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 from starlette.requests import ClientDisconnect
 
+from kvtier.contract import KEY_STATES
 from router.accounting import CacheAccounting, TierCostCalibrator
 from router.admission import AdmissionConfig, Gate, Ticket
 from router.kvevents import DROPPED, KVEventSubscriber
@@ -722,6 +723,10 @@ class Router:
         for r in self.replicas.replicas.values():
             self.m.external.labels(r.url, "running").set(r.ext_running)
             self.m.external.labels(r.url, "waiting").set(r.ext_waiting)
+        state = getattr(self.cfg.l2_lookup, "key_state", None)
+        if state is not None:
+            for s in KEY_STATES:
+                self.m.l2_key_check.labels(s).set(1 if s == state else 0)
         for url, sub in self.subs.items():
             if sub.stats.lag_s:
                 self.m.kv_lag.labels(url).set(sub.stats.lag_s[-1])

@@ -8,6 +8,14 @@ kvtier.contract computes both the hashes (pure Python, no LMCache, no PYTHONHASH
 names; we ask the master how many leading paths exist (`Client.prefix_lookup`, one RPC, pins nothing).
 Any failure is a miss.
 
+Key drift: the names above are only right while the replicas' LMCache hashes as kvtier.contract does. At
+start-up (warm) a background thread hashes contract.KAT_TOKENS with the installed LMCache in a child process
+started with the replicas' seed (contract.installed_builtin_check, ~20 s for the LMCache import). On a
+mismatch kvaware gets no L2 credit at all (lookups answer 0 without asking l2fs), with one ERROR line
+"KVTIER KEY DRIFT" and the gauge kvtier_router_l2_key_check{state="drift"}; until the check has answered
+(state "pending") and where LMCache is not installed ("unverified": CPython's hash chain alone is checked)
+lookups work as before. The router's own prefix index hashes token ids itself and is not affected.
+
 Salted endpoints (tenant isolation, kvtier.contract.salted_prefix) write one directory deeper; the router
 holds their salts: env KVTIER_KV_SALT_FILE / KVTIER_KV_SALT for --l2fs-prefix itself, and KVTIER_KV_SALT_DIR,
 a directory with one file per endpoint (named as the endpoint's directory under --l2fs-prefix, e.g. a mounted
@@ -19,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import threading
 from collections import OrderedDict
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -37,7 +46,7 @@ class L2Lookup:
                  chunk_size: int = contract.CHUNK_SIZE, hash_seed: str = contract.HASH_SEED,
                  model_name: str | None = None, dtype: str = "float", world_size: int = 1, worker_id: int = 0,
                  rpc_timeout: float = 0.5, client: Any = None, salts: Mapping[str, bytes | str] | None = None,
-                 salt_dir: str | None = None) -> None:
+                 salt_dir: str | None = None, key_check: bool = True) -> None:
         if mode not in contract.L2_MODES:
             raise ValueError(f"unknown l2fs mode {mode!r}; choose one of {', '.join(contract.L2_MODES)}")
         contract.none_hash(hash_seed)  # a bad seed fails at start-up, not as a silent miss per request
@@ -56,6 +65,30 @@ class L2Lookup:
             self.salts[self.prefix] = default
         self.salt_dir = salt_dir if salt_dir is not None else os.environ.get(SALT_DIR_ENV) or None
         self._salt_files: dict[str, tuple[float, bytes]] = {}
+        self.key_check = key_check  # warm() checks the installed LMCache's keys against the contract
+        self.key_state, self.key_detail = contract.KEY_PENDING, "not checked yet"
+        self._key_thread: threading.Thread | None = None
+
+    def start_key_check(self) -> None:
+        """Check the installed LMCache's chunk keys against the contract, off the event loop (once)."""
+        if self._key_thread is not None:
+            return
+        self._key_thread = threading.Thread(target=self._check_keys, name="kvtier-l2-keycheck", daemon=True)
+        self._key_thread.start()
+
+    def _check_keys(self) -> None:
+        try:
+            state, detail = contract.installed_builtin_check(self.hash_seed, self.chunk_size)
+        except Exception as e:  # noqa: BLE001 - a broken check is no verdict, never a router failure
+            state, detail = contract.KEY_UNVERIFIED, f"the check could not run: {e}"
+        self.key_state, self.key_detail = state, detail
+        if state == contract.KEY_DRIFT:
+            log.error("KVTIER KEY DRIFT: %s; kvaware gives no L2 credit from now on (every lookup would miss "
+                      "or, worse, match other chunks); replicas' own KV events still count", detail)
+        elif state == contract.KEY_UNVERIFIED:
+            log.warning("l2fs key check unverified: %s", detail)
+        else:
+            log.info("l2fs key check: %s", detail)
 
     def salt_for(self, prefix: str) -> bytes | None:
         """The salt of a chunk directory: configured for it, else its endpoint's file in salt_dir, else None."""
@@ -106,6 +139,8 @@ class L2Lookup:
 
     def lookup(self, tokens: list[int], model: str, prefix: str | None = None) -> int:
         """Blocking: leading tokens present in L2 (0 on any error: a miss, never a failure)."""
+        if self.key_state == contract.KEY_DRIFT:  # the replicas' keys are not ours: no L2 credit
+            return 0
         try:
             paths = self.paths(tokens, model, prefix)
             if not paths:
@@ -118,7 +153,9 @@ class L2Lookup:
             return 0
 
     async def warm(self) -> None:
-        """Connect before serving, so the first lookups are not timed-out misses."""
+        """Connect before serving, so the first lookups are not timed-out misses; start the key check."""
+        if self.key_check:
+            self.start_key_check()
         try:
             await asyncio.get_running_loop().run_in_executor(self._pool, self._connect)
         except Exception as e:  # noqa: BLE001 - a dead master at start-up is a miss, as later

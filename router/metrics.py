@@ -54,5 +54,8 @@ class Metrics:
         self.kv_blocks = Gauge("kvtier_router_kv_index_blocks", "Blocks in the KV-event index", registry=r)
         self.tree_blocks = Gauge("kvtier_router_prefix_tree_blocks", "Blocks in the approximate prefix tree",
                                  registry=r)
+        self.l2_key_check = Gauge("kvtier_router_l2_key_check",
+                                  "Installed LMCache's chunk keys vs kvtier.contract: 1 for the current state "
+                                  "(pending, ok, drift = no L2 credit, unverified)", ["state"], registry=r)
         self.kv_lag = Gauge("kvtier_router_kv_event_lag_seconds", "Latest event-to-index lag", ["replica"],
                             registry=r)
