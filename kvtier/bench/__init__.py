@@ -10,6 +10,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "cross-pod": ("kvtier.bench.cross_pod", "TTFT cold vs cross-pod L2 hit vs same-pod L1 hit, by prompt length"),
     "l2": ("kvtier.bench.l2", "L2 data path: l2fs client/mount vs local dir vs Redis, same bytes"),
     "routing": ("kvtier.bench.routing", "multi-round chat through each router strategy and vllm-router"),
+    "workload": ("kvtier.bench.workload", "multi-turn load past L0+L1: a fleet without kvtier vs each tier/router"),
     "routing-sim": ("kvtier.bench.routing_sim",
                     "routers on fake test replicas: hit rate vs oracle, balance, --overhead at a fixed rate"),
     "vllm-serve": ("kvtier.bench.vllm_serve", "vLLM's own `bench serve` (prefix_repetition) through each router"),
