@@ -34,12 +34,6 @@ SHAPE = torch.Size([2, 4, 256, 128])
 PREFIX = "/kvtier/kv"
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory):
-    with LocalCluster(tmp_path_factory.mktemp("l2fs"), workers=2) as c:
-        yield c
-
-
 def _metadata() -> LMCacheMetadata:
     return LMCacheMetadata(model_name=MODEL, world_size=1, local_world_size=1, worker_id=0, local_worker_id=0,
                            kv_dtype=torch.float32, kv_shape=(4, 2, 256, 2, 64))

@@ -20,6 +20,7 @@ from __future__ import annotations
 import shutil
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -116,9 +117,8 @@ def walk(client: object, path: str) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> LocalCluster:
-    with LocalCluster(tmp_path_factory.mktemp("l2fs"), workers=2, capacity="2G") as c:
-        yield c
+def cluster_options() -> dict[str, Any]:
+    return {"capacity": "2G"}
 
 
 def test_lmcache_storage_backend_suite_on_l2fs_plugin(cluster: LocalCluster, tmp_path: Path,

@@ -30,12 +30,6 @@ from l2fs.testing.cluster import LocalCluster
 SHAPE = torch.Size([2, 2, 256, 64])
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory):
-    with LocalCluster(tmp_path_factory.mktemp("l2fs-mp"), workers=2) as c:
-        yield c
-
-
 def _adapter(master: str, node: str = "node-1", **params) -> L2fsL2Adapter:
     spec = {"type": "plugin", "module_path": "connector.mp_l2fs", "class_name": "L2fsL2Adapter",
             "adapter_params": {"master": master, "node_id": node, "timeout": 1.0, **params}}

@@ -42,12 +42,6 @@ TOKENS = [(i * 131) % 30000 for i in range(3 * 256 + 17)]  # three full chunks
 CHUNKS = contract.chunk_hashes(TOKENS)
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory):
-    with LocalCluster(tmp_path_factory.mktemp("l2fs"), workers=2) as c:
-        yield c
-
-
 def _manager(node: str, *, master: str | None = None, mount: str | None = None, salt: str | None,
              namespace: str = "ep", revision: str = "rev1") -> StorageManager:
     d = lmcache_config(chunk_size=256, l1_gb=0.1, l2fs_master=master, mount_path=mount, node_id=node,

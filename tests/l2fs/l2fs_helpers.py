@@ -2,28 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import TypeVar
-
-import pytest
+from polling import wait_until  # noqa: F401  (the suite's one poller, re-exported for the l2fs tests)
 
 from l2fs.testing.cluster import LocalCluster
-
-T = TypeVar("T")
-
-
-def wait_until(cond: Callable[[], T], timeout: float = 10.0, interval: float = 0.05) -> T:
-    """Poll cond() until truthy; returns its value or fails the test after timeout."""
-    import time
-
-    deadline = time.monotonic() + timeout
-    while True:
-        v = cond()
-        if v:
-            return v
-        if time.monotonic() > deadline:
-            pytest.fail(f"condition not met within {timeout}s")
-        time.sleep(interval)
 
 
 def block_files(cluster: LocalCluster, i: int) -> list:

@@ -21,12 +21,11 @@ BAD_PATHS = ["relative/x", "/a/../../etc/passwd", "/a//b", "/nul\x00x", "", "/" 
 
 
 @pytest.fixture(scope="module")
-def bcluster(tmp_path_factory: pytest.TempPathFactory):
-    with LocalCluster(tmp_path_factory.mktemp("bad"), workers=1, capacity="256M", heartbeat_timeout=2,
-                      heartbeat_interval=0.3, master_args=["--max-file-size", "8M"],
-                      worker_args=["--max-file-size", "8M"]) as c:
-        c.client(node_id="node-1").put("/keep/me", b"precious")
-        yield c
+def bcluster(cluster_factory: Callable[..., LocalCluster]) -> LocalCluster:
+    c = cluster_factory(1, name="bad", capacity="256M", heartbeat_timeout=2, heartbeat_interval=0.3,
+                        master_args=["--max-file-size", "8M"], worker_args=["--max-file-size", "8M"])
+    c.client(node_id="node-1").put("/keep/me", b"precious")
+    return c
 
 
 def _status(fn: Callable[[], Any]) -> grpc.RpcError:

@@ -13,6 +13,7 @@ import sys
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -32,11 +33,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
-def small(tmp_path_factory: pytest.TempPathFactory) -> LocalCluster:
+def small(cluster_factory: Callable[..., LocalCluster]) -> LocalCluster:
     """Two workers with a 1 MiB max file size (so "too large" is cheap to hit)."""
-    with LocalCluster(tmp_path_factory.mktemp("l2fs-batch"), workers=2, capacity="1G",
-                      master_args=["--max-file-size", "1M"]) as c:
-        yield c
+    return cluster_factory(2, name="l2fs-batch", capacity="1G", master_args=["--max-file-size", "1M"])
 
 
 def test_mixed_batch_each_item_on_its_own(small: LocalCluster) -> None:

@@ -4,7 +4,7 @@ StorageManager/RemoteBackend over our plugin against a real LocalCluster, counte
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -30,9 +30,8 @@ PREFIX = "/kvtier/kv"
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
-    with LocalCluster(tmp_path_factory.mktemp("l2fs-batch-plugin"), workers=2) as c:
-        yield c
+def cluster_options() -> dict[str, Any]:
+    return {"name": "l2fs-batch-plugin"}  # 2 workers, no capacity limit
 
 
 def _manager(master: str) -> StorageManager:

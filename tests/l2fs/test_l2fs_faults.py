@@ -6,6 +6,7 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 
 import pytest
 from l2fs_helpers import block_files, wait_until
@@ -16,10 +17,8 @@ HB_TIMEOUT = 2.0
 
 
 @pytest.fixture(scope="module")
-def fcluster(tmp_path_factory: pytest.TempPathFactory):
-    with LocalCluster(tmp_path_factory.mktemp("faults"), workers=2, capacity="1G",
-                      heartbeat_timeout=HB_TIMEOUT, heartbeat_interval=0.3) as c:
-        yield c
+def fcluster(cluster_factory: Callable[..., LocalCluster]) -> LocalCluster:
+    return cluster_factory(2, name="faults", capacity="1G", heartbeat_timeout=HB_TIMEOUT, heartbeat_interval=0.3)
 
 
 def _alive(cluster: LocalCluster) -> dict[str, bool]:

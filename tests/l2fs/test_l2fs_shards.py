@@ -10,7 +10,7 @@ import errno
 import re
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import fsspec
@@ -45,10 +45,8 @@ def _of(paths: list[str], shard: int) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def sharded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
-    with LocalCluster(tmp_path_factory.mktemp("l2fs-shards"), workers=2, capacity="256M", shards=N,
-                      heartbeat_timeout=4.0) as c:
-        yield c
+def sharded(cluster_factory: Callable[..., LocalCluster]) -> LocalCluster:
+    return cluster_factory(2, name="l2fs-shards", capacity="256M", shards=N, heartbeat_timeout=4.0)
 
 
 def _direct(cluster: LocalCluster, shard: int, **kw: object) -> Client:

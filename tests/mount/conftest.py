@@ -7,6 +7,7 @@ import os
 import subprocess
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from mount_helpers import Mount, start_mount
@@ -32,9 +33,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
-    with LocalCluster(tmp_path_factory.mktemp("l2fs"), workers=2, capacity="2G") as c:
-        yield c
+def cluster_options() -> dict[str, Any]:
+    """The mount tests' `cluster` (tests/conftest.py): two workers (node-1, node-2), 2 GiB each, per module."""
+    return {"capacity": "2G"}
 
 
 @pytest.fixture

@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from polling import wait_until, waited  # noqa: F401  (the suite's one poller, re-exported)
+
 from kvtier.bench.common import rss_bytes  # noqa: F401  (re-exported: the reliability tests use it)
 
 # Client deadline used throughout the suite; the issue asks for <= 2 s by default.
@@ -75,23 +77,6 @@ def stopped(pid: int) -> Iterator[None]:
 # --------------------------------------------------------------------------------------------------
 # Timing
 # --------------------------------------------------------------------------------------------------
-
-
-def wait_until(pred: Callable[[], Any], timeout: float, interval: float = 0.05) -> float:
-    """Poll pred until truthy; returns the seconds it took. Raises TimeoutError with the last value."""
-    t0 = time.monotonic()
-    last: Any = None
-    while True:
-        try:
-            last = pred()
-        except Exception as exc:  # noqa: BLE001 - a poll that raises is "not yet"; keep the reason for the error text
-            last = exc
-        else:
-            if last:
-                return time.monotonic() - t0
-        if time.monotonic() - t0 > timeout:
-            raise TimeoutError(f"condition not met within {timeout:.1f}s (last: {last!r})")
-        time.sleep(interval)
 
 
 @dataclass

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import signal
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -60,12 +61,9 @@ DAMAGE = ["flip-first", "flip-middle", "flip-last", "truncate-half", "truncate-z
 
 
 @pytest.fixture(scope="module")
-def corrupt_cluster(tmp_path_factory: pytest.TempPathFactory) -> Any:
+def corrupt_cluster(cluster_factory: Callable[..., Any]) -> Any:
     """One 2-worker cluster shared by the damage cases (each case uses its own paths)."""
-    from l2fs.testing.cluster import LocalCluster
-
-    with LocalCluster(tmp_path_factory.mktemp("corrupt"), workers=2) as cluster:
-        yield cluster
+    return cluster_factory(2, name="corrupt")
 
 
 @pytest.mark.parametrize("via", ["tcp", "grpc", "short-circuit"])

@@ -55,11 +55,8 @@ def _as_nobody(root: Path) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    from l2fs.testing.cluster import LocalCluster
-
-    with LocalCluster(tmp_path_factory.mktemp("fuseperm"), workers=1) as c:
-        yield c
+def cluster_options() -> dict[str, Any]:
+    return {"name": "fuseperm", "workers": 1}
 
 
 @pytest.fixture

@@ -7,6 +7,7 @@ stay up and keep serving real data; their memory stays bounded; the data dir sta
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import grpc
@@ -74,19 +75,17 @@ def _methods(service: str) -> list[tuple[str, Any, bool, bool]]:
 
 
 @pytest.fixture(scope="module")
-def fuzz_cluster(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    from l2fs.testing.cluster import LocalCluster
-
-    with LocalCluster(tmp_path_factory.mktemp("fuzz"), workers=1, capacity=str(CAPACITY)) as cluster:
-        c = cluster.client(timeout=DEADLINE)
-        data = payload(1, 128 * 1024, "/fz/keep")
-        assert c.put("/fz/keep", data) is True
-        cluster.fz_keep = data  # the object every fuzz round must leave intact and readable
-        cluster.fz_pids = [proc_pid(cluster.master_proc), proc_pid(cluster.workers[0])]
-        cluster.fz_rss0 = [rss_bytes(p) for p in cluster.fz_pids]
-        cluster.fz_worker = c.report().workers[0].address
-        yield cluster
-        c.close()
+def fuzz_cluster(cluster_factory: Callable[..., Any]) -> Iterator[Any]:
+    cluster = cluster_factory(1, name="fuzz", capacity=str(CAPACITY))
+    c = cluster.client(timeout=DEADLINE)
+    data = payload(1, 128 * 1024, "/fz/keep")
+    assert c.put("/fz/keep", data) is True
+    cluster.fz_keep = data  # the object every fuzz round must leave intact and readable
+    cluster.fz_pids = [proc_pid(cluster.master_proc), proc_pid(cluster.workers[0])]
+    cluster.fz_rss0 = [rss_bytes(p) for p in cluster.fz_pids]
+    cluster.fz_worker = c.report().workers[0].address
+    yield cluster
+    c.close()
 
 
 def _call(channel: grpc.Channel, service: str, name: str, req: Any, cstream: bool, sstream: bool) -> Any:

@@ -10,7 +10,17 @@ import signal
 import time
 from typing import Any
 
-from reliability_faults import DEADLINE, SLACK, check_payload, payload, proc_pid, stopped, timed, wait_until
+from reliability_faults import (
+    DEADLINE,
+    SLACK,
+    check_payload,
+    payload,
+    proc_pid,
+    stopped,
+    timed,
+    wait_until,
+    waited,
+)
 
 from l2fs.client import L2fsError
 
@@ -74,7 +84,7 @@ def test_master_kill9_restart_rebuilds_namespace(make_cluster: Any, record_prope
     cluster.start_master()
     fresh = cluster.client(timeout=DEADLINE)
     paths = sorted(expected)
-    rebuild = wait_until(lambda: fresh.prefix_lookup(paths) == len(paths), 30)
+    rebuild = waited(lambda: fresh.prefix_lookup(paths) == len(paths), 30)
     record_property("rebuild_s", round(rebuild, 2))
     print(f"master down {OUTAGE:.0f}s: namespace rebuilt {rebuild:.2f}s after restart")
     # 1.3-4.7 s normally; 8.5 s once on a loaded box. The bound guards against gRPC's default reconnect
@@ -137,7 +147,7 @@ def test_master_sigstop_longer_than_heartbeat_timeout(make_cluster: Any, record_
             assert call.error is None and call.result is None and call.seconds <= DEADLINE + SLACK, call
         call = timed("exists", keys[0], lambda: c.exists(keys[0]))
         assert isinstance(call.error, L2fsError) and call.seconds <= DEADLINE + SLACK, call
-    back = wait_until(lambda: c.prefix_lookup(keys) == len(keys), 15)
+    back = waited(lambda: c.prefix_lookup(keys) == len(keys), 15)
     record_property("resume_to_full_namespace_s", round(back, 2))
     for k in keys:
         check_payload(c.get(k), SIZE, k)

@@ -13,6 +13,7 @@ import contextlib
 import socket
 import struct
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -150,11 +151,9 @@ def test_tls_cluster_refuses_plaintext(make_cluster: Any, certs: dict[str, str])
 
 
 @pytest.fixture(scope="module")
-def plain_cluster(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    from l2fs.testing.cluster import LocalCluster
-
-    with LocalCluster(tmp_path_factory.mktemp("plain"), workers=1, block_key=False) as cluster:  # token mode: raw calls with the token (capabilities: tests/l2fs/test_l2fs_capabilities.py)
-        yield cluster
+def plain_cluster(cluster_factory: Callable[..., Any]) -> Any:
+    # token mode: raw calls with the token (capabilities: tests/l2fs/test_l2fs_capabilities.py)
+    return cluster_factory(1, name="plain", block_key=False)
 
 
 @pytest.mark.parametrize("bad", BAD_PATHS, ids=range(len(BAD_PATHS)))

@@ -27,6 +27,7 @@ from reliability_faults import (
     stopped,
     timed,
     wait_until,
+    waited,
 )
 
 from l2fs.client import L2fsError, Unavailable
@@ -121,7 +122,7 @@ def test_worker_kill9_during_reads_and_writes(make_cluster: Any, record_property
         pid = proc_pid(victim)
         cluster.kill_worker(0, signal.SIGKILL)
         t_kill = time.monotonic()
-        detect = wait_until(lambda: _alive(reader, victim.node_id) is not True, DEAD_AFTER + 5)
+        detect = waited(lambda: _alive(reader, victim.node_id) is not True, DEAD_AFTER + 5)
         time.sleep(0.5)
     stats = _check_calls(h.calls)
     record_property("detect_s", round(detect, 2))
@@ -159,7 +160,7 @@ def test_worker_sigstop_reads_are_misses_then_recovers(make_cluster: Any, record
 
     written: dict[str, Call] = {}
     with Hammer(_workload(reader, writer, keys, written), threads=4) as h, stopped(proc_pid(victim)):
-        detect = wait_until(lambda: _alive(reader, victim.node_id) is not True, DEAD_AFTER + 5)
+        detect = waited(lambda: _alive(reader, victim.node_id) is not True, DEAD_AFTER + 5)
         time.sleep(DEADLINE + 0.5)  # keep calls in flight against the frozen worker for a full deadline
     stats = _check_calls(h.calls)
     record_property("detect_s", round(detect, 2))
@@ -168,7 +169,7 @@ def test_worker_sigstop_reads_are_misses_then_recovers(make_cluster: Any, record
     assert stats["miss"] + stats["error"] > 0, "reads of a frozen worker's blocks cannot all succeed"
 
     # SIGCONT: the worker resumes heartbeats, the master takes it back with its blocks.
-    recover = wait_until(lambda: reader.prefix_lookup(keys) == len(keys), 30)
+    recover = waited(lambda: reader.prefix_lookup(keys) == len(keys), 30)
     record_property("recover_s", round(recover, 2))
     _verify_after(reader, keys, written)
 
@@ -180,7 +181,7 @@ def test_worker_dropped_from_stat_within_default_timeout(make_cluster: Any, reco
     keys = _fill(client, "/rel/default", 4)
     t0 = time.monotonic()
     cluster.kill_worker(0, signal.SIGKILL)
-    detect = wait_until(lambda: client.prefix_lookup(keys) == 0 and _alive(client, "node-1") is not True, 15)
+    detect = waited(lambda: client.prefix_lookup(keys) == 0 and _alive(client, "node-1") is not True, 15)
     record_property("detect_default_s", round(detect, 2))
     print(f"default settings: kill -9 to locations dropped {detect:.2f}s (from kill: {time.monotonic() - t0:.2f}s)")
     # Bound: the 10 s (the master counts the timeout from the failure since a6f8a1e).

@@ -5,11 +5,11 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+from polling import wait_until  # noqa: F401  (the suite's one poller, re-exported for the router tests)
 
 from l2fs import procs
 from l2fs.common import free_port
@@ -107,11 +107,3 @@ def metric(router: Proc, name: str, **labels: str) -> float:
     return total
 
 
-def wait_for(cond, timeout: float = 10.0, interval: float = 0.05):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        v = cond()
-        if v:
-            return v
-        time.sleep(interval)
-    raise AssertionError("condition not met in time")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 
 import httpx
-from router_helpers import metric, wait_for
+from router_helpers import metric, wait_until
 
 BODY = {"model": "test-model", "prompt": "admission control " * 8, "max_tokens": 2}
 
@@ -67,7 +67,7 @@ def test_no_healthy_replica_is_a_fast_503_with_retry_after(cluster):
     rep = cluster.replica(kv=False)
     rt = cluster.router([rep])
     rep.stop()
-    wait_for(lambda: rt.get("/health").status_code == 503)
+    wait_until(lambda: rt.get("/health").status_code == 503)
     r = rt.post("/v1/completions", json=BODY)
     assert r.status_code == 503 and r.headers["retry-after"] == "1"
     assert metric(rt, "kvtier_router_rejected_total", reason="no_replica") >= 1
@@ -84,9 +84,9 @@ def test_streams_hold_their_slot_until_sent_and_give_it_back(cluster):
         busy = httpx.post(rt.url + "/v1/completions", json=BODY, timeout=30)
         assert busy.status_code == 429 and busy.headers["retry-after"] == "1"  # the one slot is the stream's
         # the client leaves mid-stream: the slot must come back anyway
-    wait_for(lambda: metric(rt, "kvtier_router_admitted") == 0)
+    wait_until(lambda: metric(rt, "kvtier_router_admitted") == 0)
     assert httpx.post(rt.url + "/v1/completions", json=BODY, timeout=30).status_code == 200
     with httpx.stream("POST", rt.url + "/v1/completions", json=body, timeout=30) as s:
         assert b"[DONE]" in b"".join(s.iter_raw())  # read to the end
-    wait_for(lambda: metric(rt, "kvtier_router_admitted") == 0)
+    wait_until(lambda: metric(rt, "kvtier_router_admitted") == 0)
     assert metric(rt, "kvtier_router_rejected_total", reason="queue_full") == 1

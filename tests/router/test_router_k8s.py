@@ -9,7 +9,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from router_helpers import PY, Proc, _spawn, complete, wait_for
+from router_helpers import PY, Proc, _spawn, complete, wait_until
 
 kmock = pytest.importorskip("kmock")
 from kubernetes import client  # noqa: E402
@@ -76,17 +76,17 @@ def test_pods_by_label_selector_with_readiness(k8s, cluster):
     def members() -> set[str]:
         return {x["url"] for x in rt.get("/health").json()["replicas"]}
 
-    wait_for(lambda: members() == {a.url}, timeout=40)  # importing the kubernetes client is slow
+    wait_until(lambda: members() == {a.url}, timeout=40)  # importing the kubernetes client is slow
     for i in range(4):
         assert complete(rt, f"x{i}").headers["x-kvtier-replica"] == a.url
     # b becomes Ready -> joins; c never matches the selector
     api.patch_namespaced_pod("b", "serving", {"status": {"conditions": [{"type": "Ready", "status": "True"}]}})
-    wait_for(lambda: members() == {a.url, b.url}, timeout=20)
+    wait_until(lambda: members() == {a.url, b.url}, timeout=20)
     got = Counter(complete(rt, f"y{i}").headers["x-kvtier-replica"] for i in range(6))
     assert set(got) == {a.url, b.url}
     # a is deleted -> leaves at once; no request goes there afterwards
     api.delete_namespaced_pod("a", "serving")
-    wait_for(lambda: members() == {b.url}, timeout=20)
+    wait_until(lambda: members() == {b.url}, timeout=20)
     assert {complete(rt, f"z{i}").headers["x-kvtier-replica"] for i in range(4)} == {b.url}
     assert c.get("/admin/stats").json()["requests"] == 0
 
@@ -130,7 +130,7 @@ def test_l2_hit_is_credited_only_to_the_revision_whose_prefix_holds_it(k8s, clus
             c.put(path, b"kv-bytes")
         rt = _k8s_router(cluster, url, "--strategy", "kvaware", "--tokenizer", "bytes", "--l2fs-master",
                          l2.master, "--l2fs-model-name", "tiny-model", "--l2fs-timeout", "5")
-        wait_for(lambda: {x["url"] for x in rt.get("/health").json()["replicas"]} == {old.url, new.url}, timeout=60)
+        wait_until(lambda: {x["url"] for x in rt.get("/health").json()["replicas"]} == {old.url, new.url}, timeout=60)
         for prompt, where in home.items():
             r = complete(rt, prompt)
             assert r.status_code == 200, r.text

@@ -7,7 +7,7 @@ import threading
 import time
 
 import httpx
-from router_helpers import complete, metric, wait_for
+from router_helpers import complete, metric, wait_until
 
 
 def test_bad_input_gets_clear_errors(cluster):
@@ -181,13 +181,13 @@ def test_client_disconnect_cancels_upstream_nonstreaming_and_streaming(cluster):
     rt = cluster.router([rep])
     body = {"model": "test-model", "prompt": "long one", "max_tokens": 200}  # 10 s if not cancelled
     _abort_after(rt.url + "/v1/completions", body, 0.7)
-    wait_for(lambda: rep.get("/admin/stats").json()["cancelled"] == 1, timeout=5)
+    wait_until(lambda: rep.get("/admin/stats").json()["cancelled"] == 1, timeout=5)
     _abort_after(rt.url + "/v1/completions", {**body, "stream": True}, 0.7)
-    wait_for(lambda: rep.get("/admin/stats").json()["cancelled"] == 2, timeout=5)
+    wait_until(lambda: rep.get("/admin/stats").json()["cancelled"] == 2, timeout=5)
     st = rep.get("/admin/stats").json()
     assert st["completed"] == 0 and st["inflight"] == 0
     # and the router's own in-flight accounting did not leak
-    wait_for(lambda: rt.get("/health").json()["replicas"][0]["inflight"] == 0, timeout=5)
+    wait_until(lambda: rt.get("/health").json()["replicas"][0]["inflight"] == 0, timeout=5)
     assert metric(rt, "kvtier_router_client_disconnects_total") == 2
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 from collections import Counter
 
-from router_helpers import complete, metric, wait_for
+from router_helpers import complete, metric, wait_until
 
 SYS = "You are a helpful assistant. Answer briefly and precisely, citing sources when you can. " * 3
 
@@ -52,7 +52,7 @@ def test_kvaware_follows_real_kv_events_not_router_memory(cluster):
     for rep, p in ((b, prompt + "B"), (a, "other " + prompt)):
         r = rep.post("/v1/completions", json={"model": "test-model", "prompt": p, "max_tokens": 1})
         assert r.status_code == 200
-    wait_for(lambda: metric(rt, "kvtier_router_kv_events_total", type="BlockStored") >= 2)
+    wait_until(lambda: metric(rt, "kvtier_router_kv_events_total", type="BlockStored") >= 2)
     for i in range(3):
         r = complete(rt, prompt + f"B and more {i}")
         assert r.headers["x-kvtier-replica"] == b.url and r.headers["x-kvtier-route"] == "cache_hit"
@@ -70,14 +70,14 @@ def test_kvaware_reset_and_eviction_events_update_the_index(cluster):
     rt = cluster.router([a, b], "--strategy", "kvaware", kv=True)
     prompt = "x" * 160  # 10 blocks
     a.post("/v1/completions", json={"model": "test-model", "prompt": prompt, "max_tokens": 1})
-    wait_for(lambda: metric(rt, "kvtier_router_kv_index_blocks") == 10)
+    wait_until(lambda: metric(rt, "kvtier_router_kv_index_blocks") == 10)
     # eviction: 10 more blocks into a 12-block cache -> BlockRemoved for the oldest 8
     a.post("/v1/completions", json={"model": "test-model", "prompt": "y" * 160, "max_tokens": 1})
-    wait_for(lambda: metric(rt, "kvtier_router_kv_events_total", type="BlockRemoved") == 1)
-    wait_for(lambda: metric(rt, "kvtier_router_kv_index_blocks") == 12)
+    wait_until(lambda: metric(rt, "kvtier_router_kv_events_total", type="BlockRemoved") == 1)
+    wait_until(lambda: metric(rt, "kvtier_router_kv_index_blocks") == 12)
     # AllBlocksCleared (vLLM's /reset_prefix_cache) empties that replica's part of the index
     a.post("/reset_prefix_cache")
-    wait_for(lambda: metric(rt, "kvtier_router_kv_index_blocks") == 0)
+    wait_until(lambda: metric(rt, "kvtier_router_kv_index_blocks") == 0)
     assert metric(rt, "kvtier_router_kv_events_total", type="AllBlocksCleared") == 1
 
 
@@ -90,23 +90,23 @@ def test_kvaware_sequence_gap_is_replayed_or_purged(cluster):
         rep.post("/v1/completions", json={"model": "test-model", "prompt": text, "max_tokens": 1})
 
     warm(a, "first " * 10)
-    wait_for(lambda: metric(rt, "kvtier_router_kv_index_blocks") == 3)
+    wait_until(lambda: metric(rt, "kvtier_router_kv_index_blocks") == 3)
     a.post("/admin/drop_events", json={"n": 2})  # the next two batches never reach the subscriber
     warm(a, "second " * 10)
     warm(a, "third " * 10)
     warm(a, "fourth " * 10)  # arrives with a seq gap -> replay from the ROUTER socket
-    wait_for(lambda: metric(rt, "kvtier_router_kv_events_total", type="replay") == 1)
+    wait_until(lambda: metric(rt, "kvtier_router_kv_events_total", type="replay") == 1)
     assert metric(rt, "kvtier_router_kv_events_total", type="gap") == 1
-    wait_for(lambda: metric(rt, "kvtier_router_kv_index_blocks") == 3 + 4 + 3 + 4)
+    wait_until(lambda: metric(rt, "kvtier_router_kv_index_blocks") == 3 + 4 + 3 + 4)
     r = complete(rt, "second " * 10 + "tail")
     assert r.headers["x-kvtier-replica"] == a.url and r.headers["x-kvtier-route"] == "cache_hit"
     # now the replay buffer only keeps one batch: a gap cannot be filled -> the replica is purged
     a.post("/admin/drop_events", json={"n": 3, "buffer_steps": 1})
     for w in ("fifth ", "sixth ", "seventh ", "eighth "):
         warm(a, w * 10)
-    wait_for(lambda: metric(rt, "kvtier_router_kv_events_total", type="purge:gap") == 1)
+    wait_until(lambda: metric(rt, "kvtier_router_kv_events_total", type="purge:gap") == 1)
     # after the purge only what arrived since is known: the "eighth" batch, 70 bytes = 4 blocks
-    wait_for(lambda: metric(rt, "kvtier_router_kv_index_blocks") == 4)
+    wait_until(lambda: metric(rt, "kvtier_router_kv_index_blocks") == 4)
 
 
 def test_load_cap_spreads_a_hot_shared_prompt(cluster):
@@ -140,7 +140,7 @@ def test_session_is_a_bonus_that_yields_when_the_replica_is_down(cluster):
         assert r.headers["x-kvtier-replica"] == home
     victim = next(p for p in reps if p.url == home)
     victim.post("/admin/fault", json={"mode": "down"})
-    wait_for(lambda: not {x["url"]: x["up"] for x in rt.get("/health").json()["replicas"]}[home])
+    wait_until(lambda: not {x["url"]: x["up"] for x in rt.get("/health").json()["replicas"]}[home])
     r = complete(rt, "round 6", headers=hdr)
     assert r.status_code == 200 and r.headers["x-kvtier-replica"] != home
     # the session moved: it now sticks to its new replica

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import httpx
-from router_helpers import complete, metric, wait_for
+from router_helpers import complete, metric, wait_until
 
 
 def _external(router, replica: str) -> float:
@@ -35,7 +35,7 @@ def test_load_sent_through_one_router_steers_the_other(cluster):
         assert len(held) == 1, routes
         x = held.pop()
         # b never routed any of them, yet reads them off x's vllm:num_requests_running
-        wait_for(lambda: _external(b, x) >= 6, timeout=15)
+        wait_until(lambda: _external(b, x) >= 6, timeout=15)
         assert _external(a, x) == 0  # a subtracts its own requests: none of x's load is someone else's
         others = {r.url for r in reps} - {x}
         for d in range(12):  # new prefixes, all costs equal but load: by chance none on x only (3/4)^12 = 3 %
@@ -46,4 +46,4 @@ def test_load_sent_through_one_router_steers_the_other(cluster):
         for cm in streams:
             cm.__exit__(None, None, None)  # closing the client side aborts the request at the replica
         client.close()
-    wait_for(lambda: _external(b, x) == 0, timeout=15)  # the load is gone from b's view once it ends
+    wait_until(lambda: _external(b, x) == 0, timeout=15)  # the load is gone from b's view once it ends

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from router_helpers import Cluster, Proc, free_port, metric, wait_for
+from router_helpers import Cluster, Proc, free_port, metric, wait_until
 
 pytestmark = pytest.mark.vllm
 
@@ -70,7 +70,7 @@ def test_repeated_prefix_goes_to_the_holder_and_hits(vllm_pair, tiny_model, tmp_
         direct = httpx.post(b.url + "/v1/completions", timeout=300,
                             json={"model": "tiny", "prompt": doc + " Question one?", "max_tokens": 1})
         assert direct.status_code == 200
-        wait_for(lambda: metric(rt, "kvtier_router_kv_events_total", replica=b.url, type="BlockStored") > 0,
+        wait_until(lambda: metric(rt, "kvtier_router_kv_events_total", replica=b.url, type="BlockStored") > 0,
                  timeout=30)
         hits = []
         for q in ("two", "three", "four"):

@@ -11,7 +11,7 @@ from urllib.parse import urlsplit
 
 import httpx
 import pytest
-from router_helpers import metric, wait_for
+from router_helpers import metric, wait_until
 
 from router.app import merge_metrics
 
@@ -61,7 +61,7 @@ def test_a_dead_worker_is_replaced_and_the_port_keeps_serving(cluster):
     victim = int(sorted(seen)[0])
     os.kill(victim, signal.SIGKILL)
     # every request is answered meanwhile (the kernel only hands connections to listening workers)
-    new = wait_for(lambda: {_post(rt.url, f"again {i}").headers["x-kvtier-router-pid"] for i in range(8)}
+    new = wait_until(lambda: {_post(rt.url, f"again {i}").headers["x-kvtier-router-pid"] for i in range(8)}
                    - seen, timeout=30)
     assert str(victim) not in new
     assert rt.p.poll() is None
