@@ -24,6 +24,7 @@ from .patch import (
     IEC_KIND,
     IEC_PLURAL,
     OPT_IN_KEY,
+    PATCHED_KEY,
     SNAPSHOT_KEY,
     PatchConfig,
     PatchError,
@@ -419,6 +420,13 @@ class Procedure:
         if problems:
             for p in problems:
                 self.say(f"FAIL {p}")
+            if PATCHED_KEY not in (dep["metadata"].get("annotations") or {}):
+                # never patched: typically created before the webhook answered (failurePolicy Ignore admits it
+                # as rendered) or in a namespace it does not watch; its next UPDATE goes through the webhook
+                self.say(f"FIX {self.namespace}/{name} was admitted unpatched (created before the webhook "
+                         f"answered, or its namespace lacks the label kvtier.io/l2fs-webhook=enabled): "
+                         f"`kubectl -n {self.namespace} rollout restart deployment/{name}` has the webhook patch "
+                         f"it and rolls its pods, or `kvtier operator-patch apply` patches it without the webhook")
             return 1
         self.say(f"OK {self.namespace}/{name}: {self.cfg.mode} mode, exactly one L2 setting, rollout complete")
         self.warn_webhook()

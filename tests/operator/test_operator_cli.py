@@ -99,7 +99,10 @@ def replicas_seen(cluster: Cluster, ns: str, name: str) -> list[int]:
 def test_apply_pauses_drains_patches_restores(cluster: Cluster, capsys: pytest.CaptureFixture[str]) -> None:
     before = setup(cluster)
     assert run(cluster, "verify") == 1
-    assert "FAIL env LMCACHE_REMOTE_URL" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "FAIL env LMCACHE_REMOTE_URL" in out
+    # admitted unpatched (e.g. before the webhook answered): verify says how to get it patched
+    assert "FIX team-a/qwen2-7b was admitted unpatched" in out and "rollout restart deployment/qwen2-7b" in out
 
     assert run(cluster, "apply") == 0
     out = capsys.readouterr().out

@@ -146,3 +146,40 @@ def test_monitoring_objects_are_selected_by_kube_prometheus_stack(release: str, 
            and side["searchNamespace"] in ("ALL", d["metadata"].get("namespace"))]
     assert [c["metadata"]["name"] for c in cms] == ["kvtier-grafana-dashboard"]
     assert any(k.endswith(".json") for k in cms[0]["data"])
+
+
+def install_commands(doc: str) -> list[str]:
+    """The shell commands of a doc's install code block ("Install, step by step" / the bench's steps), with
+    continuation lines joined and comments dropped."""
+    text = (ROOT / "docs" / doc).read_text()
+    if doc == "deploy.md":
+        text = text.split("## Install, step by step", 1)[1]
+    blocks = re.findall(r"```[a-z]*\n(.*?)```", text, re.S)
+    lines = "\n".join(blocks).replace("\\\n", " ").splitlines()
+    return [ln.split(" #", 1)[0].strip() for ln in lines if ln.strip() and not ln.strip().startswith("#")]
+
+
+@pytest.mark.parametrize("doc", ["deploy.md", "bench-cluster.md"])
+def test_install_applies_the_endpoint_only_after_the_webhook_answers(doc: str) -> None:
+    """The apply that creates the InferenceEndpointConfig comes after the one that creates the webhook, with
+    waits between them for the webhook's pods and for its caBundle (failurePolicy Ignore admits whatever the
+    operator renders before that, unpatched); together the applies install all of hyperpod-g6e."""
+    cmds = install_commands(doc)
+    applies = [(i, c.split("apply -k", 1)[1].split()[0]) for i, c in enumerate(cmds) if "kubectl apply -k" in c]
+    rendered = {target: render(target.removeprefix("deploy/")) for _, target in applies
+                if target.startswith("deploy/overlays/hyperpod-g6e")}
+    assert rendered, cmds
+
+    def first(kind: str) -> int:
+        steps = [i for i, t in applies if t in rendered and any(d["kind"] == kind for d in rendered[t])]
+        assert steps, f"{doc}: no step applies a {kind}"
+        return steps[0]
+
+    hook, endpoint = first("MutatingWebhookConfiguration"), first("InferenceEndpointConfig")
+    assert hook < endpoint, f"{doc}: the endpoint is applied with or before the webhook"
+    between = cmds[hook + 1:endpoint]
+    assert any("rollout status" in c and "deploy/kvtier-webhook" in c for c in between), between
+    assert any("kubectl wait" in c and "caBundle" in c and "mutatingwebhookconfiguration/kvtier-operator-patch" in c
+               for c in between), between
+    whole = {(d["kind"], d["metadata"]["name"]) for d in render("overlays/hyperpod-g6e")}
+    assert {(d["kind"], d["metadata"]["name"]) for docs in rendered.values() for d in docs} == whole
