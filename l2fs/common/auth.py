@@ -182,6 +182,9 @@ class FileToken:
             return ""
 
 
+ENDPOINT_WRITES = ("plugin", "mount")  # how endpoints write their KV (master --endpoint-writes)
+
+
 class Credentials:
     """The tokens a server accepts and what each may do. Without a tokens file the single `--token` is the
     old shared secret (admin + worker: every holder can do everything, the insecure-between-pods mode);
@@ -193,7 +196,13 @@ class Credentials:
 
     LEGACY = frozenset({"admin", "worker"})
 
-    def __init__(self, token: str | None = None, tokens_file: str | None = None, identity: Any = None) -> None:
+    def __init__(self, token: str | None = None, tokens_file: str | None = None, identity: Any = None, *,
+                 endpoint_writes: str = "plugin") -> None:
+        """`endpoint_writes` (ENDPOINT_WRITES): "plugin", endpoints write with their engine credentials and a
+        prefix one serves is closed to every mount (Credentials.bounded); "mount", they write through the node
+        mounts, which may then write under every prefix of theirs (mount mode: no endpoint's KV is closed)."""
+        if endpoint_writes not in ENDPOINT_WRITES:
+            raise ValueError(f"endpoint writes must be one of {ENDPOINT_WRITES}, not {endpoint_writes!r}")
         if tokens_file:
             self.entries = load_token_entries(tokens_file)
         elif token:
@@ -205,7 +214,7 @@ class Credentials:
         # prefix by default) covered them, so a write through any node's mount planted a key of a plugin-mode
         # endpoint, whose put then answered "exists" and whose engine loaded the planted bytes.
         self.served = tuple(sorted({p for _, _, c in self.entries if "engine" in c.roles and "admin" not in c.roles
-                                    for p in c.prefixes if p != "/"}))
+                                    for p in c.prefixes if p != "/"})) if endpoint_writes == "plugin" else ()
         self.entries = [(t, d, self.bounded(c)) for t, d, c in self.entries]
         self._digests = [(bytes.fromhex(d), c) for _, d, c in self.entries]
 

@@ -24,6 +24,7 @@ from l2fs.common import (
     wait_for_stop_signal,
     write_port_file,
 )
+from l2fs.common.auth import ENDPOINT_WRITES
 from l2fs.master.identity import CACHE_TTL
 from l2fs.master.journal import JournalError
 from l2fs.master.registry import FORGET_DEAD_AFTER
@@ -75,6 +76,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mount-prefixes", default=os.environ.get("L2FS_MOUNT_PREFIXES") or MOUNT_PREFIXES,
                    metavar="P1,P2", help=f"with --mount-sa: the prefixes the mounts may write under (default "
                                          f"{MOUNT_PREFIXES}, what `kvtier tokens generate --mount` gives)")
+    p.add_argument("--endpoint-writes", choices=ENDPOINT_WRITES, default="plugin",
+                   help="how endpoints write their KV: plugin (default: each with its engine credential, so a "
+                        "prefix an engine credential of the tokens file serves is closed to every mount: a node's "
+                        "mount cannot plant another endpoint's chunks) or mount (through the node FUSE mounts, "
+                        "which then may write under every endpoint's prefix; deploy/ passes $(KVTIER_MODE))")
     p.add_argument("--review-cache-ttl", type=float, default=CACHE_TTL, metavar="SECONDS",
                    help=f"with --worker-identity k8s or --mount-sa: seconds a positive TokenReview is trusted "
                         f"(renewed after two thirds of it, on a budget made-up tokens cannot reach; default "
@@ -125,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
             identity = K8sIdentity(args.worker_sa if args.worker_identity == "k8s" else None, args.worker_audience,
                                    args.kubeconfig, cache_ttl=args.review_cache_ttl, mount_sa=args.mount_sa,
                                    mount_prefixes=prefixes)
-        creds = Credentials(token, args.tokens_file, identity)
+        creds = Credentials(token, args.tokens_file, identity, endpoint_writes=args.endpoint_writes)
     except (TokensFileError, ValueError, PathError) as e:
         print(f"l2fs master: {e}", file=sys.stderr)
         return 2

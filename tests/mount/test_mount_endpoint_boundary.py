@@ -13,6 +13,7 @@ Real master, workers and a `l2fs mount` process with its own projected ServiceAc
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -37,9 +38,10 @@ ENGINE_B = "engine-b-token-0123456789abcdef"
 KV = "/kvtier/kv"
 
 
-@pytest.fixture(scope="module")
-def node_mount(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LocalCluster, Mount]]:
-    base = tmp_path_factory.mktemp("epmount")
+@contextlib.contextmanager
+def _node_mount(base: Path, *master_args: str) -> Iterator[tuple[LocalCluster, Mount]]:
+    """Master (--mount-sa, a tokens file in which endpoint B has an engine credential), a worker, and node 1's
+    mount showing its own ServiceAccount token."""
     with review_api(base) as api:
         tokens = base / "tokens.json"
         tokens.write_text(json.dumps([
@@ -48,7 +50,7 @@ def node_mount(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Local
             {"name": "engine-ep-b", "token": ENGINE_B, "role": "engine", "prefixes": [f"{KV}/ep-b"]}]))
         sec = ["--tokens-file", str(tokens), "--token", MASTER]
         master = [*sec, "--mount-sa", "kvtier:l2fs-mount", "--worker-audience", "l2fs",
-                  "--kubeconfig", str(api.kubeconfig)]
+                  "--kubeconfig", str(api.kubeconfig), *master_args]
         with LocalCluster(base / "c", workers=1, capacity="512M", token=ADMIN, master_args=master,
                           worker_args=sec) as c:
             tok = jwt("node-1")
@@ -60,6 +62,12 @@ def node_mount(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Local
                 yield c, m
             finally:
                 m.stop()
+
+
+@pytest.fixture(scope="module")
+def node_mount(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LocalCluster, Mount]]:
+    with _node_mount(tmp_path_factory.mktemp("epmount")) as got:  # --endpoint-writes plugin, the default
+        yield got
 
 
 def _errno(fn: Any) -> int | None:
@@ -96,3 +104,15 @@ def test_mount_cannot_plant_another_endpoints_chunks(node_mount: tuple[LocalClus
     assert tried == {"create": errno.EACCES, "mkdir": errno.EACCES, "rename": errno.EACCES}, tried
     assert own.read_bytes() == b"mount-mode endpoint" * 100
     assert (m / f"kvtier/kv/ep-b/{key}").read_bytes() == mine  # the mount still reads B's chunks
+
+
+def test_mount_mode_mounts_still_write_every_endpoint(tmp_path: Path) -> None:
+    """With `--endpoint-writes mount` (deploy/ passes $(KVTIER_MODE): endpoints write through the node mounts,
+    their engine credentials unused for KV) the mount writes under B's prefix as before, and an engine's put of
+    that key then answers "exists"."""
+    with _node_mount(tmp_path, "--endpoint-writes", "mount") as (c, m):
+        (m / "kvtier/kv/ep-b").mkdir(parents=True, exist_ok=True)
+        (m / "kvtier/kv/ep-b/chunk.data").write_bytes(b"through the mount" * 100)
+        with c.client(token=ENGINE_B) as b:
+            assert b.get(f"{KV}/ep-b/chunk.data") == b"through the mount" * 100
+            assert b.put(f"{KV}/ep-b/chunk.data", b"other") is False
