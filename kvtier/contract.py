@@ -11,7 +11,7 @@ as h_i = hash((h_{i-1}, tuple(chunk_i), ())), starting from vLLM's NONE_HASH = h
 the replicas' PYTHONHASHSEED (`vllm.v1.core.kv_cache_utils.init_none_hash`). Hashes of ints and tuples are
 not randomized in CPython (>= 3.8, 64-bit), so only hash(str(seed)) depends on the seed: we compute it with
 SipHash-1-3 (CPython >= 3.11's string hash) keyed the way CPython derives its key from PYTHONHASHSEED. The
-router therefore needs neither LMCache nor the env var. tests/router/test_contract_hash.py checks this
+router therefore needs neither LMCache nor the env var. tests/contract/test_contract_hash.py checks this
 against real LMCache + vLLM keys and fails loudly when the versions below change.
 """
 
