@@ -28,18 +28,16 @@ files (--master HOST:PORT or $L2FS_MASTER):
 
 
 def _client_parser(prog: str) -> argparse.ArgumentParser:
+    from l2fs.options import add_client_args
+
     p = argparse.ArgumentParser(prog=f"l2fs {prog}")
-    p.add_argument("--master", default=os.environ.get("L2FS_MASTER"),
-                   help="host:port, 'h1:p,h2:p' (failover) or 'm0:p;m1:p' (shards) ($L2FS_MASTER)")
-    p.add_argument("--node-id", default=os.environ.get("L2FS_NODE_ID", ""))
-    p.add_argument("--token", default=None)
-    p.add_argument("--tls-ca", default=None)
-    p.add_argument("--timeout", type=float, default=10.0)
+    add_client_args(p, timeout=10.0)
     return p
 
 
 def _files(cmd: str, argv: list[str]) -> int:
     from l2fs.client import Client, L2fsError
+    from l2fs.options import ClientOptions
 
     p = _client_parser(cmd)
     if cmd == "put":
@@ -66,8 +64,7 @@ def _files(cmd: str, argv: list[str]) -> int:
         print(f"l2fs {cmd}: give --master HOST:PORT or set L2FS_MASTER", file=sys.stderr)
         return 2
     try:
-        with Client(args.master, node_id=args.node_id, token=args.token, tls_ca=args.tls_ca,
-                    timeout=args.timeout) as c:
+        with Client(args.master, **ClientOptions.from_args(args).client_kwargs()) as c:
             return _run(c, cmd, args)
     except L2fsError as e:
         print(f"l2fs {cmd}: {type(e).__name__}: {e}", file=sys.stderr)

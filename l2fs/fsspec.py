@@ -17,6 +17,7 @@ from typing import Any
 from fsspec.spec import AbstractBufferedFile, AbstractFileSystem
 
 from l2fs.client import Client, FileInfo, NotFound
+from l2fs.options import ClientOptions
 
 
 class L2FileSystem(AbstractFileSystem):
@@ -26,14 +27,16 @@ class L2FileSystem(AbstractFileSystem):
     root_marker = "/"
 
     def __init__(self, master: str | None = None, *, node_id: str | None = None, token: str | None = None,
-                 tls_ca: str | None = None, timeout: float = 2.0, short_circuit: bool = True,
-                 **kwargs: Any) -> None:
+                 token_file: str | None = None, tls_ca: str | None = None, timeout: float = 2.0,
+                 short_circuit: bool = True, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        self.master = master or os.environ.get("L2FS_MASTER")
+        # the shared client options (l2fs.options): kwargs first, else the environment, else their defaults
+        opts = ClientOptions.from_mapping({"master": master, "node_id": node_id, "token": token,
+                                           "token_file": token_file, "tls_ca": tls_ca, "timeout": timeout})
+        self.master = opts.master
         if not self.master:
             raise ValueError("l2fs: give master='HOST:PORT', an l2fs://HOST:PORT/ URL or $L2FS_MASTER")
-        self.client = Client(self.master, node_id=node_id, token=token, tls_ca=tls_ca, timeout=timeout,
-                             short_circuit=short_circuit)
+        self.client = Client(self.master, **opts.client_kwargs(), short_circuit=short_circuit)
 
     # ------------------------------------------------------------ URLs
     @classmethod

@@ -25,6 +25,7 @@ from typing import Any, Self
 
 import grpc
 
+from l2fs import envs
 from l2fs.client.errors import InvalidPath, L2fsError, Unavailable, _error
 from l2fs.client.types import _Shard
 from l2fs.common import (
@@ -70,18 +71,18 @@ class ClientCore:
         fd_passing: bool = True,
         local_writes: bool = True,
     ) -> None:
-        master = master or os.environ.get("L2FS_MASTER")
+        master = master or envs.get("L2FS_MASTER")
         if not master:
             raise ValueError("no l2fs master: pass master='host:port' or set L2FS_MASTER")
         shards = parse_masters(master)
         self.masters = [m for addrs in shards for m in addrs]
-        self.node_id = node_id if node_id is not None else os.environ.get("L2FS_NODE_ID", "")
-        tok = token if token is not None else os.environ.get("L2FS_TOKEN") or None
+        self.node_id = node_id if node_id is not None else envs.node_id()
+        tok = token if token is not None else envs.get("L2FS_TOKEN")
         # a callable (l2fs.common.FileToken: a projected ServiceAccount token the kubelet rotates) is asked at
         # every call; `token` is then None (capabilities, not tokens, carry the data plane and fd requests)
         self._token_fn: Callable[[], str] | None = tok if callable(tok) else None
         self.token: str | None = None if callable(tok) else tok
-        self.tls_ca = tls_ca if tls_ca is not None else os.environ.get("L2FS_TLS_CA") or None
+        self.tls_ca = tls_ca if tls_ca is not None else envs.get("L2FS_TLS_CA")
         self.timeout = timeout
         self.short_circuit = short_circuit
         self.fd_passing = fd_passing

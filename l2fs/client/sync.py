@@ -15,7 +15,8 @@ class Client(ReadOps, WriteOps, NamespaceOps):
     master: "host:port", a comma-separated failover list, or shards separated by ';' ("m0a:p,m0b:p;m1:p":
         paths are routed by shard_of(path), batches split per shard and sent in parallel); default
         $L2FS_MASTER.
-    node_id: this process's node, for local-first placement and short-circuit I/O; default $L2FS_NODE_ID.
+    node_id: this process's node, for local-first placement and short-circuit I/O; default $L2FS_NODE_ID, else
+        the hostname (l2fs.envs.node_id).
     token: bearer token for clusters started with --token; default $L2FS_TOKEN. A callable returning it (e.g.
         l2fs.common.FileToken) is asked at every call.
     tls_ca: CA bundle path to enable TLS; default $L2FS_TLS_CA.

@@ -12,9 +12,10 @@ The status byte is the error's type (clients map it, never the message text).
 
 from __future__ import annotations
 
-import os
 import socket
 import struct
+
+from l2fs import envs
 
 MAGIC = b"L2D1"
 OK, NOT_FOUND, DENIED, BAD, BUSY = 0, 1, 2, 3, 4
@@ -67,4 +68,4 @@ def send_err(sock: socket.socket, status: int, msg: str) -> None:
 
 def enabled_by_default() -> bool:
     """$L2FS_DATA_PLANE=grpc forces gRPC streaming (for comparisons)."""
-    return os.environ.get("L2FS_DATA_PLANE", "tcp") != "grpc"
+    return envs.get("L2FS_DATA_PLANE") != "grpc"

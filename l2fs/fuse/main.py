@@ -21,8 +21,9 @@ from l2fs.client import (
     Client,
     L2fsError,
 )
-from l2fs.common import DEFAULT_MAX_FILE_SIZE, FileToken, parse_size
+from l2fs.common import DEFAULT_MAX_FILE_SIZE, parse_size
 from l2fs.fuse.operations import L2Operations
+from l2fs.options import ClientOptions, add_client_args
 
 log = logging.getLogger("l2fs.fuse")
 
@@ -104,20 +105,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="l2fs mount", description="Mount an l2fs cluster with FUSE (foreground; "
                                 "SIGTERM/SIGINT unmount cleanly).")
     p.add_argument("mountpoint")
-    p.add_argument("--master", default=os.environ.get("L2FS_MASTER"), help="HOST:PORT[,HOST:PORT] ($L2FS_MASTER)")
-    p.add_argument("--node-id", default=os.environ.get("L2FS_NODE_ID"),
-                   help="this node's id: local-first writes and short-circuit reads ($L2FS_NODE_ID)")
-    p.add_argument("--token", default=os.environ.get("L2FS_TOKEN"), help="bearer token ($L2FS_TOKEN)")
-    p.add_argument("--token-file", default=os.environ.get("L2FS_TOKEN_FILE") or None,
-                   help="read the bearer token from this file at every call instead ($L2FS_TOKEN_FILE): the pod's "
+    add_client_args(p, timeout=2.0, help={"token_file": (
+                   "read the bearer token from this file at every call instead ($L2FS_TOKEN_FILE): the pod's "
                         "projected ServiceAccount token, which the kubelet rotates and the master reviews "
                         "(master --mount-sa); wins over --token. Workers do not know such a token: writes go over the "
                         "workers' raw-TCP data plane with the master's capabilities (needs a master with a block "
-                        "key and no TLS); same-node reads still short-circuit")
-    p.add_argument("--tls-ca", default=os.environ.get("L2FS_TLS_CA"))
+                        "key and no TLS); same-node reads still short-circuit")})
     p.add_argument("--root", default="/", help="l2fs directory shown at the mountpoint (default /)")
     p.add_argument("--read-only", action="store_true", help="mount read-only (writes fail with EROFS)")
-    p.add_argument("--timeout", type=float, default=2.0, help="per-RPC deadline in seconds (default 2)")
     p.add_argument("--cache-timeout", type=float, default=1.0,
                    help="kernel entry/attr cache seconds, at most 1 (default 1)")
     p.add_argument("--page-cache", action="store_true",
@@ -189,13 +184,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     a = parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if a.debug else logging.INFO,
                         format="%(asctime)s l2fs-mount %(levelname)s %(message)s")
-    token = FileToken(a.token_file) if a.token_file else a.token
+    copts = ClientOptions.from_args(a)
     # A ServiceAccount token is known to the master (TokenReview), not to the workers (they hold token digests
     # only): writes then move with the master's per-block capabilities over the data plane (same-node
     # ReserveLocal/AdoptLocal need a token the worker knows); same-node reads still take fds from the worker's
     # socket, which checks capabilities only.
-    client = Client(a.master, node_id=a.node_id, token=token, tls_ca=a.tls_ca, timeout=a.timeout,
-                    local_writes=not a.token_file)
+    client = Client(a.master, **copts.client_kwargs(), local_writes=not copts.token_file)
     root = a.root.rstrip("/") or "/"
     if root != "/" and not a.read_only:
         try:

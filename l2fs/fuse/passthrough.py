@@ -46,6 +46,7 @@ from l2fs.common import crc32c_fast, parse_size
 from l2fs.fuse import kernel as fp
 from l2fs.fuse.main import mount_type, stat_is_dir
 from l2fs.fuse.operations import errno_of
+from l2fs.options import ClientOptions, add_client_args
 from l2fs.proto import l2fs_pb2 as pb
 
 log = logging.getLogger("l2fs.fuse.passthrough")
@@ -667,13 +668,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                                 description="Read-only l2fs mount whose reads use FUSE passthrough (Linux >= 6.9).")
     p.add_argument("mountpoint")
     p.add_argument("--passthrough", action="store_true", help="(selects this server; always on here)")
-    p.add_argument("--master", default=os.environ.get("L2FS_MASTER"))
-    p.add_argument("--node-id", default=os.environ.get("L2FS_NODE_ID"))
-    p.add_argument("--token", default=os.environ.get("L2FS_TOKEN"))
-    p.add_argument("--tls-ca", default=os.environ.get("L2FS_TLS_CA"))
+    add_client_args(p, timeout=2.0)
     p.add_argument("--root", default="/")
     p.add_argument("--read-only", action="store_true", help="(always read-only)")
-    p.add_argument("--timeout", type=float, default=2.0, help="per-RPC deadline in seconds (default 2)")
     p.add_argument("--cache-timeout", type=float, default=1.0, help="kernel entry/attr cache, <= 1 s")
     p.add_argument("--process-reads", action="store_true",
                    help="do not use passthrough: answer READ requests from this process (the fallback path)")
@@ -710,7 +707,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     a = parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if a.debug else logging.INFO,
                         format="%(asctime)s l2fs-mount-pt %(levelname)s %(message)s")
-    client = Client(a.master, node_id=a.node_id, token=a.token, tls_ca=a.tls_ca, timeout=a.timeout)
+    client = Client(a.master, **ClientOptions.from_args(a).client_kwargs())
     cache_dir = tempfile.mkdtemp(prefix="l2fs-pt-", dir=a.cache_dir)
     mp = os.path.abspath(a.mountpoint)
     srv = PassthroughServer(client, mp, root=a.root, cache_dir=cache_dir, cache_size=a.cache_size,

@@ -17,6 +17,7 @@ import threading
 from contextlib import closing
 from pathlib import Path
 
+from l2fs import envs
 from l2fs.common import (
     DEFAULT_MAX_FILE_SIZE,
     WORKER_ID_SEP,
@@ -36,6 +37,7 @@ from l2fs.common.fdpass import default_socket_path
 from l2fs.common.protocol import MANIFEST_VERSION, SIZED_CAPABILITIES
 from l2fs.dataplane.server import DataServer
 from l2fs.dataplane.wire import DATA_IDLE_TIMEOUT, DATA_MAX_CONNS
+from l2fs.options import add_client_args
 from l2fs.proto import l2fs_pb2_grpc as pbg
 from l2fs.worker.fdserver import FdServer
 from l2fs.worker.registration import MasterLinks
@@ -206,11 +208,18 @@ def _worker_id(first_dir: Path, node_id: str) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="l2fs worker", description="Run an l2fs block-storing worker.")
-    p.add_argument("--master", default=os.environ.get("L2FS_MASTER"), help="master host:port ($L2FS_MASTER)")
+    add_client_args(p, timeout=None, help={
+        "master": "master host:port ($L2FS_MASTER)",
+        "node_id": "the node this worker registers under ($L2FS_NODE_ID, else the hostname)",
+        "token": "bearer token ($L2FS_TOKEN): alone, the cluster's one shared secret (insecure between pods); "
+                 "with --tokens-file, this worker's own worker-role token for the master",
+        "token_file": "read the bearer token for the master from PATH at every registration/heartbeat (a "
+                      "projected ServiceAccount token for a master with --worker-identity k8s; also "
+                      "$L2FS_TOKEN_FILE). Needs --tokens-file (what this worker accepts)",
+        "tls_ca": "CA to verify the master's TLS certificate ($L2FS_TLS_CA)"})
     p.add_argument("--data-dir", action="append", required=True, metavar="[TIER]PATH[:CAPACITY]",
                    help="storage dir, repeatable; capacity like 10G or 512M (default: free space); optional "
                         "tier [MEM]/[SSD]/[HDD]: new blocks go to the fastest tier, cold ones move down")
-    p.add_argument("--node-id", default=os.environ.get("L2FS_NODE_ID") or socket.gethostname())
     p.add_argument("--worker-id", default=None, help="default: stored in the first data dir")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8997, help="gRPC port (0 = pick a free one)")
@@ -239,18 +248,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--capability-skew", type=float, default=capability.DEFAULT_SKEW, metavar="SECONDS",
                    help="seconds a block capability is still accepted past its expiry (clock difference to the "
                         f"master; default {capability.DEFAULT_SKEW:g})")
-    p.add_argument("--token", default=None,
-                   help="bearer token (also $L2FS_TOKEN): alone, the cluster's one shared secret (insecure "
-                        "between pods); with --tokens-file, this worker's own worker-role token for the master")
-    p.add_argument("--token-file", default=os.environ.get("L2FS_TOKEN_FILE") or None, metavar="PATH",
-                   help="read the bearer token for the master from PATH at every registration/heartbeat (a "
-                        "projected ServiceAccount token for a master with --worker-identity k8s; also "
-                        "$L2FS_TOKEN_FILE). Needs --tokens-file (what this worker accepts)")
-    p.add_argument("--tokens-file", default=os.environ.get("L2FS_TOKENS_FILE"),
+    p.add_argument("--tokens-file", default=envs.get("L2FS_TOKENS_FILE"),
                    help="JSON list of {name, token, role, prefixes} this worker accepts (also $L2FS_TOKENS_FILE)")
     p.add_argument("--tls-cert")
     p.add_argument("--tls-key")
-    p.add_argument("--tls-ca", help="CA to verify the master's TLS certificate")
     p.add_argument("--log-level", default="INFO")
     return p
 
@@ -276,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
         print("l2fs worker: need 0 < low watermark <= high watermark <= 1", file=sys.stderr)
         return 2
     dirs = [parse_data_dir(s) for s in args.data_dir]
-    token = args.token or os.environ.get("L2FS_TOKEN") or None
+    token = args.token or None
     try:
         creds = Credentials(token, args.tokens_file)
     except TokensFileError as e:
