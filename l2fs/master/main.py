@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sqlite3
 import sys
 
+from l2fs import envs
 from l2fs.common import (
     DEFAULT_MAX_FILE_SIZE,
     BlockKey,
@@ -29,7 +29,6 @@ from l2fs.master.identity import CACHE_TTL
 from l2fs.master.journal import JournalError
 from l2fs.master.registry import FORGET_DEAD_AFTER
 from l2fs.master.service import MasterService, serve
-from l2fs.master.state import MOUNT_PREFIXES
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -57,25 +56,25 @@ def build_parser() -> argparse.ArgumentParser:
                    help="require this bearer token (also $L2FS_TOKEN). Alone it is one shared secret with admin + "
                         "worker rights for every holder (insecure between pods); with --tokens-file it is only "
                         "the token the master calls workers with")
-    p.add_argument("--tokens-file", default=os.environ.get("L2FS_TOKENS_FILE"),
+    p.add_argument("--tokens-file", default=envs.get("L2FS_TOKENS_FILE"),
                    help="JSON list of {name, token, role: worker|engine|router|admin, prefixes}: scoped tokens "
                         "(also $L2FS_TOKENS_FILE); see docs/l2fs.md")
-    p.add_argument("--worker-identity", choices=("tokens", "k8s"), default=os.environ.get("L2FS_WORKER_IDENTITY")
-                   or "tokens", help="how workers prove who they are: worker-role entries of the tokens file "
+    p.add_argument("--worker-identity", choices=("tokens", "k8s"), default=envs.get("L2FS_WORKER_IDENTITY"),
+                   help="how workers prove who they are: worker-role entries of the tokens file "
                    "(default), or k8s: a projected ServiceAccount token checked with a TokenReview, bound to the "
                    "node the review names (l2fs/master/identity.py; also $L2FS_WORKER_IDENTITY)")
-    p.add_argument("--worker-sa", default=os.environ.get("L2FS_WORKER_SA") or "kvtier:l2fs-worker",
+    p.add_argument("--worker-sa", default=envs.get("L2FS_WORKER_SA"),
                    metavar="NAMESPACE:NAME", help="with --worker-identity k8s: the workers' ServiceAccount")
-    p.add_argument("--worker-audience", default=os.environ.get("L2FS_WORKER_AUDIENCE") or "l2fs",
+    p.add_argument("--worker-audience", default=envs.get("L2FS_WORKER_AUDIENCE"),
                    help="with --worker-identity k8s: the audience the workers' tokens must carry (default l2fs)")
-    p.add_argument("--mount-sa", default=os.environ.get("L2FS_MOUNT_SA") or None, metavar="NAMESPACE:NAME",
+    p.add_argument("--mount-sa", default=envs.get("L2FS_MOUNT_SA"), metavar="NAMESPACE:NAME",
                    help="the FUSE mounts' ServiceAccount (also $L2FS_MOUNT_SA): a mount pod's projected token "
                         "(--worker-audience), checked with a TokenReview, becomes the mount credential "
                         "mount@<node>, so a mount replaces or deletes only files written through its own node's "
                         "mount. Default: none (mounts use tokens-file entries)")
-    p.add_argument("--mount-prefixes", default=os.environ.get("L2FS_MOUNT_PREFIXES") or MOUNT_PREFIXES,
+    p.add_argument("--mount-prefixes", default=envs.get("L2FS_MOUNT_PREFIXES"),
                    metavar="P1,P2", help=f"with --mount-sa: the prefixes the mounts may write under (default "
-                                         f"{MOUNT_PREFIXES}, what `kvtier tokens generate --mount` gives)")
+                                         f"{envs.VARS['L2FS_MOUNT_PREFIXES'].default}, what `kvtier tokens generate --mount` gives)")
     p.add_argument("--endpoint-writes", choices=ENDPOINT_WRITES, default="plugin",
                    help="how endpoints write their KV: plugin (default: each with its engine credential, so a "
                         "prefix an engine credential of the tokens file serves is closed to every mount: a node's "
@@ -88,7 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kubeconfig", default=None,
                    help="with --worker-identity k8s or --mount-sa: API server config (default $KUBECONFIG, else "
                         "in-cluster)")
-    p.add_argument("--block-key-file", default=os.environ.get("L2FS_BLOCK_KEY_FILE") or None,
+    p.add_argument("--block-key-file", default=envs.get("L2FS_BLOCK_KEY_FILE"),
                    help="file of >= 32 random bytes shared by every master (also $L2FS_BLOCK_KEY_FILE): block ids "
                         "become a MAC over (worker id, size), and commits or worker reports of ids it does not "
                         "verify are not published. Without it: uuid4 ids, no check. Turning it on unpublishes "
@@ -121,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
         except (ValueError, PathError) as e:
             parser.error(f"--prefix-quota {spec!r}: expected PREFIX=SIZE like /kvtier/kv/a=10GiB ({e})")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    token = args.token or os.environ.get("L2FS_TOKEN") or None
+    token = args.token or envs.get("L2FS_TOKEN")
     try:
         identity = None
         if args.worker_identity == "k8s" or args.mount_sa:
