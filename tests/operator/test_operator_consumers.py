@@ -254,3 +254,30 @@ def test_lmcache_config_argv_parses_with_vllm(vllm_parser: argparse.ArgumentPars
     assert ns.kv_transfer_config.kv_connector == "LMCacheConnectorV1"
     assert ns.kv_transfer_config.kv_load_failure_policy == "recompute"
     assert (ns.enable_prefix_caching is not False) is (device == "cuda")  # None: vLLM's default, on
+
+
+def router_args(docs: list[dict[str, Any]]) -> argparse.Namespace:
+    """The rendered kvtier-router container's argv (kubelet-expanded) parsed by `kvtier router`'s own parser."""
+    from router.cli import build_parser
+
+    c = rendered_container(docs, "Deployment", "kvtier-router")
+    cms = {d["metadata"]["name"]: d["data"] for d in docs if d["kind"] == "ConfigMap"}
+    secrets = {"kvtier-router-api-key": {"api-key": "k"}, "kvtier-router-l2fs-token": {"token": "t"}}
+    env = container_env(c, configmaps=cms, secrets=secrets,
+                        fields={**FIELDS, "metadata.namespace": "team-a"})
+    argv = container_argv(c, env)
+    assert argv[:2] == ["kvtier", "router"], argv
+    return build_parser().parse_args(argv[2:])
+
+
+@pytest.mark.parametrize("overlay", ["overlays/hyperpod-g6e", "overlays/hyperpod-p5"])
+def test_each_overlay_has_a_router_that_reads_l2_as_its_pods_write_it(overlay: str) -> None:
+    """Both HyperPod overlays ship an example endpoint with a router, and that router's L2 lookups (mode,
+    prefix, master, as its parser reads them) are how the webhook configures that overlay's vLLM pods."""
+    docs = render(overlay)
+    cfg = webhook_config(overlay)
+    assert [d["metadata"]["name"] for d in docs if d["kind"] == "InferenceEndpointConfig"], f"{overlay}: no endpoint"
+    ns = router_args(docs)
+    assert ns.l2fs_mode == cfg.mode, f"{overlay}: router --l2fs-mode {ns.l2fs_mode}, pods written in {cfg.mode} mode"
+    assert ns.l2fs_prefix.rstrip("/") == cfg.prefix.rstrip("/")
+    assert ns.l2fs_master == cfg.master
