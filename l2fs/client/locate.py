@@ -9,6 +9,7 @@ from typing import Any
 
 from l2fs.client.core import ClientCore, _check
 from l2fs.client.errors import InvalidPath, L2fsError, Unavailable
+from l2fs.common import MAX_BATCH_ITEMS
 from l2fs.common.capability import expiry_of
 from l2fs.proto import l2fs_pb2 as pb
 
@@ -78,6 +79,10 @@ class LocateOps(ClientCore):
         A hint: any fault (master unreachable, deadline) returns 0 and the reads locate one by one as
         before; invalid paths raise InvalidPath like the reads would. Measured on 31 chunks of 1 MiB: one
         StatMany ~2 ms vs ~26 ms for 31 Stats (`kvtier bench chunk-read`)."""
+        if len(paths) > MAX_BATCH_ITEMS:  # the master takes MAX_BATCH_ITEMS per call
+            end = _deadline if _deadline is not None else time.monotonic() + self.timeout
+            return sum(self.locate_many(paths[k:k + MAX_BATCH_ITEMS], _deadline=end)
+                       for k in range(0, len(paths), MAX_BATCH_ITEMS))
         norm = [_check(p) for p in paths]
         now = time.monotonic()
         deadline = _deadline if _deadline is not None else now + self.timeout

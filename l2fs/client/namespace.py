@@ -12,6 +12,7 @@ from l2fs.client.core import ClientCore, _check
 from l2fs.client.errors import AlreadyExists, CrossShard, L2fsError, NotFound, Unavailable
 from l2fs.client.types import ClusterReport, FileInfo, WorkerInfo, _info
 from l2fs.common import (
+    MAX_BATCH_ITEMS,
     parent_of,
 )
 from l2fs.proto import l2fs_pb2 as pb
@@ -68,7 +69,11 @@ class NamespaceOps(ClientCore):
 
 
     def stat_many(self, paths: Sequence[str]) -> list[FileInfo | None]:
-        """One RPC per shard (in parallel). A directory is found on its own shard only (use stat)."""
+        """One RPC per shard (in parallel) per MAX_BATCH_ITEMS paths. A directory is found on its own shard
+        only (use stat)."""
+        if len(paths) > MAX_BATCH_ITEMS:
+            return [i for k in range(0, len(paths), MAX_BATCH_ITEMS)
+                    for i in self.stat_many(paths[k:k + MAX_BATCH_ITEMS])]
         norm = [_check(p) for p in paths]
         out: list[FileInfo | None] = [None] * len(norm)
         parts = self._split(norm)
@@ -90,6 +95,14 @@ class NamespaceOps(ClientCore):
         only when every shard failed does the call raise."""
         if not paths:
             return 0
+        if len(paths) > MAX_BATCH_ITEMS:  # the master takes MAX_BATCH_ITEMS per call: chain them
+            n = 0
+            for k in range(0, len(paths), MAX_BATCH_ITEMS):
+                here = self.prefix_lookup(paths[k:k + MAX_BATCH_ITEMS])
+                n += here
+                if here < len(paths[k:k + MAX_BATCH_ITEMS]):
+                    break
+            return n
         norm = [_check(p) for p in paths]
         parts = self._split(norm)
         got = self._fan([functools.partial(self._master, "PrefixLookup",

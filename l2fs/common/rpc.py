@@ -18,6 +18,17 @@ from l2fs.common.errors import ERROR_KIND_KEY, PathError, RpcError
 
 FRAME = 4 << 20  # gRPC data frame size
 MAX_MSG = 64 << 20  # gRPC max message size (frames are well under it)
+# Items one batched master call (StatMany, PrefixLookup, AllocateMany, CommitMany) may carry: the master works
+# through a batch under its namespace lock, and a 64 MiB message holds ~3.4M paths (one StatMany of 1M copies
+# of a path held the lock 32 s). Clients split longer batches (put_many sends 256 at a time anyway).
+MAX_BATCH_ITEMS = 4096
+
+
+def check_batch(n: int, what: str) -> None:
+    """INVALID_ARGUMENT for a batch of more than MAX_BATCH_ITEMS items, before any of them is looked at."""
+    if n > MAX_BATCH_ITEMS:
+        raise RpcError(grpc.StatusCode.INVALID_ARGUMENT,
+                       f"{what}: {n} items, at most {MAX_BATCH_ITEMS} per call (split the batch)")
 MAX_STREAMS = 256  # concurrent calls on one client connection (our clients keep <= 64 in flight)
 # Server options. The receive limit stays MAX_MSG for every method because gRPC Python has no per-method
 # limit and RegisterWorker carries the worker's whole block report in one message (~250 B per block:

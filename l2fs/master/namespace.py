@@ -10,6 +10,7 @@ from l2fs.common import (
     Credential,
     RpcError,
     capability,
+    check_batch,
     norm_path,
     parent_of,
     shard_of,
@@ -17,6 +18,14 @@ from l2fs.common import (
 from l2fs.master.quotas import QuotaOps
 from l2fs.master.state import DUPLICATES, FILES, LOOKUP_HITS, LOOKUP_MISSES, FileEntry, WorkerEntry, _rpc
 from l2fs.proto import l2fs_pb2 as pb
+
+# Directories are metadata nobody's byte quota saw: one Mkdir(parents) of a 4 KiB path of one-letter names made
+# ~2,000 of them (4.7 MiB of master memory), and any number of calls more. Now a new directory may be at most
+# MAX_DEPTH components deep, counts DIR_BYTES against every --prefix-quota strictly above it, and a non-admin
+# credential may hold at most MAX_DIRS_PER_CREDENTIAL directories made with Mkdir.
+MAX_DEPTH = 64
+DIR_BYTES = 4096
+MAX_DIRS_PER_CREDENTIAL = 65536
 
 
 class NamespaceOps(QuotaOps):
@@ -45,8 +54,9 @@ class NamespaceOps(QuotaOps):
             self._own(path)
 
 
-    def _ensure_dirs(self, path: str) -> None:
-        """Create path and its missing parents as directories."""
+    def _ensure_dirs(self, path: str, maker: str = "") -> None:
+        """Create path and its missing parents as directories: within MAX_DEPTH, the quotas above them
+        (DIR_BYTES each) and, for `maker` (a non-admin credential's Mkdir), MAX_DIRS_PER_CREDENTIAL."""
         missing = []
         p = path
         while p not in self.children:
@@ -54,9 +64,48 @@ class NamespaceOps(QuotaOps):
                 raise RpcError(grpc.StatusCode.FAILED_PRECONDITION, f"{p} is a file, not a directory", "ENOTDIR")
             missing.append(p)
             p = parent_of(p)
+        if not missing:
+            return
+        if path.count("/") > MAX_DEPTH:
+            raise RpcError(grpc.StatusCode.INVALID_ARGUMENT,
+                           f"{path[:100]}...: deeper than {MAX_DEPTH} directories", "ENAMETOOLONG")
+        if maker and self.dirs_by.get(maker, 0) + len(missing) > MAX_DIRS_PER_CREDENTIAL:
+            raise RpcError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                           f"credential {maker!r} holds {self.dirs_by.get(maker, 0)} directories (at most "
+                           f"{MAX_DIRS_PER_CREDENTIAL}): remove some first", "EDQUOT")
+        if self.quotas:
+            grow: dict[str, int] = {}
+            for d in missing:
+                for q in self._dir_quotas(d):
+                    grow[q] = grow.get(q, 0) + DIR_BYTES
+            self._check_quota([(None, q, n) for q, n in grow.items()])
+            for q, n in grow.items():
+                self._charge(q, n)
         for d in reversed(missing):
             self.children[d] = set()
             self.children[parent_of(d)].add(d.rsplit("/", 1)[1])
+            if maker:
+                self.dir_maker[d] = maker
+                self.dirs_by[maker] = self.dirs_by.get(maker, 0) + 1
+
+    def _dir_quotas(self, d: str) -> list[str]:
+        """The quota prefixes a directory counts against: those strictly above it (a quota's own root dir
+        is free, so a prefix holds exactly its quota of files)."""
+        return [q for q in self._quotas_of(d) if q != d]
+
+    def _drop_dir(self, d: str) -> None:
+        """Remove directory d (its entries gone already), giving back what it counted."""
+        self.children.pop(d, set()).clear()
+        self.children.get(parent_of(d), set()).discard(d.rsplit("/", 1)[1])
+        for q in self._dir_quotas(d) if self.quotas else ():
+            self._charge(q, -DIR_BYTES)
+        maker = self.dir_maker.pop(d, None)
+        if maker is not None:
+            n = self.dirs_by.get(maker, 1) - 1
+            if n > 0:
+                self.dirs_by[maker] = n
+            else:
+                self.dirs_by.pop(maker, None)
 
 
     def _add_file(self, path: str, entry: FileEntry) -> None:
@@ -117,8 +166,9 @@ class NamespaceOps(QuotaOps):
         return self.minter.mint(w.worker_id, op, bid, path, size if w.sized else None)
 
 
-    def _location(self, e: FileEntry, caps: bool = True) -> pb.Location:
-        w = self.workers[e.worker_id]
+    def _location(self, e: FileEntry, caps: bool = True, w: WorkerEntry | None = None) -> pb.Location:
+        """`w`: e's worker when looked up already (StatMany builds its answer outside the lock)."""
+        w = w if w is not None else self.workers[e.worker_id]
         return pb.Location(worker_id=w.worker_id, node_id=w.node_id, address=w.address,
                            block_id=e.block_id, local_path=e.local_path, data_address=w.data_address,
                            domain_socket=w.domain_socket,
@@ -148,19 +198,35 @@ class NamespaceOps(QuotaOps):
 
     @_rpc
     def StatMany(self, request: pb.PathsRequest, context: Any) -> pb.StatManyResponse:  # noqa: N802
+        """At most MAX_BATCH_ITEMS paths; the read capabilities are minted after the lock is released (only
+        the entries are looked up under it), so a batch of lookups holds the namespace for microseconds."""
+        check_batch(len(request.paths), "StatMany")
         paths = [norm_path(p) for p in request.paths]
         with self.lock:
             for p in paths if self.shards > 1 else ():
                 self._own_or_dir(p)
-            stats = [self._stat(p) for p in paths]
+            found = []
+            for p in paths:
+                e = self.files.get(p)
+                found.append((p, e, self.workers[e.worker_id] if e is not None else None, p in self.children))
+        stats = [self._stat_found(p, e, w, is_dir) for p, e, w, is_dir in found]
         hits = sum(s.exists for s in stats)
         LOOKUP_HITS.inc(hits)
         LOOKUP_MISSES.inc(len(stats) - hits)
         return pb.StatManyResponse(stats=stats)
 
 
+    def _stat_found(self, path: str, e: FileEntry | None, w: WorkerEntry | None, is_dir: bool) -> pb.FileStat:
+        """_stat of an entry looked up under the lock, built (and its capability minted) outside it."""
+        if e is not None and w is not None:
+            return pb.FileStat(path=path, exists=True, size=e.size, mtime=e.mtime, crc32c=e.crc32c,
+                               order_hint=e.order_hint, locations=[self._location(e, w=w)])
+        return pb.FileStat(path=path, exists=True, is_dir=True) if is_dir else pb.FileStat(path=path, exists=False)
+
+
     @_rpc
     def PrefixLookup(self, request: pb.PathsRequest, context: Any) -> pb.PrefixLookupResponse:  # noqa: N802
+        check_batch(len(request.paths), "PrefixLookup")
         paths = [norm_path(p) for p in request.paths]
         for p in paths if self.shards > 1 else ():
             self._own(p)
@@ -194,6 +260,8 @@ class NamespaceOps(QuotaOps):
     def Mkdir(self, request: pb.MkdirRequest, context: Any) -> pb.Empty:  # noqa: N802
         path = norm_path(request.path)
         self.creds.check_write(context, [(path, True)], mkdir=True)
+        cred = self.creds.caller(context)
+        maker = cred.name if cred is not None and "admin" not in cred.roles else ""
         with self.lock:
             if path in self.files:
                 raise RpcError(grpc.StatusCode.ALREADY_EXISTS, f"{path} exists and is a file")
@@ -203,7 +271,7 @@ class NamespaceOps(QuotaOps):
                 return pb.Empty()
             if not request.parents and parent_of(path) not in self.children:
                 raise RpcError(grpc.StatusCode.NOT_FOUND, f"parent of {path} does not exist")
-            self._ensure_dirs(path)
+            self._ensure_dirs(path, maker)
         return pb.Empty()
 
 
@@ -225,8 +293,7 @@ class NamespaceOps(QuotaOps):
             raise RpcError(grpc.StatusCode.NOT_FOUND, f"{path}: no such directory")
         if kids:
             raise RpcError(grpc.StatusCode.FAILED_PRECONDITION, f"{path}: directory not empty", "ENOTEMPTY")
-        del self.children[path]
-        self.children[parent_of(path)].discard(path.rsplit("/", 1)[1])
+        self._drop_dir(path)
 
 
     @staticmethod

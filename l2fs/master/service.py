@@ -55,6 +55,9 @@ class MasterService(RegistryOps, pbg.MasterServicer):
         # bytes allocated under a quota prefix and not committed yet: a batch of puts must not write (and make
         # the worker evict for) more than the quota before its first commit is checked
         self.quota_inflight = dict.fromkeys(self.quotas, 0)
+        # directories a non-admin credential made with Mkdir (dir -> its name), and how many each holds
+        self.dir_maker: dict[str, str] = {}
+        self.dirs_by: dict[str, int] = {}
         self._alloc_charge: dict[str, tuple[str, int]] = {}  # block id -> (path, size) charged in flight
         # Deletes/renames a worker has not confirmed: applied to its block reports, pushed until it acks.
         self.pending = PendingOps(journal)

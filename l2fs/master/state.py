@@ -150,6 +150,8 @@ class MasterBase:
     files: dict[str, FileEntry]
     blocks: dict[str, str]
     children: dict[str, set[str]]
+    dir_maker: dict[str, str]
+    dirs_by: dict[str, int]
     workers: dict[str, WorkerEntry]
     content: dict[tuple[int, int], int]
     duplicates: int

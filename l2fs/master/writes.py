@@ -13,6 +13,7 @@ from l2fs.common import (
     Credential,
     RpcError,
     capability,
+    check_batch,
     check_block_id,
     norm_path,
     parent_of,
@@ -64,6 +65,7 @@ class WriteOps(PusherOps):
     @_rpc
     def AllocateMany(self, request: pb.AllocateManyRequest, context: Any) -> pb.AllocateManyResponse:  # noqa: N802
         """Allocate for a whole put batch under one lock hold; a failed item gets its error, the rest go on."""
+        check_batch(len(request.items), "AllocateMany")
         # a batch with one path outside the caller's scope is refused whole
         self.creds.check_write(context, [(r.path, r.if_absent) for r in request.items])
         cred = self.creds.caller(context)
@@ -141,6 +143,7 @@ class WriteOps(PusherOps):
     @_rpc
     def CommitMany(self, request: pb.CommitManyRequest, context: Any) -> pb.CommitManyResponse:  # noqa: N802
         """Publish a whole put batch under one lock hold; each item is its own atomic, put-if-absent commit."""
+        check_batch(len(request.items), "CommitMany")
         self.creds.check_write(context, [(r.path, r.if_absent) for r in request.items])
         orphans: list[tuple[str, str]] = []
         sealed: list[tuple[str, str]] = []
@@ -325,9 +328,7 @@ class WriteOps(PusherOps):
                 self._record(changes)
                 entries = [(p, self._drop_file(p)) for p in subfiles]
                 for d in reversed(subdirs):
-                    kids = self.children.pop(d)
-                    kids.clear()
-                    self.children.get(parent_of(d), set()).discard(d.rsplit("/", 1)[1])
+                    self._drop_dir(d)
                 for d in subdirs:
                     self._ensure_dirs(dst + d[len(src):])
                 for p, moved in entries:
