@@ -42,9 +42,8 @@ SHAPE = torch.Size([2, 4, 256, 128])
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory):
-    with LocalCluster(tmp_path_factory.mktemp("l2fs-drift"), workers=1) as c:
-        yield c
+def cluster_options() -> dict:
+    return {"name": "l2fs-drift", "workers": 1}
 
 
 def _gauge(component: str, state: str) -> float | None:

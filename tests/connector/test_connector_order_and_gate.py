@@ -105,9 +105,8 @@ def test_positions_follow_the_token_range_not_the_batch() -> None:
 
 
 @pytest.fixture()
-def small_cluster(tmp_path):
-    with LocalCluster(tmp_path / "l2fs", workers=1, capacity="40M", heartbeat_interval=0.2) as c:
-        yield c
+def small_cluster(make_cluster):
+    return make_cluster(1, capacity="40M", heartbeat_interval=0.2)
 
 
 def test_extended_prefix_continues_indices(small_cluster: LocalCluster) -> None:

@@ -18,7 +18,7 @@ import sqlite3
 import subprocess
 import sys
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable
 from contextlib import closing
 from pathlib import Path
 
@@ -61,16 +61,16 @@ def _code(fn: object) -> grpc.StatusCode:
 
 
 @pytest.fixture
-def keyed(tmp_path: Path) -> Iterator[LocalCluster]:
+def keyed(tmp_path: Path, make_cluster: Callable[..., LocalCluster]) -> LocalCluster:
     """One real worker (node-1, its own node-bound credential) and a master with a block key and the tokens
     file; the cluster's own clients use ADMIN."""
     f = tmp_path / "tokens.json"
     f.write_text(json.dumps(TOKENS))
-    with LocalCluster(tmp_path / "c", workers=1, capacity="256M", heartbeat_timeout=20, token=ADMIN,
-                      master_args=["--tokens-file", str(f), "--token", MASTER],
-                      worker_args=["--tokens-file", str(f), "--token", WORKER_A]) as c:
-        assert c.block_key_file is not None and c.block_key_file.exists()
-        yield c
+    c = make_cluster(1, capacity="256M", heartbeat_timeout=20, token=ADMIN,
+                     master_args=["--tokens-file", str(f), "--token", MASTER],
+                     worker_args=["--tokens-file", str(f), "--token", WORKER_A])
+    assert c.block_key_file is not None and c.block_key_file.exists()
+    return c
 
 
 def _master(c: LocalCluster) -> pbg.MasterStub:

@@ -15,9 +15,8 @@ CAP = 40 * MB
 
 
 @pytest.fixture()
-def ecluster(tmp_path):
-    with LocalCluster(tmp_path / "evict", workers=1, capacity="40M", heartbeat_interval=0.2) as c:
-        yield c
+def ecluster(make_cluster):
+    return make_cluster(1, capacity="40M", heartbeat_interval=0.2)
 
 
 def _disk_used(cluster: LocalCluster) -> int:
