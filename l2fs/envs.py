@@ -50,7 +50,8 @@ VARS: dict[str, Var] = {v.name: v for v in (
     Var("L2FS_MOUNT_SA", None, "master: the FUSE mounts' ServiceAccount NAMESPACE:NAME (reviewed tokens become "
                                "mount@<node>)"),
     Var("L2FS_MOUNT_PREFIXES", "/kvtier/kv,/kvtier/mp,/kvtier/meta",
-        "master with L2FS_MOUNT_SA: the prefixes mounts may write under"),
+        "master with L2FS_MOUNT_SA: the prefixes mounts may write under (kvtier.contract's KV/MP/META "
+        "prefixes, what `kvtier tokens generate --mount` gives; l2fs imports nothing of kvtier)"),
 )}
 
 

@@ -28,9 +28,6 @@ from l2fs.proto import l2fs_pb2_grpc as pbg
 
 log = logging.getLogger("l2fs.master")
 
-# what `kvtier tokens generate --mount` gives a mount token (kvtier.contract's KV/MP/META prefixes; l2fs imports
-# nothing of kvtier): the default --mount-prefixes of ServiceAccount-reviewed mounts
-MOUNT_PREFIXES = "/kvtier/kv,/kvtier/mp,/kvtier/meta"
 # Which roles may call which RPC (checked before the message is read; see TokenInterceptor). Engines' writes
 # are further limited to put-if-absent under their prefixes in the handlers.
 MASTER_POLICY = {
