@@ -4,6 +4,7 @@ master's maintenance calls. Storage rules live in `l2fs.worker.store`; this modu
 from __future__ import annotations
 
 import itertools
+import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -24,6 +25,16 @@ RPC_LATENCY = Histogram("l2fs_worker_rpc_seconds", "Worker RPC latency", ["metho
 REVERIFY_SKIPPED = Counter("l2fs_worker_reverify_skipped_total",
                            "ReportCorrupt calls for a block re-verified less than REVERIFY_INTERVAL s before")
 REVERIFY_INTERVAL = 10.0  # seconds: a reported block is re-read at most this often
+STREAMS_REFUSED = Counter("l2fs_worker_streams_refused_total",
+                          "Block streams (ReadBlock, WriteBlock) refused or cancelled", ["reason"])
+# Each block stream holds one of the worker's gRPC threads (32) for as long as its caller takes: 40 unread
+# ReadBlock streams held them all, and same-node puts and the master's SealBlocks/DeleteBlocks timed out. So
+# at most STREAMS run at once (the other threads stay for the unary calls), STREAMS_PER_PEER from one peer
+# address, and a stream slower than STREAM_MIN_RATE bytes/s (after STREAM_GRACE s) is cancelled.
+STREAMS = 24
+STREAMS_PER_PEER = 16
+STREAM_MIN_RATE = 1 << 20
+STREAM_GRACE = 10.0
 REVERIFY_MEMORY = 4096  # blocks remembered for REVERIFY_INTERVAL (bounded: oldest half dropped when full)
 
 _rpc = rpc_handler(RPC_LATENCY)
@@ -38,6 +49,59 @@ WORKER_POLICY = {
 }
 
 
+class StreamGate:
+    """Admission of block streams: a total and a per-peer-address bound, and a watchdog that cancels a
+    stream past its deadline (STREAM_GRACE + size / STREAM_MIN_RATE), which frees its thread."""
+
+    def __init__(self, total: int = STREAMS, per_peer: int = STREAMS_PER_PEER, grace: float = STREAM_GRACE,
+                 min_rate: float = STREAM_MIN_RATE) -> None:
+        self.total, self.per_peer, self.grace, self.min_rate = total, per_peer, grace, min_rate
+        self._lock = threading.Lock()
+        self._per: dict[str, int] = {}
+        self._live: dict[int, tuple[Any, float]] = {}  # id(context) -> (context, deadline)
+        self._watchdog: threading.Thread | None = None
+
+    @staticmethod
+    def _peer(context: Any) -> str:
+        return str(context.peer()).rsplit(":", 1)[0]
+
+    def enter(self, context: Any, size: int) -> str:
+        """Admit a stream of about `size` bytes, or RESOURCE_EXHAUSTED; returns the key to leave() with."""
+        peer = self._peer(context)
+        with self._lock:
+            if len(self._live) >= self.total or self._per.get(peer, 0) >= self.per_peer:
+                STREAMS_REFUSED.labels("busy").inc()
+                raise RpcError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                               f"worker busy: {len(self._live)} block streams ({self._per.get(peer, 0)} from "
+                               f"{peer}; at most {self.total}, {self.per_peer} per peer)")
+            self._per[peer] = self._per.get(peer, 0) + 1
+            self._live[id(context)] = (context, time.monotonic() + self.grace + max(0, size) / self.min_rate)
+            if self._watchdog is None:
+                self._watchdog = threading.Thread(target=self._watch, name="l2fs-stream-watchdog", daemon=True)
+                self._watchdog.start()
+        return peer
+
+    def leave(self, context: Any, peer: str) -> None:
+        with self._lock:
+            if self._live.pop(id(context), None) is None:
+                return
+            n = self._per.get(peer, 1) - 1
+            if n > 0:
+                self._per[peer] = n
+            else:
+                self._per.pop(peer, None)
+
+    def _watch(self) -> None:
+        while True:
+            time.sleep(1.0)
+            now = time.monotonic()
+            with self._lock:
+                late = [ctx for ctx, deadline in self._live.values() if deadline < now]
+            for ctx in late:
+                STREAMS_REFUSED.labels("slow").inc()
+                ctx.cancel()  # the handler's pending write fails; its generator closes and leave() runs
+
+
 class WorkerService(pbg.WorkerServicer):
     """`report_now` wakes the registration loop, so blocks a call removed (evicted, corrupt) or moved reach
     the master at once instead of at the next heartbeat."""
@@ -50,6 +114,7 @@ class WorkerService(pbg.WorkerServicer):
         self._report_now = report_now
         self.gate = gate
         self._reverified: dict[str, float] = {}  # block id -> when ReportCorrupt last re-read it
+        self.streams = StreamGate()
 
     def _need(self, cap: str, op: str, bid: str, path: str = "", size: int | None = None) -> None:
         """PERMISSION_DENIED unless `cap` lets the caller `op` block `bid` (a no-op in token mode).
@@ -72,10 +137,12 @@ class WorkerService(pbg.WorkerServicer):
         bid = check_block_id(first.block_id)
         path = norm_path(first.path)
         self._need(first.capability, WRITE, bid, path, first.size)
+        peer = self.streams.enter(context, first.size)
         try:
             b = self.store.receive(bid, path, first.size, first.order_hint,
                                    (m.data for m in itertools.chain([first], it) if m.data))
         finally:
+            self.streams.leave(context, peer)
             self._report_now()  # reserving or sealing may have evicted
         return pb.WriteResult(block_id=bid, size=b.size, crc32c=b.crc32c, local_path=self.store.local_path(b))
 
@@ -95,10 +162,19 @@ class WorkerService(pbg.WorkerServicer):
             context.abort(grpc.StatusCode.NOT_FOUND, f"block {bid} not found (missing or failed checksum)")
             return  # abort raises; this tells the type checker
         b, path, f = opened
-        with f:
-            frames = VerifiedFrames(b, f)
-            for i, data in enumerate(frames):
-                yield pb.ReadChunk(size=b.size, crc32c=b.crc32c, data=data) if i == 0 else pb.ReadChunk(data=data)
+        try:
+            peer = self.streams.enter(context, b.size)
+        except RpcError as e:
+            f.close()
+            context.abort(e.code, str(e))
+            return
+        try:
+            with f:
+                frames = VerifiedFrames(b, f)
+                for i, data in enumerate(frames):
+                    yield pb.ReadChunk(size=b.size, crc32c=b.crc32c, data=data) if i == 0 else pb.ReadChunk(data=data)
+        finally:
+            self.streams.leave(context, peer)
         if not frames.ok:
             READ_MISSES.inc()
             self.store.drop_damaged(bid, path)
