@@ -20,6 +20,10 @@ BENCHES: dict[str, tuple[str, str]] = {
     "l2fs": ("kvtier.bench.l2fs_read", "l2fs client reads/writes vs hot local file and raw loopback TCP"),
     "load": ("kvtier.bench.l2fs_load", "sustained mixed put/get/lookup load: latency, errors, memory growth"),
     "mount": ("kvtier.bench.mount", "FUSE mount vs native l2fs client vs local file, same bytes"),
+    "native-tier": ("kvtier.bench.native_tier",
+                    "vLLM native offloading: the l2fs tier vs vLLM's fs tier on an l2fs mount / a local dir"),
+    "native-tier-gpu": ("kvtier.bench.native_tier_gpu",
+                        "vLLM native offloading + the l2fs tier end to end on a CUDA GPU (cold vs cross-engine)"),
 }
 
 
