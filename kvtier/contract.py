@@ -25,6 +25,8 @@ import sys
 from collections.abc import Iterator, Sequence
 from urllib.parse import quote
 
+from kvtier import envs
+
 # -- versions the chunk-hash reimplementation is verified against (tests assert them) ------------------
 LMCACHE_VERSION = "0.5.6"
 VLLM_VERSION = "0.32.0"
@@ -48,6 +50,26 @@ PLUGIN_CLASS = "L2fsConnectorAdapter"
 # -- router ---------------------------------------------------------------------------------------------
 STRATEGIES = ("roundrobin", "session", "prefixaware", "kvaware")
 DEFAULT_STRATEGY = "prefixaware"
+# Pod annotations the webhook writes and the router reads: the two chunk-key fields that differ per endpoint
+# (besides the directory, kvtier.io/kv-prefix): LMCache's KV dtype string and the engine's world size
+# (tensor x pipeline parallel; each rank stores its own chunks, rank 0's are looked up).
+KV_DTYPE_ANNOTATION = "kvtier.io/kv-dtype"
+KV_WORLD_SIZE_ANNOTATION = "kvtier.io/kv-world-size"
+# vLLM --dtype / --kv-cache-dtype values -> the dtype string LMCache puts in its chunk keys
+# (lmcache.utils.TORCH_DTYPE_TO_STR_DTYPE of the torch dtype vLLM allocates the KV cache in)
+VLLM_TO_LMCACHE_DTYPE = {"bfloat16": "bfloat16", "float16": "half", "half": "half", "float32": "float",
+                         "float": "float"}
+LMCACHE_DTYPES = ("bfloat16", "half", "float", "double")
+
+
+def pod_layout(annotations: dict[str, str] | None) -> tuple[str, int] | None:
+    """(LMCache dtype, world size) a patched pod's chunk keys carry, from its annotations; None when either is
+    missing or malformed (the router then uses its --l2fs-dtype / world size 1)."""
+    ann = annotations or {}
+    dtype, ws = str(ann.get(KV_DTYPE_ANNOTATION) or ""), str(ann.get(KV_WORLD_SIZE_ANNOTATION) or "")
+    if dtype not in LMCACHE_DTYPES or not ws.isdigit() or int(ws) < 1:
+        return None
+    return dtype, int(ws)
 
 # ======================================================================================================
 # Plugin-mode names (connector.lmcache_l2fs): reversible, one directory per model.
@@ -130,11 +152,11 @@ def read_salt(path: str | os.PathLike[str]) -> bytes:
 
 def env_salt(environ: dict[str, str] | None = None) -> bytes | None:
     """The salt from KVTIER_KV_SALT_FILE (wins) or KVTIER_KV_SALT, else None (no salt: today's keys)."""
-    env = os.environ if environ is None else environ
-    if env.get(SALT_FILE_ENV):
-        return read_salt(env[SALT_FILE_ENV])
-    if env.get(SALT_ENV):
-        return check_salt(env[SALT_ENV])
+    get = envs.get if environ is None else environ.get  # kvtier.envs: the one reader of our variables
+    if path := get(SALT_FILE_ENV):
+        return read_salt(path)
+    if salt := get(SALT_ENV):
+        return check_salt(salt)
     return None
 
 

@@ -8,8 +8,9 @@ ConfigMap.
 from __future__ import annotations
 
 import argparse
-import os
 from dataclasses import fields
+
+from kvtier import envs as kvtier_envs
 
 from .patch import ROUTER_STRATEGIES, PatchConfig
 
@@ -44,11 +45,10 @@ _FLAGS: dict[str, tuple[str, str]] = {
     "--kv-events-port": ("kv_events_port", "vLLM KV-events ZMQ PUB port, named container port 'kv-events' "
                                            "(0 = no --kv-events-config)"),
     "--kv-replay-port": ("kv_replay_port", "vLLM KV-events replay port, named 'kv-replay' (0 = none)"),
+    "--kv-dtype": ("kv_dtype", "LMCache dtype of the KV when the vLLM args name none (--dtype auto): "
+                               "bfloat16|half|float; annotation kvtier.io/kv-dtype overrides; recorded on the "
+                               "pod for the router's L2 lookups"),
 }
-
-
-def _env_name(flag: str) -> str:
-    return "KVTIER_" + flag.lstrip("-").replace("-", "_").upper()
 
 
 def add_config_args(parser: argparse.ArgumentParser) -> None:
@@ -57,7 +57,8 @@ def add_config_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("patch settings (env KVTIER_<FLAG> sets the default)")
     for flag, (field, help_) in _FLAGS.items():
         assert field in known, field
-        default = os.environ.get(_env_name(flag), getattr(_DEFAULTS, field))
+        env = kvtier_envs.patch_flag(flag)
+        default = env if env is not None else getattr(_DEFAULTS, field)
         group.add_argument(flag, dest=field, default=default, help=f"{help_} (default {default!r})")
 
 

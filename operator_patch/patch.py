@@ -12,7 +12,7 @@ import copy
 import hashlib
 import json
 import re
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any, Literal
 
 from kvtier import contract
@@ -98,6 +98,10 @@ class PatchConfig:
     # (kv-events / kv-replay); 0 = do not add --kv-events-config
     kv_events_port: int = 5557
     kv_replay_port: int = 5558
+    # LMCache dtype of the KV when the vLLM args do not name one (--dtype/--kv-cache-dtype auto or absent: vLLM
+    # takes the model's torch_dtype, bfloat16 for most current models); annotation kvtier.io/kv-dtype on the
+    # IEC or Deployment overrides. Recorded on the pod (kvtier.io/kv-dtype) for the router's L2 lookups.
+    kv_dtype: str = "bfloat16"
     # an InferenceEndpointConfig with l2CacheBackend "tieredstorage" is taken over only when opted in
     # (label/annotation kvtier.io/l2fs on it or its Deployment); "redis" and L2-disabled ones never are
 
@@ -130,6 +134,9 @@ class PatchConfig:
             if not 0 <= port < 65536:
                 raise ValueError(f"{name} must be a port number (0 = off), not {port}")
             object.__setattr__(self, name, port)  # flags/env arrive as strings
+        if self.kv_dtype not in contract.LMCACHE_DTYPES:
+            raise ValueError(f"kv_dtype must be one of {contract.LMCACHE_DTYPES} (LMCache's names), "
+                             f"not {self.kv_dtype!r}")
         if self.kv_events_port and self.kv_events_port == self.kv_replay_port:
             raise ValueError("kv_events_port and kv_replay_port must differ")
 
@@ -510,6 +517,46 @@ def _patch_vllm_flags(c: dict[str, Any], cfg: PatchConfig) -> None:
                     or p.get("containerPort") == port["containerPort"])
 
 
+def kv_layout(dep: dict[str, Any], c: dict[str, Any], cfg: PatchConfig,
+              iec: dict[str, Any] | None = None) -> tuple[str, int]:
+    """(LMCache dtype, world size) of the chunk keys the vLLM container will write, from its flags: world
+    size = --tensor-parallel-size x --pipeline-parallel-size; dtype = --kv-cache-dtype, else --dtype, else the
+    kvtier.io/kv-dtype annotation (Deployment, IEC), else cfg.kv_dtype. The router needs both to find the
+    endpoint's chunks (they are part of LMCache's key)."""
+    words = [str(w) for w in (c.get("command") or []) + (c.get("args") or [])]
+
+    def flag(*names: str) -> str | None:
+        for name in names:
+            for spelled in (name, name.replace("-", "_")):
+                value = _flag_value(words, spelled)
+                if value is not None:
+                    return value
+        return None
+
+    def size(*names: str) -> int:
+        raw = flag(*names) or "1"
+        if not raw.isdigit() or int(raw) < 1:
+            raise PatchError(f"{names[0]}={raw!r} is not a positive integer")
+        return int(raw)
+
+    world = size("--tensor-parallel-size", "-tp") * size("--pipeline-parallel-size", "-pp")
+    dtype = None
+    for value in (flag("--kv-cache-dtype"), flag("--dtype")):
+        if value and value != "auto":
+            dtype = contract.VLLM_TO_LMCACHE_DTYPE.get(value)
+            break  # fp8 caches and other names: not mapped, fall back to the annotation/default below
+    if dtype is None:
+        for meta in (_meta(dep), _meta(iec) if iec is not None else {}):
+            ann = str((meta.get("annotations") or {}).get(contract.KV_DTYPE_ANNOTATION) or "").strip()
+            if ann:
+                if ann not in contract.LMCACHE_DTYPES:
+                    raise PatchError(f"annotation {contract.KV_DTYPE_ANNOTATION}={ann!r}: want one of "
+                                     f"{contract.LMCACHE_DTYPES}")
+                dtype = ann
+                break
+    return dtype or cfg.kv_dtype, world
+
+
 def _patch_worker(dep: dict[str, Any], cfg: PatchConfig, iec: dict[str, Any] | None = None,
                   old: dict[str, Any] | None = None) -> None:
     c = _containers(dep)[select_container(dep)]
@@ -569,6 +616,9 @@ def _patch_worker(dep: dict[str, Any], cfg: PatchConfig, iec: dict[str, Any] | N
     pod_ann[STRATEGY_KEY] = cfg.router_strategy
     pod_ann[REVISION_KEY] = revision
     pod_ann[KV_PREFIX_KEY] = kv_prefix  # where this endpoint revision's chunks are (for routers and humans)
+    dtype, world = kv_layout(dep, c, cfg, iec)  # the other per-endpoint fields of its chunk keys (router)
+    pod_ann[contract.KV_DTYPE_ANNOTATION] = dtype
+    pod_ann[contract.KV_WORLD_SIZE_ANNOTATION] = str(world)
     if secret:
         pod_ann[KV_SALT_SECRET_KEY] = secret  # the router needs this endpoint's salt to find its chunks
     else:
@@ -718,6 +768,19 @@ def check(dep: dict[str, Any], cfg: PatchConfig) -> list[str]:
         vols = [v for v in dep["spec"]["template"]["spec"].get("volumes") or [] if v.get("name") == SALT_VOLUME]
         if len(vols) != 1 or (vols[0].get("secret") or {}).get("secretName") != secret:
             problems.append(f"pod spec: want one volume {SALT_VOLUME} of secret {secret!r}")
+    try:
+        layout = kv_layout(dep, c, cfg)
+    except PatchError as e:
+        problems.append(str(e))
+    else:
+        have = contract.pod_layout(pod_ann)
+        # the flags fix the dtype when two different defaults give the same answer (else it came from the
+        # annotation or cfg.kv_dtype, which verify cannot see: any valid recorded dtype is accepted)
+        named = kv_layout({}, c, replace(cfg, kv_dtype="float"))[0] == kv_layout({}, c, replace(cfg, kv_dtype="half"))[0]
+        if have is None or have[1] != layout[1] or (named and have[0] != layout[0]):
+            problems.append(f"pod annotations {contract.KV_DTYPE_ANNOTATION}/{contract.KV_WORLD_SIZE_ANNOTATION}: "
+                            f"want {layout[0]}/{layout[1]} (the router's L2 lookups need them), have "
+                            f"{pod_ann.get(contract.KV_DTYPE_ANNOTATION)}/{pod_ann.get(contract.KV_WORLD_SIZE_ANNOTATION)}")
     kv_dir = chunk_dir(kv_prefix, secret)
     if cfg.mode == "mount":
         if len(urls) != 1 or urls[0].get("value") != cfg.url_for(kv_dir):

@@ -74,7 +74,7 @@ class RouterConfig:
     kv_endpoints: list[str | None] = field(default_factory=list)  # aligned with replicas
     kv_replay_endpoints: list[str | None] = field(default_factory=list)
     # (tokens, model, kv prefix or None for the default) -> L2 hit tokens
-    l2_lookup: Callable[[list[int], str, str | None], Awaitable[int]] | None = None
+    l2_lookup: Callable[[list[int], str, str | None, tuple[str, int] | None], Awaitable[int]] | None = None
     l2_timeout: float = 0.05  # an L2 lookup slower than this counts as a miss
     tokenize_timeout: float = 2.0  # a replica /tokenize slower than this: route this request by bytes
     discovery: Any = None  # object with async start(replicas) / stop()
@@ -444,16 +444,21 @@ class Router:
             self.m.tokenize.observe(call.clock.tok)
         if call.strategy == "kvaware" and self.cfg.l2_lookup is not None and call.tokens:
             # one lookup per distinct kv-prefix among the replicas (each revision's chunks are its own)
-            prefixes = sorted({r.kv_prefix for r in self.replicas.available()}, key=lambda p: p or "")
-            got = await asyncio.gather(*(self._l2(call, p) for p in prefixes))
+            # (an endpoint revision's replicas share one key layout: dtype, world size; the first one's is used)
+            layouts: dict[str | None, tuple[str, int] | None] = {}
+            for r in self.replicas.available():
+                layouts.setdefault(r.kv_prefix, r.kv_layout)
+            prefixes = sorted(layouts, key=lambda p: p or "")
+            got = await asyncio.gather(*(self._l2(call, p, layouts[p]) for p in prefixes))
             call.l2 = dict(zip(prefixes, got, strict=True))
         return None
 
-    async def _l2(self, call: _Call, prefix: str | None) -> int:
+    async def _l2(self, call: _Call, prefix: str | None, layout: tuple[str, int] | None = None) -> int:
         """L2 hit under one kv-prefix; trouble or a slow answer is a miss, never an error."""
         assert self.cfg.l2_lookup is not None
         try:
-            return await asyncio.wait_for(self.cfg.l2_lookup(call.tokens, call.model, prefix), self.cfg.l2_timeout)
+            return await asyncio.wait_for(self.cfg.l2_lookup(call.tokens, call.model, prefix, layout),
+                                          self.cfg.l2_timeout)
         except Exception:  # noqa: BLE001
             return 0
 

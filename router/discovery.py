@@ -12,6 +12,8 @@ import logging
 import threading
 from typing import Any
 
+from kvtier import contract
+
 log = logging.getLogger("kvtier.router.discovery")
 
 # Where the operator patch says a pod's endpoint revision writes its L2 chunks (operator_patch.patch.KV_PREFIX_KEY;
@@ -85,7 +87,7 @@ class K8sDiscovery:
         self.api_url = api_url
         self.resync = resync_seconds
         self._pods: dict[str, str] = {}  # pod name -> replica url
-        self._prefixes: dict[str, str | None] = {}  # pod name -> its kv-prefix annotation
+        self._prefixes: dict[str, Any] = {}  # pod name -> its (kv-prefix, kv layout) annotations
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -105,8 +107,9 @@ class K8sDiscovery:
             config.load_kube_config()
         return client.CoreV1Api()
 
-    def _endpoint(self, pod: dict[str, Any]) -> tuple[str, str | None, str | None, str | None] | None:
-        """(url, kv events, kv replay, kv prefix) of a routable pod."""
+    def _endpoint(self, pod: dict[str, Any]) -> tuple[str, str | None, str | None, str | None,
+                                                      tuple[str, int] | None] | None:
+        """(url, kv events, kv replay, kv prefix, kv layout) of a routable pod."""
         port = pod_port(pod, self.port)
         if port is None:
             return None
@@ -117,8 +120,9 @@ class K8sDiscovery:
             kv = f"tcp://{host}:{p}"
         if self.kv_replay_port is not None and (p := pod_port(pod, self.kv_replay_port)):
             rp = f"tcp://{host}:{p}"
-        prefix = (_get(pod, "metadata", "annotations") or {}).get(KV_PREFIX_ANNOTATION) or None
-        return f"{self.scheme}://{host}:{port}", kv, rp, prefix
+        ann = _get(pod, "metadata", "annotations") or {}
+        prefix = ann.get(KV_PREFIX_ANNOTATION) or None
+        return f"{self.scheme}://{host}:{port}", kv, rp, prefix, contract.pod_layout(ann)
 
     def _apply(self, name: str, pod: dict[str, Any] | None) -> None:
         """On the event loop: pod `name` is now `pod` (None = gone)."""
@@ -127,9 +131,9 @@ class K8sDiscovery:
             want = self._endpoint(pod)
         have = self._pods.get(name)
         if want is not None and have == want[0]:
-            if self._prefixes.get(name) != want[3]:  # re-annotated in place: same replica, new L2 directory
-                self._prefixes[name] = want[3]
-                self._replicas.add(want[0], kv_prefix=want[3])
+            if self._prefixes.get(name) != want[3:]:  # re-annotated in place: same replica, new L2 directory
+                self._prefixes[name] = want[3:]
+                self._replicas.add(want[0], kv_prefix=want[3], kv_layout=want[4])
             return
         if have is not None:
             del self._pods[name]
@@ -138,8 +142,9 @@ class K8sDiscovery:
                 self._replicas.remove(have)
         if want is not None:
             self._pods[name] = want[0]
-            self._prefixes[name] = want[3]
-            self._replicas.add(want[0], kv_endpoint=want[1], kv_replay_endpoint=want[2], kv_prefix=want[3])
+            self._prefixes[name] = want[3:]
+            self._replicas.add(want[0], kv_endpoint=want[1], kv_replay_endpoint=want[2], kv_prefix=want[3],
+                               kv_layout=want[4])
 
     def _resync(self, pods: dict[str, dict[str, Any]]) -> None:
         for name in list(self._pods):

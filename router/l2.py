@@ -34,6 +34,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from kvtier import contract
+from kvtier import envs as kvtier_envs
 
 log = logging.getLogger("kvtier.router.l2")
 SALT_DIR_ENV = "KVTIER_KV_SALT_DIR"  # router: one salt file per endpoint directory under --l2fs-prefix
@@ -63,7 +64,7 @@ class L2Lookup:
         default = contract.env_salt()
         if default and self.prefix not in self.salts:
             self.salts[self.prefix] = default
-        self.salt_dir = salt_dir if salt_dir is not None else os.environ.get(SALT_DIR_ENV) or None
+        self.salt_dir = salt_dir if salt_dir is not None else kvtier_envs.get(SALT_DIR_ENV)
         self._salt_files: dict[str, tuple[float, bytes]] = {}
         self.key_check = key_check  # warm() checks the installed LMCache's keys against the contract
         self.key_state, self.key_detail = contract.KEY_PENDING, "not checked yet"
@@ -129,20 +130,25 @@ class L2Lookup:
                 self._hash_cache.popitem(last=False)
         return got
 
-    def paths(self, tokens: list[int], model: str, prefix: str | None = None) -> list[str]:
-        """Chunk file names under `prefix` (a replica's announced kv-prefix), else under --l2fs-prefix."""
+    def paths(self, tokens: list[int], model: str, prefix: str | None = None,
+              layout: tuple[str, int] | None = None) -> list[str]:
+        """Chunk file names under `prefix` (a replica's announced kv-prefix), else under --l2fs-prefix; `layout`
+        (its announced LMCache dtype and world size) replaces --l2fs-dtype and the world size (rank 0's
+        chunks are looked up: every rank of a tensor-parallel engine stores its own)."""
         name = self.model_name or model
         where = prefix.rstrip("/") if prefix else self.prefix
         where = contract.salted_prefix(where, self.salt_for(where))
-        return [contract.chunk_path(self.mode, where, name, self.world_size, self.worker_id, h, self.dtype)
+        dtype, world, rank = (layout[0], layout[1], 0) if layout else (self.dtype, self.world_size, self.worker_id)
+        return [contract.chunk_path(self.mode, where, name, world, rank, h, dtype)
                 for h in self.chunk_hashes(tokens)]
 
-    def lookup(self, tokens: list[int], model: str, prefix: str | None = None) -> int:
+    def lookup(self, tokens: list[int], model: str, prefix: str | None = None,
+               layout: tuple[str, int] | None = None) -> int:
         """Blocking: leading tokens present in L2 (0 on any error: a miss, never a failure)."""
         if self.key_state == contract.KEY_DRIFT:  # the replicas' keys are not ours: no L2 credit
             return 0
         try:
-            paths = self.paths(tokens, model, prefix)
+            paths = self.paths(tokens, model, prefix, layout)
             if not paths:
                 return 0
             return int(self._connect().prefix_lookup(paths)) * self.chunk_size
@@ -161,5 +167,7 @@ class L2Lookup:
         except Exception as e:  # noqa: BLE001 - a dead master at start-up is a miss, as later
             log.warning("l2fs lookup unavailable: %s (kvaware will see no L2 hits)", e)
 
-    async def __call__(self, tokens: list[int], model: str, prefix: str | None = None) -> int:
-        return await asyncio.get_running_loop().run_in_executor(self._pool, self.lookup, tokens, model, prefix)
+    async def __call__(self, tokens: list[int], model: str, prefix: str | None = None,
+                       layout: tuple[str, int] | None = None) -> int:
+        return await asyncio.get_running_loop().run_in_executor(self._pool, self.lookup, tokens, model, prefix,
+                                                                layout)

@@ -28,6 +28,9 @@ class Replica:
     kv_endpoint: str | None = None
     kv_replay_endpoint: str | None = None
     kv_prefix: str | None = None  # l2fs directory of its chunks (pod annotation kvtier.io/kv-prefix); None: --l2fs-prefix
+    # (LMCache dtype, world size) of its chunk keys (pod annotations kvtier.io/kv-dtype, kv-world-size);
+    # None: --l2fs-dtype and world size 1
+    kv_layout: tuple[str, int] | None = None
     healthy: bool = True  # optimistic until the first check says otherwise
     ejected_until: float = 0.0
     fails: int = 0  # consecutive request failures
@@ -102,13 +105,13 @@ class ReplicaSet:
         self._client: httpx.AsyncClient | None = None
 
     def add(self, url: str, *, kv_endpoint: str | None = None, kv_replay_endpoint: str | None = None,
-            kv_prefix: str | None = None) -> Replica:
+            kv_prefix: str | None = None, kv_layout: tuple[str, int] | None = None) -> Replica:
         url = url.rstrip("/")
         r = self.replicas.get(url)
         if r is not None:
-            r.kv_prefix = kv_prefix  # an annotation change on a known pod
+            r.kv_prefix, r.kv_layout = kv_prefix, kv_layout  # an annotation change on a known pod
             return r
-        r = Replica(url, kv_endpoint, kv_replay_endpoint, kv_prefix)
+        r = Replica(url, kv_endpoint, kv_replay_endpoint, kv_prefix, kv_layout)
         self.replicas[url] = r
         log.info("replica added: %s", url)
         for cb in self.on_added:

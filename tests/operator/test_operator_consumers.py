@@ -281,3 +281,50 @@ def test_each_overlay_has_a_router_that_reads_l2_as_its_pods_write_it(overlay: s
     assert ns.l2fs_mode == cfg.mode, f"{overlay}: router --l2fs-mode {ns.l2fs_mode}, pods written in {cfg.mode} mode"
     assert ns.l2fs_prefix.rstrip("/") == cfg.prefix.rstrip("/")
     assert ns.l2fs_master == cfg.master
+
+
+@pytest.mark.parametrize("mode", ["plugin", "mount"])
+def test_router_finds_a_bf16_tp2_endpoints_chunks(tmp_path: Path, mode: str) -> None:
+    """A bf16, tensor-parallel-2 endpoint: the chunks its rank 0 writes are named from LMCache's own
+    CacheEngineKey (plugin: connector.keys; mount: the key's to_string(), as LMCache's fs connector names its
+    files), stored in a real l2fs; the router's discovery reads the webhook-patched pod and its L2 lookup (with
+    its default --l2fs-dtype float) finds every full chunk. Without the pod's layout it would find none."""
+    import torch
+    from lmcache.utils import CacheEngineKey
+
+    from connector import keys as ckeys
+    from kvtier import contract
+    from router.discovery import K8sDiscovery
+    from router.l2 import L2Lookup
+    try:
+        from l2fs.testing.cluster import LocalCluster
+    except ImportError:  # before l2fs's split by role
+        from l2fs.local import LocalCluster  # type: ignore[no-redef]
+
+    dep = load_yaml("rendered-v3.2-stripped.yaml")
+    args = vllm_container(dep)["args"]
+    args[args.index("--tensor-parallel-size") + 1] = "2"
+    args += ["--dtype", "bfloat16"]
+    out = admitted(dep, webhook_config("overlays/hyperpod-g6e" if mode == "mount" else "overlays/hyperpod-p5"))
+    template = out["spec"]["template"]
+    pod = {"metadata": {"name": "qwen2-7b-0", "labels": template["metadata"]["labels"],
+                        "annotations": template["metadata"]["annotations"]},
+           "spec": template["spec"],
+           "status": {"podIP": "10.0.0.7", "conditions": [{"type": "Ready", "status": "True"}]}}
+    disc = K8sDiscovery("team-a", "kvtier.io/endpoint=qwen2-7b", port="http")
+    url, _, _, prefix, layout = disc._endpoint(pod)
+    assert prefix == template["metadata"]["annotations"]["kvtier.io/kv-prefix"]
+    model, tokens = "/opt/ml/model", [(i * 7919) % 30000 for i in range(3 * contract.CHUNK_SIZE + 17)]
+    keys = [CacheEngineKey(model_name=model, world_size=2, worker_id=0, chunk_hash=h, dtype=torch.bfloat16)
+            for h in contract.chunk_hashes(tokens)]
+    paths = [ckeys.key_path(prefix, k) if mode == "plugin" else
+             f"{prefix}/{k.to_string().replace('/', '-SEP-')}.data" for k in keys]
+    with LocalCluster(tmp_path / "l2fs", workers=1) as cluster:
+        client = cluster.client()
+        for p in paths:
+            client.mkdir(p.rsplit("/", 1)[0], parents=True, exist_ok=True)
+            client.put(p, b"kv")
+        client.close()
+        lookup = L2Lookup(cluster.master, mode=mode, key_check=False)
+        assert lookup.lookup(tokens, model, prefix, layout) == 3 * contract.CHUNK_SIZE
+        assert lookup.lookup(tokens, model, prefix) == 0  # float / world size 1: what it used to look for
