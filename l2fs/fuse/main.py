@@ -22,7 +22,7 @@ from l2fs.client import (
     L2fsError,
 )
 from l2fs.common import DEFAULT_MAX_FILE_SIZE, parse_size
-from l2fs.fuse.operations import L2Operations
+from l2fs.fuse.operations import READ_CACHE, L2Operations
 from l2fs.options import ClientOptions, add_client_args
 
 log = logging.getLogger("l2fs.fuse")
@@ -124,6 +124,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--write-buffer", default=None,
                    help="cap on the bytes buffered for unfinished writes across the mount, ENOSPC beyond "
                         "(default 2x --max-file-size)")
+    p.add_argument("--read-cache", default=str(READ_CACHE),
+                   help="cap on the bytes of read snapshots held for open read-only files (least recently read "
+                        "dropped first, fetched again at the next read; default 256M)")
     p.add_argument("--allow-other", action="store_true", help="let other users use the mount")
     p.add_argument("--uid", type=int, default=None,
                    help="owner of every file and directory (default: the mounting user); implies --allow-other")
@@ -143,12 +146,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     try:
         a.max_file_size = parse_size(a.max_file_size)
         a.write_buffer = 2 * a.max_file_size if a.write_buffer is None else parse_size(a.write_buffer)
+        a.read_cache = parse_size(a.read_cache)
     except ValueError as e:
         p.error(f"bad size: {e}")
     if not 0 <= a.umask <= 0o777:
         p.error("--umask must be an octal mode within 000..777")
-    if a.max_file_size < 1 or a.write_buffer < 1:
-        p.error("--max-file-size and --write-buffer must be positive")
+    if a.max_file_size < 1 or a.write_buffer < 1 or a.read_cache < 1:
+        p.error("--max-file-size, --write-buffer and --read-cache must be positive")
     try:
         kind = mount_type(a.mountpoint)  # a volume mount (k8s emptyDir, hostPath) is fine to mount over
         if kind and kind.startswith("fuse"):
@@ -198,7 +202,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             log.warning("could not create --root %s now (%s); it must exist for the mount to work", root, e)
     ops = L2Operations(client, root=root, read_only=a.read_only, timeout=a.cache_timeout,
                        direct_io=not a.page_cache, threads=a.threads, max_file_size=a.max_file_size,
-                       write_buffer=a.write_buffer, uid=a.uid, gid=a.gid, umask=a.umask)
+                       write_buffer=a.write_buffer, uid=a.uid, gid=a.gid, umask=a.umask, read_cache=a.read_cache)
     opts = set(pyfuse3.default_options)
     opts |= {f"fsname=l2fs:{a.master.split(',')[0]}{root}", "subtype=l2fs", "noatime"}
     if a.read_only:

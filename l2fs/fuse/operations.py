@@ -29,6 +29,7 @@ import logging
 import os
 import stat as st
 import time
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
@@ -46,6 +47,7 @@ from l2fs.client import (
 from l2fs.common import DEFAULT_MAX_FILE_SIZE, crc32c_fast
 
 log = logging.getLogger("l2fs.fuse")
+READ_CACHE = 256 << 20  # bytes of read snapshots held for open read-only handles (l2fs mount --read-cache)
 
 NAME_MAX = 255
 T = TypeVar("T")
@@ -181,7 +183,7 @@ class L2Operations(pyfuse3.Operations):
     def __init__(self, client: Client, *, root: str = "/", read_only: bool = False, timeout: float = 1.0,
                  direct_io: bool = True, threads: int = 16, max_file_size: int = DEFAULT_MAX_FILE_SIZE,
                  write_buffer: int = 2 * DEFAULT_MAX_FILE_SIZE, uid: int | None = None, gid: int | None = None,
-                 umask: int = 0o022) -> None:
+                 umask: int = 0o022, read_cache: int = READ_CACHE) -> None:
         super().__init__()
         # Memory bounds: no file grows past max_file_size (EFBIG before anything is allocated), and the
         # bytes buffered for unpublished writes across the whole mount stay under write_buffer (ENOSPC).
@@ -189,6 +191,11 @@ class L2Operations(pyfuse3.Operations):
         self.write_buffer = write_buffer
         self.buffered = 0
         self.pool = _BufferPool(128 << 20)
+        # read snapshots held for open read-only handles: at most read_cache bytes (least recently used
+        # evicted first; their handles fetch the same version again when read, see _count_snap)
+        self.read_cache = read_cache
+        self.snap_bytes = 0
+        self.snaps: OrderedDict[int, _Node] = OrderedDict()  # ino -> node holding a counted snapshot
         self.client = client
         self.root = root.rstrip("/") or "/"
         self.read_only = read_only
@@ -639,7 +646,9 @@ class L2Operations(pyfuse3.Operations):
                 # Handles still open on an older snapshot would fill the inode's page cache with old bytes:
                 # while they live, opens of the new version bypass the page cache.
                 shared_cache = n.readers == 0
+                self._uncount_snap(n)
                 n.snap = await self.fetch(n)  # handles on an older snapshot keep their own reference
+                self._count_snap(n)
                 # the client checked the bytes against the CRC of the version it located, which is the one
                 # stat saw or a newer one: a newer one leaves ident unknown (no reuse, no kept pages)
                 n.snap_ident = ident if ident is not None and len(n.snap) == ident[0] else None
@@ -700,6 +709,8 @@ class L2Operations(pyfuse3.Operations):
         if h.data is None and h.want is not None:
             h.data = await self.lazy_snapshot(h.node, h.want)
         if h.data is not None:
+            if h.node.ino in self.snaps:
+                self.snaps.move_to_end(h.node.ino)
             return h.data[off:off + size]
         return bytes(h.buf[off:off + size])
 
@@ -717,6 +728,7 @@ class L2Operations(pyfuse3.Operations):
                 raise pyfuse3.FUSEError(errno.EIO)
             if n.snap is None:
                 n.snap, n.snap_ident = view, want
+                self._count_snap(n)
             return view
 
     async def write(self, fh: int, off: int, buf: bytes) -> int:
@@ -773,9 +785,44 @@ class L2Operations(pyfuse3.Operations):
 
     def drop_snapshot(self, n: _Node) -> None:
         """Free n's snapshot into the pool: only when no open handle and no open in progress can use it."""
+        self._uncount_snap(n)
         if n.snap is not None:
             self.pool.give(n.snap)
         n.snap, n.snap_ident, n.snap_direct = None, None, False
+
+    def _uncount_snap(self, n: _Node) -> None:
+        if self.snaps.pop(n.ino, None) is not None and n.snap is not None:
+            self.snap_bytes -= len(n.snap)
+
+    def _count_snap(self, n: _Node) -> None:
+        """Count n's new snapshot against read_cache, evicting the least recently used others' past it.
+
+        Why: the snapshot of a file stays while any read-only handle of it is open, so opens of 40 files of
+        8 MiB that were never closed (any local user of an --allow-other mount) pinned 320 MiB. An evicted
+        snapshot's handles keep the version they opened (size, CRC32C) and fetch it again at their next read
+        (lazy_snapshot: the same bytes, or EIO if that version is gone); one file larger than read_cache is
+        still served, alone."""
+        if n.snap is None:
+            return
+        self.snaps[n.ino] = n
+        self.snap_bytes += len(n.snap)
+        for ino in list(self.snaps):
+            if self.snap_bytes <= self.read_cache:
+                break
+            if ino != n.ino:
+                self._evict_snap(self.snaps[ino])
+
+    def _evict_snap(self, n: _Node) -> None:
+        """Drop n's snapshot from memory although handles are open: each is pointed at its version instead."""
+        snap = n.snap
+        if snap is None:
+            return
+        ident = n.snap_ident or (len(snap), crc32c_fast(snap))
+        for h in self.handles.values():
+            if h.node is n and h.data is snap:
+                h.data, h.want = None, ident
+        self._uncount_snap(n)
+        n.snap, n.snap_ident = None, None  # not pooled: the point is to give the memory back
 
     async def access(self, inode: int, mode: int, ctx: pyfuse3.RequestContext) -> bool:
         if mode & os.W_OK and self.read_only:
