@@ -21,13 +21,14 @@ from __future__ import annotations
 import importlib.abc
 import importlib.machinery
 import logging
-import os
 import sys
 import threading
 from types import ModuleType
 from typing import Any
 
 import torch
+
+from kvtier import envs as kvtier_envs
 
 log = logging.getLogger("kvtier.connector.cpu_kv")
 
@@ -99,7 +100,7 @@ class _Finder(importlib.abc.MetaPathFinder):
 
 def install() -> bool:
     """Make LMCache use the CPU connector on CPU. Idempotent, imports nothing. Returns False if disabled."""
-    if os.environ.get("KVTIER_CPU_CONNECTOR", "1") == "0":
+    if kvtier_envs.get("KVTIER_CPU_CONNECTOR") == "0":
         return False
     mod = sys.modules.get(TARGET)
     if mod is not None:

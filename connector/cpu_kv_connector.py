@@ -16,12 +16,13 @@ Env: KVTIER_CPU_CONNECTOR_FAULT=zero_load makes loads write zeros (negative cont
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
 from lmcache.v1.gpu_connector.gpu_connectors import GPUConnectorInterface
 from lmcache.v1.memory_management import MemoryFormat
+
+from kvtier import envs as kvtier_envs
 
 
 class CPUPagedKVConnector(GPUConnectorInterface):
@@ -40,7 +41,7 @@ class CPUPagedKVConnector(GPUConnectorInterface):
         self._views: list[torch.Tensor] | None = None
         self._block_size = 0
         self._offsets: torch.Tensor | None = None
-        self.fault = os.environ.get("KVTIER_CPU_CONNECTOR_FAULT", "")
+        self.fault = kvtier_envs.get("KVTIER_CPU_CONNECTOR_FAULT") or ""
 
     @classmethod
     def from_metadata(cls, metadata: Any) -> CPUPagedKVConnector:

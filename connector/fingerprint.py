@@ -22,6 +22,7 @@ import socket
 import time
 from typing import Any
 
+from kvtier import envs as kvtier_envs
 from kvtier.contract import META_PREFIX, esc
 
 log = logging.getLogger("kvtier.connector.fingerprint")
@@ -53,7 +54,7 @@ def fingerprint(cfg: Any, meta: Any, revision: str = "") -> dict[str, Any]:
 
 
 def replica_id(node_id: str = "") -> str:
-    return os.environ.get("KVTIER_REPLICA_ID") or f"{node_id or socket.gethostname()}-{os.getpid()}"
+    return kvtier_envs.get("KVTIER_REPLICA_ID") or f"{node_id or socket.gethostname()}-{os.getpid()}"
 
 
 def diff(a: dict[str, Any], b: dict[str, Any]) -> dict[str, tuple[Any, Any]]:

@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable
@@ -62,6 +61,7 @@ from connector.fingerprint import record_and_check
 from connector.loadgate import LoadGate
 from connector.logs import ensure_log_handler
 from kvtier import contract
+from kvtier import envs as kvtier_envs
 
 log = logging.getLogger("kvtier.connector.l2fs")
 ensure_log_handler()
@@ -134,15 +134,18 @@ class L2fsConnector(RemoteConnector):
                  plugin_name: str | None = None) -> None:
         super().__init__(local_cpu_backend.config, local_cpu_backend.metadata)
         from l2fs.client import Client
+        from l2fs.options import ClientOptions
 
         plugin = plugin_name or PLUGIN_TYPE
         cfg = config if config is not None else local_cpu_backend.config
         self.loop = loop
         self.local_cpu_backend = local_cpu_backend
-        self.master = _opt(cfg, plugin, "master") or os.environ.get("L2FS_MASTER")
+        # l2fs's shared client options: the plugin's settings, else the environment (one node-id default)
+        opts = ClientOptions.from_mapping({k: _opt(cfg, plugin, k) for k in ("master", "node_id")})
+        self.master = opts.master
         if not self.master:
             raise ValueError(f"l2fs plugin: set remote_storage_plugin.{plugin}.master or $L2FS_MASTER")
-        self.node_id = _opt(cfg, plugin, "node_id") or os.environ.get("L2FS_NODE_ID", "")
+        self.node_id = opts.node_id
         self.prefix = str(_opt(cfg, plugin, "prefix", contract.KV_PREFIX)).rstrip("/") or contract.KV_PREFIX
         self.revision = str(_opt(cfg, plugin, "model_revision", "") or "")
         timeout = float(_opt(cfg, plugin, "timeout", 1.0))
@@ -154,12 +157,12 @@ class L2fsConnector(RemoteConnector):
                       "bytes_read": 0, "read_s": 0.0, "gated": 0, "put_drift": 0}
         self.timeout = timeout
         positions.install_inprocess()  # chunk hash -> index in the prompt, for the order hints of puts
-        prefill = float(_opt(cfg, plugin, PREFILL_KEY) or os.environ.get(PREFILL_ENV) or 0)
+        prefill = float(_opt(cfg, plugin, PREFILL_KEY) or kvtier_envs.get(PREFILL_ENV) or 0)
         self.gate = LoadGate(self.single_token_size, prefill,
                              margin=float(_opt(cfg, plugin, "load_margin", 1.0)),
                              probe_interval=float(_opt(cfg, plugin, "rate_probe_interval", 5.0)),
                              stall_s=timeout / 2)
-        prefill_file = _opt(cfg, plugin, PREFILL_FILE_KEY) or os.environ.get(PREFILL_FILE_ENV)
+        prefill_file = _opt(cfg, plugin, PREFILL_FILE_KEY) or kvtier_envs.get(PREFILL_FILE_ENV)
         if prefill_file:  # a figure measured after start: the file's, while it holds one, else the fixed one
             watch_prefill_file(prefill_file, lambda v: setattr(self.gate, "prefill_tps", v or prefill))
         self._meta = local_cpu_backend.metadata

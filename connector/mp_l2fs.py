@@ -16,7 +16,6 @@ deepest chunks of a prefix chain first.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -34,6 +33,7 @@ from connector import keys as ckeys
 from connector.loadgate import LoadGate
 from connector.logs import ensure_log_handler
 from kvtier import contract
+from kvtier import envs as kvtier_envs
 
 log = logging.getLogger("kvtier.connector.mp_l2fs")
 ensure_log_handler()
@@ -60,7 +60,10 @@ class L2fsL2AdapterConfig(L2AdapterConfigBase):
 
     @classmethod
     def from_dict(cls, d: dict) -> L2fsL2AdapterConfig:
-        master = d.get("master") or os.environ.get("L2FS_MASTER")
+        from l2fs.options import ClientOptions
+
+        opts = ClientOptions.from_mapping(d)  # l2fs's shared client options: master, node id (config, else env)
+        master = opts.master
         if not isinstance(master, str) or not master:
             raise ValueError("l2fs L2 adapter: adapter_params.master (host:port) or $L2FS_MASTER is required")
         timeout = float(d.get("timeout", 2.0))
@@ -69,8 +72,8 @@ class L2fsL2AdapterConfig(L2AdapterConfigBase):
             raise ValueError("l2fs L2 adapter: timeout and threads must be positive")
         prefix = contract.revision_prefix(str(d.get("prefix", contract.MP_PREFIX)), str(d.get("namespace") or ""),
                                           str(d.get("model_revision") or ""))
-        prefill = float(d.get("prefill_tokens_per_s") or os.environ.get("KVTIER_PREFILL_TOKENS_PER_S") or 0)
-        return cls(master, str(d.get("node_id") or os.environ.get("L2FS_NODE_ID", "")), prefix, timeout, threads,
+        prefill = float(d.get("prefill_tokens_per_s") or kvtier_envs.get("KVTIER_PREFILL_TOKENS_PER_S") or 0)
+        return cls(master, opts.node_id, prefix, timeout, threads,
                    prefill, float(d.get("load_margin", 1.0)), float(d.get("rate_probe_interval", 5.0)),
                    int(d.get("chunk_size", contract.CHUNK_SIZE)), str(d.get("hash_algorithm") or "blake3"))
 

@@ -220,7 +220,9 @@ def pick(path: str, entry: str, role: str | None = None) -> str:
 
 def cmd_exec(ns: argparse.Namespace) -> int:
     """Export the entry's token as L2FS_TOKEN and become the command (no wrapper process stays behind)."""
-    path = ns.file or os.environ.get("L2FS_TOKENS_FILE") or ""
+    from l2fs import envs as l2fs_envs
+
+    path = ns.file or l2fs_envs.get("L2FS_TOKENS_FILE") or ""
     cmd = ns.cmd[1:] if ns.cmd[:1] == ["--"] else ns.cmd
     if not cmd:
         print("kvtier tokens exec: no command after --", file=sys.stderr)

@@ -10,6 +10,7 @@ import socket
 import sys
 
 from kvtier import contract
+from kvtier import envs as kvtier_envs
 from kvtier.contract import STRATEGIES
 
 
@@ -41,7 +42,7 @@ def parse_tier_cost(v: str) -> tuple[dict[str, float], bool]:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvtier router", description=__doc__)
-    p.add_argument("--replicas", default=os.environ.get("KVTIER_REPLICAS", ""),
+    p.add_argument("--replicas", default=kvtier_envs.get("KVTIER_REPLICAS"),
                    help="comma-separated replica base URLs (http://host:8000,...)")
     p.add_argument("--strategy", default=contract.DEFAULT_STRATEGY, help=f"default strategy: {', '.join(STRATEGIES)} "
                    "(per request: header X-Kvtier-Strategy)")
@@ -55,13 +56,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-events", default="", help="comma-separated ZMQ PUB endpoints, one per replica "
                    "(tcp://host:5557); empty entries allowed")
     p.add_argument("--kv-replay", default="", help="comma-separated ZMQ replay (ROUTER) endpoints, one per replica")
-    p.add_argument("--api-key", default=os.environ.get("KVTIER_ROUTER_API_KEY"),
+    p.add_argument("--api-key", default=kvtier_envs.get("KVTIER_ROUTER_API_KEY"),
                    help="require 'Authorization: Bearer KEY' from clients (env KVTIER_ROUTER_API_KEY)")
-    p.add_argument("--tls-cert", default=os.environ.get("KVTIER_ROUTER_TLS_CERT"),
+    p.add_argument("--tls-cert", default=kvtier_envs.get("KVTIER_ROUTER_TLS_CERT"),
                    help="serve HTTPS with this PEM certificate (chain); needs --tls-key. Plain HTTP is then refused")
-    p.add_argument("--tls-key", default=os.environ.get("KVTIER_ROUTER_TLS_KEY"),
+    p.add_argument("--tls-key", default=kvtier_envs.get("KVTIER_ROUTER_TLS_KEY"),
                    help="PEM private key of --tls-cert")
-    p.add_argument("--upstream-api-key", default=os.environ.get("KVTIER_UPSTREAM_API_KEY"),
+    p.add_argument("--upstream-api-key", default=kvtier_envs.get("KVTIER_UPSTREAM_API_KEY"),
                    help="bearer token sent to replicas (vLLM --api-key)")
     p.add_argument("--max-body-bytes", type=int, default=8 << 20)
     p.add_argument("--health-interval", type=float, default=2.0)
@@ -81,7 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "fits it from streamed requests' prefill times (docs/router.md)")
     p.add_argument("--session-header", default="x-session-id")
     p.add_argument("--prefix-affinity", action="store_true",
-                   default=os.environ.get("KVTIER_ROUTER_PREFIX_AFFINITY", "") not in ("", "0", "false"),
+                   default=kvtier_envs.get("KVTIER_ROUTER_PREFIX_AFFINITY") not in ("", "0", "false"),
                    help="a prefix no replica is known to hold goes to the rendezvous-hash home of its first "
                         "block (not the least loaded), so several router processes agree without sharing state "
                         "(env KVTIER_ROUTER_PREFIX_AFFINITY)")
@@ -114,7 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--l2fs-dtype", default="float", help="LMCache dtype string of the KV (float, half, bfloat16)")
     p.add_argument("--l2fs-hash-seed", default=contract.HASH_SEED,
                    help="the replicas' PYTHONHASHSEED (LMCache's builtin chunk hash depends on it)")
-    p.add_argument("--workers", type=int, default=int(os.environ.get("KVTIER_ROUTER_WORKERS", "1") or 1),
+    p.add_argument("--workers", type=int, default=int(kvtier_envs.get("KVTIER_ROUTER_WORKERS") or 1),
                    help="router processes sharing the port (SO_REUSEPORT; the kernel spreads connections); each "
                         "is a full router with its own state: use --prefix-affinity and --load-scrape-interval so "
                         "they agree; admission bounds are per process; /metrics merges all workers (label worker). "

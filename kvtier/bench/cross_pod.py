@@ -41,6 +41,7 @@ from urllib.parse import urlsplit
 
 import httpx
 
+from kvtier import envs as kvtier_envs
 from kvtier.bench.common import fmt, link_line, pct, shaper_bound, table, write_results
 from kvtier.up import log
 
@@ -587,7 +588,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "Llama-3.1-8B's 128 KiB of KV per token, 32 MiB chunks; see `kvtier model kv8b`)")
     p.add_argument("--tokenizer", default=None, help="tokenizer path/name for the prompts (default: replica A's "
                    "own /tokenize endpoint)")
-    p.add_argument("--api-key", default=os.environ.get("KVTIER_BENCH_API_KEY"),
+    p.add_argument("--api-key", default=kvtier_envs.get("KVTIER_BENCH_API_KEY"),
                    help="bearer token for the replicas (default $KVTIER_BENCH_API_KEY)")
     p.add_argument("--lengths", default=None, help="prompt lengths in tokens, comma separated")
     p.add_argument("--reps", type=int, default=3, help="fresh prompts per length (default 3)")

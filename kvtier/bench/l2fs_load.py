@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.bench.common import pct, rss_bytes
+from l2fs import envs as l2fs_envs
 
 OPS = ("put", "get", "prefix")
 
@@ -201,7 +202,7 @@ def print_tables(res: dict[str, Any]) -> None:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvtier bench load", description=__doc__.split("\n\n")[0])
     p.add_argument("--master", help="attach to a running cluster (default: start a local one)")
-    p.add_argument("--token", default=os.environ.get("L2FS_TOKEN"))
+    p.add_argument("--token", default=l2fs_envs.get("L2FS_TOKEN"))
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--capacity", type=_size, default=None, help="per-worker capacity of the local cluster, e.g. 64M")
     p.add_argument("--duration", type=float, default=60.0)
