@@ -77,12 +77,14 @@ def test_mount_cannot_overwrite_rename_or_delete_others_files(scoped: tuple[Loca
     path = m1 / victim.lstrip("/")
     assert path.read_bytes() == data
 
-    assert_cannot_replace(path, m1 / "kvtier/kv/ep/mine.tmp", m1 / "kvtier/kv/ep/moved")
+    # the mount's own fresh file lives outside the engine's prefix (no mount creates under it: the engine
+    # serves it, test_mount_endpoint_boundary.py)
+    assert_cannot_replace(path, m1 / "kvtier/kv/mine.tmp", m1 / "kvtier/kv/ep/moved")
     with pytest.raises(OSError):
         (m1 / "elsewhere.bin").write_bytes(b"x")
     with c.client(token=ADMIN) as admin:
         assert admin.get(victim) == data
         assert admin.stat(f"{KV}/ep/moved") is None and admin.stat("/elsewhere.bin") is None
-        assert admin.get(f"{KV}/ep/mine.tmp") == b"poison" * 1000
+        assert admin.get(f"{KV}/mine.tmp") == b"poison" * 1000
     assert path.read_bytes() == data
-    (m1 / "kvtier/kv/ep/mine.tmp").unlink()
+    (m1 / "kvtier/kv/mine.tmp").unlink()
