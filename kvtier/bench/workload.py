@@ -316,9 +316,10 @@ class Fleet(Stack):
         self.l0_bytes = l0_bytes
         self.tier: str | None = None
         self.starts: list[dict[str, Any]] = []
+        self.failed: set[str] = set()
         self.routers: dict[tuple[str, str], tuple[Any, str]] = {}  # (kind, policy) -> (process, url), this tier
 
-    def router(self, kind: str, policy: str) -> str:
+    def arm_router(self, kind: str, policy: str) -> str:
         """The URL of this tier's router of that kind/policy (started once per tier: kvaware's start is slow)."""
         from kvtier.bench.routing import start_router
 
@@ -352,6 +353,8 @@ class Fleet(Stack):
 
     def use(self, tier: str) -> None:
         """Replicas of this tier running (restarted only if another tier runs)."""
+        if tier in self.failed:
+            raise RuntimeError(f"the replicas of tier {tier} did not start (see above)")
         if tier == self.tier:
             return
         self.stop_replicas()
@@ -359,7 +362,13 @@ class Fleet(Stack):
         t0 = time.monotonic()
         log(f"starting {self.n_replicas} replicas, tier {tier}")
         self.kv_events, self.infos, self._launched = [], [], {}
-        self._start_replicas(self._plan_replicas(self.nodes))
+        try:
+            self._start_replicas(self._plan_replicas(self.nodes))
+        except BaseException:
+            self.failed.add(tier)
+            self.stop_replicas()
+            self.tier = None
+            raise
         self.starts.append({"tier": tier, "seconds": time.monotonic() - t0})
         log(f"tier {tier}: replicas healthy after {time.monotonic() - t0:.0f}s")
 
@@ -423,7 +432,7 @@ def run_step(arm: str, step: Step, fleet: Fleet, args: argparse.Namespace, seed:
                      turns=args.turns, think_s=args.think_s, return_share=args.return_share,
                      return_gap=args.return_gap, question_words=args.question_words, nonce=nonce,
                      encode=lambda s: tok(s, add_special_tokens=False)["input_ids"], decode=tok.decode)
-    url = fleet.router(kind, policy)
+    url = fleet.arm_router(kind, policy)
     before, load0 = [scrape(u) for u in urls], os.getloadavg()[0]
     results: list[dict[str, Any]] = []
     t_start = time.monotonic() + 0.5
@@ -464,7 +473,7 @@ def run_mrqa(arm: str, fleet: Fleet, args: argparse.Namespace, context: int, see
     urls = [r.url for r in state.replicas]
     out = args.out.resolve() / f"mrqa-{arm.replace(' ', '_')}.csv"
     out.parent.mkdir(parents=True, exist_ok=True)
-    url = fleet.router(kind, policy)
+    url = fleet.arm_router(kind, policy)
     # its prompt lengths count "hi " words, not tokens: scale them by this tokenizer's tokens per "hi "
     per_hi = len(tok(" ".join(["hi"] * 1000), add_special_tokens=False)["input_ids"]) / 1000
     argv = [sys.executable, str(args.mrqa), "--num-users", str(args.mrqa_users), "--num-rounds", str(args.turns),
@@ -543,7 +552,7 @@ def apply_quick(args: argparse.Namespace) -> None:
     args.contexts, args.rates, args.short_tokens = "768", "1.0", 0
     args.sessions, args.docs, args.turns, args.think_s = 6, 3, 2, 0.2
     args.return_share, args.return_gap, args.question_words, args.answer_tokens = 0.5, 2, 8, 4
-    args.l0_tokens = args.l0_tokens or 2048  # = the model length: returning users find little left in L0/L1
+    args.l0_tokens = args.l0_tokens or 2560  # 1.25 x the model length: returning users find little left in L0/L1
     args.l1_tokens = args.l1_tokens if args.l1_tokens != 6144 else 1024
     args.slo_ms, args.step_timeout = 1e9, 180
 
@@ -705,7 +714,8 @@ def main(argv: list[str] | None = None) -> int:
     longest = max(contexts + [args.short_tokens])
     max_model_len = int(math.ceil((longest + 2 * args.turns * (args.question_words * 2 + args.answer_tokens + 32)
                                    + 256) / 1024) * 1024)
-    l0_tokens = args.l0_tokens or 2 * max_model_len
+    # vLLM refuses to start unless L0 holds one request of the model length (plus a little): keep 25% over it
+    l0_tokens = max(args.l0_tokens or 2 * max_model_len, int(1.25 * max_model_len))
     l0_bytes = int(math.ceil(l0_tokens * kv_bpt / 2**20)) * 2**20
     l1_gb = args.l1_tokens * kv_bpt / 2**30
     cap = args.replicas * (l0_bytes // kv_bpt + args.l1_tokens)
