@@ -116,8 +116,7 @@ class NamespaceOps(ClientCore):
         """Entries of a directory (every shard's, merged), or [the file]. Fails when a shard cannot answer:
         a listing is complete or an error."""
         path = _check(path)
-        got = self._fan([functools.partial(self._master, "List", pb.PathRequest(path=path), None, s)
-                         for s in range(len(self._shards))])
+        got = self._fan([functools.partial(self._list_shard, path, s) for s in range(len(self._shards))])
         merged: dict[str, pb.FileStat] = {}
         found = False
         for r in got:
@@ -134,6 +133,19 @@ class NamespaceOps(ClientCore):
         if not found:
             raise NotFound(f"{path}: no such file or directory")
         return [_info(merged[p]) for p in sorted(merged)]
+
+
+    def _list_shard(self, path: str, shard: int) -> pb.ListResponse:
+        """One shard's whole listing of `path`, page by page (the master answers at most MAX_BATCH_ITEMS
+        entries per call)."""
+        out = pb.ListResponse()
+        after = ""
+        while True:
+            r = self._master("List", pb.ListRequest(path=path, start_after=after, limit=MAX_BATCH_ITEMS), None, shard)
+            out.entries.extend(r.entries)
+            if not r.next_after:
+                return out
+            after = r.next_after
 
 
     def walk(self, root: str = "/") -> dict[str, FileInfo]:

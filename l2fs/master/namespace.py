@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import heapq
 from typing import Any
 
 import grpc
 
 from l2fs.common import (
+    MAX_BATCH_ITEMS,
     Credential,
     RpcError,
     capability,
@@ -243,17 +245,28 @@ class NamespaceOps(QuotaOps):
 
 
     @_rpc
-    def List(self, request: pb.PathRequest, context: Any) -> pb.ListResponse:  # noqa: N802
+    def List(self, request: pb.ListRequest, context: Any) -> pb.ListResponse:  # noqa: N802
+        """A page of at most `limit` (<= MAX_BATCH_ITEMS) entries after `start_after`, and the name to go on
+        from. Before, one call listed a whole directory under the lock, however large; a caller that asks for
+        no page (limit 0, as clients before paging) gets the whole listing only up to one page, else
+        INVALID_ARGUMENT (a listing is complete or an error)."""
         path = norm_path(request.path)
+        limit = min(request.limit or MAX_BATCH_ITEMS, MAX_BATCH_ITEMS)
         with self.lock:
             if path in self.files:
                 return pb.ListResponse(entries=[self._stat(path, caps=False)])
             kids = self.children.get(path)
             if kids is None:
                 raise RpcError(grpc.StatusCode.NOT_FOUND, f"{path}: no such file or directory")
+            if not request.limit and len(kids) > limit:
+                raise RpcError(grpc.StatusCode.INVALID_ARGUMENT,
+                               f"{path} has {len(kids)} entries: list it in pages of at most {limit} "
+                               f"(ListRequest.limit, start_after)")
+            after = request.start_after
+            names = heapq.nsmallest(limit + 1, (n for n in kids if n > after) if after else kids)
             base = "" if path == "/" else path
-            entries = [self._stat(f"{base}/{name}", caps=False) for name in sorted(kids)]
-        return pb.ListResponse(entries=entries)
+            entries = [self._stat(f"{base}/{name}", caps=False) for name in names[:limit]]
+        return pb.ListResponse(entries=entries, next_after=names[limit - 1] if len(names) > limit else "")
 
 
     @_rpc

@@ -265,11 +265,23 @@ class PrefixLookupResponse(_message.Message):
     count: int
     def __init__(self, count: _Optional[int] = ...) -> None: ...
 
+class ListRequest(_message.Message):
+    __slots__ = ("path", "start_after", "limit")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    START_AFTER_FIELD_NUMBER: _ClassVar[int]
+    LIMIT_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    start_after: str
+    limit: int
+    def __init__(self, path: _Optional[str] = ..., start_after: _Optional[str] = ..., limit: _Optional[int] = ...) -> None: ...
+
 class ListResponse(_message.Message):
-    __slots__ = ("entries",)
+    __slots__ = ("entries", "next_after")
     ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    NEXT_AFTER_FIELD_NUMBER: _ClassVar[int]
     entries: _containers.RepeatedCompositeFieldContainer[FileStat]
-    def __init__(self, entries: _Optional[_Iterable[_Union[FileStat, _Mapping]]] = ...) -> None: ...
+    next_after: str
+    def __init__(self, entries: _Optional[_Iterable[_Union[FileStat, _Mapping]]] = ..., next_after: _Optional[str] = ...) -> None: ...
 
 class MkdirRequest(_message.Message):
     __slots__ = ("path", "parents", "exist_ok")

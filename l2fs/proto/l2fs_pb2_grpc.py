@@ -91,7 +91,7 @@ class MasterStub(object):
                 _registered_method=True)
         self.List = channel.unary_unary(
                 '/l2fs.Master/List',
-                request_serializer=l2fs__pb2.PathRequest.SerializeToString,
+                request_serializer=l2fs__pb2.ListRequest.SerializeToString,
                 response_deserializer=l2fs__pb2.ListResponse.FromString,
                 _registered_method=True)
         self.Mkdir = channel.unary_unary(
@@ -287,7 +287,7 @@ def add_MasterServicer_to_server(servicer, server):
             ),
             'List': grpc.unary_unary_rpc_method_handler(
                     servicer.List,
-                    request_deserializer=l2fs__pb2.PathRequest.FromString,
+                    request_deserializer=l2fs__pb2.ListRequest.FromString,
                     response_serializer=l2fs__pb2.ListResponse.SerializeToString,
             ),
             'Mkdir': grpc.unary_unary_rpc_method_handler(
@@ -638,7 +638,7 @@ class Master(object):
             request,
             target,
             '/l2fs.Master/List',
-            l2fs__pb2.PathRequest.SerializeToString,
+            l2fs__pb2.ListRequest.SerializeToString,
             l2fs__pb2.ListResponse.FromString,
             options,
             channel_credentials,

@@ -221,6 +221,25 @@ def test_bounds_batched_calls_are_bounded_in_items(quota: LocalCluster) -> None:
     assert len(stats) == 10_000 and all(s is not None and s.size == 1000 for s in stats)
 
 
+def test_bounds_list_of_a_large_directory_is_paged(quota: LocalCluster) -> None:
+    """A directory of 5,000 files: a List asking for no page is INVALID_ARGUMENT (it was one reply built
+    under the lock, however large), a page holds at most 4,096 entries and names where to go on, and the
+    client's ls pages through to the whole sorted listing."""
+    with quota.client(timeout=30) as cl:
+        res = cl.put_many([(f"/many/f{i:05d}", b"m") for i in range(5000)])
+        assert all(r is True for r in res)
+        m = _master(quota)
+        assert _code(lambda: m.List(pb.PathRequest(path="/many"), timeout=T, metadata=_md(ADMIN))) \
+            == grpc.StatusCode.INVALID_ARGUMENT
+        page = m.List(pb.ListRequest(path="/many", limit=100_000), timeout=T, metadata=_md(ADMIN))
+        assert len(page.entries) == 4096 and page.next_after == "f04095"
+        rest = m.List(pb.ListRequest(path="/many", start_after=page.next_after, limit=4096), timeout=T,
+                      metadata=_md(ADMIN))
+        assert len(rest.entries) == 904 and rest.next_after == ""
+        names = [e.path.rsplit("/", 1)[1] for e in cl.ls("/many")]
+        assert names == [f"f{i:05d}" for i in range(5000)]
+
+
 # ---------- slow clients ----------
 
 def _read_header(cap: str, bid: str) -> bytes:
