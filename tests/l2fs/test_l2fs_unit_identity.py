@@ -83,3 +83,69 @@ def test_a_real_worker_token_is_still_reviewed_and_cached() -> None:
     for _ in range(5):
         assert api.review(GOOD) == cred
     assert api.reviews == 11  # cached after its one review
+
+
+class _Clock:
+    """identity's `time`, moved by the test (deterministic cache and bucket times)."""
+
+    def __init__(self) -> None:
+        self.t = 1_000_000.0
+
+    def time(self) -> float:
+        return self.t
+
+    def monotonic(self) -> float:
+        return self.t
+
+
+class _Flaky(_Api):
+    """_Api with a 60 s cache and an API server that can be made to fail or to refuse GOOD."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.down = self.revoked = False
+
+    def _ask(self, token: str) -> Any:
+        if self.down:
+            self.reviews += 1
+            raise ConnectionError("API server unreachable")
+        return super()._ask("revoked" if self.revoked else token)
+
+
+def test_known_tokens_are_renewed_on_their_own_budget_and_the_cached_review_stands(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A cached review is renewed after 2/3 of its time; when the renewal cannot be made the cached one
+    answers until it expires (then refused); a renewal the API server refuses drops it at once. Strangers
+    who emptied the review budget do not stop a known token's re-review."""
+    clock = _Clock()
+    monkeypatch.setattr(identity, "time", clock)
+    api = _Flaky()
+    assert api.review(GOOD) is not None and api.reviews == 1
+    made_up = iter(range(1 << 30))
+
+    def drain() -> None:  # strangers empty the shared budget (what a flood does all the time)
+        shed = api.shed
+        for _ in range(int(identity.REVIEW_BURST) + 50):
+            api.review(f"made-up-{next(made_up)}")
+        assert api.shed - shed >= 50 and api.review(f"made-up-{next(made_up)}") is None
+
+    clock.t += 30
+    before = api.reviews
+    assert api.review(GOOD) is not None and api.reviews == before  # within 2/3 of 60 s: the cache answers
+    clock.t += 15  # 45 s: due for renewal, made on the known tokens' budget
+    drain()
+    before = api.reviews
+    assert api.review(GOOD) is not None and api.reviews == before + 1 and api.renewed == 1
+    clock.t += 45  # 45 s after the renewal
+    api.down = True  # the renewal fails: the cached review (60 s from the renewal) still answers
+    assert api.review(GOOD) is not None
+    clock.t += 20  # past its expiry: a re-review is needed and cannot be made
+    assert api.review(GOOD) is None
+    api.down = False
+    drain()
+    assert api.review(GOOD) is not None  # known: re-reviewed although strangers keep the budget empty
+    clock.t += 45
+    api.revoked = True  # the API server no longer accepts it: refused at the renewal, not at expiry
+    assert api.review(GOOD) is None
+    api.revoked = False
+    assert api.review(GOOD) is None  # and remembered as refused for a while
