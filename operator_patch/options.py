@@ -17,7 +17,8 @@ from .patch import ROUTER_STRATEGIES, PatchConfig
 _DEFAULTS = PatchConfig()
 # flag -> (PatchConfig field, help)
 _FLAGS: dict[str, tuple[str, str]] = {
-    "--mode": ("mode", "mount: LMCache fs:// on the FUSE mount; plugin: LMCache remote-storage plugin"),
+    "--mode": ("mode", "mount: LMCache fs:// on the FUSE mount; plugin: LMCache remote-storage plugin; "
+                       "mp: an `lmcache server` sidecar with kvtier's L2 adapter (LMCache multiprocess mode)"),
     "--mount-path": ("mount_path", "path of the l2fs mount inside vLLM pods"),
     "--prefix": ("prefix", "l2fs directory of the KV chunks (both modes; = the router's --l2fs-prefix)"),
     "--host-path": ("host_path", "node path where the l2fs-mount DaemonSet mounts l2fs"),
@@ -45,6 +46,10 @@ _FLAGS: dict[str, tuple[str, str]] = {
     "--kv-events-port": ("kv_events_port", "vLLM KV-events ZMQ PUB port, named container port 'kv-events' "
                                            "(0 = no --kv-events-config)"),
     "--kv-replay-port": ("kv_replay_port", "vLLM KV-events replay port, named 'kv-replay' (0 = none)"),
+    "--mp-port": ("mp_port", "mp mode: the lmcache server sidecar's loopback port"),
+    "--mp-l1-gb": ("mp_l1_gb", "mp mode: host memory (GB) of the sidecar's L1"),
+    "--mp-image": ("mp_image", "mp mode: the sidecar's image ('' = the vLLM container's, which must hold "
+                               "LMCache and kvtier)"),
     "--kv-dtype": ("kv_dtype", "LMCache dtype of the KV when the vLLM args name none (--dtype auto): "
                                "bfloat16|half|float; annotation kvtier.io/kv-dtype overrides; recorded on the "
                                "pod for the router's L2 lookups"),

@@ -66,7 +66,7 @@ class Refused(PatchError):
 class PatchConfig:
     """What "use l2fs as L2" means for one cluster. Defaults match deploy/base."""
 
-    mode: Literal["mount", "plugin"] = "mount"
+    mode: Literal["mount", "plugin", "mp"] = "mount"
     mount_path: str = "/mnt/l2fs"  # where pods see the FUSE mount
     # l2fs directory of the KV chunks, shared by both modes (= connector.config.DEFAULT_PREFIX and the
     # router's --l2fs-prefix), so mount-mode and plugin-mode pods and the router see the same chunks
@@ -102,6 +102,13 @@ class PatchConfig:
     # takes the model's torch_dtype, bfloat16 for most current models); annotation kvtier.io/kv-dtype on the
     # IEC or Deployment overrides. Recorded on the pod (kvtier.io/kv-dtype) for the router's L2 lookups.
     kv_dtype: str = "bfloat16"
+    # mp mode (LMCache multiprocess): an `lmcache server` native sidecar (initContainer, restartPolicy Always) in
+    # each engine pod with kvtier's L2 adapter, on loopback port mp_port, mp_l1_gb of host memory as its L1;
+    # vLLM gets LMCache's MP connector in engine_driven transfer mode (no CUDA IPC into the sidecar, so the
+    # sidecar needs no GPU, no hostIPC and no hostPath: Pod Security baseline). mp_image "" = the vLLM image.
+    mp_port: int = 6555
+    mp_l1_gb: float = 4.0
+    mp_image: str = ""
     # an InferenceEndpointConfig with l2CacheBackend "tieredstorage" is taken over only when opted in
     # (label/annotation kvtier.io/l2fs on it or its Deployment); "redis" and L2-disabled ones never are
 
@@ -109,8 +116,12 @@ class PatchConfig:
         if not re.fullmatch(r"[A-Za-z0-9_.-]+", self.plugin_name):
             raise ValueError(f"plugin_name must be one plain name (LMCache splits its env list on ','), "
                              f"not {self.plugin_name!r}")
-        if self.mode not in ("mount", "plugin"):
-            raise ValueError(f"mode must be 'mount' or 'plugin', not {self.mode!r}")
+        if self.mode not in ("mount", "plugin", "mp"):
+            raise ValueError(f"mode must be 'mount', 'plugin' or 'mp', not {self.mode!r}")
+        object.__setattr__(self, "mp_port", int(self.mp_port))
+        object.__setattr__(self, "mp_l1_gb", float(self.mp_l1_gb))
+        if not 0 < self.mp_port < 65536 or self.mp_l1_gb <= 0:
+            raise ValueError(f"mp_port must be a port and mp_l1_gb positive, not {self.mp_port}/{self.mp_l1_gb}")
         for name in ("mount_path", "host_path", "data_path"):
             value = getattr(self, name)
             if name == "data_path" and value == "":
@@ -565,7 +576,9 @@ def _patch_worker(dep: dict[str, Any], cfg: PatchConfig, iec: dict[str, Any] | N
     secret = salt_secret(dep, iec, old)
     _patch_salt(dep, c, secret)
     _patch_vllm_flags(c, cfg)
-    if cfg.mode == "mount":
+    if cfg.mode == "mp":
+        _patch_mp(dep, c, cfg, chunk_dir(kv_prefix, secret), secret, token_secret(dep, cfg, iec, old))
+    elif cfg.mode == "mount":
         _set_env(env, URL_VAR, cfg.url_for(chunk_dir(kv_prefix, secret)))
         # a token from a Secret is what an earlier plugin-mode patch added: mount-mode pods hold none
         env[:] = [e for e in env if e.get("name") != TOKEN_VAR or "secretKeyRef" not in (e.get("valueFrom") or {})]
@@ -595,7 +608,7 @@ def _patch_worker(dep: dict[str, Any], cfg: PatchConfig, iec: dict[str, Any] | N
             # HostToContainer: a FUSE remount by the l2fs-mount DaemonSet becomes visible in the pod.
             mount["mountPropagation"] = "HostToContainer"
             volume = {"name": cfg.volume_name, "hostPath": {"path": cfg.host_path, "type": "DirectoryOrCreate"}}
-    elif cfg.data_path:
+    elif cfg.mode == "plugin" and cfg.data_path:
         # Same-node short-circuit: the co-located worker hands block fds over its Unix socket (l2fs/common/fdpass.py,
         # `--domain-socket /run/l2fs/worker.sock` in deploy/base/worker.yaml), at the path the worker reports, so
         # the pod sees that hostPath dir (only the socket in it) at the identical path. Read-only suffices to
@@ -603,7 +616,7 @@ def _patch_worker(dep: dict[str, Any], cfg: PatchConfig, iec: dict[str, Any] | N
         # --data-path pointing at the data dir still works: path-based reads, writes over the data plane.)
         mount = {"name": cfg.volume_name, "mountPath": cfg.data_path, "readOnly": True}
         volume = {"name": cfg.volume_name, "hostPath": {"path": cfg.data_path, "type": "DirectoryOrCreate"}}
-    if cfg.mode == "mount" or cfg.data_path:
+    if cfg.mode == "mount" or (cfg.mode == "plugin" and cfg.data_path):
         _upsert(c.setdefault("volumeMounts", []), mount,
                 lambda m: m.get("name") == cfg.volume_name or m.get("mountPath") == mount["mountPath"])
         _upsert(pod["spec"].setdefault("volumes", []), volume, lambda v: v.get("name") == cfg.volume_name)
@@ -623,11 +636,103 @@ def _patch_worker(dep: dict[str, Any], cfg: PatchConfig, iec: dict[str, Any] | N
         pod_ann[KV_SALT_SECRET_KEY] = secret  # the router needs this endpoint's salt to find its chunks
     else:
         pod_ann.pop(KV_SALT_SECRET_KEY, None)
-    token = token_secret(dep, cfg, iec, old) if cfg.mode == "plugin" else ""
+    token = token_secret(dep, cfg, iec, old) if cfg.mode in ("plugin", "mp") else ""
     if token:
         pod_ann[TOKEN_SECRET_KEY] = token  # kept across re-renders while the IEC cannot be read; verify reads it
     else:
         pod_ann.pop(TOKEN_SECRET_KEY, None)
+
+
+MP_SIDECAR = "lmcache-server"
+MP_CONNECTOR = "LMCacheMPConnector"
+MP_CONNECTOR_MODULE = "lmcache.integration.vllm.lmcache_mp_connector"  # LMCache's own: vLLM's needs CUDA
+MP_ADAPTER = {"type": "plugin", "module_path": "connector.mp_l2fs", "class_name": "L2fsL2Adapter"}
+SHM_VOLUME = "kvtier-dshm"
+
+
+def mp_transfer_config(cfg: PatchConfig, old: dict[str, Any] | None = None) -> dict[str, Any]:
+    """vLLM --kv-transfer-config for LMCache's MP connector talking to the pod's sidecar (over loopback)."""
+    out = {k: v for k, v in (old or {}).items() if k in ("kv_load_failure_policy", "kv_buffer_device")}
+    if cfg.kv_load_failure_policy:
+        out["kv_load_failure_policy"] = cfg.kv_load_failure_policy
+    out.update({"kv_connector": MP_CONNECTOR, "kv_connector_module_path": MP_CONNECTOR_MODULE,
+                "kv_role": "kv_both",
+                "kv_connector_extra_config": {"lmcache.mp.host": "tcp://127.0.0.1", "lmcache.mp.port": cfg.mp_port,
+                                              "lmcache.mp.mp_transfer_mode": "engine_driven"}})
+    return out
+
+
+def mp_sidecar(cfg: PatchConfig, image: str, kv_dir: str, salted: str, token: str) -> dict[str, Any]:
+    """The `lmcache server` native sidecar: L1 in its own memory, kvtier's l2fs adapter as L2."""
+    # the prefix is already the endpoint revision's directory (the adapter's model_revision would nest it again)
+    params = {"master": cfg.master, "node_id": f"$({cfg.node_env})", "prefix": kv_dir}
+    env: list[dict[str, Any]] = []
+    if salted:  # the adapter's prefix names $(KVTIER_KV_SALT_DIR): the entry must come first
+        env.append({"name": SALT_DIR_VAR,
+                    "valueFrom": {"secretKeyRef": {"name": salted, "key": contract.SALT_DIR_SECRET_KEY}}})
+    env.append({"name": cfg.node_env, "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}})
+    if token:
+        env.append({"name": TOKEN_VAR, "valueFrom": {"secretKeyRef": {"name": token, "key": cfg.token_key}}})
+    env += [{"name": "PYTHONHASHSEED", "value": cfg.hash_seed}, {"name": "LMCACHE_TRACK_USAGE", "value": "false"}]
+    return {"name": MP_SIDECAR, "image": cfg.mp_image or image, "restartPolicy": "Always",
+            "command": ["lmcache", "server"],
+            "args": ["--host", "127.0.0.1", "--port", str(cfg.mp_port), "--chunk-size", str(contract.CHUNK_SIZE),
+                     "--l1-size-gb", f"{cfg.mp_l1_gb:g}", "--eviction-policy", "LRU",
+                     "--supported-transfer-mode", "engine_driven",
+                     "--l2-adapter", json.dumps({**MP_ADAPTER, "adapter_params": params}, sort_keys=True)],
+            "env": env,
+            "resources": {"requests": {"memory": f"{int(cfg.mp_l1_gb + 1)}Gi"}},
+            "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
+            "startupProbe": {"tcpSocket": {"port": cfg.mp_port}, "periodSeconds": 2, "failureThreshold": 150}}
+
+
+def _patch_mp(dep: dict[str, Any], c: dict[str, Any], cfg: PatchConfig, kv_dir: str, salted: str,
+              token: str) -> None:
+    """MP mode: no in-process LMCache settings in the engine; the sidecar holds L1 and the l2fs credential."""
+    env: list[dict[str, Any]] = c.setdefault("env", [])
+    for name in (URL_VAR, PLUGINS_VAR, "LMCACHE_EXTRA_CONFIG"):
+        _drop_env(env, name)
+    env[:] = [e for e in env if e.get("name") != TOKEN_VAR or "secretKeyRef" not in (e.get("valueFrom") or {})]
+    if _argv(c) is not None:
+        _put_json_flag(c, KV_TRANSFER_FLAG, mp_transfer_config(cfg, _json_flag(c, KV_TRANSFER_FLAG)))
+    spec = dep["spec"]["template"]["spec"]
+    # one pod-level /dev/shm for both containers, a memory emptyDir: the operator's volume when it is one; a
+    # hostPath /dev/shm (the HyperPod operator mounts the node's, for its managed tier's daemon, which mp mode
+    # replaces) becomes one, so the pod keeps no hostPath (Pod Security baseline)
+    shm = next((m.get("name") for m in c.get("volumeMounts") or [] if m.get("mountPath") == "/dev/shm"), None)
+    if shm is None:
+        shm = SHM_VOLUME
+        c.setdefault("volumeMounts", []).append({"name": shm, "mountPath": "/dev/shm"})
+    vol = next((v for v in spec.get("volumes") or [] if v.get("name") == shm), None)
+    if vol is None or "emptyDir" not in vol:
+        _upsert(spec.setdefault("volumes", []), {"name": shm, "emptyDir": {"medium": "Memory"}},
+                lambda v: v.get("name") == shm)
+    side = mp_sidecar(cfg, str(c.get("image") or ""), kv_dir, salted, token)
+    side["volumeMounts"] = [{"name": shm, "mountPath": "/dev/shm"}]
+    _upsert(spec.setdefault("initContainers", []), side, lambda x: x.get("name") == MP_SIDECAR)
+
+
+def _verify_mp(dep: dict[str, Any], c: dict[str, Any], cfg: PatchConfig, kv_dir: str) -> list[str]:
+    problems = []
+    transfer = _json_flag(c, KV_TRANSFER_FLAG) or {}
+    if transfer.get("kv_connector") != MP_CONNECTOR or transfer.get("kv_connector_module_path") != MP_CONNECTOR_MODULE:
+        problems.append(f"{KV_TRANSFER_FLAG}: mp mode wants {MP_CONNECTOR} from {MP_CONNECTOR_MODULE}, have {transfer}")
+    sides = [x for x in dep["spec"]["template"]["spec"].get("initContainers") or [] if x.get("name") == MP_SIDECAR]
+    if len(sides) != 1 or sides[0].get("restartPolicy") != "Always":
+        problems.append(f"pod spec: mp mode wants one native sidecar {MP_SIDECAR} (restartPolicy Always)")
+    else:
+        args = [str(a) for a in sides[0].get("args") or []]
+        raw = _flag_value(args, "--l2-adapter")
+        try:
+            have = (json.loads(raw) if raw else {}).get("adapter_params", {}).get("prefix")
+        except (json.JSONDecodeError, AttributeError):
+            have = None
+        if have != kv_dir:
+            problems.append(f"{MP_SIDECAR} --l2-adapter prefix: want {kv_dir!r}, have {have!r}")
+    for e in c.get("env") or []:
+        if e.get("name") in (URL_VAR, PLUGINS_VAR):
+            problems.append(f"env {e.get('name')}: mp mode wants no in-process LMCache L2")
+    return problems
 
 
 def _patch_salt(dep: dict[str, Any], c: dict[str, Any], secret: str) -> None:
@@ -782,7 +887,9 @@ def check(dep: dict[str, Any], cfg: PatchConfig) -> list[str]:
                             f"want {layout[0]}/{layout[1]} (the router's L2 lookups need them), have "
                             f"{pod_ann.get(contract.KV_DTYPE_ANNOTATION)}/{pod_ann.get(contract.KV_WORLD_SIZE_ANNOTATION)}")
     kv_dir = chunk_dir(kv_prefix, secret)
-    if cfg.mode == "mount":
+    if cfg.mode == "mp":
+        problems += _verify_mp(dep, c, cfg, kv_dir)
+    elif cfg.mode == "mount":
         if len(urls) != 1 or urls[0].get("value") != cfg.url_for(kv_dir):
             problems.append(f"env {URL_VAR}: want exactly one entry = {cfg.url_for(kv_dir)!r}, have {urls}")
         mounts = [m for m in c.get("volumeMounts") or [] if m.get("name") == cfg.volume_name]
