@@ -160,6 +160,11 @@ class DataServer:
         self._sel = selectors.DefaultSelector()
         self._pending: dict[socket.socket, _Pending] = {}  # insertion order: oldest first
         self._per_ip: dict[str, int] = {}
+        # authenticated connections per peer address: at most half the slots, so one source (a pod) cannot
+        # hold every slot with valid but idle or slow connections (block capabilities name no credential)
+        self.auth_per_ip = max(1, max_conns // 2)
+        self._auth_ip: dict[str, int] = {}
+        self._auth_lock = threading.Lock()
 
     @staticmethod
     def _one_token(want: bytes) -> Checker:
@@ -258,18 +263,36 @@ class DataServer:
         if why:
             self._drop(p, "denied", DENIED, why)
             return
-        if not self._slots.acquire(blocking=False):
-            REFUSED.inc()
-            self._drop(p, "busy", BUSY, BUSY_MSG.format(self.max_conns))
-            return
+        with self._auth_lock:
+            held = self._auth_ip.get(p.ip, 0)
+            if held >= self.auth_per_ip:
+                REFUSED.inc()
+                self._drop(p, "busy", BUSY, BUSY_MSG.format(f"{self.auth_per_ip} from {p.ip}"))
+                return
+            if not self._slots.acquire(blocking=False):
+                REFUSED.inc()
+                self._drop(p, "busy", BUSY, BUSY_MSG.format(self.max_conns))
+                return
+            self._auth_ip[p.ip] = held + 1
         self._forget(p)
         try:
             p.conn.setblocking(True)
-            threading.Thread(target=self._serve, args=(p.conn, req), name="l2fs-data-conn", daemon=True).start()
+            threading.Thread(target=self._serve, args=(p.conn, req, p.ip), name="l2fs-data-conn",
+                             daemon=True).start()
         except BaseException:
-            self._slots.release()
+            self._release(p.ip)
             p.conn.close()
             raise
+
+    def _release(self, ip: str) -> None:
+        """Give back an authenticated connection's slot and its address's share."""
+        with self._auth_lock:
+            n = self._auth_ip.get(ip, 1) - 1
+            if n > 0:
+                self._auth_ip[ip] = n
+            else:
+                self._auth_ip.pop(ip, None)
+        self._slots.release()
 
     def _forget(self, p: _Pending) -> None:
         """Take p out of the pre-auth pool (its socket stays open); a no-op when it is already out."""
@@ -309,7 +332,7 @@ class DataServer:
 
     # ---------- authenticated connections ----------
 
-    def _serve(self, conn: socket.socket, req: _Request) -> None:
+    def _serve(self, conn: socket.socket, req: _Request, ip: str) -> None:
         try:
             conn.settimeout(self.idle_timeout)  # idle connections close, freeing their slot
             with conn:
@@ -320,7 +343,7 @@ class DataServer:
                 except (OSError, ConnectionError, struct.error, UnicodeDecodeError) as e:
                     log.debug("data connection ended: %s", e)
         finally:
-            self._slots.release()
+            self._release(ip)
 
     def _serve_one(self, conn: socket.socket) -> bool:
         """One further request on an authenticated connection; False when the connection is to be closed

@@ -262,9 +262,10 @@ def _read_reply(s: socket.socket) -> int:
 
 
 def test_bounds_data_plane_header_deadline_is_not_restarted_per_byte(tmp_path: Path) -> None:
-    """32 authenticated data-plane connections (a read each) on a worker with 32 slots, each then trickling
-    the next request header one byte per second (the idle timeout is 2 s, so each byte would restart it):
-    once the whole-header deadline has passed, a fresh connection's read is served, not answered BUSY."""
+    """32 authenticated data-plane connections (a read each, from two addresses) on a worker with 32 slots,
+    each then trickling the next request header one byte per second (the idle timeout is 2 s, so each byte
+    would restart it): once the whole-header deadline has passed, a fresh connection's read is served, not
+    answered BUSY."""
     with LocalCluster(tmp_path / "c", workers=1, capacity="64M",
                       worker_args=["--data-max-conns", "32", "--data-idle-timeout", "2"]) as c:
         with c.client(timeout=T) as cl:
@@ -273,8 +274,8 @@ def test_bounds_data_plane_header_deadline_is_not_restarted_per_byte(tmp_path: P
         host, port = loc.data_address.rsplit(":", 1)
         head = _read_header(loc.capability, loc.block_id)
         socks = []
-        for _ in range(32):
-            s = socket.create_connection((host, int(port)), timeout=5)
+        for k in range(32):  # from two addresses (each may hold half the slots)
+            s = socket.create_connection((host, int(port)), timeout=5, source_address=(f"127.0.0.{2 + k % 2}", 0))
             s.sendall(head)
             assert _read_reply(s) == 0
             socks.append(s)
@@ -304,6 +305,35 @@ def test_bounds_data_plane_header_deadline_is_not_restarted_per_byte(tmp_path: P
             for s in socks:
                 s.close()
         assert status == 0, f"a fresh read was answered {status} (4 = BUSY: all slots held by tricklers)"
+
+
+def test_bounds_one_address_holds_at_most_half_the_data_plane_slots(tmp_path: Path) -> None:
+    """A worker with 8 data-plane slots; 8 connections from one address each make a valid read and stay
+    open: the 5th and later are answered BUSY (half the slots per peer address), and a client at another
+    address is served meanwhile (before: every slot held by the first address, the client answered BUSY)."""
+    with LocalCluster(tmp_path / "c", workers=1, capacity="64M", worker_args=["--data-max-conns", "8"]) as c:
+        with c.client(timeout=T) as cl:
+            assert cl.put("/half/a", b"h" * 10_000) is True
+        time.sleep(0.3)  # the client's pooled connection is closed
+        loc = _master(c).Stat(pb.PathRequest(path="/half/a"), timeout=T).locations[0]
+        host, port = loc.data_address.rsplit(":", 1)
+        head = _read_header(loc.capability, loc.block_id)
+        socks, statuses = [], []
+        try:
+            for _ in range(8):
+                s = socket.create_connection((host, int(port)), timeout=5, source_address=("127.0.0.1", 0))
+                s.sendall(head)
+                statuses.append(_read_reply(s))
+                socks.append(s)
+            other = socket.create_connection((host, int(port)), timeout=5, source_address=("127.0.0.2", 0))
+            other.sendall(head)
+            status = _read_reply(other)
+            other.close()
+        finally:
+            for s in socks:
+                s.close()
+        assert statuses[:4] == [0] * 4 and statuses[4:] == [4] * 4, statuses
+        assert status == 0, f"a client at another address was answered {status} (4 = BUSY)"
 
 
 def test_bounds_unread_grpc_read_streams_leave_the_masters_calls_served(tmp_path: Path) -> None:
