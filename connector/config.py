@@ -6,6 +6,8 @@
                           [--host 0.0.0.0] [--model-path DIR | --model-revision R] [--namespace ENDPOINT]
                           [--kv-salt-file PATH]   # or env KVTIER_KV_SALT_FILE / KVTIER_KV_SALT
                           [--prefill-tokens-per-s N]   # the engine's prefill rate, for the L2 load gate
+                          [--iec iec.yaml] [--config-path /abs/lmcache.yaml] [--token-secret NAME]
+                          # a pod that shares chunks with a HyperPod endpoint's webhook-patched pods
     kvtier lmcache-config salt-secret --name N [--namespace NS]   # a new endpoint KV-salt Secret (YAML)
     kvtier lmcache-config check --l2fs-master H:P --model M   # key-compat records, exit 1 on mismatch
 
@@ -357,6 +359,29 @@ def _salt_secret(argv: list[str]) -> int:
     return 0
 
 
+def _read_iec(a: argparse.Namespace) -> dict[str, Any]:
+    """The --iec InferenceEndpointConfig; the other revision flags would contradict it."""
+    if a.namespace or a.model_path or a.model_revision:
+        raise ValueError("--iec sets the endpoint and its revision: drop --namespace/--model-path/--model-revision")
+    iec = yaml.safe_load(a.iec.read_text())
+    if not isinstance(iec, dict) or iec.get("kind") != "InferenceEndpointConfig" or \
+            not (iec.get("metadata") or {}).get("name"):
+        raise ValueError(f"{a.iec} is not an InferenceEndpointConfig with a name")
+    return iec
+
+
+def pod_env(env: dict[str, str], *, token_secret: str | None = None, node_from_pod: bool = False) -> list[dict[str, Any]]:
+    """`env` as a Kubernetes container env list, plus what a pod takes from elsewhere: L2FS_NODE_ID from the
+    node it runs on, L2FS_TOKEN from the endpoint's engine-token Secret (as the webhook gives patched pods)."""
+    out: list[dict[str, Any]] = [{"name": k, "value": v} for k, v in env.items()
+                                 if not (node_from_pod and k == "L2FS_NODE_ID")]
+    if node_from_pod:
+        out.append({"name": "L2FS_NODE_ID", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}})
+    if token_secret:
+        out.append({"name": "L2FS_TOKEN", "valueFrom": {"secretKeyRef": {"name": token_secret, "key": "token"}}})
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["check"]:
@@ -364,7 +389,8 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["salt-secret"]:
         return _salt_secret(argv[1:])
     p = argparse.ArgumentParser(prog="kvtier lmcache-config", description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="MODEL", help="model path or HF name (for the vLLM args)")
+    p.add_argument("--model", default=None, help="model path or HF name (for the vLLM args; LMCache's model name "
+                                                 "in the chunk keys); default MODEL, /opt/ml/model with --iec")
     l2 = p.add_mutually_exclusive_group()
     l2.add_argument("--l2fs-master", help="host:port of the l2fs master (native plugin)")
     l2.add_argument("--mount", help="l2fs FUSE mount path (LMCache's fs connector)")
@@ -375,7 +401,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kv-cache-gb", type=float, default=2.0, help="vLLM CPU KV cache (L0), GB")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--max-model-len", type=int, default=8192)
-    p.add_argument("--host", default="127.0.0.1", help="vLLM bind address (0.0.0.0 in a pod)")
+    p.add_argument("--host", default=None, help="vLLM bind address (default 127.0.0.1; 0.0.0.0 with --iec: a pod)")
     p.add_argument("--device", choices=DEVICES, help="default: cuda when torch sees a GPU, else cpu")
     p.add_argument("--tensor-parallel-size", type=int, default=1)
     p.add_argument("--dtype", choices=DTYPES, help="default: auto on cuda, float32 on cpu")
@@ -391,13 +417,30 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prefill-tokens-per-s", type=float, default=None, metavar="N",
                    help="the engine's prefill rate (tokens/s; with --l2fs-master): L2 hits are claimed only while "
                    "loading them beats recomputing them (connector.loadgate); default: not set, gate off")
+    p.add_argument("--iec", type=Path, metavar="FILE",
+                   help="a HyperPod endpoint's InferenceEndpointConfig (kubectl get inferenceendpointconfig NAME -o "
+                   "yaml): chunks under <prefix>/<its name>/<its revision>, where the kvtier webhook files the "
+                   "endpoint's patched pods' chunks, and pod settings (--host 0.0.0.0, --model /opt/ml/model, "
+                   "L2FS_NODE_ID from the node, L2FS_TOKEN from the endpoint's engine-token Secret)")
+    p.add_argument("--config-path", help="absolute path the replica reads the YAML from (LMCACHE_CONFIG_FILE; "
+                                         "default: --out, else ./lmcache.yaml, made absolute)")
+    p.add_argument("--token-secret", help="Secret (key 'token') with the replica's engine-role l2fs token, for "
+                                          "pod_env (default with --iec and --l2fs-master: <IEC name>-l2fs-token)")
     p.add_argument("--out", type=Path, help="write the YAML here (default: print)")
     p.add_argument("--format", default="all", choices=["yaml", "env", "args", "all", "json"])
     a = p.parse_args(argv)
     device = a.device or detect_device()
     try:
-        revision = resolve_revision(a.model, model_path=a.model_path, revision=a.model_revision)
-        namespace = a.namespace or a.served_model_name or Path(a.model_path or a.model).name or a.model
+        iec = _read_iec(a) if a.iec else None
+        a.model = a.model or ("/opt/ml/model" if iec else "MODEL")
+        a.host = a.host or ("0.0.0.0" if iec else "127.0.0.1")
+        if iec:
+            namespace, revision = str(iec["metadata"]["name"]), contract.iec_revision(iec)
+        else:
+            revision = resolve_revision(a.model, model_path=a.model_path, revision=a.model_revision)
+            namespace = a.namespace or a.served_model_name or Path(a.model_path or a.model).name or a.model
+        if a.config_path and not a.config_path.startswith("/"):
+            raise ValueError(f"--config-path must be absolute (the replica's cwd is not known), not {a.config_path!r}")
         salt = contract.read_salt(a.kv_salt_file) if a.kv_salt_file else contract.env_salt()
         cfg = lmcache_config(chunk_size=a.chunk_size, l1_gb=a.l1_gb, l2fs_master=a.l2fs_master,
                              mount_path=a.mount, node_id=a.node_id, prefix=a.prefix, model_revision=revision,
@@ -405,18 +448,26 @@ def main(argv: list[str] | None = None) -> int:
         args = vllm_args(a.model, port=a.port, host=a.host, max_model_len=a.max_model_len, dtype=a.dtype,
                          served_model_name=a.served_model_name, device=device,
                          tensor_parallel_size=a.tensor_parallel_size)
-    except (ValueError, OSError) as e:
+    except (ValueError, OSError, yaml.YAMLError) as e:
         print(f"kvtier lmcache-config: {e}", file=sys.stderr)
         return 2
     text = yaml.safe_dump(cfg, sort_keys=False)
-    cfg_path = a.out.resolve() if a.out else Path("lmcache.yaml")
+    # absolute: LMCache opens LMCACHE_CONFIG_FILE from the engine's cwd, which is not where this ran
+    cfg_path = Path(a.config_path) if a.config_path else (a.out or Path("lmcache.yaml")).resolve()
     if a.out:
         a.out.parent.mkdir(parents=True, exist_ok=True)
         a.out.write_text(text)
     env = replica_env(cfg_path, node_id=a.node_id, l2fs_master=a.l2fs_master, kv_cache_gb=a.kv_cache_gb,
                       device=device)
+    secret = a.token_secret or (f"{namespace}-l2fs-token" if iec and a.l2fs_master else None)
+    if a.l2fs_master and not secret:
+        print("kvtier lmcache-config: note: the replica needs L2FS_TOKEN, an engine-role l2fs token of this endpoint "
+              "(kvtier tokens generate --engine <endpoint>@<namespace> --secret-yaml; --token-secret adds it to "
+              "pod_env)", file=sys.stderr)
     if a.format == "json":
-        print(json.dumps({"lmcache": cfg, "env": env, "args": args}, indent=1))
+        print(json.dumps({"lmcache": cfg, "env": env, "args": args,
+                          "pod_env": pod_env(env, token_secret=secret, node_from_pod=bool(iec) and not a.node_id)},
+                         indent=1))
         return 0
     if a.format in ("yaml", "all") and not (a.out and a.format == "all"):
         print(text, end="")

@@ -87,6 +87,31 @@ def model_dir(prefix: str, model_name: str) -> str:
     return f"{prefix.rstrip('/')}/{esc(model_name)}"
 
 
+MODEL_REVISION_ANNOTATION = "kvtier.io/model-revision"  # on an IEC (or Deployment): the revision, set by hand
+
+
+def iec_revision(iec: dict) -> str:
+    """Model revision of an endpoint, from its InferenceEndpointConfig (the webhook cannot read weights; `kvtier
+    lmcache-config --iec` gives a hand-configured pod the same directory).
+
+    The annotation kvtier.io/model-revision wins (set it after replacing weights in place at the same
+    location). Else a hash of what names the weights: spec.modelName, modelSourceConfig (bucket, region,
+    location, ... ; not prefetchEnabled) and any model version (spec.modelVersion, JumpStartModel-style
+    spec.model.modelVersion), prefixed by that version when there is one, so the directory is readable."""
+    import json
+
+    ann = str(((iec.get("metadata") or {}).get("annotations") or {}).get(MODEL_REVISION_ANNOTATION) or "").strip()
+    if ann:
+        return ann
+    spec = iec.get("spec") or {}
+    source = {k: v for k, v in (spec.get("modelSourceConfig") or {}).items() if k != "prefetchEnabled"}
+    model = spec.get("model") or {}
+    version = str(spec.get("modelVersion") or model.get("modelVersion") or source.get("modelVersion") or "")
+    ident = {"modelName": spec.get("modelName"), "source": source, "model": model, "version": version}
+    digest = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()
+    return f"{version}-{digest[:8]}" if version else f"src-{digest[:12]}"
+
+
 def revision_prefix(prefix: str, namespace: str, revision: str) -> str:
     """l2fs directory of one model revision's chunks: <prefix>/<endpoint or model>/<revision>.
 

@@ -181,22 +181,9 @@ def owner_endpoint(obj: dict[str, Any]) -> str | None:
 
 
 def iec_revision(iec: dict[str, Any]) -> str:
-    """Model revision of an endpoint, from its InferenceEndpointConfig (the webhook cannot read weights).
-
-    The annotation kvtier.io/model-revision wins (set it after replacing weights in place at the same
-    location). Else a hash of what names the weights: spec.modelName, modelSourceConfig (bucket, region,
-    location, ... ; not prefetchEnabled) and any model version (spec.modelVersion, JumpStartModel-style
-    spec.model.modelVersion), prefixed by that version when there is one, so the directory is readable."""
-    ann = str((_meta(iec).get("annotations") or {}).get(REVISION_KEY) or "").strip()
-    if ann:
-        return ann
-    spec = iec.get("spec") or {}
-    source = {k: v for k, v in (spec.get("modelSourceConfig") or {}).items() if k != "prefetchEnabled"}
-    model = spec.get("model") or {}
-    version = str(spec.get("modelVersion") or model.get("modelVersion") or source.get("modelVersion") or "")
-    ident = {"modelName": spec.get("modelName"), "source": source, "model": model, "version": version}
-    digest = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()
-    return f"{version}-{digest[:8]}" if version else f"src-{digest[:12]}"
+    """Model revision of an endpoint from its InferenceEndpointConfig: kvtier.contract.iec_revision (shared with
+    `kvtier lmcache-config --iec`, so a hand-configured pod files its chunks where patched pods do)."""
+    return contract.iec_revision(iec)
 
 
 def model_revision(dep: dict[str, Any], iec: dict[str, Any] | None = None) -> str:

@@ -10,7 +10,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import yaml
 
 from connector.config import lmcache_config, main, replica_env
 from kvtier import contract
@@ -22,20 +21,29 @@ def _run(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_config_for_l2fs_writes_yaml_env_and_args(tmp_path: Path) -> None:
+    """The YAML as LMCache's own from_file() reads it, the env lines as a shell sources them (from another
+    directory: LMCACHE_CONFIG_FILE is absolute); the vLLM args go through vLLM's parser in
+    tests/operator/test_operator_consumers.py."""
+    from lmcache.v1.config import LMCacheEngineConfig
+
     out = tmp_path / "lmc.yaml"
     r = _run("lmcache-config", "--model", "m", "--l2fs-master", "127.0.0.1:7000", "--node-id", "node-2",
-             "--l1-gb", "3", "--chunk-size", "128", "--out", str(out))
+             "--l1-gb", "3", "--chunk-size", "128", "--out", str(out), "--format", "env")
     assert r.returncode == 0, r.stderr
-    cfg = yaml.safe_load(out.read_text())
-    assert cfg["chunk_size"] == 128 and cfg["max_local_cpu_size"] == 3.0
-    assert cfg["remote_storage_plugins"] == ["l2fs"]
-    ex = cfg["extra_config"]
+    env_file = tmp_path / "env.sh"
+    env_file.write_text(r.stdout)
+    (tmp_path / "elsewhere").mkdir()
+    sourced = subprocess.run(["sh", "-c", f". {env_file} && env"], capture_output=True, text=True, timeout=30,
+                             cwd=tmp_path / "elsewhere", env={"PATH": "/usr/bin:/bin"})
+    env = dict(line.split("=", 1) for line in sourced.stdout.splitlines() if "=" in line)
+    assert env["PYTHONHASHSEED"] == "0"
+    cfg = LMCacheEngineConfig.from_file(env["LMCACHE_CONFIG_FILE"])
+    assert cfg.chunk_size == 128 and cfg.max_local_cpu_size == 3.0
+    assert cfg.remote_storage_plugins == ["l2fs"]
+    ex = cfg.extra_config
     assert ex["remote_storage_plugin.l2fs.module_path"] == "connector.lmcache_l2fs"
     assert ex["remote_storage_plugin.l2fs.master"] == "127.0.0.1:7000"
     assert ex["remote_storage_plugin.l2fs.node_id"] == "node-2"
-    assert "export PYTHONHASHSEED=0" in r.stdout
-    assert f"export LMCACHE_CONFIG_FILE={out.resolve()}" in r.stdout
-    assert "LMCacheConnectorV1" in r.stdout and "--no-enable-prefix-caching" in r.stdout
 
 
 def test_config_mount_uses_lmcache_fs_connector() -> None:

@@ -328,3 +328,79 @@ def test_router_finds_a_bf16_tp2_endpoints_chunks(tmp_path: Path, mode: str) -> 
         lookup = L2Lookup(cluster.master, mode=mode, key_check=False)
         assert lookup.lookup(tokens, model, prefix, layout) == 3 * contract.CHUNK_SIZE
         assert lookup.lookup(tokens, model, prefix) == 0  # float / world size 1: what it used to look for
+
+
+IEC_FILE = Path(__file__).resolve().parents[2] / "deploy/overlays/hyperpod-g6e/endpoint/inference-endpoint-config.yaml"
+
+
+def test_lmcache_config_pod_and_webhook_pod_share_chunks(tmp_path: Path, lmcache_env: Any,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """A pod configured by `kvtier lmcache-config --iec` (its pod_env through the kubelet, its YAML read by
+    LMCache's from_file() at the absolute LMCACHE_CONFIG_FILE) and a pod of the same endpoint patched by the
+    webhook (its env read by from_env()) get l2fs connectors that name a chunk identically, and a chunk one
+    stores is found by the other (real master/worker)."""
+    import subprocess
+    import sys
+
+    import torch
+    import yaml
+    from lmcache.utils import CacheEngineKey
+    from lmcache.v1.config import LMCacheEngineConfig
+    from lmcache.v1.event_manager import EventManager
+    from lmcache.v1.memory_management import MemoryFormat
+    from lmcache.v1.metadata import LMCacheMetadata
+    from lmcache.v1.storage_backend.storage_manager import StorageManager
+    try:
+        from l2fs.testing.cluster import LocalCluster
+    except ImportError:  # before l2fs's split by role
+        from l2fs.local import LocalCluster  # type: ignore[no-redef]
+
+    iec = yaml.safe_load(IEC_FILE.read_text())
+    iec["metadata"]["namespace"] = "team-a"
+    with LocalCluster(tmp_path / "l2fs", workers=1) as cluster:
+        out = tmp_path / "etc" / "lmcache.yaml"
+        r = subprocess.run([sys.executable, "-m", "kvtier.cli", "lmcache-config", "--iec", str(IEC_FILE),
+                            "--l2fs-master", cluster.master, "--l1-gb", "0.05", "--device", "cuda",
+                            "--out", str(out), "--config-path", str(out), "--format", "json"],
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr
+        made = json.loads(r.stdout)
+        by_config = {"name": "vllm", "env": made["pod_env"]}
+        by_webhook = admitted(load_yaml("rendered-v3.2-stripped.yaml"),
+                              webhook_config("overlays/hyperpod-p5", KVTIER_MASTER=cluster.master), iec=iec)
+        webhook_c = vllm_container(by_webhook)
+        webhook_c["env"].append({"name": "LMCACHE_MAX_LOCAL_CPU_SIZE", "value": "0.05"})  # the operator's L1 size
+        managers = []
+        for c in (by_config, webhook_c):  # both take L2FS_TOKEN from the endpoint's engine-token Secret
+            env = container_env(c, secrets={"qwen2-7b-l2fs-token": {"token": "t"}}, fields=FIELDS)
+            for k in list(os.environ):
+                if k.startswith(("LMCACHE_", "L2FS_")):
+                    monkeypatch.delenv(k)
+            lmcache_env({k: v for k, v in env.items() if k.startswith(("LMCACHE_", "L2FS_"))})
+            lmc = LMCacheEngineConfig.from_file(env["LMCACHE_CONFIG_FILE"]) if "LMCACHE_CONFIG_FILE" in env \
+                else LMCacheEngineConfig.from_env()
+            meta = LMCacheMetadata(model_name="/opt/ml/model", world_size=1, local_world_size=1, worker_id=0,
+                                   local_worker_id=0, kv_dtype=torch.bfloat16,
+                                   kv_shape=(2, 2, lmc.chunk_size, 2, 8))
+            managers.append(StorageManager(lmc, meta, EventManager()))
+        try:
+            conns = []
+            for sm in managers:
+                remote = [b for n, b in sm.storage_backends.items() if n.startswith("RemoteBackend")]
+                assert len(remote) == 1, list(sm.storage_backends)
+                conn = remote[0].connection
+                conns.append(getattr(conn, "_connector", conn))
+            key = CacheEngineKey(model_name="/opt/ml/model", world_size=1, worker_id=0, chunk_hash=77,
+                                 dtype=torch.bfloat16)
+            assert conns[0].path(key) == conns[1].path(key), (conns[0].path(key), conns[1].path(key))
+            obj = managers[0].allocate(torch.Size([2, 2, 256, 16]), torch.bfloat16, MemoryFormat.KV_2LTD)
+            obj.tensor.fill_(5)
+            managers[0].batched_put([key], [obj])
+            import time
+            deadline = time.monotonic() + 20
+            while not conns[1].batched_contains([key]) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert conns[1].batched_contains([key]) == 1, "the webhook pod does not see the lmcache-config pod's chunk"
+        finally:
+            for sm in managers:
+                sm.close()
