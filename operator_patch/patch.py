@@ -555,6 +555,22 @@ def kv_layout(dep: dict[str, Any], c: dict[str, Any], cfg: PatchConfig,
     return dtype or cfg.kv_dtype, world
 
 
+def wait_init(cfg: PatchConfig, image: str) -> dict[str, Any]:
+    """The init container that waits for the node's live l2fs mount (WAIT_INIT), in the vLLM image (python3)."""
+    return {"name": WAIT_INIT, "image": image, "command": ["python3", "-c", WAIT_SCRIPT, cfg.mount_path],
+            "volumeMounts": [{"name": cfg.volume_name, "mountPath": cfg.mount_path,
+                              "mountPropagation": "HostToContainer"}],
+            "resources": {"requests": {"cpu": "10m", "memory": "32Mi"}, "limits": {"memory": "128Mi"}},
+            "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}}
+
+
+def _drop_wait_init(spec: dict[str, Any]) -> None:
+    if spec.get("initContainers"):
+        spec["initContainers"] = [x for x in spec["initContainers"] if x.get("name") != WAIT_INIT]
+        if not spec["initContainers"]:
+            del spec["initContainers"]
+
+
 def _patch_worker(dep: dict[str, Any], cfg: PatchConfig, iec: dict[str, Any] | None = None,
                   old: dict[str, Any] | None = None) -> None:
     c = _containers(dep)[select_container(dep)]
@@ -595,6 +611,8 @@ def _patch_worker(dep: dict[str, Any], cfg: PatchConfig, iec: dict[str, Any] | N
             # HostToContainer: a FUSE remount by the l2fs-mount DaemonSet becomes visible in the pod.
             mount["mountPropagation"] = "HostToContainer"
             volume = {"name": cfg.volume_name, "hostPath": {"path": cfg.host_path, "type": "DirectoryOrCreate"}}
+            _upsert(pod["spec"].setdefault("initContainers", []), wait_init(cfg, str(c.get("image") or "")),
+                    lambda x: x.get("name") == WAIT_INIT)
     elif cfg.mode == "plugin" and cfg.data_path:
         # Same-node short-circuit: the co-located worker hands block fds over its Unix socket (l2fs/common/fdpass.py,
         # `--domain-socket /run/l2fs/worker.sock` in deploy/base/worker.yaml), at the path the worker reports, so
@@ -603,6 +621,8 @@ def _patch_worker(dep: dict[str, Any], cfg: PatchConfig, iec: dict[str, Any] | N
         # --data-path pointing at the data dir still works: path-based reads, writes over the data plane.)
         mount = {"name": cfg.volume_name, "mountPath": cfg.data_path, "readOnly": True}
         volume = {"name": cfg.volume_name, "hostPath": {"path": cfg.data_path, "type": "DirectoryOrCreate"}}
+    if not (cfg.mode == "mount" and not cfg.pvc_name):
+        _drop_wait_init(pod["spec"])
     if cfg.mode == "mount" or (cfg.mode == "plugin" and cfg.data_path):
         _upsert(c.setdefault("volumeMounts", []), mount,
                 lambda m: m.get("name") == cfg.volume_name or m.get("mountPath") == mount["mountPath"])
@@ -631,6 +651,30 @@ def _patch_worker(dep: dict[str, Any], cfg: PatchConfig, iec: dict[str, Any] | N
 
 
 MP_SIDECAR = "lmcache-server"
+# mount mode: an init container that holds the vLLM container back until the node's l2fs FUSE mount is live at
+# the pod's mount path (a FUSE mount that answers): without it a pod that starts before its node's mount (or
+# while a killed one is stale) would write its L2 chunks onto the node's disk under the mount point
+WAIT_INIT = "kvtier-wait-l2fs"
+WAIT_SCRIPT = """import os, sys, time
+p, n = os.path.abspath(sys.argv[1]), 0
+while True:
+    kind = None
+    with open("/proc/self/mounts") as f:
+        for line in f:
+            fields = line.split(" ")
+            if fields[1] == p:
+                kind = fields[2]
+    if kind and kind.startswith("fuse"):
+        try:
+            os.listdir(p)
+            sys.exit(0)
+        except OSError:
+            pass
+    if n % 15 == 0:
+        print(f"kvtier: waiting for the l2fs mount at {p} (now: {kind or 'not a mount'}); is this node's l2fs-mount pod running?", flush=True)
+    n += 1
+    time.sleep(2)
+"""
 MP_CONNECTOR = "LMCacheMPConnector"
 MP_CONNECTOR_MODULE = "lmcache.integration.vllm.lmcache_mp_connector"  # LMCache's own: vLLM's needs CUDA
 MP_ADAPTER = {"type": "plugin", "module_path": "connector.mp_l2fs", "class_name": "L2fsL2Adapter"}
@@ -885,6 +929,10 @@ def check(dep: dict[str, Any], cfg: PatchConfig) -> list[str]:
         vols = [v for v in dep["spec"]["template"]["spec"].get("volumes") or [] if v.get("name") == cfg.volume_name]
         if len(vols) != 1:
             problems.append(f"pod spec: want one volume named {cfg.volume_name}, have {len(vols)}")
+        waits = [x for x in dep["spec"]["template"]["spec"].get("initContainers") or [] if x.get("name") == WAIT_INIT]
+        if not cfg.pvc_name and len(waits) != 1:
+            problems.append(f"pod spec: want init container {WAIT_INIT} (no L2 writes onto the node's disk "
+                            "before its l2fs mount is live)")
     else:
         if urls:
             problems.append(f"env {URL_VAR}: plugin mode wants none, have {urls}")
@@ -967,6 +1015,7 @@ def restore(dep: dict[str, Any]) -> dict[str, Any]:
         put(c, "env", snap.get("env"))
         put(c, "volumeMounts", snap.get("volumeMounts"))
     put(pod["spec"], "volumes", snap.get("volumes"))
+    _drop_wait_init(pod["spec"])
     for item in snap.get("containers") or []:
         if item.get("name") in by_name:
             put(by_name[item["name"]], "args", item.get("args"))
