@@ -1,0 +1,111 @@
+"""LMCache multiprocess mode on CPU, end to end without vLLM: real `lmcache server` processes with kvtier's L2
+adapter (loaded by LMCache's `{"type":"plugin","module_path":...}`) and LMCache's OWN MP client, `lmcache bench
+server --mode cpu` (REGISTER_KV_CACHE, LOOKUP, STORE/RETRIEVE of CPU KV tensors in engine_driven transfer
+mode, checksums of the KV over the server's HTTP API), against a real l2fs master + 2 workers.
+
+Server A on node-1 stores two 2-chunk sequences (cold misses, then L1 hits). It is stopped; server B on node-2
+starts with an empty L1, so its first lookups can only be answered from l2fs: 2/2 chunks hit, and the KV it
+retrieves has the checksums A stored. With the l2fs objects removed, server C misses (the hits were l2fs's).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("lmcache")
+
+from connector import keys as ckeys
+from l2fs import procs
+from l2fs.common import free_port
+from l2fs.testing.cluster import LocalCluster
+
+ROOT = Path(__file__).resolve().parents[2]
+PREFIX = "/kvtier/mp-e2e"
+ENV = dict(os.environ, PYTHONPATH=str(ROOT), LMCACHE_TRACK_USAGE="false", PYTHONHASHSEED="0",
+           LMCACHE_DISABLE_BANNER="1")
+
+
+def _server(master: str, node: str, log: Path) -> tuple[subprocess.Popen, int, int]:
+    port, http = free_port(), free_port()
+    adapter = {"type": "plugin", "module_path": "connector.mp_l2fs", "class_name": "L2fsL2Adapter",
+               "adapter_params": {"master": master, "node_id": node, "prefix": PREFIX}}
+    p = procs.spawn([sys.executable, "-m", "lmcache.cli.main", "server", "--host", "127.0.0.1", "--port", str(port),
+                     "--chunk-size", "256", "--l1-size-gb", "0.2", "--eviction-policy", "LRU",
+                     "--supported-transfer-mode", "engine_driven", "--http-host", "127.0.0.1",
+                     "--http-port", str(http), "--l2-adapter", json.dumps(adapter)], log, env=ENV)
+    try:
+        procs.wait_ready(p, lambda: procs.http_ok(f"http://127.0.0.1:{http}/status") or None, timeout=300,
+                         what=f"lmcache server {node}", log_path=log)
+    except BaseException:
+        procs.stop(p)
+        raise
+    return p, port, http
+
+
+def _client(port: int, http: int, out: Path) -> dict[str, list[str]]:
+    """LMCache's MP client on CPU over two sequences; per 'seq N/kind': its LOOKUP/STORE/RETRIEVE/CHECKSUM lines."""
+    r = subprocess.run([sys.executable, "-m", "lmcache.cli.main", "bench", "server", "--mode", "cpu",
+                        "--transfer-mode", "engine_driven", "--rpc-url", f"tcp://127.0.0.1:{port}",
+                        "--url", f"http://127.0.0.1:{http}", "--num-tokens", "512", "--start", "0", "--end", "2",
+                        "--interval", "0.2", "--num-blocks", "128", "--block-size", "16",
+                        "--kvcache-shape-spec", "(2,128,16,2,64):float16:2"],
+                       capture_output=True, text=True, env=ENV, timeout=600)
+    out.write_text(r.stdout + r.stderr)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    steps: dict[str, list[str]] = {}
+    for m in re.finditer(r"^\s*\[seq (\d+)/(cold|warm)\] (\w+): (.*)$", r.stdout, re.M):
+        steps.setdefault(f"{m.group(1)}/{m.group(2)}", []).append(f"{m.group(3)}: {m.group(4)}")
+    return steps
+
+
+def _first(lines: list[str], what: str) -> str:
+    return next(x for x in lines if x.startswith(what + ":"))[len(what) + 2:]
+
+
+def _checksum(lines: list[str]) -> str:
+    return _first(lines, "CHECKSUM").split()[0]
+
+
+def test_lmcache_server_shares_kv_across_nodes_through_l2fs(tmp_path: Path) -> None:
+    with LocalCluster(tmp_path / "l2", workers=2) as c:
+        a, pa, ha = _server(c.master, "node-1", tmp_path / "server-a.log")
+        try:
+            run_a = _client(pa, ha, tmp_path / "client-a.log")
+        finally:
+            procs.stop(a)
+        for seq in ("0", "1"):
+            assert _first(run_a[f"{seq}/cold"], "LOOKUP").startswith("0/2 chunks hit")
+            assert _first(run_a[f"{seq}/cold"], "STORE").startswith("stored (512 tokens")
+        stored = {seq: _checksum(run_a[f"{seq}/cold"]) for seq in ("0", "1")}
+        client = c.client()
+        objs = [i for i in client.walk(PREFIX).values() if not i.is_dir]
+        assert len(objs) == 4  # 2 sequences x 2 chunks, raw object bytes under reversible names
+        keys = [ckeys.name_to_object_key(i.path.rsplit("/", 1)[1]) for i in objs]
+        assert all(len(k.chunk_hash) == 32 for k in keys)  # LMCache MP's blake3 chunk hashes
+
+        b, pb, hb = _server(c.master, "node-2", tmp_path / "server-b.log")  # empty L1, another node
+        try:
+            run_b = _client(pb, hb, tmp_path / "client-b.log")
+        finally:
+            procs.stop(b)
+        for seq in ("0", "1"):
+            assert _first(run_b[f"{seq}/cold"], "LOOKUP").startswith("2/2 chunks hit")
+            assert _first(run_b[f"{seq}/cold"], "RETRIEVE").startswith("retrieved (512 tokens")
+            assert _checksum(run_b[f"{seq}/warm"]) == stored[seq]  # the KV A stored, byte for byte
+
+        for i in objs:
+            client.rm(i.path)
+        client.close()
+        s3, p3, h3 = _server(c.master, "node-2", tmp_path / "server-c.log")
+        try:
+            run_c = _client(p3, h3, tmp_path / "client-c.log")
+        finally:
+            procs.stop(s3)
+        assert all(_first(run_c[f"{seq}/cold"], "LOOKUP").startswith("0/2 chunks hit") for seq in ("0", "1"))
