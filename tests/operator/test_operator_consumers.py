@@ -404,3 +404,48 @@ def test_lmcache_config_pod_and_webhook_pod_share_chunks(tmp_path: Path, lmcache
         finally:
             for sm in managers:
                 sm.close()
+
+
+def test_webhook_mount_env_writes_where_the_router_looks(tmp_path: Path, lmcache_env: Any) -> None:
+    """Mount mode as deployed (overlay hyperpod-g6e): the patched pod's env, read by LMCache's from_env() and
+    StorageManager, gives LMCache's own fs connector on the mount path (a local directory standing in for
+    the FUSE mount), and the file a put writes is the l2fs path the router's mount-mode lookup builds."""
+    import time
+
+    import torch
+    from lmcache.utils import CacheEngineKey
+    from lmcache.v1.config import LMCacheEngineConfig
+    from lmcache.v1.event_manager import EventManager
+    from lmcache.v1.memory_management import MemoryFormat
+    from lmcache.v1.metadata import LMCacheMetadata
+    from lmcache.v1.storage_backend.storage_manager import StorageManager
+
+    from kvtier import contract
+
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    out = admitted(load_yaml("rendered-v3.2-stripped.yaml"),
+                   webhook_config("overlays/hyperpod-g6e", KVTIER_MOUNT_PATH=str(mnt), KVTIER_HOST_PATH=str(mnt)))
+    c = vllm_container(out)
+    c["env"].append({"name": "LMCACHE_MAX_LOCAL_CPU_SIZE", "value": "0.05"})  # the operator's L1 size
+    env = container_env(c, fields=FIELDS)
+    lmcache_env({k: v for k, v in env.items() if k.startswith(("LMCACHE_", "L2FS_"))})
+    lmc = LMCacheEngineConfig.from_env()
+    meta = LMCacheMetadata(model_name="/opt/ml/model", world_size=1, local_world_size=1, worker_id=0,
+                           local_worker_id=0, kv_dtype=torch.bfloat16, kv_shape=(2, 2, lmc.chunk_size, 2, 8))
+    sm = StorageManager(lmc, meta, EventManager())
+    try:
+        assert [n for n in sm.storage_backends if n.startswith("RemoteBackend")], list(sm.storage_backends)
+        key = CacheEngineKey(model_name="/opt/ml/model", world_size=1, worker_id=0, chunk_hash=0xABC,
+                             dtype=torch.bfloat16)
+        obj = sm.allocate(torch.Size([2, 2, lmc.chunk_size, 16]), torch.bfloat16, MemoryFormat.KV_2LTD)
+        obj.tensor.fill_(1)
+        sm.batched_put([key], [obj])
+        prefix = out["spec"]["template"]["metadata"]["annotations"]["kvtier.io/kv-prefix"]
+        want = mnt / contract.mount_path(prefix, "/opt/ml/model", 1, 0, 0xABC, "bfloat16").lstrip("/")
+        deadline = time.monotonic() + 20
+        while not want.exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert want.exists(), f"LMCache wrote {sorted(str(p) for p in mnt.rglob('*') if p.is_file())}, not {want}"
+    finally:
+        sm.close()
