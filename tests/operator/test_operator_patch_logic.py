@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 
 import jsonpatch
 import kubernetes_validate
@@ -28,6 +29,7 @@ from operator_patch.patch import (
     plan,
     restore,
     snapshot,
+    token_secret,
     wants_patch,
 )
 
@@ -110,22 +112,33 @@ def test_duplicates_collapse_to_first_position() -> None:
 
 
 @pytest.mark.parametrize("shape", SHAPES)
-def test_plugin_mode(shape: str) -> None:
+def test_plugin_mode(shape: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    from kubelet_env import container_env
+    from lmcache.v1.config import LMCacheEngineConfig
+
     dep = load_yaml(shape)
     cfg = PatchConfig(mode="plugin", master="l2fs-master.kvtier:8995")
     out = jsonpatch.apply_patch(dep, plan(dep, cfg))
     validate(out)
     assert check(out, cfg) == []
-    assert env_entries(out, "LMCACHE_REMOTE_URL") == []
-    extra = json.loads(env_entries(out, "LMCACHE_EXTRA_CONFIG")[0]["value"])
+    # what LMCache in the pod reads: the container env (kubelet rules) through its own from_env()
+    for k in [k for k in os.environ if k.startswith("LMCACHE_")]:
+        monkeypatch.delenv(k)
+    pod_env = container_env(vllm(out), secrets={s: {"token": "t"} for s in [token_secret(out, cfg)]},
+                            fields={"spec.nodeName": "node-a", "status.hostIP": "10.0.0.1"})
+    for k, v in pod_env.items():
+        if k.startswith("LMCACHE_"):
+            monkeypatch.setenv(k, v)
+    lmc = LMCacheEngineConfig.from_env()
+    assert lmc.remote_url is None and lmc.remote_storage_plugins == ["l2fs"]
+    assert pod_env["L2FS_NODE_ID"] == "node-a"
+    extra = lmc.extra_config
     assert extra["remote_storage_plugin.l2fs.module_path"] == "connector.lmcache_l2fs"
     assert extra["remote_storage_plugin.l2fs.master"] == "l2fs-master.kvtier:8995"
     assert extra["remote_storage_plugin.l2fs.prefix"] == f"/kvtier/kv/{dep['metadata']['ownerReferences'][0]['name']}/unversioned"
     assert extra["remote_storage_plugin.l2fs.model_revision"] == "unversioned"
     if shape == "rendered-v3.2-stripped.yaml":  # the operator's own keys are kept
         assert extra["sagemaker_hyperpod_shared_memory_name"] == "ai_toolkit_cache"
-    assert env_entries(out, "L2FS_NODE_ID") == [
-        {"name": "L2FS_NODE_ID", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}}]
     vols = [v for v in out["spec"]["template"]["spec"]["volumes"] if v["name"] == "kvtier-l2fs"]
     assert vols == [{"name": "kvtier-l2fs", "hostPath": {"path": "/run/l2fs", "type": "DirectoryOrCreate"}}]
     # read-only: short-circuit reads only; a pod cannot overwrite blocks or the worker's manifest
