@@ -451,7 +451,8 @@ def run_step(arm: str, step: Step, fleet: Fleet, args: argparse.Namespace, seed:
     for r in results:
         if r.get("ok"):
             history[r["user"]] = max(history.get(r["user"], 0), (r["prompt_tokens"] or 0) - step.context)
-    distinct = step.context * args.docs + sum(history.values())
+    used = {s.user.doc for s in plan.sessions}  # documents some user asked about
+    distinct = step.context * len(used) + sum(history.values())
     summ.update(arm=arm, tier=tier, router=f"{kind} {policy}", context=step.context, rate=step.rate,
                 offered_req_per_s=step.rate * args.turns, seed=seed, load_before=load0, load_after=load1,
                 distinct_context_tokens=distinct)
