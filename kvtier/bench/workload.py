@@ -723,6 +723,9 @@ def main(argv: list[str] | None = None) -> int:
     log(f"model {model} ({kv_bpt} B KV/token); L0 {l0_bytes // kv_bpt} tokens ({l0_bytes / 2**20:.0f} MiB) + L1 "
         f"{args.l1_tokens} tokens ({l1_gb:.3f} GiB) per replica: L0+L1 of all {args.replicas} replicas = {cap} "
         f"tokens; documents per step: {args.docs} x {contexts} tokens + histories")
+    if args.l1_tokens < 2 * max_model_len and any(ARMS[a][0] != "none" for a in arms):
+        log(f"warning: L1 ({args.l1_tokens} tokens) holds fewer than two prompts of {max_model_len}: LMCache stores "
+            "and loads (L2 too) through L1 memory, so it fails allocations and L2 hits come late or not at all")
     short = (args.short_tokens, args.short_rate) if args.short_tokens else None
     order = plan_order(arms, rates, contexts, short)
     ref = (contexts[0], rates[0])
