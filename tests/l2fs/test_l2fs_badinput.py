@@ -42,10 +42,11 @@ def _worker(c: LocalCluster) -> pbg.WorkerStub:
     return pbg.WorkerStub(grpc.insecure_channel(c.workers[0].address))
 
 
-def _cap(c: LocalCluster, op: str, bid: str, path: str = "") -> str:
-    """The block capability the master would hand a client for worker 1 (the worker wants one, not a token)."""
+def _cap(c: LocalCluster, op: str, bid: str, path: str = "", size: int | None = None) -> str:
+    """The block capability the master would hand a client for worker 1 (the worker wants one, not a token); a
+    write's binds the size it was allocated for."""
     assert c.block_key_file is not None
-    return mint_for(c.block_key_file.read_bytes(), c.workers[0].worker_id, op, bid, path)
+    return mint_for(c.block_key_file.read_bytes(), c.workers[0].worker_id, op, bid, path, size=size)
 
 
 def _intact(c: LocalCluster) -> None:
@@ -79,7 +80,7 @@ def test_oversize_file(bcluster: LocalCluster) -> None:
     with pytest.raises(InvalidArgument, match="max file size"):
         c.put("/big/one", b"x" * (9 << 20))
     e = _status(lambda: _worker(bcluster).ReserveLocal(pb.ReserveRequest(
-        block_id="2" * 32, size=9 << 20, capability=_cap(bcluster, "w", "2" * 32)), timeout=5))
+        block_id="2" * 32, size=9 << 20, capability=_cap(bcluster, "w", "2" * 32, size=9 << 20)), timeout=5))
     assert e.code() == grpc.StatusCode.INVALID_ARGUMENT and "max file size" in e.details()
     assert c.put("/big/ok", b"x" * (8 << 20)) is True
     _intact(bcluster)
@@ -96,7 +97,7 @@ def test_unknown_and_malformed_block_ids(bcluster: LocalCluster) -> None:
         e = _status(lambda b=bad: w.DeleteBlocks(pb.BlockIds(block_ids=[b]), timeout=5))
         assert e.code() == grpc.StatusCode.INVALID_ARGUMENT
     e = _status(lambda: w.AdoptLocal(pb.AdoptRequest(block_id="3" * 32, path="/x", size=1,
-                                                     capability=_cap(bcluster, "w", "3" * 32, "/x")), timeout=5))
+                                                     capability=_cap(bcluster, "w", "3" * 32, "/x", 1)), timeout=5))
     assert e.code() == grpc.StatusCode.FAILED_PRECONDITION and "not reserved" in e.details()
     e = _status(lambda: _master(bcluster).Commit(pb.CommitRequest(path="/x/y", block_id="4" * 32,
                                                                   worker_id="no-such-worker"), timeout=5))
@@ -106,18 +107,18 @@ def test_unknown_and_malformed_block_ids(bcluster: LocalCluster) -> None:
 
 def test_write_stream_size_mismatch(bcluster: LocalCluster) -> None:
     w = _worker(bcluster)
-    caps = {b: _cap(bcluster, "w", b * 32, "/s/a") for b in "56"}
+    caps = {(b, n): _cap(bcluster, "w", b * 32, "/s/a", n) for b, n in (("5", 4), ("6", 100), ("5", 2))}
     e = _status(lambda: w.WriteBlock(iter([pb.WriteChunk(block_id="5" * 32, path="/s/a", size=4,
-                                                         data=b"too long", capability=caps["5"])]), timeout=5))
+                                                         data=b"too long", capability=caps["5", 4])]), timeout=5))
     assert e.code() == grpc.StatusCode.INVALID_ARGUMENT and "more than the declared" in e.details()
     e = _status(lambda: w.WriteBlock(iter([pb.WriteChunk(block_id="6" * 32, path="/s/a", size=100,
-                                                         data=b"short", capability=caps["6"])]), timeout=5))
+                                                         data=b"short", capability=caps["6", 100])]), timeout=5))
     assert e.code() == grpc.StatusCode.INVALID_ARGUMENT and "ended after" in e.details()
     e = _status(lambda: w.WriteBlock(iter([]), timeout=5))
     assert e.code() == grpc.StatusCode.INVALID_ARGUMENT
     # the failed writes left nothing behind: their ids are free again
     r = w.WriteBlock(iter([pb.WriteChunk(block_id="5" * 32, path="/s/a", size=2, data=b"ok",
-                                         capability=caps["5"])]), timeout=5)
+                                         capability=caps["5", 2])]), timeout=5)
     assert r.size == 2
     _intact(bcluster)
 
