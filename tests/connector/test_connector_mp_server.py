@@ -32,14 +32,14 @@ ENV = dict(os.environ, PYTHONPATH=str(ROOT), LMCACHE_TRACK_USAGE="false", PYTHON
            LMCACHE_DISABLE_BANNER="1")
 
 
-def _server(master: str, node: str, log: Path) -> tuple[subprocess.Popen, int, int]:
+def _server(master: str, node: str, log: Path, env: dict[str, str] = ENV) -> tuple[subprocess.Popen, int, int]:
     port, http = free_port(), free_port()
     adapter = {"type": "plugin", "module_path": "connector.mp_l2fs", "class_name": "L2fsL2Adapter",
                "adapter_params": {"master": master, "node_id": node, "prefix": PREFIX}}
     p = procs.spawn([sys.executable, "-m", "lmcache.cli.main", "server", "--host", "127.0.0.1", "--port", str(port),
                      "--chunk-size", "256", "--l1-size-gb", "0.2", "--eviction-policy", "LRU",
                      "--supported-transfer-mode", "engine_driven", "--http-host", "127.0.0.1",
-                     "--http-port", str(http), "--l2-adapter", json.dumps(adapter)], log, env=ENV)
+                     "--http-port", str(http), "--l2-adapter", json.dumps(adapter)], log, env=env)
     try:
         procs.wait_ready(p, lambda: procs.http_ok(f"http://127.0.0.1:{http}/status") or None, timeout=300,
                          what=f"lmcache server {node}", log_path=log)
@@ -109,3 +109,56 @@ def test_lmcache_server_shares_kv_across_nodes_through_l2fs(tmp_path: Path) -> N
         finally:
             procs.stop(s3)
         assert all(_first(run_c[f"{seq}/cold"], "LOOKUP").startswith("0/2 chunks hit") for seq in ("0", "1"))
+
+
+SITECUSTOMIZE = r'''
+import importlib.abc, importlib.util, sys
+
+class _NextLMCache(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name != "lmcache.v1.multiprocess.token_hasher":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        run = spec.loader.exec_module
+
+        def exec_module(module):
+            run(module)
+            real = module._make_blake3_hash_func
+
+            def next_blake3():  # "the next LMCache": tokens serialized in another order, other digests
+                f = real()
+                return lambda args: f((args[0], tuple(reversed(args[1])), args[2]))
+
+            module._make_blake3_hash_func = next_blake3
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+sys.meta_path.insert(0, _NextLMCache())
+'''
+
+
+def test_lmcache_server_whose_hash_drifted_writes_nothing_to_l2fs(tmp_path: Path) -> None:
+    """The MP adapter inside a real `lmcache server` whose installed LMCache hashes differently (patched at
+    import by a sitecustomize): it says so once and stores nothing in l2fs; the server itself keeps serving
+    from L1."""
+    patched = tmp_path / "next-lmcache"
+    patched.mkdir()
+    (patched / "sitecustomize.py").write_text(SITECUSTOMIZE)
+    env = dict(ENV, PYTHONPATH=f"{patched}{os.pathsep}{ROOT}")
+    with LocalCluster(tmp_path / "l2", workers=1) as c:
+        s, port, http = _server(c.master, "node-1", tmp_path / "server.log", env)
+        try:
+            run = _client(port, http, tmp_path / "client.log")
+        finally:
+            procs.stop(s)
+        assert _first(run["0/cold"], "STORE").startswith("stored (512 tokens")  # L1 still works
+        assert _first(run["0/warm"], "LOOKUP").startswith("2/2 chunks hit")
+        client = c.client()
+        try:
+            assert not client.exists(PREFIX) or not [i for i in client.walk(PREFIX).values() if not i.is_dir]
+        finally:
+            client.close()
+        drift = [ln for ln in (tmp_path / "server.log").read_text().splitlines() if "KVTIER KEY DRIFT: mp_l2fs" in ln]
+        assert len(drift) == 1
