@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from polling import wait_until
 
 pytest.importorskip("lmcache")
 
@@ -68,12 +69,10 @@ def _put(sm: StorageManager, keys: list[CacheEngineKey], seed: int) -> list[torc
 
 
 def _wait_exists(client, paths: list[str], timeout: float = 20.0) -> None:
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < timeout:
-        if client.prefix_lookup(paths) == len(paths):
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"chunks not in l2fs after {timeout}s")
+    try:
+        wait_until(lambda: client.prefix_lookup(paths) == len(paths), timeout, 0.1)
+    except AssertionError:
+        raise AssertionError(f"chunks not in l2fs after {timeout}s") from None
 
 
 def _rpc_counts(cluster: LocalCluster) -> dict[str, float]:

@@ -29,12 +29,6 @@ BLOCK = 64 << 10
 N = 8
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory):
-    with LocalCluster(tmp_path_factory.mktemp("l2fs-native"), workers=2) as c:
-        yield c
-
-
 def _rpc_counts(cluster: LocalCluster) -> dict[str, float]:
     import re
     import urllib.request

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from polling import wait_until
 
 pytest.importorskip("lmcache")
 
@@ -69,12 +70,11 @@ def _put(sm: StorageManager, seed: int) -> list[torch.Tensor]:
 
 
 def _wait(lookup: L2Lookup, prefix: str, want: int, timeout: float = 20.0) -> None:
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < timeout:
-        if lookup.lookup(TOKENS, MODEL, prefix) == want:
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"L2 lookup of {prefix} never saw {want} tokens (last {lookup.lookup(TOKENS, MODEL, prefix)})")
+    try:
+        wait_until(lambda: lookup.lookup(TOKENS, MODEL, prefix) == want, timeout, 0.1)
+    except AssertionError:
+        raise AssertionError(f"L2 lookup of {prefix} never saw {want} tokens "
+                             f"(last {lookup.lookup(TOKENS, MODEL, prefix)})") from None
 
 
 @pytest.mark.unit

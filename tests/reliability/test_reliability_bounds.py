@@ -16,7 +16,7 @@ import stat
 import struct
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import grpc
@@ -145,15 +145,13 @@ def test_bounds_dead_worker_entries_are_forgotten(tmp_path: Path) -> None:
 # ---------- bounded metadata calls ----------
 
 @pytest.fixture
-def quota(tmp_path: Path) -> Iterator[LocalCluster]:
+def quota(tmp_path: Path, make_cluster: Callable[..., LocalCluster]) -> LocalCluster:
     """One worker; the engine's prefix has a 256 KiB quota."""
     f = tmp_path / "tokens.json"
     f.write_text(json.dumps(TOKENS))
-    with LocalCluster(tmp_path / "c", workers=1, capacity="256M", token=ADMIN,
-                      master_args=["--tokens-file", str(f), "--token", MASTER,
-                                   "--prefix-quota", f"{PREFIX}=256KiB"],
-                      worker_args=["--tokens-file", str(f), "--token", MASTER]) as c:
-        yield c
+    return make_cluster(1, capacity="256M", token=ADMIN,
+                        master_args=["--tokens-file", str(f), "--token", MASTER, "--prefix-quota", f"{PREFIX}=256KiB"],
+                        worker_args=["--tokens-file", str(f), "--token", MASTER])
 
 
 def test_bounds_mkdir_of_a_deep_path_is_refused_and_directories_count(quota: LocalCluster) -> None:

@@ -26,6 +26,7 @@ from typing import Any
 import crc32c
 import grpc
 import pytest
+from polling import wait_until
 from reliability_faults import DEADLINE, payload
 
 from l2fs import procs
@@ -74,14 +75,11 @@ def _scoped(make_cluster: Any, tmp_path: Path, *, workers: int = 1, capacity: st
 
 
 def _wait(cond: Any, timeout: float = 15.0, what: str = "condition") -> Any:
-    end = time.monotonic() + timeout
-    while True:
-        got = cond()
-        if got:
-            return got
-        if time.monotonic() > end:
-            raise AssertionError(f"{what} not reached in {timeout} s")
-        time.sleep(0.1)
+    """polling.wait_until, failing with what this file waits for."""
+    try:
+        return wait_until(cond, timeout, 0.1)
+    except AssertionError as e:
+        raise AssertionError(f"{what} not reached in {timeout} s") from e
 
 
 # ---------- 1. a commit is bound to its allocation ----------
