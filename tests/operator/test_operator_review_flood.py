@@ -10,7 +10,6 @@ cache TTL shortened to 3 s (--review-cache-ttl) so the flood outlasts it three t
 
 from __future__ import annotations
 
-import json
 import secrets
 import threading
 import time
@@ -20,17 +19,14 @@ from typing import Any
 
 import grpc
 import pytest
-from operator_helpers import SA, ReviewApi, jwt, review_api
+from operator_helpers import ReviewApi, review_api
+from test_operator_worker_identity import ADMIN, k8s_local_cluster
 
-from l2fs.common import token_digest
 from l2fs.proto import l2fs_pb2 as pb
 from l2fs.proto import l2fs_pb2_grpc as pbg
-from l2fs.testing.cluster import LocalCluster
 
 pytestmark = pytest.mark.k8s
 
-MASTER = "master-token-0123456789abcdef"
-ADMIN = "admin-token-0123456789abcdef"
 TTL = 3.0  # the master's review cache TTL here (60 s by default)
 FLOOD_S = 3 * TTL + 1
 
@@ -43,25 +39,10 @@ def api(tmp_path: Path) -> Iterator[ReviewApi]:
 
 @pytest.fixture
 def k8s_cluster(api: ReviewApi, tmp_path: Path) -> Iterator[Any]:
-    """Master with --worker-identity k8s and a 3 s review cache + two workers with projected-token files."""
-    tokens = tmp_path / "tokens.json"
-    entries = [{"name": "master", "token": MASTER, "role": "worker"}, {"name": "ops", "token": ADMIN, "role": "admin"}]
-    tokens.write_text(json.dumps(entries))
-    verifiers = tmp_path / "verifiers.json"
-    verifiers.write_text(json.dumps([{"name": e["name"], "sha256": token_digest(e["token"]), "role": e["role"]}
-                                     for e in entries]))
-    cluster = LocalCluster(tmp_path / "c", workers=2, token=ADMIN, heartbeat_timeout=3, heartbeat_interval=0.5,
-                           master_args=["--tokens-file", str(tokens), "--token", MASTER, "--worker-identity", "k8s",
-                                        "--worker-sa", "kvtier:l2fs-worker", "--worker-audience", "l2fs",
-                                        "--kubeconfig", str(api.kubeconfig), "--review-cache-ttl", str(TTL)])
-    cluster.tokens = {}
-    for w in cluster.workers:
-        f = tmp_path / f"{w.node_id}.token"
-        tok = jwt(w.node_id)
-        api.emu.table[tok] = (SA, w.node_id, ["l2fs"])
-        f.write_text(tok)
-        cluster.tokens[w.node_id] = tok
-        w.extra_args = ["--tokens-file", str(verifiers), "--token-file", str(f)]
+    """test_operator_worker_identity's cluster (two workers with projected-token files) with a 3 s review
+    cache; `.tokens`: each node's token."""
+    cluster = k8s_local_cluster(api, tmp_path, ("--review-cache-ttl", str(TTL)))
+    cluster.tokens = {node: f.read_text() for node, f in cluster.token_files.items()}
     with cluster:
         yield cluster
 

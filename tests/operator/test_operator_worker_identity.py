@@ -51,6 +51,13 @@ def _call(method: Any, request: Any, token: str) -> grpc.StatusCode:
 def k8s_cluster(api: ReviewApi, tmp_path: Path) -> Iterator[Any]:
     """Master with --worker-identity k8s + two workers (node-1, node-2), each with its own token file and the
     verifier file only."""
+    with k8s_local_cluster(api, tmp_path) as cluster:
+        yield cluster
+
+
+def k8s_local_cluster(api: ReviewApi, tmp_path: Path, master_args: tuple[str, ...] = ()) -> Any:
+    """The k8s_cluster fixture's cluster, not started (`master_args` added to the master's); its workers'
+    projected tokens in `.token_files` (node id -> file)."""
     emu, kubeconfig = api.emu, api.kubeconfig
     tokens = tmp_path / "tokens.json"
     entries = [{"name": "master", "token": MASTER, "role": "worker"}, {"name": "ops", "token": ADMIN, "role": "admin"}]
@@ -61,7 +68,7 @@ def k8s_cluster(api: ReviewApi, tmp_path: Path) -> Iterator[Any]:
     cluster = LocalCluster(tmp_path / "c", workers=2, token=ADMIN, heartbeat_timeout=3, heartbeat_interval=0.5,
                            master_args=["--tokens-file", str(tokens), "--token", MASTER, "--worker-identity", "k8s",
                                         "--worker-sa", "kvtier:l2fs-worker", "--worker-audience", "l2fs",
-                                        "--kubeconfig", str(kubeconfig)])
+                                        "--kubeconfig", str(kubeconfig), *master_args])
     cluster.token_files = {}
     for w in cluster.workers:
         f = tmp_path / f"{w.node_id}.token"
@@ -70,8 +77,7 @@ def k8s_cluster(api: ReviewApi, tmp_path: Path) -> Iterator[Any]:
         f.write_text(tok)
         cluster.token_files[w.node_id] = f
         w.extra_args = ["--tokens-file", str(verifiers), "--token-file", str(f)]
-    with cluster:
-        yield cluster
+    return cluster
 
 
 def _ids(cluster: Any) -> dict[str, str]:
