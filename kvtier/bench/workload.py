@@ -531,6 +531,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--slo-ms", type=float, default=3000.0, help="TTFT P90 SLO; the sweep of an arm stops past it")
     p.add_argument("--step-timeout", type=float, default=240.0, help="seconds per step before unsent turns are skipped")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tier-order", default=",".join(TIER_ORDER),
+                   help="order of the tiers (each a restart); put first what must run if --until cuts the run short")
+    p.add_argument("--until", default=None, metavar="HH:MM",
+                   help="UTC time after which no new step starts (the rest are reported as not run)")
     p.add_argument("--mrqa", type=Path, default=None, metavar="SCRIPT",
                    help="LMCache's benchmarks/multi_round_qa/multi-round-qa.py (from its sdist, unmodified; needs "
                    "openai + pandas): also run it through the router of each --mrqa-arms arm, first on its tier")
@@ -558,11 +562,11 @@ def apply_quick(args: argparse.Namespace) -> None:
     args.slo_ms, args.step_timeout = 1e9, 180
 
 
-def plan_order(arms: list[str], rates: list[float], contexts: list[int], short: tuple[int, float] | None
-               ) -> list[tuple[str, Step]]:
+def plan_order(arms: list[str], rates: list[float], contexts: list[int], short: tuple[int, float] | None,
+               tiers: tuple[str, ...] = TIER_ORDER) -> list[tuple[str, Step]]:
     """Tier by tier (fewest restarts); within a tier, per step, the arms in an order that rotates."""
     out: list[tuple[str, Step]] = []
-    for tier in TIER_ORDER:
+    for tier in tiers:
         group = [a for a in arms if ARMS[a][0] == tier]
         if not group:
             continue
@@ -727,7 +731,16 @@ def main(argv: list[str] | None = None) -> int:
         log(f"warning: L1 ({args.l1_tokens} tokens) holds fewer than two prompts of {max_model_len}: LMCache stores "
             "and loads (L2 too) through L1 memory, so it fails allocations and L2 hits come late or not at all")
     short = (args.short_tokens, args.short_rate) if args.short_tokens else None
-    order = plan_order(arms, rates, contexts, short)
+    tiers = tuple(t for t in args.tier_order.split(",") if t)
+    if sorted(tiers) != sorted(TIER_ORDER):
+        print(f"kvtier bench workload: --tier-order is an order of {','.join(TIER_ORDER)}", file=sys.stderr)
+        return 2
+    order = plan_order(arms, rates, contexts, short, tiers)
+    until = None
+    if args.until:
+        hh, mm = (int(x) for x in args.until.split(":"))
+        now = time.gmtime()
+        until = time.time() + ((hh * 60 + mm) - (now.tm_hour * 60 + now.tm_min)) * 60 - now.tm_sec
     ref = (contexts[0], rates[0])
     steps: list[dict[str, Any]] = []
     raw: list[dict[str, Any]] = []
@@ -750,6 +763,10 @@ def main(argv: list[str] | None = None) -> int:
                 log(f"LMCache multi_round_qa through {m}: rc {h.get('rc')}, {h.get('requests')} requests, TTFT "
                     f"p50/p90 {fmt(h.get('ttft_p50_ms'), 0)}/{fmt(h.get('ttft_p90_ms'), 0)} ms, "
                     f"{fmt(h.get('req_per_s'), 3)} req/s {h.get('error', '')}")
+            if until is not None and time.time() > until:
+                log(f"step {n + 1}/{len(order)}: {arm} {st.context} tok @ {st.rate:g}/s not run (--until {args.until})")
+                steps.append({"arm": arm, "context": st.context, "rate": st.rate, "not_run": "--until"})
+                continue
             if (arm, st.context) in broken and st.rate > min(rates):
                 log(f"step {n + 1}/{len(order)}: {arm} {st.context} tok @ {st.rate:g}/s skipped (SLO broken below)")
                 continue
@@ -797,7 +814,7 @@ def main(argv: list[str] | None = None) -> int:
         print("no matplotlib: plots skipped (pip install kvtier[bench])")
     for p in paths:
         print(f"wrote {p}")
-    complete = all(s.get("sent") and s["ok"] == s["sent"] for s in steps)
+    complete = all(s.get("sent") and s["ok"] == s["sent"] for s in steps if "not_run" not in s)
     return 0 if complete else 1
 
 
