@@ -10,7 +10,6 @@ retrieves has the checksums A stored. With the l2fs objects removed, server C mi
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import subprocess
@@ -22,8 +21,7 @@ import pytest
 pytest.importorskip("lmcache")
 
 from connector import keys as ckeys
-from l2fs import procs
-from l2fs.common import free_port
+from kvtier.devstack.mp_server import MPServer, start_mp_server
 from l2fs.testing.cluster import LocalCluster
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -32,21 +30,9 @@ ENV = dict(os.environ, PYTHONPATH=str(ROOT), LMCACHE_TRACK_USAGE="false", PYTHON
            LMCACHE_DISABLE_BANNER="1")
 
 
-def _server(master: str, node: str, log: Path, env: dict[str, str] = ENV) -> tuple[subprocess.Popen, int, int]:
-    port, http = free_port(), free_port()
-    adapter = {"type": "plugin", "module_path": "connector.mp_l2fs", "class_name": "L2fsL2Adapter",
-               "adapter_params": {"master": master, "node_id": node, "prefix": PREFIX}}
-    p = procs.spawn([sys.executable, "-m", "lmcache.cli.main", "server", "--host", "127.0.0.1", "--port", str(port),
-                     "--chunk-size", "256", "--l1-size-gb", "0.2", "--eviction-policy", "LRU",
-                     "--supported-transfer-mode", "engine_driven", "--http-host", "127.0.0.1",
-                     "--http-port", str(http), "--l2-adapter", json.dumps(adapter)], log, env=env)
-    try:
-        procs.wait_ready(p, lambda: procs.http_ok(f"http://127.0.0.1:{http}/status") or None, timeout=300,
-                         what=f"lmcache server {node}", log_path=log)
-    except BaseException:
-        procs.stop(p)
-        raise
-    return p, port, http
+def _server(master: str, node: str, log: Path, env: dict[str, str] = ENV) -> tuple[MPServer, int, int]:
+    srv = start_mp_server(master, node, log, prefix=PREFIX, l1_gb=0.2, env=env)
+    return srv, srv.port, srv.http_port
 
 
 def _client(port: int, http: int, out: Path) -> dict[str, list[str]]:
@@ -79,7 +65,7 @@ def test_lmcache_server_shares_kv_across_nodes_through_l2fs(tmp_path: Path) -> N
         try:
             run_a = _client(pa, ha, tmp_path / "client-a.log")
         finally:
-            procs.stop(a)
+            a.stop()
         for seq in ("0", "1"):
             assert _first(run_a[f"{seq}/cold"], "LOOKUP").startswith("0/2 chunks hit")
             assert _first(run_a[f"{seq}/cold"], "STORE").startswith("stored (512 tokens")
@@ -94,7 +80,7 @@ def test_lmcache_server_shares_kv_across_nodes_through_l2fs(tmp_path: Path) -> N
         try:
             run_b = _client(pb, hb, tmp_path / "client-b.log")
         finally:
-            procs.stop(b)
+            b.stop()
         for seq in ("0", "1"):
             assert _first(run_b[f"{seq}/cold"], "LOOKUP").startswith("2/2 chunks hit")
             assert _first(run_b[f"{seq}/cold"], "RETRIEVE").startswith("retrieved (512 tokens")
@@ -107,7 +93,7 @@ def test_lmcache_server_shares_kv_across_nodes_through_l2fs(tmp_path: Path) -> N
         try:
             run_c = _client(p3, h3, tmp_path / "client-c.log")
         finally:
-            procs.stop(s3)
+            s3.stop()
         assert all(_first(run_c[f"{seq}/cold"], "LOOKUP").startswith("0/2 chunks hit") for seq in ("0", "1"))
 
 
@@ -152,7 +138,7 @@ def test_lmcache_server_whose_hash_drifted_writes_nothing_to_l2fs(tmp_path: Path
         try:
             run = _client(port, http, tmp_path / "client.log")
         finally:
-            procs.stop(s)
+            s.stop()
         assert _first(run["0/cold"], "STORE").startswith("stored (512 tokens")  # L1 still works
         assert _first(run["0/warm"], "LOOKUP").startswith("2/2 chunks hit")
         client = c.client()
