@@ -32,7 +32,6 @@ def test_native_tier_bench_quick(tmp_path: Path) -> None:
     assert len(table) == 2 + 3 and all(ln.count("|") == table[0].count("|") for ln in table)
 
 
-@pytest.mark.unit
 def test_native_tier_gpu_script_argv_is_what_vllm_parses() -> None:
     """The GPU script's engine argv, read by vLLM's own api_server parser (no GPU needed); without CUDA the
     script itself says so and exits 2 instead of starting engines."""
