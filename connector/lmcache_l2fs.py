@@ -21,6 +21,8 @@ Configure (what `kvtier lmcache-config` writes):
                                                             # figure above
       remote_storage_plugin.l2fs.load_margin: 1.0           # optional: claim while rate >= margin x needed
       remote_storage_plugin.l2fs.rate_probe_interval: 5.0   # optional: seconds between probes while not claiming
+      remote_storage_plugin.l2fs.precheck_share: 0.1        # optional: a claim's first chunk must arrive within
+                                                            # this share of its recompute time (0 = no check)
 
 Design (why):
 * File = LMCache fs-connector format (RemoteMetadata header + raw bytes) at a reversible name
@@ -45,6 +47,7 @@ import asyncio
 import logging
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -67,6 +70,7 @@ log = logging.getLogger("kvtier.connector.l2fs")
 ensure_log_handler()
 PLUGIN_TYPE = contract.PLUGIN_NAME
 T = TypeVar("T")
+PRECHECK_KEEP = 2  # chunks read before their claim, kept for its load (at most two chunks of memory)
 
 
 class L2Down(Exception):
@@ -154,14 +158,15 @@ class L2fsConnector(RemoteConnector):
         self.pool = ThreadPoolExecutor(int(_opt(cfg, plugin, "threads", 8)), thread_name_prefix="kvtier-l2fs")
         self.breaker = Breaker(f"master {self.master}", lambda: self.client.ls("/"))
         self.stats = {"get_hit": 0, "get_miss": 0, "corrupt": 0, "put": 0, "put_exists": 0, "put_fail": 0,
-                      "bytes_read": 0, "read_s": 0.0, "gated": 0, "put_drift": 0}
+                      "bytes_read": 0, "read_s": 0.0, "gated": 0, "put_drift": 0, "prechecked_reused": 0}
         self.timeout = timeout
         positions.install_inprocess()  # chunk hash -> index in the prompt, for the order hints of puts
         prefill = float(_opt(cfg, plugin, PREFILL_KEY) or kvtier_envs.get(PREFILL_ENV) or 0)
         self.gate = LoadGate(self.single_token_size, prefill,
                              margin=float(_opt(cfg, plugin, "load_margin", 1.0)),
                              probe_interval=float(_opt(cfg, plugin, "rate_probe_interval", 5.0)),
-                             stall_s=timeout / 2)
+                             stall_s=timeout / 2,
+                             precheck_share=float(_opt(cfg, plugin, "precheck_share", 0.1)))
         prefill_file = _opt(cfg, plugin, PREFILL_FILE_KEY) or kvtier_envs.get(PREFILL_FILE_ENV)
         if prefill_file:  # a figure measured after start: the file's, while it holds one, else the fixed one
             watch_prefill_file(prefill_file, lambda v: setattr(self.gate, "prefill_tps", v or prefill))
@@ -169,6 +174,8 @@ class L2fsConnector(RemoteConnector):
         # chunk keys of the installed LMCache vs kvtier.contract: on a drift no chunk is written (see keycheck)
         self.key_check = keycheck.run("lmcache_l2fs", keycheck.lmcache_builtin, cfg, self._meta)
         self._tls = threading.local()  # one reusable read buffer per pool thread
+        self._prechecked: OrderedDict[str, tuple[bytearray, int]] = OrderedDict()  # read before their claim
+        self._pre_lock = threading.Lock()
         self._closed = False
         log.info("kvtier l2fs connector: master=%s node=%s prefix=%s", self.master, self.node_id, self.prefix)
         # Start-up probe + key-compat fingerprint, off the caller's thread: never delays engine start.
@@ -228,7 +235,7 @@ class L2fsConnector(RemoteConnector):
             if not isinstance(e, L2Down):
                 log.debug("prefix lookup failed: %s", e)
             return 0
-        if n and not self._claiming():
+        if n and not (self._claiming() and self._precheck(keys[0], n)):
             self.stats["gated"] += n
             self.gate.gated(n)
             return 0  # loading them would take longer than recomputing them: the engine recomputes
@@ -239,6 +246,31 @@ class L2fsConnector(RemoteConnector):
         """Claim L2 hits now? When not, a background probe (if one is due) re-measures L2."""
         return self.gate.claiming(self.client, self.remote_metadata_bytes + self.full_chunk_size_bytes,
                                   may_probe=not (self._closed or self.breaker.down))
+
+    def _precheck(self, key: Any, chunks: int) -> bool:
+        """Decide before the load (connector.loadgate): read the first claimed chunk within a tenth of what
+        recomputing the claimed chunks takes; kept for the load that follows, so it is not read twice."""
+        budget = self.gate.precheck_budget(chunks * self.full_chunk_size_bytes)
+        if budget <= 0:
+            return True
+        path = self.path(key)
+        buf = bytearray(self.remote_metadata_bytes + self.full_chunk_size_bytes)
+        t0 = time.perf_counter()
+        try:
+            got = self.client.get_into(path, buf, _deadline=time.monotonic() + budget)
+        except Exception:  # noqa: BLE001 - a fault is a miss: recompute
+            got = None
+        ok = self.gate.prechecked(got, time.perf_counter() - t0, budget)
+        if ok and got is not None:
+            with self._pre_lock:
+                self._prechecked[path] = (buf, got)
+                while len(self._prechecked) > PRECHECK_KEEP:
+                    self._prechecked.popitem(last=False)
+        return ok
+
+    def _take_prechecked(self, path: str) -> tuple[bytearray, int] | None:
+        with self._pre_lock:
+            return self._prechecked.pop(path, None)
 
     def _measured(self, keys: list[Any], objs: list[Any], seconds: float) -> None:
         """One load batch for the rate estimate: delivered bytes (header included) over its wall time."""
@@ -261,18 +293,23 @@ class L2fsConnector(RemoteConnector):
         except L2Down:
             return None
         hdr = self.remote_metadata_bytes
-        # Reused per thread: a fresh 1 MiB bytearray per chunk cost page faults on every read. Only this thread
-        # writes it (the sync client reads in the calling thread) and the body is copied out below.
-        buf = getattr(self._tls, "buf", None)
-        if buf is None or len(buf) != hdr + self.full_chunk_size_bytes:
-            buf = self._tls.buf = bytearray(hdr + self.full_chunk_size_bytes)
         t0 = time.perf_counter()
-        try:
-            n = self.client.get_into(self.path(key), buf)
-        except Exception as e:  # noqa: BLE001 - larger than any chunk, bad path, ...: a miss
-            log.warning("kvtier: l2fs chunk %s unreadable (%s): miss", key.chunk_hash, e)
-            self.stats["corrupt"] += 1
-            return None
+        pre = self._take_prechecked(self.path(key))
+        if pre is not None:  # read by the check before its claim: not read twice
+            buf, n = pre
+            self.stats["prechecked_reused"] += 1
+        else:
+            # Reused per thread: a fresh 1 MiB bytearray per chunk cost page faults on every read. Only this
+            # thread writes it (the sync client reads in the calling thread) and the body is copied out below.
+            buf = getattr(self._tls, "buf", None)
+            if buf is None or len(buf) != hdr + self.full_chunk_size_bytes:
+                buf = self._tls.buf = bytearray(hdr + self.full_chunk_size_bytes)
+            try:
+                n = self.client.get_into(self.path(key), buf)
+            except Exception as e:  # noqa: BLE001 - larger than any chunk, bad path, ...: a miss
+                log.warning("kvtier: l2fs chunk %s unreadable (%s): miss", key.chunk_hash, e)
+                self.stats["corrupt"] += 1
+                return None
         if n is None:
             self.stats["get_miss"] += 1
             return None

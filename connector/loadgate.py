@@ -18,6 +18,14 @@ Both grow with n, so the rule is per replica, not per prompt: claim while
   forward passes. Unset or 0 = the gate is off (every hit is claimed, the old behaviour).
 * While closed no real load measures L2, so every `probe_interval` seconds a background probe re-reads the
   last loaded batch (same paths, same parallelism) and feeds the average; the gate reopens when it is fast.
+* Decided before the load, not after it: the average only learns that L2 slowed from loads that were already
+  slow, so the first requests after a slow-down used to pay for it (~1 s each at 2k tokens). While the gate is
+  open, each claim first reads the first chunk it claims, with a deadline of `precheck_share` (10 %) of the
+  time recomputing the claimed chunks would take (`precheck_budget`). Missed deadline or a rate below the bar:
+  this claim is dropped (the engine recomputes, having lost at most that 10 %), and the sample replaces the
+  average, so the gate closes for the claims that follow until the background probe finds L2 fast again.
+  Met: claimed, and the connector keeps the bytes, so the load that follows reads that chunk from memory
+  instead of twice (healthy L2 pays only for reading one chunk ahead of the rest).
 """
 
 from __future__ import annotations
@@ -47,8 +55,10 @@ class LoadGate:
     """Running L2 load-rate estimate vs the engine's prefill rate (see module doc). Thread-safe."""
 
     def __init__(self, bytes_per_token: float, prefill_tokens_per_s: float = 0.0, *, alpha: float = 0.3,
-                 margin: float = 1.0, probe_interval: float = 5.0, stall_s: float = 0.5) -> None:
+                 margin: float = 1.0, probe_interval: float = 5.0, stall_s: float = 0.5,
+                 precheck_share: float = 0.1) -> None:
         self.bytes_per_token = float(bytes_per_token)
+        self.precheck_share = float(precheck_share)  # 0 = no check before a claim (decide on the average only)
         self.prefill_tps = float(prefill_tokens_per_s or 0.0)
         self.alpha, self.margin, self.probe_interval = alpha, margin, probe_interval
         self.stall_s = stall_s  # a load or probe this slow counts even when it delivered nothing
@@ -117,6 +127,29 @@ class LoadGate:
                 log.warning("kvtier: L2 loads slower than recompute (%s < %.1f MB/s needed at %.0f tokens/s "
                             "prefill): not claiming L2 hits, probing every %.0f s", shown,
                             self.needed_rate / 1e6, self.prefill_tps, self.probe_interval)
+
+    def precheck_budget(self, claimed_bytes: int) -> float:
+        """Seconds a check before claiming `claimed_bytes` may take: precheck_share of recomputing them."""
+        if not self.enabled or self.precheck_share <= 0:
+            return 0.0
+        return self.precheck_share * claimed_bytes / (self.bytes_per_token * self.prefill_tps)
+
+    def prechecked(self, nbytes: int | None, seconds: float, budget: float) -> bool:
+        """The check before a claim read `nbytes` (None: nothing arrived) in `seconds`: claim? A chunk that
+        came within the budget at a rate that beats recompute is claimed; one that missed the deadline is a
+        stall sample (as a stalled load), so the gate closes for the claims that follow."""
+        if nbytes is None and seconds < min(budget, self.stall_s) * 0.9:
+            return False  # a quick miss (evicted since the lookup, a fault): says nothing about the rate
+        ok = nbytes is not None and seconds <= budget and nbytes / max(seconds, 1e-9) >= self.needed_rate
+        if ok:
+            self.observe(nbytes or 0, seconds)
+        else:  # what L2 does now replaces the average: the gate closes, the background probe reopens it
+            with self._lock:
+                self._bytes, self._secs = float(nbytes or 0), float(max(seconds, 1e-9))
+            if RATE is not None:
+                RATE.set((nbytes or 0) / max(seconds, 1e-9))
+            self._decide((nbytes or 0) / max(seconds, 1e-9))
+        return ok
 
     def allow(self) -> bool:
         """Claim L2 hits now?"""

@@ -299,6 +299,46 @@ def test_stops_claiming_when_l2_is_slower_than_recompute_and_resumes(tmp_path) -
             b.close()
 
 
+def test_claims_are_decided_before_the_load_when_a_worker_stalls(tmp_path) -> None:
+    """The first claims after L2 slows, not only later ones, are decided before their load: each claim first
+    reads its first chunk within a tenth of the claimed chunks' recompute time. Before, the gate's average was
+    still healthy, the chunks were claimed and their load waited for the stalled worker. Healthy claims read
+    that chunk once: the load takes it from the check."""
+    with LocalCluster(tmp_path / "l2fs", workers=2, heartbeat_interval=0.5) as cluster:
+        a = _manager(cluster.master, "node-1")
+        extra = {"remote_storage_plugin.l2fs.prefill_tokens_per_s": 4000,  # 4 KiB/token: needs 16 MB/s
+                 "remote_storage_plugin.l2fs.rate_probe_interval": 60}
+        b = _manager(cluster.master, "node-2", extra=extra)
+        client = cluster.client()
+        try:
+            keys = _store(a, _tokens(11, 8))
+            _wait_exists(client, _paths(keys))
+            conn = _conn(b)
+            for _ in range(3):
+                assert _remote(b).batched_contains(keys) == 8
+                assert _load(b, keys) == 8
+            assert conn.gate.allow() and conn.stats["prechecked_reused"] >= 3
+            budget = conn.gate.precheck_budget(8 * conn.full_chunk_size_bytes)
+            pid = cluster.workers[0].proc.pid
+            os.kill(pid, signal.SIGSTOP)
+            try:
+                for _ in range(2):  # the first claim after the stall and the next one
+                    t0 = time.monotonic()
+                    n = _remote(b).batched_contains(keys)
+                    took = time.monotonic() - t0
+                    assert n == 0, "claimed on a healthy average: the load waits for the stalled worker"
+                    assert took < budget + 0.5, f"the check took {took:.3f} s, budget {budget:.3f} s"
+                    assert not conn.gate.allow()  # the missed check closes the gate for the claims that follow
+            finally:
+                os.kill(pid, signal.SIGCONT)
+            assert client.prefix_lookup(_paths(keys)) == 8  # present, just not worth waiting for
+            assert conn.stats["gated"] >= 16
+        finally:
+            client.close()
+            a.close()
+            b.close()
+
+
 def test_mp_adapter_stops_finding_when_l2_is_slower_than_recompute_and_resumes(tmp_path) -> None:
     with LocalCluster(tmp_path / "l2fs", workers=2, heartbeat_interval=0.5) as cluster:
         a = _adapter(cluster.master, "node-1")
