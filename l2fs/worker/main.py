@@ -35,7 +35,7 @@ from l2fs.common import (
 )
 from l2fs.common.fdpass import default_socket_path
 from l2fs.common.protocol import MANIFEST_VERSION, SIZED_CAPABILITIES
-from l2fs.dataplane.server import DataServer
+from l2fs.dataplane import server as dataplane  # the module: it imports l2fs.worker.store (a cycle)
 from l2fs.dataplane.wire import DATA_IDLE_TIMEOUT, DATA_MAX_CONNS
 from l2fs.options import add_client_args
 from l2fs.proto import l2fs_pb2_grpc as pbg
@@ -72,9 +72,9 @@ class Worker:
         if not advertise and host in ("0.0.0.0", "::", ""):
             advertise = f"{_host_ip(master)}:{self.port}"
         self.address = advertise or f"{host}:{self.port}"
-        self.data: DataServer | None = None
+        self.data: dataplane.DataServer | None = None
         if data_port is not None and not tls:  # raw TCP is plaintext: TLS clusters use gRPC only
-            self.data = DataServer(store, host, data_port, self.gate.check, wake.set, max_conns=data_max_conns,
+            self.data = dataplane.DataServer(store, host, data_port, self.gate.check, wake.set, max_conns=data_max_conns,
                                    idle_timeout=data_idle_timeout)
         self.fds: FdServer | None = None
         if domain_socket:
