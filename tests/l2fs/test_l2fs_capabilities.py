@@ -447,3 +447,25 @@ def test_gate_modes() -> None:
     assert gate.check(cap, "r", "a" * 32) is None
     assert not gate.set_key(b"") and gate.cap_mode  # a master without a key does not reopen it
     assert capability.DEFAULT_TTL > capability.DEFAULT_SKEW > 0
+
+
+@pytest.mark.unit
+def test_write_capability_binds_the_allocated_size() -> None:
+    """Protocol 5: a write capability minted for 1 byte verifies only for 1 byte (what a sized worker checks
+    against the size a write declares); without a size it is the protocol 3-4 MAC, which a sized gate refuses,
+    so an old master's capability cannot stand in for a size-bound one."""
+    key, bid, exp = os.urandom(32), "a" * 32, int(time.time()) + 60
+    one = mint(key, "w", bid, exp, "/p", size=1)
+    assert why_denied(key, one, "w", bid, "/p", size=1) is None
+    assert "size" in (why_denied(key, one, "w", bid, "/p", size=40 << 20) or "")
+    assert why_denied(key, one, "w", bid, "/p") is not None  # unsized check: another MAC
+    unsized = mint(key, "w", bid, exp, "/p")
+    gate = DataGate(lambda t: False, skew=0)
+    gate.set_key(key)
+    assert gate.check(unsized, "w", bid, "/p", 1) is None  # a worker under an older master: no size bound
+    gate.sized = True
+    assert gate.check(unsized, "w", bid, "/p", 1) is not None
+    assert gate.check(one, "w", bid, "/p", 1) is None and gate.check(one, "w", bid, "/p", 2) is not None
+    assert gate.check(one, "w", bid, "/p", None) is not None  # a sized worker must say what is written
+    r = mint(key, "r", bid, exp, size=5)  # reads carry no size
+    assert r == mint(key, "r", bid, exp) and gate.check(r, "r", bid, "", 123) is None
