@@ -1,4 +1,4 @@
-"""`kvtier tokens`: scoped l2fs credentials for a cluster (issue 13), and the worker's pick of its own.
+"""`kvtier tokens`: scoped l2fs credentials for a cluster, and the worker's pick of its own.
 
 Why a generator: l2fs checks each call's token against a tokens file (docs/l2fs.md, "Scoped tokens"). Which pod
 holds what (deploy/base):

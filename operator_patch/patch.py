@@ -271,7 +271,7 @@ def _secret_refs(dep: dict[str, Any]) -> set[str]:
 
 def refuse_privileged(dep: dict[str, Any], cfg: PatchConfig) -> None:
     """Refused when the (patched) endpoint pod would hold a worker/admin credential: an engine pod with one
-    could register as a worker, delete or overwrite any chunk of any endpoint (issue 13)."""
+    could register as a worker, delete or overwrite any chunk of any endpoint."""
     bad = {s.strip() for s in cfg.privileged_secrets.split(",") if s.strip()} & _secret_refs(dep)
     if bad:
         raise Refused(f"the pod would get Secret(s) {sorted(bad)}, which hold l2fs worker/admin credentials; an "

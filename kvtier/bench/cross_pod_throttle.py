@@ -1,4 +1,4 @@
-"""`kvtier bench cross-pod --throttle-l2 SPEC`: is an L2 hit ever slower than recomputing? (issue 14.5)
+"""`kvtier bench cross-pod --throttle-l2 SPEC`: is an L2 hit ever slower than recomputing?
 
 Per length, `--reps` interleaved repetitions of: A stores a fresh prompt P (L2 healthy); the throttle goes on;
 B requests P (the L2 arm: B never saw P, its hit can only come from L2, from the worker holding A's chunks);
@@ -8,7 +8,7 @@ state of one phase never leaks into the other's first requests. Reported per len
 both arms, the ratio L2 arm / min(cold arm, healthy L2 hit) (goal <= 1.10x), and how many B requests of P the
 gate declined (LMCache hit tokens 0: recomputed although the chunks were in L2).
 
-Two ratios: the brief's L2 arm / min(cold arm, healthy L2 hit), and the goal's (issue 14.5) L2 arm / min(cold,
+Two ratios: the brief's L2 arm / min(cold arm, healthy L2 hit), and the goal's L2 arm / min(cold,
 L2 hit) in the same conditions: min(the phase's cold arm, the phase's claimed L2 hits). Under a throttle a
 healthy-speed L2 hit is not on offer, so the first ratio stays well above 1 even when every slow hit is
 declined; the second is 1.0 when the gate picks the faster of recompute and the (throttled) load every time.
@@ -33,7 +33,7 @@ from kvtier.bench.common import fmt, pct, table
 from kvtier.up import log
 
 PHASES = ("healthy", "throttled")
-TARGET = 1.10  # issue 14.5: the L2 arm's median <= 1.10x min(cold, L2 hit)
+TARGET = 1.10  # the goal: the L2 arm's median <= 1.10x min(cold, L2 hit)
 
 
 @dataclass(frozen=True)

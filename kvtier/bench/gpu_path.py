@@ -1,4 +1,4 @@
-"""GPU data path check (issue 11.2): l2fs chunk reads into pinned host memory and on to GPU memory, against a
+"""GPU data path check: l2fs chunk reads into pinned host memory and on to GPU memory, against a
 local-file read + the same copy of the same bytes (a benchmark, not a test).
 
 What a replica does on an L2 hit on a GPU node, minus vLLM/LMCache: read a KV chunk from l2fs into a pinned

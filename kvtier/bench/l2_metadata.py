@@ -1,7 +1,7 @@
 """`kvtier bench l2 --metadata`: the l2fs master at cluster rates, and what lies past one master.
 
 Why: every KV chunk is one put, so the cluster's L2 write rate is capped by the master's metadata rate, not
-by bytes (issue 17). One run prints, with the load average next to each figure:
+by bytes. One run prints, with the load average next to each figure:
 
 1. per namespace size (--files, default 10k and 100k; --million adds 1M), on a 2-worker cluster:
    puts/s of 4 KiB objects from 4 client processes on 2 nodes (`put_many` in batches of --batch), master

@@ -14,7 +14,7 @@ Object size defaults to one 256-token KV chunk of a 7B model (14.7 MB). Every nu
 With --passthrough, two more mounts (`l2fs mount --passthrough`, node-1 and node-2) read their own copy of the
 objects (put by node-1, so same-node reads use node-1's block files and cross-node ones a fetched local copy):
 the column "passthrough" and its ratio to native.
-Goal (issue 14.2): mount >= 0.8x native on reads.
+Goal: mount >= 0.8x native on reads.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Outside check (issue 15.5): vLLM's own `bench serve --dataset-name prefix_repetition`, unmodified, through
+"""Outside check: vLLM's own `bench serve --dataset-name prefix_repetition`, unmodified, through
 kvtier's router (prefixaware, roundrobin) and the Rust `vllm-router --policy cache_aware`, over the same 4 real
 vLLM CPU replicas with LMCache + l2fs.
 

@@ -51,7 +51,7 @@ def ensure_block_key(path: str | os.PathLike[str]) -> Path:
 
 
 class BlockKey:
-    """Mints and verifies block ids that are their own MAC (issue 13: blocks the master never allocated are
+    """Mints and verifies block ids that are their own MAC (worker trust: blocks the master never allocated are
     never published).
 
     An id is 16 hex of randomness + the first 16 hex of HMAC-SHA256(key, worker_id \\0 random \\0 size). Why

@@ -1,4 +1,4 @@
-"""Per-block read/write capabilities with an expiry (issue 13; HDFS block tokens are the model).
+"""Per-block read/write capabilities with an expiry (HDFS block tokens are the model).
 
 Why: with only the cluster token on the data plane, any token holder could read every block by id (and
 write any block the master allocated), and every worker had to hold every client's token. Now the master,

@@ -1,4 +1,4 @@
-"""Node-bound worker (and FUSE mount) identity from Kubernetes projected ServiceAccount tokens (issue 13).
+"""Node-bound worker (and FUSE mount) identity from Kubernetes projected ServiceAccount tokens.
 
 Why: a DaemonSet's pods all see the same Secrets, so a per-node secret cannot be handed to one pod; whatever
 the worker pod of node A can read, the one of node B can too. The kubelet, however, gives each pod its own

@@ -1,4 +1,4 @@
-"""Issue 14.4 / 14.5 at the connector: order hints that keep prefixes whole, and never slower than recompute.
+"""At the connector: order hints that keep prefixes whole, and never slower than recompute.
 
 Real LMCache objects (ChunkedTokenDatabase, StorageManager + RemoteBackend with our plugin, the MP server's
 Session + our L2 adapter) against real l2fs master/worker processes. A store is driven the way

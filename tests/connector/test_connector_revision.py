@@ -1,4 +1,4 @@
-"""One KV namespace per model revision (issue 11.4) and the GPU-mode replica description (issue 11.1).
+"""One KV namespace per model revision and the GPU-mode replica description.
 
 Unit tests: the revision hash, the cuda arguments/env and the GPU plan (no GPU needed). The real-process
 test drives LMCache's own StorageManager + our plugin against a real l2fs LocalCluster, configured from

@@ -1,4 +1,4 @@
-"""Batched writes (issue 17.1) and the short-circuit fallback (issue 13.6), on real master + worker processes.
+"""Batched writes and the short-circuit fallback, on real master + worker processes.
 
 A batch is one AllocateMany + one CommitMany on the master and one reserve/adopt pair per same-node worker,
 but every item keeps the unary put's rules: put-if-absent, atomic publish, and a failed item never fails

@@ -1,4 +1,4 @@
-"""The LMCache plugin hands a whole `batched_put` down to one `put_many` (issue 17.1): LMCache's own
+"""The LMCache plugin hands a whole `batched_put` down to one `put_many`: LMCache's own
 StorageManager/RemoteBackend over our plugin against a real LocalCluster, counted on the master's RPC metrics."""
 
 from __future__ import annotations

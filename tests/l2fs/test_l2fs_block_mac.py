@@ -1,4 +1,4 @@
-"""Issue 13, worker trust: blocks the master never allocated are never published, and a worker id is bound to
+"""Worker trust: blocks the master never allocated are never published, and a worker id is bound to
 its node's credential across a master restart.
 
 With `--block-key-file` (LocalCluster's default) the master mints every block id as its own MAC over (worker

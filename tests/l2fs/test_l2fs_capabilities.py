@@ -1,4 +1,4 @@
-"""Per-block capabilities on the data plane (issue 13; HDFS block tokens are the model).
+"""Per-block capabilities on the data plane (HDFS block tokens are the model).
 
 Before, the worker's raw-TCP data plane and fd socket took any known token for any block id: an engine
 token read every block by id. Now a master with a block key hands each worker its data key at registration

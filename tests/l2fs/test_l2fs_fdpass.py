@@ -1,4 +1,4 @@
-"""Short-circuit through file descriptors passed over the worker's Unix socket (issue 13, "short-circuit
+"""Short-circuit through file descriptors passed over the worker's Unix socket ("short-circuit
 without handing pods the data dir").
 
 Before, a same-node client opened block and temp files by path in the worker's data dir, so a vLLM pod had

@@ -1,4 +1,4 @@
-"""Per-prefix L2 quotas (issue 13, tenant isolation): a prefix at its quota gets failed puts (a write miss,
+"""Per-prefix L2 quotas (tenant isolation): a prefix at its quota gets failed puts (a write miss,
 `RESOURCE_EXHAUSTED`/EDQUOT), never evicts another prefix's blocks and never blocks its writes."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Issue 13, blocks a worker altered: the master publishes a reported block only when its seal MAC (minted by a
+"""Blocks a worker altered: the master publishes a reported block only when its seal MAC (minted by a
 master with the block key over worker id, block id, size and the committed CRC32C, kept in the worker's
 manifest) verifies over what the worker reports.
 

@@ -1,4 +1,4 @@
-"""Path-hash sharded namespace (issue 17.3): 2 masters (`--shard K/2`) x 2 workers as real processes.
+"""Path-hash sharded namespace: 2 masters (`--shard K/2`) x 2 workers as real processes.
 
 Every master holds only its hash class, refuses another shard's paths, and rebuilds only its shard from the
 workers' reports; the client routes, splits batches and fans prefix lookups out; one dead master costs only

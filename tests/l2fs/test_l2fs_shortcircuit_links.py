@@ -1,4 +1,4 @@
-"""Short-circuit writes never go through a link planted at the reserved temp name (issue 13.3, client side):
+"""Short-circuit writes never go through a link planted at the reserved temp name (client side):
 in plugin mode pods share the worker's data dir, so another pod can put a symlink at `tmp/<id>.part`
 between the worker's reservation and the client's open."""
 

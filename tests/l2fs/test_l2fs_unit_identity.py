@@ -1,4 +1,4 @@
-"""K8sIdentity admission (issue 13, authenticate before spending): reviews of tokens no cache knows are bounded
+"""K8sIdentity admission (authenticate before spending): reviews of tokens no cache knows are bounded
 in concurrency and rate, and a refused token is not asked about again for a while, so a stranger sending made-up
 bearer tokens to the master's worker methods can neither hold its handler threads for the API round trip nor
 make it flood the API server. The API server is stood in for by `_ask` (its reply objects are the official

@@ -1,4 +1,4 @@
-"""Wire protocol versions (issue 13): a rolling upgrade keeps serving, an incompatible peer is refused with
+"""Wire protocol versions: a rolling upgrade keeps serving, an incompatible peer is refused with
 both versions named.
 
 The old side of the rolling upgrade is the real code from before the version field (git archive of

@@ -1,4 +1,4 @@
-"""Bounded memory of the mount process (issue 13.5): the attacks of the audit, replayed against a real
+"""Bounded memory of the mount process: the attacks of the audit, replayed against a real
 `l2fs mount`, with the mount's RSS measured around each one (psutil)."""
 
 from __future__ import annotations

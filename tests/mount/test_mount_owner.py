@@ -1,4 +1,4 @@
-"""Non-root writers (issue 11.5): `l2fs mount --uid/--gid/--umask` lets a non-root process (a vLLM
+"""Non-root writers: `l2fs mount --uid/--gid/--umask` lets a non-root process (a vLLM
 container's user) write the mount, and the kernel keeps out the users the umask excludes. The writers are
 real processes under other uids (setpriv)."""
 

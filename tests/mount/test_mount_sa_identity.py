@@ -1,4 +1,4 @@
-"""One mount identity per node (issue 13, least privilege for mount pods): each FUSE mount pod presents its own
+"""One mount identity per node (least privilege for mount pods): each FUSE mount pod presents its own
 projected ServiceAccount token (`l2fs mount --token-file`, re-read per call); the master (`--mount-sa`) reviews
 it with a TokenReview and names the caller `mount@<node>` from the node the review names. The mount role may
 replace, rename or delete only files its own credential wrote (Credential.may_replace), so with per-node names

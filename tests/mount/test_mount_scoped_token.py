@@ -1,4 +1,4 @@
-"""The FUSE mount's own credential (issue 13, least privilege for mount pods): role `mount`, not admin.
+"""The FUSE mount's own credential (least privilege for mount pods): role `mount`, not admin.
 
 Every mount pod holds the same token, and before this it was an admin token: a mount pod on any node could
 overwrite, rename over or delete anything in the cache (an engine's chunks, another tenant's). A mount writes

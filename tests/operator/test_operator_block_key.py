@@ -1,4 +1,4 @@
-"""The master's block key in the rendered manifests (issue 13): Secret l2fs-block-key is mounted read-only
+"""The master's block key in the rendered manifests: Secret l2fs-block-key is mounted read-only
 into the l2fs master alone, at the directory of $L2FS_BLOCK_KEY_FILE, and required; no worker, mount, router
 or webhook pod references it (a worker holding the key could mint block ids for itself). The explicitly
 insecure overlay drops it along with the tokens. Static checks: no cluster runs here."""

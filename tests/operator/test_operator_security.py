@@ -1,4 +1,4 @@
-"""Secure defaults of the rendered manifests (issue 13.8) and the router <-> webhook wiring (issue 11.3).
+"""Secure defaults of the rendered manifests and the router <-> webhook wiring.
 
 No cluster and no CNI run here: NetworkPolicies are checked statically (every selector selects the pods
 it means, every port it opens is a named port of those pods, nothing else is open), as are tokens,

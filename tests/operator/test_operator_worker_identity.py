@@ -1,4 +1,4 @@
-"""Node-bound worker identity (issue 13, finding 1): workers prove who they are with a projected ServiceAccount
+"""Node-bound worker identity: workers prove who they are with a projected ServiceAccount
 token that the master checks with a TokenReview; the node the review names binds the worker ids the caller
 may register, heartbeat and report for (l2fs/master/identity.py).
 

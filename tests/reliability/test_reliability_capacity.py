@@ -16,7 +16,7 @@ from typing import Any
 from reliability_faults import DEADLINE, dir_bytes, files_under, lru_hit_rate, payload, wait_until, zipf_trace
 
 WORKER_CAP = 4 << 20  # 4 MiB per worker: small, so 3x capacity is quick to write
-HIGH, LOW = 0.90, 0.80  # l2fs default watermarks (issue 2)
+HIGH, LOW = 0.90, 0.80  # l2fs default watermarks
 OBJ = 64 << 10
 
 

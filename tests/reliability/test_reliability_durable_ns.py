@@ -1,4 +1,4 @@
-"""Deletes and renames cannot come back (issue 13.4): a worker that missed them (SIGSTOPped past the heartbeat
+"""Deletes and renames cannot come back: a worker that missed them (SIGSTOPped past the heartbeat
 timeout, the master restarted meanwhile) re-reports its manifest at re-registration, and the master's
 pending changes (`l2fs/master/journal.py`; on disk with `--journal`) decide what that report may publish.
 

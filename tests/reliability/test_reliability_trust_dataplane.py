@@ -1,4 +1,4 @@
-"""Authenticate before spending on the raw-TCP data plane (issue 13, point 2), against a real worker.
+"""Authenticate before spending on the raw-TCP data plane, against a real worker.
 
 Before the fix a connection took one of the worker's 256 serving slots at accept and kept it while it
 trickled its header (the idle timeout restarted on every byte): 256 strangers made every authenticated

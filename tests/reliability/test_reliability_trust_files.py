@@ -1,4 +1,4 @@
-"""File safety in the worker's data dir (issue 13, point 3), against real `l2fs master`/`worker` processes.
+"""File safety in the worker's data dir, against real `l2fs master`/`worker` processes.
 
 In plugin mode vLLM pods mount the worker's data dir read-write, so anything a pod can plant in
 `<data-dir>/tmp` (a symlink or hard link to a file outside, a file at the next temp name) must never be

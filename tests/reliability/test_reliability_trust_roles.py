@@ -1,4 +1,4 @@
-"""Scoped credentials (issue 13, point 1, first half): a tokens file gives each holder a role, and the master
+"""Scoped credentials: a tokens file gives each holder a role, and the master
 and workers check the role per method before the request is read, and an engine's prefix where the path is.
 
 Before this, clients and workers shared one token, so every vLLM pod holding it could register as a worker
