@@ -106,8 +106,10 @@ def start_router(kind: str, policy: str, state: StackState, logdir: Path) -> tup
         cmd = router_command(",".join(urls), policy, port, state.model, state.l2fs_master, state.kv_events)
     else:
         exe = Path(sys.executable).with_name("vllm-router")
+        # its metrics listener defaults to port 29000: a second vllm-router on the host (another arm's, another
+        # run's) exits with 'Address already in use'
         cmd = [str(exe), "--worker-urls", *urls, "--policy", policy, "--host", "127.0.0.1", "--port", str(port),
-               "--log-level", "warning"]
+               "--log-level", "warning", "--prometheus-port", str(free_port())]
     log_path = logdir / f"router-{kind}-{policy}.log"
     proc = procs.spawn(cmd, log_path)
     url = f"http://127.0.0.1:{port}"
