@@ -41,6 +41,8 @@ class CPUPagedKVConnector(GPUConnectorInterface):
         self._views: list[torch.Tensor] | None = None
         self._block_size = 0
         self._offsets: torch.Tensor | None = None
+        self._strides: list[tuple[int, int, int, int]] | None = None  # per K/V: base, head, token, dim
+        self.fast_loads = 0  # chunks loaded whole-block by strided copies (the bench and tests read it)
         self.fault = kvtier_envs.get("KVTIER_CPU_CONNECTOR_FAULT") or ""
 
     @classmethod
@@ -71,6 +73,7 @@ class CPUPagedKVConnector(GPUConnectorInterface):
         if self._offsets is None or self._block_size != t.shape[2]:
             self._block_size = t.shape[2]
             self._offsets = probe_block_layout(h, self._block_size, d, t.dtype)
+            self._strides = affine_strides(self._offsets)
         return t.view(-1)
 
     def _index(self, slots: torch.Tensor) -> torch.Tensor:
@@ -133,6 +136,8 @@ class CPUPagedKVConnector(GPUConnectorInterface):
             slots = slots[keep]
         if slots.numel() == 0:
             return
+        if all_kept and self._load_blocks(src, slots, n):
+            return
         idx = self._index(slots)
         assert self._views is not None
         for layer, flat in enumerate(self._views):
@@ -142,6 +147,32 @@ class CPUPagedKVConnector(GPUConnectorInterface):
                     part = part[keep]
                 flat.index_copy_(0, idx[kv], part.reshape(-1).to(flat.dtype))
 
+    def _load_blocks(self, src: torch.Tensor, slots: torch.Tensor, n: int) -> bool:
+        """Whole blocks at once: when the chunk fills whole cache blocks in order (vLLM's paged slot mapping)
+        and the in-block layout is affine, each layer's K and V go into a block image by one strided copy and
+        the images into the cache by one row index_copy_. Why: the per-element index_copy_ moved 0.4 GB/s at
+        kv8b geometry, a fifth of the cross-node L2 read. False = not applicable (caller copies per element)."""
+        bs, st = self._block_size, self._strides
+        if st is None or n % bs or n == 0 or src.dtype != self.dtype or not src.is_contiguous():
+            return False
+        runs = slots.view(-1, bs)
+        first = runs[:, 0]
+        if bool((first % bs).any()) or not torch.equal(runs - first[:, None], torch.arange(bs).expand_as(runs)):
+            return False
+        blocks = torch.div(first, bs, rounding_mode="floor")
+        h, d = self.num_kv_heads, self.head_size
+        nb, elems = runs.shape[0], 2 * h * bs * d
+        img = torch.empty(nb, elems, dtype=src.dtype)
+        assert self._views is not None
+        for layer, flat in enumerate(self._views):
+            for kv in (0, 1):
+                base, sh, stok, sd = st[kv]
+                dst = img.as_strided((nb, bs, h, d), (elems, stok, sh, sd), base)
+                dst.copy_(src[kv, layer, :n].view(nb, bs, h, d))
+            flat.view(-1, elems).index_copy_(0, blocks, img)
+        self.fast_loads += 1
+        return True
+
     def batched_to_gpu(self, memory_objs: Any = None, starts: Any = None, ends: Any = None,
                        **kwargs: Any) -> None:
         for obj, s, e in zip(memory_objs, starts, ends, strict=True):
@@ -150,6 +181,27 @@ class CPUPagedKVConnector(GPUConnectorInterface):
     def batched_from_gpu(self, memory_objs: Any, starts: Any, ends: Any, **kwargs: Any) -> None:
         for obj, s, e in zip(memory_objs, starts, ends, strict=True):
             self.from_gpu(obj, s, e, **kwargs)
+
+
+def affine_strides(offsets: torch.Tensor) -> list[tuple[int, int, int, int]] | None:
+    """(base, head, token, dim) element strides of K and V inside a block when `offsets` [2, H, BS, D] is
+    affine in (head, token, dim) and K and V together fill the block exactly once; else None (a tiled
+    layout: the per-element path)."""
+    out = []
+    for kv in (0, 1):
+        o = offsets[kv]
+        base = int(o[0, 0, 0])
+        sh = int(o[1, 0, 0]) - base if o.shape[0] > 1 else 0
+        st = int(o[0, 1, 0]) - base if o.shape[1] > 1 else 0
+        sd = int(o[0, 0, 1]) - base if o.shape[2] > 1 else 0
+        h, t, d = (torch.arange(x).view(*s) for x, s in zip(o.shape, ((-1, 1, 1), (1, -1, 1), (1, 1, -1)),
+                                                               strict=True))
+        if not torch.equal(o, base + h * sh + t * st + d * sd):
+            return None
+        out.append((base, sh, st, sd))
+    if torch.unique(offsets).numel() != offsets.numel():
+        return None
+    return out
 
 
 def _vllm_isa(dtype: torch.dtype, block_size: int, head_size: int) -> str:

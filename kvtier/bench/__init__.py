@@ -16,6 +16,8 @@ BENCHES: dict[str, tuple[str, str]] = {
     "vllm-serve": ("kvtier.bench.vllm_serve", "vLLM's own `bench serve` (prefix_repetition) through each router"),
     "connector": ("kvtier.bench.connector_tiers", "TTFT cold / L1 / cross-pod L2 on two replicas, no router"),
     "chunk-read": ("kvtier.bench.chunk_read", "per-chunk cost of the in-engine L2 read (l2fs -> LMCache MemoryObj)"),
+    "l2-load": ("kvtier.bench.l2_load_profile",
+                "one kv8b L2 load batch step by step: raw read, plugin, LMCache's layers, the paged-KV copy"),
     "gpu-path": ("kvtier.bench.gpu_path", "l2fs chunk reads into pinned host memory and on to the GPU"),
     "l2fs": ("kvtier.bench.l2fs_read", "l2fs client reads/writes vs hot local file and raw loopback TCP"),
     "load": ("kvtier.bench.l2fs_load", "sustained mixed put/get/lookup load: latency, errors, memory growth"),

@@ -61,14 +61,15 @@ def _key(h: int) -> CacheEngineKey:
     return CacheEngineKey(model_name=MODEL, world_size=1, worker_id=0, chunk_hash=h, dtype=torch.float32)
 
 
-def _store(cluster: LocalCluster, keys: list[CacheEngineKey]) -> None:
+def _store(cluster: LocalCluster, keys: list[CacheEngineKey],
+           make: Callable[[str, str], StorageManager] = _manager, shape: torch.Size = SHAPE) -> None:
     """Replica A (node-1) stores the chunks through the plugin, then waits until l2fs has them all."""
-    a = _manager(cluster.master, "node-1")
+    a = make(cluster.master, "node-1")
     try:
         objs = []
         for i, _ in enumerate(keys):
-            obj = a.allocate(SHAPE, torch.float32, MemoryFormat.KV_2LTD)
-            obj.tensor.copy_(torch.randn(SHAPE, generator=torch.Generator().manual_seed(i)))
+            obj = a.allocate(shape, torch.float32, MemoryFormat.KV_2LTD)
+            obj.tensor.copy_(torch.randn(shape, generator=torch.Generator().manual_seed(i)))
             objs.append(obj)
         a.batched_put(keys, objs)
         c = cluster.client()

@@ -64,6 +64,32 @@ def test_roundtrip_matches_vllm_kernel_layout() -> None:
         assert torch.equal(a, b)
 
 
+def test_whole_block_load_is_strided_and_matches_vllm_kernel() -> None:
+    """vLLM's paged slot mapping (whole blocks, any block order) takes the block-image path, and the cache
+    it writes equals the one vLLM's kernel writes from the same K/V (other blocks untouched)."""
+    torch.manual_seed(2)
+    n_tok = 3 * BS
+    blocks = torch.tensor([5, 1, 6])
+    slots = (blocks[:, None] * BS + torch.arange(BS)).reshape(-1)
+    conn = CPUPagedKVConnector.from_metadata(_Md())
+    obj = _alloc(n_tok)
+    obj.tensor.copy_(torch.randn_like(obj.tensor))
+    dst = [c.fill_(7.0) for c in _caches()]
+    conn.to_gpu(obj, 0, n_tok, kvcaches=dst, slot_mapping=slots)
+    assert conn.fast_loads == 1
+    ref = [c.fill_(7.0) for c in _caches()]
+    k = obj.tensor[0].reshape(L, n_tok, H, D).contiguous()
+    v = obj.tensor[1].reshape(L, n_tok, H, D).contiguous()
+    _kernel_write(ref, k, v, slots)
+    for a, b in zip(ref, dst, strict=True):
+        assert torch.equal(a, b)
+    # a chunk that does not fill whole blocks in order takes the per-element path, same result
+    odd = slots.clone()
+    odd[:2] = odd[:2].flip(0)
+    conn.to_gpu(obj, 0, n_tok, kvcaches=dst, slot_mapping=odd)
+    assert conn.fast_loads == 1
+
+
 def test_load_skips_vllm_cached_prefix_and_padding() -> None:
     torch.manual_seed(1)
     n_tok = 256
