@@ -292,8 +292,10 @@ def summarize_step(rows: list[dict[str, Any]], d: dict[str, float | None], wall:
         "mean_prompt_tokens": (sum(r["prompt_tokens"] or 0 for r in ok) / len(ok)) if ok else None,
         "cached_tokens": sum(r["cached_tokens"] or 0 for r in ok),
         "l0_hit_tokens": d.get("l0_hits"), "ext_hit_tokens": d.get("ext_hits"), "l2_hit_tokens": l2_tokens,
-        "l1_hit_tokens": (d["ext_hits"] - l2_tokens) if d.get("ext_hits") is not None and l2_tokens is not None
-        else d.get("ext_hits"),
+        # LMCache reads whole chunks from L2, vLLM counts only the tokens beyond its own L0 hit: the bytes read
+        # can exceed the connector's hits, so L1 here is a lower bound (connector hits not read from L2)
+        "l1_hit_tokens": max(0.0, d["ext_hits"] - l2_tokens) if d.get("ext_hits") is not None and l2_tokens
+        is not None else d.get("ext_hits"),
         "engine_requests": reqs, "busy_s_per_req": busy / reqs if reqs else None,
     }
     for tier in ("l0", "l1", "l2", "ext"):
@@ -601,7 +603,7 @@ def arm_figures(steps: list[dict[str, Any]], arms: list[str], ref: tuple[int, fl
                     "req_per_s_sat": sat["req_per_s"] if sat else None,
                     "out_tok_per_s_sat": sat["out_tok_per_s"] if sat else None,
                     "busy_s_per_req": r.get("busy_s_per_req"),
-                    "l0_hit_rate": r.get("l0_hit_rate"), "l1_hit_rate": r.get("l1_hit_rate"),
+                    "l0_hit_rate": r.get("l0_hit_rate"), "ext_hit_rate": r.get("ext_hit_rate"),
                     "l2_hit_rate": r.get("l2_hit_rate"), "l2_hit_tokens": r.get("l2_hit_tokens"),
                     "short_ttft_p50_ms": None, "short_ttft_p90_ms": None})
         short = [s for s in steps if s["arm"] == arm and s["context"] != ref[0] and s["context"] < 1000]
@@ -623,16 +625,17 @@ def pc(v: float | None) -> str:
 def report(figs: list[dict[str, Any]], steps: list[dict[str, Any]], ref: tuple[int, float]) -> str:
     lines = [table(
         ["arm", "context", "sessions/s", "offered req/s", "ok/sent", "TTFT p50", "p90", "p99", "TPOT p50",
-         "E2E p50", "return TTFT p50", "req/s", "out tok/s", "L0 hit %", "L1 hit %", "L2 hit %", "busy s/req",
+         "E2E p50", "return TTFT p50", "req/s", "out tok/s", "L0 hit %", "L1+L2 hit %", "L2 read %", "busy s/req",
          "SLO", "load"],
         [[s["arm"], str(s["context"]), fmt(s["rate"], 2), fmt(s["offered_req_per_s"], 2), f"{s['ok']}/{s['sent']}",
           fmt(s["ttft_p50_ms"], 0), fmt(s["ttft_p90_ms"], 0), fmt(s["ttft_p99_ms"], 0), fmt(s["tpot_p50_ms"], 1),
           fmt(s["e2e_p50_ms"], 0), fmt(s["return_ttft_p50_ms"], 0), fmt(s["req_per_s"], 3),
           fmt(s["out_tok_per_s"], 1),
-          *(fmt(100 * s[f"{t}_hit_rate"], 1) if s[f"{t}_hit_rate"] is not None else "-" for t in ("l0", "l1", "l2")),
+          *(fmt(100 * s[f"{t}_hit_rate"], 1) if s[f"{t}_hit_rate"] is not None else "-" for t in ("l0", "ext", "l2")),
           fmt(s["busy_s_per_req"], 2), "ok" if s["slo_ok"] else "broken",
           f"{fmt(s['load_before'], 1)}/{fmt(s['load_after'], 1)}"] for s in steps],
-        title="steps (times in ms; hit % = tokens from that tier / prompt tokens, the replicas' counters)")]
+        title="steps (times in ms; % of prompt tokens, the replicas' counters: L0 = vLLM prefix cache, L1+L2 = "
+              "loaded by the KV connector, L2 read = LMCache's bytes read from L2 / KV bytes per token)")]
     lines.append("")
     lines.append(table(
         ["arm", "TTFT p50", "change", "TTFT p90", "change", "return-user TTFT p50", "change",
@@ -785,7 +788,7 @@ def main(argv: list[str] | None = None) -> int:
                 log(f"step {n + 1}/{len(order)}: {arm}, {st.context} doc tokens @ {st.rate:g} sessions/s: "
                     f"{s['ok']}/{s['sent']} ok, TTFT p50/p90 {fmt(s['ttft_p50_ms'], 0)}/{fmt(s['ttft_p90_ms'], 0)} ms, "
                     f"{fmt(s['req_per_s'], 3)} req/s, hits L0/L1/L2 {fmt(s['l0_hit_tokens'], 0)}/"
-                    f"{fmt(s['l1_hit_tokens'], 0)}/{fmt(s['l2_hit_tokens'], 0)} tokens of {fmt(s['prompt_tokens'], 0)}, "
+                    f"{fmt(s['l1_hit_tokens'], 0)}/{fmt(s['l2_hit_tokens'], 0)} (L2 read) tokens of {fmt(s['prompt_tokens'], 0)}, "
                     f"distinct context {s['distinct_context_tokens']} vs L0+L1 {cap}, load {fmt(s['load_after'], 1)}")
     finally:
         fleet.stop_replicas()
