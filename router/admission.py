@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 QUEUE_FULL = "queue_full"
 QUEUE_TIMEOUT = "queue_timeout"
+QUEUE_WAIT = "queue_wait"  # the wait for a slot would outlast queue_timeout: rejected at once, not after it
 
 
 @dataclass
@@ -29,14 +31,15 @@ class AdmissionConfig:
 class Ticket:
     """One admitted request's slot; release() is idempotent so every exit path may call it."""
 
-    __slots__ = ("_gate", "_done")
+    __slots__ = ("_gate", "_done", "_t0")
 
     def __init__(self, gate: Gate) -> None:
-        self._gate, self._done = gate, False
+        self._gate, self._done, self._t0 = gate, False, time.monotonic()
 
     def release(self) -> None:
         if not self._done:
             self._done = True
+            self._gate._held(time.monotonic() - self._t0)
             self._gate._release()
 
 
@@ -49,6 +52,7 @@ class Gate:
         self._n_available = n_available
         self.active = 0
         self.queue_max_seen = 0
+        self.hold_s = 0.0  # moving average of how long a slot is held (0: none released yet, no prediction)
         self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
 
     @property
@@ -62,13 +66,25 @@ class Gate:
         caps = [c for c in (self.cfg.max_inflight, per) if c > 0]
         return min(caps) if caps else 1 << 62
 
+    def _held(self, seconds: float) -> None:
+        self.hold_s = seconds if self.hold_s == 0.0 else 0.8 * self.hold_s + 0.2 * seconds
+
+    def predicted_wait(self, position: int) -> float:
+        """Seconds until the waiter at `position` (1 = next) gets a slot, if the slots now held free up at the
+        average hold time, spread evenly: position x hold / capacity. 0 before any slot has been released."""
+        return position * self.hold_s / max(1, min(self.capacity(), self.active or 1))
+
     async def enter(self) -> Ticket | str:
-        """A Ticket, or the reject reason (QUEUE_FULL at once, QUEUE_TIMEOUT after queue_timeout)."""
+        """A Ticket, or the reject reason (QUEUE_FULL or QUEUE_WAIT at once, QUEUE_TIMEOUT after queue_timeout).
+        QUEUE_WAIT: the predicted wait already exceeds queue_timeout, so waiting would only turn the same 429
+        into a late one that held a queue place meanwhile."""
         if self.active < self.capacity() and not self._waiters:
             self.active += 1
             return Ticket(self)
         if len(self._waiters) >= self.cfg.max_queue:
             return QUEUE_FULL
+        if self.predicted_wait(len(self._waiters) + 1) > self.cfg.queue_timeout:
+            return QUEUE_WAIT
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._waiters.append(fut)
         self.queue_max_seen = max(self.queue_max_seen, len(self._waiters))

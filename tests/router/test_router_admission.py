@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import httpx
 from router_helpers import metric, wait_until
@@ -90,3 +91,30 @@ def test_streams_hold_their_slot_until_sent_and_give_it_back(cluster):
         assert b"[DONE]" in b"".join(s.iter_raw())  # read to the end
     wait_until(lambda: metric(rt, "kvtier_router_admitted") == 0)
     assert metric(rt, "kvtier_router_rejected_total", reason="queue_full") == 1
+
+
+def test_a_wait_longer_than_the_queue_timeout_is_rejected_at_once(cluster):
+    # each request holds its slot ~3 s (2 tokens x 1.5 s); 2 slots; the queue timeout is 5 s. Once the router has
+    # seen slots held that long, queue places 1-3 are predicted a slot within 5 s (1.5, 3, 4.5 s) and wait,
+    # places 4+ (6 s+) get their 429 at once instead of after the 5 s they would have waited for it
+    rep = cluster.replica("--decode-ms-per-token", "1500", kv=False)
+    rt = cluster.router([rep], "--max-inflight", "2", "--max-queue", "8", "--queue-timeout", "5")
+    assert [r.status_code for r in _flood(rt.url, 2)] == [200, 200]  # the router learns the hold time
+
+    async def timed(c: httpx.AsyncClient, i: int) -> tuple[int, float]:
+        t0 = time.monotonic()
+        r = await c.post(rt.url + "/v1/completions", json={**BODY, "prompt": f"w{i} {BODY['prompt']}"})
+        return r.status_code, time.monotonic() - t0
+
+    async def run() -> list[tuple[int, float]]:
+        limits = httpx.Limits(max_connections=10, max_keepalive_connections=0)
+        async with httpx.AsyncClient(timeout=60, limits=limits) as c:
+            return await asyncio.gather(*(timed(c, i) for i in range(10)))
+
+    out = asyncio.run(run())
+    assert all(code in (200, 429) for code, _ in out), out
+    fast = [dt for code, dt in out if code == 429 and dt < 2.5]  # answered before the first upstream answer (3 s)
+    assert len(fast) >= 5, out
+    assert metric(rt, "kvtier_router_rejected_total", reason="queue_wait") == len(fast)
+    assert rep.get("/admin/stats").json()["requests"] == 2 + sum(code == 200 for code, _ in out)
+    assert metric(rt, "kvtier_router_admitted") == 0
