@@ -60,7 +60,7 @@ def test_malformed_event_is_counted_and_later_events_are_indexed() -> None:
         sub = KVEventSubscriber("r1", pub.endpoint, idx, on_change=router._kv_change)
         sub.start()
         try:
-            await asyncio.wait_until(sub.ready.wait(), 10)
+            await asyncio.wait_for(sub.ready.wait(), 10)
             keys = block_keys(TOK, 16)
             # PUB drops until the subscription lands: resend the malformed batch until the subscriber sees it
             deadline = time.monotonic() + 20
