@@ -380,6 +380,19 @@ class OneBox:
         cfg.host = self.api_url
         self.client = client.ApiClient(cfg)
         self.core = client.CoreV1Api(self.client)
+        # the HyperPod inference operator is installed (a prerequisite): its CRD is there
+        self.apply([{"apiVersion": "apiextensions.k8s.io/v1", "kind": "CustomResourceDefinition",
+                     "metadata": {"name": "inferenceendpointconfigs.inference.sagemaker.aws.amazon.com"},
+                     "spec": {"group": "inference.sagemaker.aws.amazon.com", "scope": "Namespaced",
+                              "names": {"kind": "InferenceEndpointConfig", "plural": "inferenceendpointconfigs"},
+                              "versions": [{"name": "v1", "served": True, "storage": True}]}},
+                    {"apiVersion": "apps/v1", "kind": "Deployment",  # its controller (this box's stand-in runs it)
+                     "metadata": {"name": "hyperpod-inference-operator-controller-manager",
+                                  "namespace": "hyperpod-inference-system"},
+                     "spec": {"replicas": 1, "selector": {"matchLabels": {"app": "hyperpod-inference-operator"}},
+                              "template": {"metadata": {"labels": {"app": "hyperpod-inference-operator"}},
+                                           "spec": {"containers": [{"name": "manager", "image":
+                                                    "public.ecr.aws/sagemaker/hyperpod-inference-operator:stand-in"}]}}}}])
         self._stop = threading.Event()
         self._ctl = threading.Thread(target=self._controllers, daemon=True)
         self._ctl.start()
@@ -431,6 +444,11 @@ class OneBox:
                                      headers={"Content-Type": "application/json"})
         with urllib.request.urlopen(req, timeout=30) as r:
             assert r.status in (200, 201), r.read()
+        if exists and "status" in d:  # status is a subresource: a write of the object keeps the stored status
+            req = urllib.request.Request(f"{self.api_url}{path}/{d['metadata']['name']}/status", data=body,
+                                         method="PUT", headers={"Content-Type": "application/json"})
+            with urllib.request.urlopen(req, timeout=30) as r:
+                assert r.status in (200, 201), r.read()
 
     def get(self, kind: str, namespace: str | None, name: str, api_version: str = "v1") -> dict[str, Any] | None:
         return self.api.stored(f"{api_version}/{plural(kind)}", namespace, name)
@@ -1458,8 +1476,10 @@ def _image_kind(image: str) -> str:
 
 
 def _unrunnable(c: dict[str, Any]) -> bool:
-    """Sidecars whose images exist only in AWS's registries and do nothing kvtier depends on."""
-    return _image_kind(c.get("image", "")) in ("hyperpod-inference-proxy", "aws-otel-collector")
+    """Containers whose images exist only in AWS's registries and do nothing kvtier depends on (the operator's
+    sidecars; the operator's own controller, whose work the box's stand-in does)."""
+    return _image_kind(c.get("image", "")) in ("hyperpod-inference-proxy", "aws-otel-collector",
+                                               "hyperpod-inference-operator")
 
 
 def _node_fits(n: Node, spec: dict[str, Any]) -> bool:

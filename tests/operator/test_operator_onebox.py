@@ -9,29 +9,28 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 from kubelet_sim import ROOT, OneBox, box_root, render
 
 pytestmark = [
     pytest.mark.k8s,
+    pytest.mark.vllm,
     pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("nsenter") or not shutil.which("setpriv"),
                        reason="needs root, nsenter, setpriv (network and mount namespaces)"),
 ]
-NODES = {"node-1": {"node.kubernetes.io/instance-type": "ml.g6e.4xlarge"},
-         "node-2": {"node.kubernetes.io/instance-type": "ml.g6e.4xlarge"}}
 CORE = ("l2fs-master", "l2fs-worker", "l2fs-mount", "kvtier-webhook")
-
-
-def kvtier(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "kvtier.cli", *args], capture_output=True, text=True, timeout=120,
-                          cwd=ROOT)
+# Which overlay runs: mount mode (hyperpod-g6e: LMCache's fs:// on each node's FUSE mount) or plugin mode
+# (hyperpod-p5: connector.lmcache_l2fs over gRPC and the worker's socket). One per run, to keep the suite's
+# time: mount by default (its pods use more of the kubelet: mount propagation between pods, the FUSE daemon's
+# restart on a node path), KVTIER_ONEBOX_MODE=plugin for the other; both are run before a change to deploy/ lands.
+MODE = os.environ.get("KVTIER_ONEBOX_MODE", "mount")
+OVERLAY = {"mount": "hyperpod-g6e", "plugin": "hyperpod-p5"}[MODE]
 
 
 def namespace(name: str) -> dict[str, Any]:
@@ -40,51 +39,76 @@ def namespace(name: str) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tokenizer (and model) the router's S3 URI and the IEC's modelLocation stand for."""
-    from kvtier.devstack.tiny_model import build_tokenizer
+def tiny() -> Iterator[Path]:
+    """The model (and tokenizer) the IEC's modelLocation and the router's S3 URI stand for."""
+    from kvtier.devstack.tiny_model import build
 
-    d = tmp_path_factory.mktemp("s3-model")
-    build_tokenizer(d, 1000, 0)
-    d.chmod(0o755)
-    return d
+    for root in box_root("kvtier-onebox-model-"):
+        yield build(root / "model")
+
+
+def docs_block(doc: str, heading: str) -> str:
+    """The first fenced command block after `heading` in docs/<doc>, as written."""
+    text = (ROOT / "docs" / doc).read_text().split(heading, 1)[1]
+    return text.split("```", 2)[1].split("\n", 1)[1]
+
+
+def filled(block: str) -> str:
+    """A docs block with its <placeholders> filled in, as a reader does (<cluster> -> cluster, ...)."""
+    import re
+
+    return re.sub(r"<([^<>]+)>", lambda m: re.sub(r"\W+", "-", m.group(1)).strip("-"), block)
 
 
 @pytest.fixture(scope="module")
 def g6e(tiny: Path) -> Iterator[OneBox]:
-    """docs/deploy.md "Install, step by step" 1 and 3 on a two-node G6e box (step 2, S3 access for the
-    router's ServiceAccount, is the box's s3 table)."""
-    docs = render("overlays/hyperpod-g6e/l2fs")
-    (iec,) = [d for d in render("overlays/hyperpod-g6e/endpoint") if d["kind"] == "InferenceEndpointConfig"]
-    src = iec["spec"]["modelSourceConfig"]
+    """docs/deploy.md "Install, step by step", run as written by bash in a directory holding deploy/, on a two-node
+    G6e box: kubectl is the box's (kubelet_sim.OneBox.kubectl), kvtier the venv's; `aws` (step 2, S3 access for
+    the router's ServiceAccount) is the box's s3 table, `pip install .` (step 0) the venv. The monitoring
+    namespace exists, as kube-prometheus-stack (a prerequisite of step 5) makes it."""
+    (iec,) = [d for d in render(f"overlays/{OVERLAY}/endpoint") if d["kind"] == "InferenceEndpointConfig"]
+    src, name = iec["spec"]["modelSourceConfig"], iec["metadata"]["name"]
+    nodes = {f"node-{i}": {"node.kubernetes.io/instance-type": iec["spec"]["instanceType"]} for i in (1, 2)}
     uri = f"s3://{src['s3Storage']['bucketName']}/{src['modelLocation']}/"
     for root in box_root():
-        with OneBox(root, NODES, s3={uri: tiny}, models={src["modelLocation"]: tiny}) as box:
-            box.apply([namespace("kvtier"), namespace("team-a")])
-            made = kvtier("tokens", "generate", "--engine", "qwen2-7b@team-a", "--router", "team-a", "--admin",
-                          "-o", str(root / "tokens.json"), "--secret-yaml", "-")
-            assert made.returncode == 0, made.stderr
-            box.apply([d for d in yaml.safe_load_all(made.stdout) if d])
-            box.apply([{"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "kvtier-router-api-key",
-                                                                             "namespace": "team-a"},
-                        "stringData": {"api-key": os.urandom(24).hex()}}])
-            box.apply(docs)
-            box.tokens = {e["name"]: e["token"] for e in json.loads((root / "tokens.json").read_text())}
+        work = root / "work"
+        work.mkdir()
+        (work / "deploy").symlink_to(ROOT / "deploy")
+        with OneBox(root, nodes, s3={uri: tiny}, models={src["modelLocation"]: tiny}) as box:
+            box.apply([namespace("monitoring")])
+            box.endpoint = name
+            # hyperpod-p5: "install it like hyperpod-g6e, with p5 in the paths" (and its endpoint's name)
+            steps = filled(docs_block("deploy.md", "## Install, step by step"))
+            if OVERLAY != "hyperpod-g6e":
+                steps = steps.replace("hyperpod-g6e", OVERLAY).replace("qwen2-7b", name)
+            box.installed = box.shell(steps, cwd=work)
+            tokens = work / "tokens.json"
+            box.tokens = {e["name"]: e["token"] for e in json.loads(tokens.read_text())} if tokens.exists() else {}
+            box.work = work
             yield box
+
+
+def test_install_steps_of_the_docs_run_in_order(g6e: OneBox) -> None:
+    """Every command of docs/deploy.md's install block succeeds against the box, in its order: rollout status
+    of l2fs and the webhook, the caBundle wait, the endpoint, the router's rollout (it is ready only once it
+    routes to a ready vLLM pod), `kvtier operator-patch verify` (FAIL if the endpoint was admitted unpatched)."""
+    out = g6e.installed
+    log = (g6e.root / "kubectl.log").read_text() if (g6e.root / "kubectl.log").exists() else ""
+    assert out.returncode == 0, f"{out.stdout[-3000:]}\n{out.stderr[-3000:]}\n{log[-3000:]}\n{g6e.describe()}"
 
 
 def test_core_pods_come_up_from_the_rendered_overlay(g6e: OneBox) -> None:
     """The master, a worker and a FUSE mount on every node and the webhook become ready from the rendered
     manifests alone; the workers registered with their projected ServiceAccount tokens."""
     g6e.wait_ready(*CORE, timeout=240)
-    assert {p.node.name for p in g6e.pods_of("l2fs-worker")} == set(NODES)
-    assert {p.node.name for p in g6e.pods_of("l2fs-mount")} == set(NODES)
+    assert {p.node.name for p in g6e.pods_of("l2fs-worker")} == {n.name for n in g6e.nodes}
+    assert {p.node.name for p in g6e.pods_of("l2fs-mount")} == {n.name for n in g6e.nodes}
     (master,) = g6e.pods_of("l2fs-master")
     report = g6e.run_in_node(master.node, [str(Path(sys.executable).with_name("l2fs")), "report", "--json",
                                            "--master", f"{master.ip}:8995"],
                              env={**os.environ, "L2FS_TOKEN": g6e.tokens["admin"]}, timeout=60)
     assert report.returncode == 0, report.stderr
-    assert all(n in report.stdout for n in NODES), report.stdout
+    assert all(n.name in report.stdout for n in g6e.nodes), report.stdout
     # each node's FUSE mount reached its node path through mountPropagation: Bidirectional (what the vLLM pods'
     # HostToContainer mounts of that path see)
     cm = g6e.configmap_data("kvtier", next(d["metadata"]["name"] for d in g6e.api.all_of("v1/configmaps")
@@ -92,5 +116,26 @@ def test_core_pods_come_up_from_the_rendered_overlay(g6e: OneBox) -> None:
     assert cm is not None
     for node in g6e.nodes:
         assert os.path.ismount(g6e.host_path(node, cm["L2FS_MOUNT_PATH"])), node.name
+    # what the API serves of those pods (the router reads it): Ready, with the pod's address
+    for p in g6e.pods_of("l2fs-worker"):
+        got = g6e.get("Pod", "kvtier", p.name)
+        assert got is not None and got["status"]["podIP"] == p.ip, got
+        assert {c["type"]: c["status"] for c in got["status"]["conditions"]}["Ready"] == "True", got["status"]
     worker_tokens = [t for t, (user, _, _) in g6e.api.table.items() if user.endswith(":l2fs-worker")]
     assert worker_tokens and all(t in g6e.api.seen for t in worker_tokens)
+
+
+def test_the_operators_deployment_is_patched_by_the_running_webhook(g6e: OneBox) -> None:
+    """The operator stand-in's Deployment went through the API server's admission call to the webhook pod
+    (TLS with the injected caBundle, the Service's name): it carries the endpoint label and the L2 config."""
+    deadline = time.monotonic() + 60
+    while (dep := g6e.get("Deployment", "team-a", g6e.endpoint, "apps/v1")) is None:
+        assert time.monotonic() < deadline, g6e.describe()
+        time.sleep(0.5)
+    assert dep["spec"]["template"]["metadata"]["labels"].get("kvtier.io/endpoint") == g6e.endpoint, g6e.api.admitted
+    env = {e["name"]: e.get("value") for e in dep["spec"]["template"]["spec"]["containers"][0]["env"]}
+    if MODE == "mount":
+        assert env.get("LMCACHE_REMOTE_URL", "").startswith("fs://"), env
+    else:
+        assert env.get("LMCACHE_REMOTE_STORAGE_PLUGINS") == "l2fs", env
+    assert any(r.get("patch") for r in g6e.api.admitted)
