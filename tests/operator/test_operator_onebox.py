@@ -23,6 +23,10 @@ pytestmark = [
     pytest.mark.vllm,
     pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("nsenter") or not shutil.which("setpriv"),
                        reason="needs root, nsenter, setpriv (network and mount namespaces)"),
+    # Off in the default suite: in a clean-clone CI run its containers' `mount -o remount,bind,ro` calls hung
+    # for 10+ minutes while the host's mount table grew (rbind propagation), stalling the whole machine.
+    pytest.mark.skipif(os.environ.get("KVTIER_ONEBOX_TESTS") != "1",
+                       reason="set KVTIER_ONEBOX_TESTS=1 (its mounts explode the host mount table: see module)"),
 ]
 CORE = ("l2fs-master", "l2fs-worker", "l2fs-mount", "kvtier-webhook")
 # Which overlay runs: mount mode (hyperpod-g6e: LMCache's fs:// on each node's FUSE mount) or plugin mode
