@@ -28,7 +28,7 @@ SIZE = 4 << 20  # large enough that a kill often lands mid-write
 
 WRITER = textwrap.dedent("""
     import sys
-    sys.path.insert(0, sys.argv[4])
+    sys.path[:0] = [sys.argv[4], sys.argv[4] + "/.."]  # reliability_faults, and the suite's polling it imports
     from l2fs.client import Client
     from reliability_faults import payload
     master, node, sc = sys.argv[1], sys.argv[2], sys.argv[3] == "1"

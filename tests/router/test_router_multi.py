@@ -7,8 +7,12 @@ from router_helpers import complete
 
 def test_two_routers_with_prefix_affinity_agree_on_new_prefixes(cluster):
     reps = [cluster.replica(kv=False) for _ in range(4)]
-    a = cluster.router(reps, "--strategy", "prefixaware", "--prefix-affinity")
-    b = cluster.router(reps, "--strategy", "prefixaware", "--prefix-affinity")
+    # No load scraping here: a scrape by b that lands while a's request runs on the home makes that home look
+    # loaded to b, and affinity yields to load by design (a CI run saw exactly that for doc 7). The property
+    # tested is agreement from the same view; yielding to load is tested in test_router_unit.
+    flags = ("--strategy", "prefixaware", "--prefix-affinity", "--load-scrape-interval", "0")
+    a = cluster.router(reps, *flags)
+    b = cluster.router(reps, *flags)
     homes = set()
     for doc in range(8):  # without affinity both would pick independently: all 8 agree by chance 1 in 4^8
         prompt = f"doc {doc} shared system prompt, long enough for several blocks " * 2

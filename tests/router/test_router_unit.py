@@ -132,6 +132,26 @@ def test_prefixaware_follows_the_prefix_and_yields_to_load() -> None:
     assert moved.replica is not d.replica and moved.reason == "load_cap"
 
 
+def test_prefix_affinity_homes_agree_across_policies_and_yield_to_load() -> None:
+    a, b = Policy(block_size=16, affinity=True), Policy(block_size=16, affinity=True)
+    ra, rb = reps(4), reps(4)  # two routers' own Replica objects for the same four URLs
+    homes = set()
+    for doc in range(8):
+        toks = [doc * 100 + i for i in range(64)]
+        da, db = a.choose("prefixaware", ra, toks), b.choose("prefixaware", rb, toks)
+        assert da.reason == db.reason == "affinity" and da.replica.url == db.replica.url
+        homes.add(da.replica.url)
+    assert len(homes) > 1  # spread by the hash
+    toks = list(range(5000, 5064))
+    home = a.choose("prefixaware", ra, toks).replica
+    home.inflight = 5  # over the bounded-load cap: the home yields to the next replica in hash order
+    moved = a.choose("prefixaware", ra, toks)
+    assert moved.replica is not home and moved.reason == "affinity"
+    for r in rb:  # the other router sees the same load: it yields the same way
+        r.inflight = 5 if r.url == home.url else 0
+    assert b.choose("prefixaware", rb, toks).replica.url == moved.replica.url
+
+
 def test_session_bonus_and_kvaware_uses_events_and_speculation() -> None:
     p, rs = Policy(block_size=16), reps(2)
     d = p.choose("session", rs, list(range(64)), session="s1")
