@@ -140,15 +140,17 @@ class LoadGate:
         stall sample (as a stalled load), so the gate closes for the claims that follow."""
         if nbytes is None and seconds < min(budget, self.stall_s) * 0.9:
             return False  # a quick miss (evicted since the lookup, a fault): says nothing about the rate
-        ok = nbytes is not None and seconds <= budget and nbytes / max(seconds, 1e-9) >= self.needed_rate
+        got, secs = float(nbytes or 0), max(seconds, 1e-9)
+        rate = got / secs
+        ok = nbytes is not None and seconds <= budget and rate >= self.needed_rate
         if ok:
             self.observe(nbytes or 0, seconds)
         else:  # what L2 does now replaces the average: the gate closes, the background probe reopens it
             with self._lock:
-                self._bytes, self._secs = float(nbytes or 0), float(max(seconds, 1e-9))
+                self._bytes, self._secs = got, secs
             if RATE is not None:
-                RATE.set((nbytes or 0) / max(seconds, 1e-9))
-            self._decide((nbytes or 0) / max(seconds, 1e-9))
+                RATE.set(rate)
+            self._decide(rate)
         return ok
 
     def allow(self) -> bool:
