@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("lmcache")
+from import_patch import sitecustomize
 
 from connector import keys as ckeys
 from kvtier.devstack.mp_server import MPServer, start_mp_server
@@ -97,19 +98,7 @@ def test_lmcache_server_shares_kv_across_nodes_through_l2fs(tmp_path: Path) -> N
         assert all(_first(run_c[f"{seq}/cold"], "LOOKUP").startswith("0/2 chunks hit") for seq in ("0", "1"))
 
 
-SITECUSTOMIZE = r'''
-import importlib.abc, importlib.util, sys
-
-class _NextLMCache(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path, target=None):
-        if name != "lmcache.v1.multiprocess.token_hasher":
-            return None
-        sys.meta_path.remove(self)
-        spec = importlib.util.find_spec(name)
-        run = spec.loader.exec_module
-
-        def exec_module(module):
-            run(module)
+SITECUSTOMIZE = sitecustomize('lmcache.v1.multiprocess.token_hasher', r"""
             real = module._make_blake3_hash_func
 
             def next_blake3():  # "the next LMCache": tokens serialized in another order, other digests
@@ -117,12 +106,7 @@ class _NextLMCache(importlib.abc.MetaPathFinder):
                 return lambda args: f((args[0], tuple(reversed(args[1])), args[2]))
 
             module._make_blake3_hash_func = next_blake3
-
-        spec.loader.exec_module = exec_module
-        return spec
-
-sys.meta_path.insert(0, _NextLMCache())
-'''
+""")
 
 
 def test_lmcache_server_whose_hash_drifted_writes_nothing_to_l2fs(tmp_path: Path) -> None:

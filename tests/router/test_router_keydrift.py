@@ -17,6 +17,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from import_patch import sitecustomize
 from router_helpers import PY, ROOT, Proc
 
 from kvtier import contract
@@ -26,26 +27,9 @@ LocalCluster = pytest.importorskip("l2fs.testing.cluster").LocalCluster
 if importlib.util.find_spec("lmcache") is None:
     pytest.skip("lmcache not installed", allow_module_level=True)
 
-SITECUSTOMIZE = r'''
-import importlib.abc, importlib.util, sys
-
-class _NextLMCache(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path, target=None):
-        if name != "lmcache.v1.token_database":
-            return None
-        sys.meta_path.remove(self)
-        spec = importlib.util.find_spec(name)
-        run = spec.loader.exec_module
-
-        def exec_module(module):
-            run(module)
+SITECUSTOMIZE = sitecustomize('lmcache.v1.token_database', r"""
             module.TokenDatabase._get_vllm_hash_func = lambda self, algo: (lambda x: hash(("lmcache-next", x)))
-
-        spec.loader.exec_module = exec_module
-        return spec
-
-sys.meta_path.insert(0, _NextLMCache())
-'''
+""")
 
 
 def _router(args: list[str], log: Path, pythonpath: str) -> Proc:
