@@ -9,9 +9,11 @@ from __future__ import annotations
 import importlib
 import sys
 
+from kvtier.bench import BENCHES  # names and one-line helps only: kvtier/bench/__init__.py imports nothing
+
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "up": ("kvtier.up", "start a local cluster: l2fs master + workers, vLLM CPU replicas, router"),
-    "bench": ("kvtier.bench", "benchmarks: cross-pod | l2 | routing | ... (kvtier bench --help)"),
+    "bench": ("kvtier.bench", f"benchmarks: {' | '.join(BENCHES)} (kvtier bench <name> --help)"),
     "chaos": ("kvtier.chaos", "faults on a running --netns cluster: link down/up, rate, partition, kill/stop/cont"),
     "router": ("router.cli", "cache-aware OpenAI-compatible router"),
     "lmcache-config": ("connector.config", "print/write LMCache YAML + vLLM args/env for a replica"),
