@@ -238,19 +238,24 @@ class Credentials:
                 found = cred
         return found
 
-    def from_metadata(self, metadata: Any, review: bool = True) -> Credential | None:
+    @staticmethod
+    def _bearer(metadata: Any) -> bytes | None:
+        got = dict(metadata or ()).get("authorization", "")
+        got = got if isinstance(got, bytes) else str(got).encode("utf-8", "surrogatepass")
+        return got[len(b"Bearer "):] if got.startswith(b"Bearer ") else None
+
+    def from_metadata(self, metadata: Any, review: bool = True, source: str | None = None) -> Credential | None:
         """The credential of `authorization: Bearer <token>`; a token no entry knows goes to `identity` when
         `review` (the interceptor asks only on methods a role the identity grants may call: worker methods,
         and client methods only with a mount ServiceAccount configured; so strangers cannot make every call
-        cost an API round trip)."""
-        got = dict(metadata or ()).get("authorization", "")
-        got = got if isinstance(got, bytes) else str(got).encode("utf-8", "surrogatepass")
-        if not got.startswith(b"Bearer "):
+        cost an API round trip). `source`: the caller's address (peer_source), for the identity's per-source
+        limit on unknown tokens."""
+        raw = self._bearer(metadata)
+        if raw is None:
             return None
-        raw = got[len(b"Bearer "):]
         cred = self._match(raw)
         if cred is None and review and self.identity is not None and raw:
-            cred = self.identity.review(raw.decode("utf-8", "replace"))
+            cred = self.identity.review(raw.decode("utf-8", "replace"), source)
             if cred is not None:  # a mount pod's ServiceAccount: bounded like a tokens-file mount
                 cred = self.bounded(cred)
         return cred
@@ -263,7 +268,9 @@ class Credentials:
 
     def caller(self, context: grpc.ServicerContext) -> Credential | None:
         """The credential of a call already past TokenInterceptor; None when authentication is off."""
-        return self.from_metadata(context.invocation_metadata()) if self.enabled else None
+        if not self.enabled:
+            return None
+        return self.from_metadata(context.invocation_metadata(), source=peer_source(context.peer()))
 
     def check_write(self, context: grpc.ServicerContext, writes: Any, mkdir: bool = False) -> None:
         """PERMISSION_DENIED unless the caller may make every (path, if_absent) write (prefix known only once
@@ -284,6 +291,15 @@ class Credentials:
         return next((t for t, _, c in self.entries if t and "worker" in c.roles), None)
 
 
+def peer_source(peer: str | None) -> str | None:
+    """The address part of a gRPC peer string ("ipv4:10.0.0.5:41234" -> "ipv4:10.0.0.5", "ipv6:[::1]:5" ->
+    "ipv6:[::1]"): what per-source limits count by (the port changes per connection)."""
+    if not peer:
+        return None
+    kind, _, rest = peer.partition(":")
+    return f"{kind}:{rest.rsplit(':', 1)[0]}" if kind in ("ipv4", "ipv6") and ":" in rest else peer
+
+
 class TokenInterceptor(grpc.ServerInterceptor):
     """Maps `authorization: Bearer <token>` metadata to a credential and checks its roles against the
     method's `policy` entry (method name -> roles allowed; unlisted methods: admin only), before the request
@@ -293,7 +309,13 @@ class TokenInterceptor(grpc.ServerInterceptor):
     it calls even a denying handler (a 60 MiB unauthenticated call cost the master its full size, several
     at once +360 MiB). A handler for a request stream is called before any message is read, and the wire
     does not tell unary from streaming, so the stranger's call ends with UNAUTHENTICATED after at most the
-    HTTP/2 flow-control window has been buffered."""
+    HTTP/2 flow-control window has been buffered.
+
+    A token no entry knows, on a method where the identity may grant a role, is reviewed inside the handler
+    rather than here: an interceptor sees no peer, and the identity limits unknown tokens per source address
+    (K8sIdentity). The method's handler is then wrapped as a request-streaming one (same reason as the deny
+    handlers: the review comes before any message is read) that reviews with the caller's address and only
+    then reads the request and calls the method."""
 
     def __init__(self, creds: Credentials | str, policy: dict[str, frozenset[str]] | None = None) -> None:
         self._creds = creds if isinstance(creds, Credentials) else Credentials(creds)
@@ -313,11 +335,56 @@ class TokenInterceptor(grpc.ServerInterceptor):
         # an unknown token is reviewed (l2fs.master.identity) only on methods a role the identity grants may call
         grantable = getattr(self._creds.identity, "roles", WORKERS)
         review = self._policy is not None and bool(grantable & self._policy.get(name, ADMINS))
-        cred = self._creds.from_metadata(handler_call_details.invocation_metadata, review=review)
+        cred = self._creds.from_metadata(handler_call_details.invocation_metadata, review=False)
         if cred is not None:
             if self._policy is None or cred.roles & self._policy.get(name, frozenset({"admin"})):
                 return continuation(handler_call_details)
             deny = self._forbidden
+        elif review and self._creds.identity is not None and self._creds._bearer(
+                handler_call_details.invocation_metadata):
+            return self._reviewing(continuation(handler_call_details), handler_call_details.invocation_metadata,
+                                   self._policy.get(name, ADMINS) if self._policy is not None else ADMINS)
         else:
             deny = self._unauth
         return deny[1] if name == "ReadBlock" else deny[0]  # ReadBlock: the one server-streaming method
+
+    def _reviewing(self, handler: Any, metadata: Any, allowed: frozenset[str]) -> Any:
+        """`handler` wrapped so that the unknown token is reviewed with the caller's address before a message
+        is read (UNAUTHENTICATED / PERMISSION_DENIED as the deny handlers answer)."""
+        if handler is None:
+            return None
+
+        def admit(context: grpc.ServicerContext) -> None:
+            cred = self._creds.from_metadata(metadata, review=True, source=peer_source(context.peer()))
+            if cred is None:
+                context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or bad l2fs bearer token")
+            elif not cred.roles & allowed:
+                context.abort(grpc.StatusCode.PERMISSION_DENIED, "this l2fs token's role may not call this method")
+
+        def first(requests: Any, context: grpc.ServicerContext) -> Any:
+            for r in requests:
+                return r
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "no request message")
+
+        kw = {"request_deserializer": handler.request_deserializer,
+              "response_serializer": handler.response_serializer}
+        if handler.unary_unary is not None:
+            def uu(requests: Any, context: grpc.ServicerContext) -> Any:
+                admit(context)
+                return handler.unary_unary(first(requests, context), context)
+            return grpc.stream_unary_rpc_method_handler(uu, **kw)
+        if handler.unary_stream is not None:
+            def us(requests: Any, context: grpc.ServicerContext) -> Any:
+                admit(context)
+                yield from handler.unary_stream(first(requests, context), context)
+            return grpc.stream_stream_rpc_method_handler(us, **kw)
+        if handler.stream_unary is not None:
+            def su(requests: Any, context: grpc.ServicerContext) -> Any:
+                admit(context)
+                return handler.stream_unary(requests, context)
+            return grpc.stream_unary_rpc_method_handler(su, **kw)
+
+        def ss(requests: Any, context: grpc.ServicerContext) -> Any:
+            admit(context)
+            yield from handler.stream_stream(requests, context)
+        return grpc.stream_stream_rpc_method_handler(ss, **kw)

@@ -32,6 +32,13 @@ review of a token that was accepted before (its cache entry expired), comes out 
 both: ~7,000 made-up tokens/s kept it empty, and once the workers' 60 s cache expired their reviews were shed
 and they were declared dead. A renewal the API server cannot answer keeps the cached review until it expires;
 one it refuses drops it at once. The `kubernetes` client is imported only when this is configured.
+
+Unknown tokens are also limited per source (the caller's address, which the interceptor takes from the call's
+context: l2fs.common.auth.TokenInterceptor reviews inside the handler for that reason): SOURCE_IN_FLIGHT at a
+time and SOURCE_RATE/s (burst SOURCE_BURST) from one address, checked before the shared budget, so one address
+flooding made-up tokens takes at most its own share of the unknown-token budget and a new node's worker (or a
+restarted master's first reviews, about one or two tokens per node) from another address is still reviewed.
+Many addresses flooding together can still drain the shared budget; they cannot reach the known tokens' one.
 """
 
 from __future__ import annotations
@@ -64,6 +71,11 @@ KNOWN_IN_FLIGHT = 4
 KNOWN_RATE, KNOWN_BURST = 20.0, 100.0
 RENEW_AFTER = 2 / 3  # fraction of a cached review's time after which it is renewed
 KNOWN_KEEP = 10  # an accepted token stays "known" for this many cache TTLs after its last positive review
+# Unknown tokens from one source address (a node's worker and mount pods share one in hostNetwork; a restarted
+# master reviews one or two tokens per node at once): checked before the shared budget, which it never reaches
+# beyond this share.
+SOURCE_IN_FLIGHT = 1
+SOURCE_RATE, SOURCE_BURST = 2.0, 10.0
 
 
 def _jwt_exp(token: str) -> float | None:
@@ -127,6 +139,9 @@ class K8sIdentity:
         self._known_bucket, self._known_t = KNOWN_BURST, time.monotonic()
         self._renewing: set[str] = set()
         self.renewed = 0  # renewals made (tests read it)
+        # unknown tokens per source address: source -> [bucket, its time, reviews in flight] (bounded like the cache)
+        self._sources: collections.OrderedDict[str, list[float]] = collections.OrderedDict()
+        self.shed_source = 0  # of `shed`: over a source's own share
 
     def _client(self) -> Any:
         if self._api is None:
@@ -147,7 +162,9 @@ class K8sIdentity:
         self.reviews += 1
         return self._client().create_token_review(body, _request_timeout=5)
 
-    def review(self, token: str) -> Credential | None:
+    def review(self, token: str, source: str | None = None) -> Credential | None:
+        """The token's credential, or None (refused, or not reviewed now: over a budget). `source`: the
+        caller's address (l2fs.common.auth.peer_source); None only where no call context exists."""
         key = token_digest(token)
         now = time.time()
         with self._lock:
@@ -162,17 +179,20 @@ class K8sIdentity:
                     del self._cache[key]
                     hit = None
             known = hit is not None or self._known.get(key, 0.0) > time.monotonic()
-            if not (self._admit_known() if known else self._admit(key, now)):
+            if not (self._admit_known() if known else self._admit(key, now, source)):
                 self._renewing.discard(key)
                 if hit is not None:
                     return hit[0]  # renewal shed: the cached review stands until it expires
                 self.shed += 1
                 return None
+            per_source = None if known else self._source_enter(source)
         try:
             return self._review(token, key, now, known, hit[0] if hit is not None else None)
         finally:
             with self._lock:
                 self._renewing.discard(key)
+                if per_source is not None:
+                    per_source[2] -= 1
 
     def _review(self, token: str, key: str, now: float, known: bool, cached: Credential | None) -> Credential | None:
         """Ask the API server (admitted already); `cached`: the still valid review this renews."""
@@ -229,20 +249,49 @@ class K8sIdentity:
         self._known_bucket -= 1.0
         return True
 
-    def _admit(self, key: str, now: float) -> bool:
+    def _source(self, source: str | None, mono: float) -> list[float] | None:
+        """The per-source state of `source` (lock held; refilled to `mono`), None without a source."""
+        if source is None:
+            return None
+        st = self._sources.get(source)
+        if st is None:
+            st = self._sources[source] = [SOURCE_BURST, mono, 0.0]
+            while len(self._sources) > self.cache_max:  # least recently seen first
+                self._sources.popitem(last=False)
+        else:
+            self._sources.move_to_end(source)
+            st[0] = min(SOURCE_BURST, st[0] + (mono - st[1]) * SOURCE_RATE)
+            st[1] = mono
+        return st
+
+    def _source_enter(self, source: str | None) -> list[float] | None:
+        """Count a review of an unknown token in flight for its source (lock held; admitted already)."""
+        st = self._sources.get(source) if source is not None else None
+        if st is not None:
+            st[2] += 1
+        return st
+
+    def _admit(self, key: str, now: float, source: str | None = None) -> bool:
         """Whether a token not in the cache may be reviewed now (lock held): not refused in the last
-        REFUSED_TTL s, and a token of the rate bucket left."""
+        REFUSED_TTL s, within its source's own share (in flight and rate), and a token of the shared rate
+        bucket left. A source's share is checked first, so a flood over it never reaches the shared bucket."""
         mono = time.monotonic()
         until = self._refused.get(key)
         if until is not None:
             if until > mono:
                 return False
             del self._refused[key]
+        st = self._source(source, mono)
+        if st is not None and (st[2] >= SOURCE_IN_FLIGHT or st[0] < 1.0):
+            self.shed_source += 1
+            return False
         self._bucket = min(REVIEW_BURST, self._bucket + (mono - self._bucket_t) * REVIEW_RATE)
         self._bucket_t = mono
         if self._bucket < 1.0:
             return False
         self._bucket -= 1.0
+        if st is not None:
+            st[0] -= 1.0
         return True
 
     def _judge(self, status: Any) -> Credential | None:

@@ -1,0 +1,117 @@
+"""Trust as deployed, per-source and per-credential limits, against real master/worker processes on loopback.
+
+- TokenReview per source: one address flooding made-up bearer tokens takes at most its own share of the
+  unknown-token review budget (l2fs/master/identity.py SOURCE_*), so a new node's worker from another address
+  is still reviewed. Before, one shared budget (20/s) served every stranger: the flood kept it empty and new
+  workers' reviews were shed for as long as it lasted.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from l2fs.proto import l2fs_pb2 as pb
+from l2fs.proto import l2fs_pb2_grpc as pbg
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "operator"))
+from operator_helpers import SA, jwt, review_api  # noqa: E402
+from test_operator_review_flood import _flood  # noqa: E402
+from test_operator_worker_identity import k8s_local_cluster  # noqa: E402
+
+FLOOD_SOURCE = "127.0.0.2"  # another loopback address: the master sees the flood from it, the rest from 127.0.0.1
+
+
+@contextlib.contextmanager
+def _forwarder(target: str, source: str) -> Iterator[str]:
+    """A TCP forwarder on 127.0.0.1 whose connections reach `target` from the address `source` (gRPC's
+    client cannot choose its source address): what the master sees as the caller's address."""
+    host, _, port = target.rpartition(":")
+    lst = socket.create_server(("127.0.0.1", 0))
+    lst.settimeout(0.2)
+    stop = threading.Event()
+
+    def pump(a: socket.socket, b: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            while chunk := a.recv(1 << 16):
+                b.sendall(chunk)
+        for s in (a, b):
+            with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_RDWR)
+
+    def accept() -> None:
+        while not stop.is_set():
+            try:
+                conn, _ = lst.accept()
+            except (TimeoutError, OSError):
+                continue
+            up = socket.create_connection((host, int(port)), source_address=(source, 0))
+            conn.settimeout(None)
+            for a, b in ((conn, up), (up, conn)):
+                threading.Thread(target=pump, args=(a, b), daemon=True).start()
+
+    t = threading.Thread(target=accept, daemon=True)
+    t.start()
+    try:
+        yield f"127.0.0.1:{lst.getsockname()[1]}"
+    finally:
+        stop.set()
+        t.join(timeout=5)
+        lst.close()
+
+
+@pytest.mark.k8s
+def test_one_source_flooding_made_up_tokens_leaves_other_sources_reviewed(tmp_path: Path) -> None:
+    """4 threads of made-up-token Heartbeats from 127.0.0.2 (through a forwarder) on a `--worker-identity k8s`
+    master (kmock TokenReview); after 1.5 s of it, 8 new nodes' workers each present a real projected token
+    from 127.0.0.1. Each is reviewed and accepted (its Heartbeat is answered, not UNAUTHENTICATED), within 3
+    tries 0.3 s apart; the flood's reviews that reached the API server stay within that source's share (burst
+    10 + 2/s). Before: the flood kept the one shared budget empty, 0-1 of the 8 got through."""
+    with review_api(tmp_path) as api, k8s_local_cluster(api, tmp_path) as cl:
+        new = {f"node-new-{i}": jwt(f"node-new-{i}") for i in range(8)}
+        for node, tok in new.items():
+            api.emu.table[tok] = (SA, node, ["l2fs"])
+        seen0 = len(api.emu.seen)
+        stop = threading.Event()
+        counts = [0] * 4
+        with _forwarder(cl.master, FLOOD_SOURCE) as via:
+            threads = [threading.Thread(target=_flood, args=(via, stop, counts, k), daemon=True) for k in range(4)]
+            t0 = time.monotonic()
+            for t in threads:
+                t.start()
+            outcome: dict[str, list[str]] = {}
+            try:
+                time.sleep(1.5)  # the shared budget's burst (100) is long gone at the flood's rate
+                stub = pbg.MasterStub(grpc.insecure_channel(cl.master))
+                for node, tok in new.items():
+                    tries = outcome[node] = []
+                    for _ in range(3):
+                        try:
+                            stub.Heartbeat(pb.HeartbeatRequest(worker_id=node), timeout=5,
+                                           metadata=(("authorization", f"Bearer {tok}"),))
+                            tries.append("OK")
+                        except grpc.RpcError as e:
+                            tries.append(e.code().name)
+                        if tries[-1] != "UNAUTHENTICATED":
+                            break
+                        time.sleep(0.3)
+            finally:
+                stop.set()
+                for t in threads:
+                    t.join(timeout=10)
+            took = time.monotonic() - t0
+        flood = sum(counts)
+        assert flood / took > 100, f"the flood reached only {flood / took:.0f} calls/s"
+        shed = {n: tries for n, tries in outcome.items() if tries[-1] == "UNAUTHENTICATED"}
+        assert not shed, f"{len(shed)} of {len(new)} new workers' tokens not reviewed during the flood: {shed}"
+        issued = {*new.values(), *(f.read_text() for f in cl.token_files.values())}
+        strangers = sum(t not in issued for t in api.emu.seen[seen0:])
+        assert strangers <= 10 + 2 * took + 2, f"{strangers} made-up tokens reviewed from one source in {took:.1f} s"
