@@ -27,6 +27,7 @@ from l2fs.common import (
 from l2fs.common.auth import ENDPOINT_WRITES
 from l2fs.master.identity import CACHE_TTL
 from l2fs.master.journal import JournalError
+from l2fs.master.namespace import MAX_DIRS_PER_CREDENTIAL
 from l2fs.master.registry import FORGET_DEAD_AFTER
 from l2fs.master.service import MasterService, serve
 
@@ -43,6 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-file-size", default=str(DEFAULT_MAX_FILE_SIZE), help="e.g. 1G (default)")
     p.add_argument("--forget-dead-after", type=float, default=FORGET_DEAD_AFTER, metavar="SECONDS",
                    help=f"drop a dead worker's entry after this long (default {FORGET_DEAD_AFTER:g})")
+    p.add_argument("--max-dirs-per-credential", type=int, default=MAX_DIRS_PER_CREDENTIAL, metavar="N",
+                   help="directories one non-admin credential may make with Mkdir (default "
+                        f"{MAX_DIRS_PER_CREDENTIAL}; each also counts 4 KiB against the --prefix-quota above it)")
     p.add_argument("--allocation-ttl", type=float, default=600.0,
                    help="seconds a put may take from Allocate to Commit; older uncommitted blocks are deleted "
                         "and never published (default 600)")
@@ -136,6 +140,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.capability_ttl <= 0:
         parser.error("--capability-ttl must be > 0 seconds")
+    if args.max_dirs_per_credential < 1:
+        parser.error("--max-dirs-per-credential must be >= 1")
     if args.review_cache_ttl <= 0 or args.forget_dead_after <= 0:
         parser.error("--review-cache-ttl and --forget-dead-after must be > 0 seconds")
     try:
@@ -150,6 +156,7 @@ def main(argv: list[str] | None = None) -> int:
                                 creds=creds, shard=shard, block_key=block_key,
                                 capability_ttl=args.capability_ttl)
         service.forget_dead_after = args.forget_dead_after
+        service.max_dirs_per_credential = args.max_dirs_per_credential
     except (JournalError, OSError, sqlite3.Error) as e:
         print(f"l2fs master: cannot open the journal: {e}", file=sys.stderr)
         return 2

@@ -58,7 +58,8 @@ class NamespaceOps(QuotaOps):
 
     def _ensure_dirs(self, path: str, maker: str = "") -> None:
         """Create path and its missing parents as directories: within MAX_DEPTH, the quotas above them
-        (DIR_BYTES each) and, for `maker` (a non-admin credential's Mkdir), MAX_DIRS_PER_CREDENTIAL."""
+        (DIR_BYTES each) and, for `maker` (a non-admin credential's Mkdir), max_dirs_per_credential
+        (MAX_DIRS_PER_CREDENTIAL unless master --max-dirs-per-credential says otherwise)."""
         missing = []
         p = path
         while p not in self.children:
@@ -71,10 +72,11 @@ class NamespaceOps(QuotaOps):
         if path.count("/") > MAX_DEPTH:
             raise RpcError(grpc.StatusCode.INVALID_ARGUMENT,
                            f"{path[:100]}...: deeper than {MAX_DEPTH} directories", "ENAMETOOLONG")
-        if maker and self.dirs_by.get(maker, 0) + len(missing) > MAX_DIRS_PER_CREDENTIAL:
+        cap = self.max_dirs_per_credential
+        if maker and self.dirs_by.get(maker, 0) + len(missing) > cap:
             raise RpcError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                           f"credential {maker!r} holds {self.dirs_by.get(maker, 0)} directories (at most "
-                           f"{MAX_DIRS_PER_CREDENTIAL}): remove some first", "EDQUOT")
+                           f"credential {maker!r} holds {self.dirs_by.get(maker, 0)} directories and this Mkdir "
+                           f"makes {len(missing)} more (at most {cap}): remove some first", "EDQUOT")
         if self.quotas:
             grow: dict[str, int] = {}
             for d in missing:

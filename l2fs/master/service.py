@@ -24,6 +24,7 @@ from l2fs.common import (
     norm_path,
 )
 from l2fs.master.journal import PendingOps
+from l2fs.master.namespace import MAX_DIRS_PER_CREDENTIAL
 from l2fs.master.registry import RegistryOps
 from l2fs.master.state import MASTER_POLICY, PENDING, Allocation, FileEntry, WorkerEntry
 from l2fs.proto import l2fs_pb2_grpc as pbg
@@ -58,6 +59,7 @@ class MasterService(RegistryOps, pbg.MasterServicer):
         # directories a non-admin credential made with Mkdir (dir -> its name), and how many each holds
         self.dir_maker: dict[str, str] = {}
         self.dirs_by: dict[str, int] = {}
+        self.max_dirs_per_credential = MAX_DIRS_PER_CREDENTIAL  # master --max-dirs-per-credential
         self._alloc_charge: dict[str, tuple[str, int]] = {}  # block id -> (path, size) charged in flight
         # Deletes/renames a worker has not confirmed: applied to its block reports, pushed until it acks.
         self.pending = PendingOps(journal)

@@ -149,6 +149,7 @@ class MasterBase:
     children: dict[str, set[str]]
     dir_maker: dict[str, str]
     dirs_by: dict[str, int]
+    max_dirs_per_credential: int
     workers: dict[str, WorkerEntry]
     content: dict[tuple[int, int], int]
     duplicates: int

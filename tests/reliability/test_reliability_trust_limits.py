@@ -15,10 +15,13 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
+from reliability_faults import DEADLINE, payload
 
+from l2fs.client import L2fsError
 from l2fs.proto import l2fs_pb2 as pb
 from l2fs.proto import l2fs_pb2_grpc as pbg
 
@@ -115,3 +118,37 @@ def test_one_source_flooding_made_up_tokens_leaves_other_sources_reviewed(tmp_pa
         issued = {*new.values(), *(f.read_text() for f in cl.token_files.values())}
         strangers = sum(t not in issued for t in api.emu.seen[seen0:])
         assert strangers <= 10 + 2 * took + 2, f"{strangers} made-up tokens reviewed from one source in {took:.1f} s"
+
+
+def test_mkdir_cap_per_credential_holds_and_loses_nothing(make_cluster: Any, tmp_path: Path) -> None:
+    """A master with --max-dirs-per-credential 50 (65,536 by default; the same check): engine A's Mkdirs count
+    up to exactly 50 directories; a Mkdir(parents) that would pass it is refused whole (RESOURCE_EXHAUSTED
+    naming the credential, what it holds and the cap; none of its directories made), as is a 51st; A's stored
+    files all read back and A still puts files into its directories; engine B and the admin make theirs as
+    before."""
+    from test_reliability_trust_deployed import ADMIN, ENGINE_A, ENGINE_B, A, B, _scoped
+
+    cl = _scoped(make_cluster, tmp_path, master=["--max-dirs-per-credential", "50"])
+    stored = {f"{A}/files/f{i}": payload(i, 10_000, "a") for i in range(4)}
+    with cl.client(token=ENGINE_A, timeout=DEADLINE) as a, cl.client(token=ENGINE_B, timeout=DEADLINE) as b, \
+            cl.client(token=ADMIN, timeout=DEADLINE) as admin:
+        assert all(a.put_many(list(stored.items())))
+        for i in range(40):
+            a.mkdir(f"{A}/d{i}")
+        deep = f"{A}/x/" + "/".join(f"y{i}" for i in range(14))  # 15 new directories: 55 > 50
+        with pytest.raises(L2fsError) as e:
+            a.mkdir(deep)
+        msg = str(e.value)
+        assert "engine-ep-a" in msg and "holds 40 directories" in msg and "at most 50" in msg, msg
+        assert admin.stat(f"{A}/x") is None
+        for i in range(40, 50):
+            a.mkdir(f"{A}/d{i}")
+        with pytest.raises(L2fsError, match="at most 50"):
+            a.mkdir(f"{A}/d50")
+        a.mkdir(f"{A}/d3")  # one it holds already: exist_ok, nothing new
+        assert [a.get(p) == d for p, d in stored.items()] == [True] * len(stored)
+        assert a.put(f"{A}/d7/chunk", b"k" * 1000) is True and admin.get(f"{A}/d7/chunk") == b"k" * 1000
+        assert len([e for e in admin.ls(A) if e.path.rsplit("/", 1)[1].startswith("d")]) == 50
+        for i in range(40):
+            b.mkdir(f"{B}/d{i}")  # another credential: its own count (its first also makes B's prefix dir)
+        admin.mkdir("/ops/" + "/".join(f"z{i}" for i in range(60)))  # admins are not counted
