@@ -1,4 +1,5 @@
-"""Small helpers shared by the benchmarks: percentiles, process memory, plain-text tables, raw-result files."""
+"""Small helpers shared by the benchmarks: percentiles, process memory, plain-text tables, raw-result files, one
+streamed chat turn."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import httpx
+
 
 def pct(values: Sequence[float], q: float) -> float:
     """q-th percentile (0..100) with linear interpolation; nan for no values."""
@@ -21,6 +24,58 @@ def pct(values: Sequence[float], q: float) -> float:
     k = (len(xs) - 1) * q / 100.0
     lo, hi = math.floor(k), math.ceil(k)
     return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+
+
+def stream_chat(http: httpx.Client, url: str, model: str, messages: list[dict[str, str]], answer_tokens: int,
+                session_key: str, *, exact_length: bool = True,
+                headers: dict[str, str] | None = None) -> dict[str, Any]:
+    """One streamed chat turn through a router or replica, as the multi-turn benches send it: TTFT (the first
+    token, not the role-only first chunk), end-to-end, TPOT, output tokens, prompt/cached tokens (usage) and
+    the answer text (the caller appends it to the history). `exact_length` asks for exactly `answer_tokens`
+    (ignore_eos), so arms decode the same number of tokens; the session key goes in `user` and the session
+    headers the session router reads. Faults come back as ok=False with the error, never as an exception."""
+    body: dict[str, Any] = {"model": model, "messages": messages, "max_tokens": answer_tokens, "temperature": 0,
+                            "stream": True, "user": session_key, "stream_options": {"include_usage": True}}
+    if exact_length:
+        body.update(min_tokens=answer_tokens, ignore_eos=True)
+    t0 = time.perf_counter()
+    first: float | None = None
+    text: list[str] = []
+    usage: dict[str, Any] = {}
+    err = ""
+    chunks = 0
+    try:
+        with http.stream("POST", f"{url}/v1/chat/completions", json=body,
+                         headers={**(headers or {}), "x-session-id": session_key, "x-user-id": session_key}) as resp:
+            if resp.status_code != 200:
+                resp.read()
+                err = f"HTTP {resp.status_code}: {resp.text[:200]}"
+            else:
+                for line in resp.iter_lines():
+                    if not line.startswith("data:") or line[5:].strip() == "[DONE]":
+                        continue
+                    chunk = json.loads(line[5:])
+                    if chunk.get("usage"):
+                        usage = chunk["usage"]
+                    if chunk.get("choices"):
+                        chunks += 1
+                        delta = chunk["choices"][0].get("delta", {}).get("content") or ""
+                        # the first chunk may carry only the role; a token that decodes to "" still counts
+                        if first is None and (delta or chunks >= 2):
+                            first = time.perf_counter() - t0
+                        text.append(delta)
+    except (httpx.HTTPError, ValueError) as e:
+        err = repr(e)
+    e2e = time.perf_counter() - t0
+    out_tokens = usage.get("completion_tokens") or 0
+    ok = first is not None and not err
+    return {"ok": ok, "error": err, "sent_at": t0, "ttft_ms": first * 1e3 if first is not None else None,
+            "e2e_ms": e2e * 1e3, "output_tokens": out_tokens,
+            "tpot_ms": ((e2e - first) * 1e3 / (out_tokens - 1)) if ok and first is not None and out_tokens > 1
+            else None,
+            "prompt_tokens": usage.get("prompt_tokens"),
+            "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens"),
+            "text": "".join(text)}
 
 
 def rss_bytes(pid: int) -> int:

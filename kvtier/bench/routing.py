@@ -10,7 +10,6 @@ TTFT is measured at the client, streamed, through the router.
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import subprocess
 import sys
@@ -22,7 +21,7 @@ from typing import Any
 import httpx
 
 from kvtier.bench import routing_sim
-from kvtier.bench.common import fmt, pct, table, write_results
+from kvtier.bench.common import fmt, pct, stream_chat, table, write_results
 from kvtier.bench.cross_pod import metric_sum
 from kvtier.up import Stack, StackState, log, router_command
 from l2fs import procs
@@ -59,40 +58,13 @@ def run_user(base_url: str, model: str, user: dict[str, Any], answer_tokens: int
     with httpx.Client(timeout=600) as http:
         for r, q in enumerate(user["turns"]):
             messages.append({"role": "user", "content": q})
-            body = {"model": model, "messages": messages, "max_tokens": answer_tokens, "temperature": 0,
-                    "stream": True, "user": user["session"],
-                    "stream_options": {"include_usage": True}}
-            t0 = time.perf_counter()
-            first, text, ok, err = None, [], False, ""
-            usage: dict[str, Any] = {}
-            try:
-                with http.stream("POST", f"{base_url}/v1/chat/completions", json=body,
-                                 headers={**headers, "x-session-id": user["session"],
-                                          "x-user-id": user["session"]}) as resp:
-                    if resp.status_code != 200:
-                        resp.read()
-                        err = f"HTTP {resp.status_code}: {resp.text[:200]}"
-                    else:
-                        for line in resp.iter_lines():
-                            if not line.startswith("data:") or line[5:].strip() == "[DONE]":
-                                continue
-                            chunk = json.loads(line[5:])
-                            if chunk.get("usage"):
-                                usage = chunk["usage"]
-                            if chunk.get("choices"):
-                                if first is None:
-                                    first = time.perf_counter() - t0
-                                text.append(chunk["choices"][0].get("delta", {}).get("content") or "")
-                        ok = first is not None
-            except httpx.HTTPError as e:
-                err = repr(e)
-            results.append({"user": user["user"], "round": r, "ok": ok, "error": err, "sent_at": t0,
-                            "messages": [dict(m) for m in messages],
-                            "ttft_ms": first * 1e3 if first is not None else None,
-                            "prompt_tokens": usage.get("prompt_tokens"),
-                            "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens"),
-                            "e2e_ms": (time.perf_counter() - t0) * 1e3})
-            messages.append({"role": "assistant", "content": "".join(text) or "ok"})
+            got = stream_chat(http, base_url, model, messages, answer_tokens, user["session"], exact_length=False,
+                              headers=headers)
+            results.append({"user": user["user"], "round": r, "ok": got["ok"], "error": got["error"],
+                            "sent_at": got["sent_at"], "messages": [dict(m) for m in messages],
+                            "ttft_ms": got["ttft_ms"], "prompt_tokens": got["prompt_tokens"],
+                            "cached_tokens": got["cached_tokens"], "e2e_ms": got["e2e_ms"]})
+            messages.append({"role": "assistant", "content": got["text"] or "ok"})
 
 
 def counters(urls: list[str]) -> list[dict[str, float | None]]:

@@ -41,7 +41,7 @@ from typing import Any
 
 import httpx
 
-from kvtier.bench.common import environment, fmt, pct, table, write_results
+from kvtier.bench.common import environment, fmt, pct, stream_chat, table, write_results
 from kvtier.bench.cross_pod import parse_counters
 from kvtier.up import Stack, StackState, log
 
@@ -164,52 +164,6 @@ def make_plan(seed: int, *, rate: float, sessions: int, docs: int, doc_tokens: i
 
 # ---------- running a step: one thread per session, streamed chat completions ----------
 
-def send_turn(http: httpx.Client, url: str, model: str, messages: list[dict[str, str]], answer_tokens: int,
-              session_key: str) -> dict[str, Any]:
-    """One streamed chat turn: TTFT, end-to-end, output tokens, prompt/cached tokens (usage)."""
-    body = {"model": model, "messages": messages, "max_tokens": answer_tokens, "min_tokens": answer_tokens,
-            "ignore_eos": True, "temperature": 0, "stream": True, "user": session_key,
-            "stream_options": {"include_usage": True}}
-    t0 = time.perf_counter()
-    first: float | None = None
-    text: list[str] = []
-    usage: dict[str, Any] = {}
-    err = ""
-    chunks = 0
-    try:
-        with http.stream("POST", f"{url}/v1/chat/completions", json=body,
-                         headers={"x-session-id": session_key, "x-user-id": session_key}) as resp:
-            if resp.status_code != 200:
-                resp.read()
-                err = f"HTTP {resp.status_code}: {resp.text[:200]}"
-            else:
-                for line in resp.iter_lines():
-                    if not line.startswith("data:") or line[5:].strip() == "[DONE]":
-                        continue
-                    chunk = json.loads(line[5:])
-                    if chunk.get("usage"):
-                        usage = chunk["usage"]
-                    if chunk.get("choices"):
-                        chunks += 1
-                        delta = chunk["choices"][0].get("delta", {}).get("content") or ""
-                        # the first chunk may carry only the role; a token that decodes to "" still counts
-                        if first is None and (delta or chunks >= 2):
-                            first = time.perf_counter() - t0
-                        text.append(delta)
-    except (httpx.HTTPError, ValueError) as e:
-        err = repr(e)
-    e2e = time.perf_counter() - t0
-    out_tokens = usage.get("completion_tokens") or 0
-    ok = first is not None and not err
-    return {"ok": ok, "error": err, "sent_at": t0, "ttft_ms": first * 1e3 if first is not None else None,
-            "e2e_ms": e2e * 1e3, "output_tokens": out_tokens,
-            "tpot_ms": ((e2e - first) * 1e3 / (out_tokens - 1)) if ok and first is not None and out_tokens > 1
-            else None,
-            "prompt_tokens": usage.get("prompt_tokens"),
-            "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens"),
-            "text": "".join(text)}
-
-
 def run_session(s: Session, plan: Plan, url: str, model: str, answer_tokens: int, t_start: float,
                 deadline: float, results: list[dict[str, Any]]) -> None:
     if s.after is not None:
@@ -229,7 +183,7 @@ def run_session(s: Session, plan: Plan, url: str, model: str, answer_tokens: int
                                 "skipped": True, "ok": False})
                 continue
             user.messages.append({"role": "user", "content": q})
-            r = send_turn(http, url, model, user.messages, answer_tokens, user.session_key)
+            r = stream_chat(http, url, model, user.messages, answer_tokens, user.session_key)
             user.messages.append({"role": "assistant", "content": r.pop("text") or "ok"})
             results.append({"session": s.index, "user": user.uid, "turn": k, "returning": s.returning,
                             "skipped": False, **r})
