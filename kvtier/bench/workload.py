@@ -500,6 +500,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mrqa-history", type=int, default=512, help="its --user-history-prompt (tokens)")
     p.add_argument("--mrqa-time", type=float, default=60.0, help="its --time (seconds)")
     p.add_argument("--mrqa-pythonpath", default=None, help="extra PYTHONPATH for the harness only (its pandas)")
+    p.add_argument("--combine", type=Path, nargs="+", default=None, metavar="JSON",
+                   help="no run: merge the workload.json of several runs (pieces that each fit the engine lock) "
+                   "into one report, JSON/CSV and plots under --out; each step keeps its piece and box load")
     p.add_argument("--quick", action="store_true",
                    help="CI smoke: 2 replicas, 3 arms (baseline, +L2 plugin, L2 prefixaware), one short step")
     p.add_argument("--dir", type=Path, default=Path(".kvtier/bench-workload"))
@@ -650,8 +653,48 @@ def plot(steps: list[dict[str, Any]], raw: list[dict[str, Any]], ref: tuple[int,
     return paths
 
 
+def combine(paths: list[Path], out: Path) -> int:
+    """One report over several runs' workload.json: steps and raw rows as they were measured (tagged with their
+    piece), figures against the baseline at the first piece's reference step. Arms of different pieces ran at
+    different times, so they also differ in the box's load (each step carries its load)."""
+    steps: list[dict[str, Any]] = []
+    raw: list[dict[str, Any]] = []
+    pieces = []
+    for p in paths:
+        try:
+            doc = json.loads(p.read_text())
+            summ = doc["summary"]
+        except (OSError, ValueError, KeyError) as e:
+            print(f"kvtier bench workload --combine: {p}: not a workload result ({e!r})", file=sys.stderr)
+            return 2
+        piece = p.parent.name if p.name == "workload.json" else p.stem
+        pieces.append({"piece": piece, "path": str(p), "env": doc.get("env"), "args": summ.get("args"),
+                       "reference_step": summ.get("reference_step"), "restarts": summ.get("restarts"),
+                       "harnesses": summ.get("harnesses", [])})
+        steps += [{**s, "piece": piece} for s in summ.get("steps", [])]
+        raw += [{**r, "piece": piece} for r in doc.get("raw", [])]
+    good = [s for s in steps if "ttft_p90_ms" in s]
+    ref = tuple(pieces[0]["reference_step"] or (good[0]["context"], good[0]["rate"]))
+    arms = list(dict.fromkeys(["baseline"] * any(s["arm"] == "baseline" for s in good) + [s["arm"] for s in good]))
+    figs = arm_figures(good, arms, (int(ref[0]), float(ref[1])))
+    print(report(figs, good, (int(ref[0]), float(ref[1]))))
+    harnesses = [h for pc_ in pieces for h in pc_["harnesses"]]
+    summary = {"combined_from": [pc_["path"] for pc_ in pieces], "pieces": pieces, "reference_step": ref,
+               "steps": steps, "arms": figs, "harnesses": harnesses, "published": PUBLISHED}
+    paths_out = write_results(out, "workload", summary, raw)
+    try:
+        paths_out += plot(good, raw, (int(ref[0]), float(ref[1])), out, f"kvtier workload, {len(pieces)} pieces")
+    except ImportError:
+        print("no matplotlib: plots skipped (pip install kvtier[bench])")
+    for q in paths_out:
+        print(f"wrote {q}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.combine:
+        return combine(args.combine, args.out)
     if args.quick:
         apply_quick(args)
     arms = [a.strip() for a in args.arms.split(",") if a.strip()]
