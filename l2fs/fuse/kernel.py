@@ -1,4 +1,4 @@
-"""The Linux FUSE kernel protocol (include/uapi/linux/fuse.h, 7.40+), the subset a read-only server needs.
+"""The Linux FUSE kernel protocol (include/uapi/linux/fuse.h, 7.40+), the subset the passthrough server needs.
 
 Why our own: libfuse 3.14 (Debian 12, wrapped by pyfuse3) cannot set the FUSE_PASSTHROUGH init flag nor put
 a backing_id in an OPEN reply (docs/mount.md, Speed step 6), so `l2fs mount --passthrough` speaks the
@@ -16,13 +16,15 @@ import struct
 
 # ---------------------------------------------------------------- opcodes
 LOOKUP, FORGET, GETATTR, SETATTR = 1, 2, 3, 4
-OPEN, READ, WRITE, STATFS, RELEASE = 14, 15, 16, 17, 18
+MKDIR, UNLINK, RMDIR, RENAME = 9, 10, 11, 12
+OPEN, READ, WRITE, STATFS, RELEASE, FSYNC = 14, 15, 16, 17, 18, 20
 FLUSH, INIT, OPENDIR, READDIR, RELEASEDIR = 25, 26, 27, 28, 29
-ACCESS, INTERRUPT, DESTROY, BATCH_FORGET, READDIRPLUS = 34, 36, 38, 42, 44
+ACCESS, CREATE, INTERRUPT, DESTROY, BATCH_FORGET, READDIRPLUS, RENAME2 = 34, 35, 36, 38, 42, 44, 45
 NO_REPLY = frozenset({FORGET, BATCH_FORGET})
 
 # ---------------------------------------------------------------- INIT flags (64 bits: flags | flags2 << 32)
 ASYNC_READ = 1 << 0
+ATOMIC_O_TRUNC = 1 << 3  # OPEN carries O_TRUNC (else the kernel sends OPEN, then SETATTR size 0)
 BIG_WRITES = 1 << 5
 AUTO_INVAL_DATA = 1 << 12
 PARALLEL_DIROPS = 1 << 18
@@ -49,6 +51,18 @@ OPEN_IN = struct.Struct("<II")  # flags open_flags
 OPEN_OUT = struct.Struct("<QIi")  # fh open_flags backing_id
 READ_IN = struct.Struct("<QQII")  # fh offset size read_flags (then lock_owner flags padding)
 RELEASE_IN = struct.Struct("<QII")  # fh flags release_flags (then lock_owner)
+CREATE_IN = struct.Struct("<IIII")  # flags mode umask open_flags, then the name
+MKDIR_IN = struct.Struct("<II")  # mode umask, then the name
+RENAME_IN = struct.Struct("<Q")  # newdir, then oldname NUL newname NUL
+RENAME2_IN = struct.Struct("<QII")  # newdir flags padding, then the names
+WRITE_IN = struct.Struct("<QQIIQII")  # fh offset size write_flags lock_owner flags padding, then the data
+WRITE_OUT = struct.Struct("<II")  # size padding
+FLUSH_IN = struct.Struct("<QIIQ")  # fh unused padding lock_owner
+FSYNC_IN = struct.Struct("<QII")  # fh fsync_flags padding
+# valid padding fh size lock_owner atime mtime ctime atimensec mtimensec ctimensec mode unused4 uid gid unused5
+SETATTR_IN = struct.Struct("<IIQQQQQQIIIIIIII")
+FATTR_SIZE, FATTR_FH = 1 << 3, 1 << 4
+RENAME_NOREPLACE, RENAME_EXCHANGE = 1, 2
 FORGET_IN = struct.Struct("<Q")
 BATCH_FORGET_IN = struct.Struct("<II")
 FORGET_ONE = struct.Struct("<QQ")
@@ -109,11 +123,11 @@ MS_NOSUID, MS_NODEV, MS_RDONLY, MS_NOATIME = 2, 4, 1, 1024
 MNT_DETACH = 2
 
 
-def mount(devfd: int, target: str, fsname: str, *, allow_other: bool, max_read: int) -> None:
-    """Mount /dev/fuse (devfd) at target as a read-only `fuse.l2fs` file system."""
+def mount(devfd: int, target: str, fsname: str, *, allow_other: bool, max_read: int, read_only: bool = True) -> None:
+    """Mount /dev/fuse (devfd) at target as a `fuse.l2fs` file system (MS_RDONLY unless read_only is False)."""
     data = (f"fd={devfd},rootmode=40000,user_id=0,group_id=0,default_permissions,max_read={max_read}"
             + (",allow_other" if allow_other else ""))
-    flags = MS_NOSUID | MS_NODEV | MS_RDONLY | MS_NOATIME
+    flags = MS_NOSUID | MS_NODEV | MS_NOATIME | (MS_RDONLY if read_only else 0)
     if _libc.mount(fsname.encode(), target.encode(), b"fuse.l2fs", flags, data.encode()) != 0:
         e = ctypes.get_errno()
         raise OSError(e, f"mount {target}: {os.strerror(e)}")

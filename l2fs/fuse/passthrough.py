@@ -1,11 +1,18 @@
-"""`l2fs mount --passthrough`: a read-only FUSE server that speaks the kernel protocol itself (no libfuse), so
-reads of l2fs files go through FUSE passthrough: the kernel reads the block file directly, and no READ
-request reaches this process.
+"""`l2fs mount --passthrough`: a read-write FUSE server that speaks the kernel protocol itself (no libfuse), so
+reads and writes of l2fs files go through FUSE passthrough: the kernel reads the block file (or writes a
+node-local temp file) directly, and no READ or WRITE request reaches this process.
 
 Why: through pyfuse3/libfuse 3.14 every byte crosses /dev/fuse and Python (0.25-0.65x the native client,
 docs/mount.md). Passthrough (Linux >= 6.9, CONFIG_FUSE_PASSTHROUGH) needs the FUSE_PASSTHROUGH init flag
-and a backing_id in each OPEN reply, which libfuse 3.14 cannot send. Scope: read-only (writes get EROFS);
-the pyfuse3 mount (l2fs/fuse/) stays the default and the portable path.
+and a backing_id in each OPEN reply, which libfuse 3.14 cannot send. `--read-only` mounts MS_RDONLY (EROFS).
+
+- Writes: an open for writing gets its own unlinked temp file in the private cache directory (the existing
+  bytes copied in unless O_TRUNC/new) as its backing file. FLUSH (close), FSYNC and RELEASE publish it with
+  `Client.put(if_absent=False)`: the client computes the writer's CRC32C, the master allocates (quotas) and
+  issues the size-bound capability for the file's real size, the worker seals it, so the same put-if-absent,
+  CRC and seal semantics as every client hold; --max-file-size is checked first (EFBIG, nothing published).
+  A FLUSH from a writer that is being killed by a signal (PF_EXITING with a signal exit code, read from
+  /proc/<pid>/stat) publishes nothing: a crash mid-write leaves the old version, never a torn one.
 
 - Namespace from `l2fs.client.Client` (Stat/ls); inodes per path, dropped on forget.
 - OPEN asks the master for the file's current location (one Stat RPC: close-to-open as in fuse.py). A
@@ -42,7 +49,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from l2fs.client import Client, L2fsError
-from l2fs.common import crc32c_fast, parse_size
+from l2fs.common import DEFAULT_MAX_FILE_SIZE, crc32c_fast, parse_size
 from l2fs.fuse import kernel as fp
 from l2fs.fuse.main import mount_type, stat_is_dir
 from l2fs.fuse.operations import errno_of
@@ -54,7 +61,9 @@ log = logging.getLogger("l2fs.fuse.passthrough")
 ROOT = 1
 NAME_MAX = 255
 MAX_READ = 1 << 20  # the kernel's default max_pages_limit (256 pages)
-BUF_SIZE = MAX_READ + 64 * 1024  # one request: header + a 1 MiB max_write (never used: read-only)
+MAX_WRITE = 1 << 20  # WRITE requests reach us only for opens without passthrough (fallback)
+BUF_SIZE = MAX_WRITE + 64 * 1024  # one request: header + a 1 MiB write
+PF_EXITING = 0x4  # /proc/<pid>/stat flags: the task is in do_exit
 DT_DIR, DT_REG = 4, 8
 POOL_BYTES = 128 << 20  # freed fetch buffers kept for reuse
 # An OPEN right after the LOOKUP of the same open(2) reuses the lookup's Stat answer when it is this fresh
@@ -71,32 +80,45 @@ class Reply(Exception):
 
 
 class _Node:
-    __slots__ = ("ino", "path", "is_dir", "size", "mtime", "lookups", "opens", "backing", "backing_key", "stat",
-                 "stat_at")
+    __slots__ = ("ino", "path", "is_dir", "size", "mtime", "lookups", "opens", "backings", "stat",
+                 "stat_at", "writers", "unpublished", "detached")
 
     def __init__(self, ino: int, path: str, is_dir: bool) -> None:
         self.ino, self.path, self.is_dir = ino, path, is_dir
         self.size, self.mtime = 0, 0.0
         self.lookups = 0
         self.opens = 0  # passthrough opens sharing `backing`
-        self.backing = 0  # backing_id registered for this inode (the kernel wants one per inode at a time)
-        self.backing_key: tuple[str, int, int] | None = None  # (block id, size, crc32c) it holds
+        # backing_ids registered for this inode and still used by an open handle here (the kernel keeps one per
+        # inode at a time; more are listed only while a RELEASE is on its way), with what each holds: (block
+        # id, size, crc32c) of a published version, ("w", temp fd, 0) of a writer's temp file
+        self.backings: dict[int, tuple[str, int, int]] = {}
         self.stat: pb.FileStat | None = None  # the last Stat answer and when it came (see STAT_REUSE)
         self.stat_at = 0.0
+        self.writers: list[_Handle] = []  # open-for-write handles; the last one's temp file is the size shown
+        self.unpublished = False  # created on this mount and not published yet (visible here only)
+        self.detached = False  # unlinked or renamed over while open: never published again
 
 
 class _Handle:
-    __slots__ = ("node", "fd", "passthrough", "cached")
+    __slots__ = ("node", "fd", "passthrough", "cached", "wfd", "created", "append", "discard", "lock")
 
-    def __init__(self, node: _Node, fd: int, passthrough: bool, cached: str | None) -> None:
-        self.node, self.fd, self.passthrough, self.cached = node, fd, passthrough, cached
+    def __init__(self, node: _Node, fd: int, passthrough: int, cached: str | None, wfd: int = -1,
+                 created: bool = False, append: bool = False) -> None:
+        self.node, self.fd, self.cached = node, fd, cached
+        self.passthrough = passthrough  # the backing_id this open uses, 0 for none (reads/writes come to us)
+        self.wfd = wfd  # writers: the temp file (our own fd, kept for publishing), else -1
+        self.created = created  # new or truncated: published at close even if never written
+        self.append = append
+        self.discard = False  # its writer was killed mid-write: publish nothing
+        self.lock = threading.Lock()  # one publish at a time
 
 
 class Counters:
     """The server's own counters (exported with --metrics-port): a passthrough open must cost no READ."""
 
     NAMES = ("opens_passthrough", "opens_process", "read_requests", "read_bytes", "cache_fetches",
-             "cache_hits", "cache_evictions", "verified_blocks", "crc_errors")
+             "cache_hits", "cache_evictions", "verified_blocks", "crc_errors", "write_requests",
+             "write_opens_passthrough", "publishes", "publishes_discarded")
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
@@ -259,8 +281,12 @@ class PassthroughServer:
 
     def __init__(self, client: Client, mountpoint: str, *, root: str = "/", cache_dir: str, cache_size: int,
                  passthrough: bool = True, verify: str = "open", timeout: float = 1.0, threads: int = 8,
-                 uid: int = 0, gid: int = 0, allow_other: bool = False) -> None:
+                 uid: int = 0, gid: int = 0, allow_other: bool = False, read_only: bool = True,
+                 max_file_size: int = DEFAULT_MAX_FILE_SIZE, umask: int = 0o022) -> None:
         self.client, self.mountpoint = client, mountpoint
+        self.read_only, self.max_file_size = read_only, max_file_size
+        self.file_mode = 0o444 if read_only else 0o666 & ~umask
+        self.dir_mode = 0o555 if read_only else 0o777 & ~umask
         self.root = root.rstrip("/") or "/"
         self.want_passthrough = passthrough
         self.passthrough = False  # granted by the kernel at INIT and not refused since
@@ -276,6 +302,7 @@ class PassthroughServer:
         self.by_path: dict[str, _Node] = {"/": self.nodes[ROOT]}
         self.next_ino = ROOT + 1
         self.handles: dict[int, _Handle] = {}
+        self.refs: dict[int, int] = {}  # backing_id -> open handles using it
         self.dirs: dict[int, list[tuple[bytes, int, int]]] = {}
         self.next_fh = 1
         self.verified: OrderedDict[tuple[int, ...], None] = OrderedDict()
@@ -286,7 +313,10 @@ class PassthroughServer:
             fp.OPENDIR: self.op_opendir, fp.READDIR: self.op_readdir, fp.RELEASEDIR: self.op_releasedir,
             fp.OPEN: self.op_open, fp.READ: self.op_read, fp.RELEASE: self.op_release,
             fp.STATFS: self.op_statfs, fp.FORGET: self.op_forget, fp.BATCH_FORGET: self.op_batch_forget,
-            fp.DESTROY: self.op_destroy, fp.SETATTR: self.op_erofs,
+            fp.DESTROY: self.op_destroy, fp.SETATTR: self.op_setattr, fp.CREATE: self.op_create,
+            fp.WRITE: self.op_write, fp.FLUSH: self.op_flush, fp.FSYNC: self.op_fsync, fp.MKDIR: self.op_mkdir,
+            fp.UNLINK: self.op_unlink, fp.RMDIR: self.op_rmdir, fp.RENAME: self.op_rename,
+            fp.RENAME2: self.op_rename2,
         }
         self._statfs: tuple[float, bytes] | None = None
 
@@ -294,7 +324,8 @@ class PassthroughServer:
     def mount(self) -> None:
         self.devfd = os.open("/dev/fuse", os.O_RDWR | os.O_CLOEXEC)
         fsname = f"l2fs:{self.client.masters[0]}{self.root}"
-        fp.mount(self.devfd, self.mountpoint, fsname, allow_other=self.allow_other, max_read=MAX_READ)
+        fp.mount(self.devfd, self.mountpoint, fsname, allow_other=self.allow_other, max_read=MAX_READ,
+                 read_only=self.read_only)
 
     def serve(self) -> None:
         """Run reader threads until the mount goes away (ENODEV) or stop() is called."""
@@ -381,13 +412,21 @@ class PassthroughServer:
 
     def attr_of(self, n: _Node) -> bytes:
         if n.is_dir:
-            return fp.attr(n.ino, 0, st.S_IFDIR | 0o555, n.mtime, self.uid, self.gid, nlink=2)
-        return fp.attr(n.ino, n.size, st.S_IFREG | 0o444, n.mtime, self.uid, self.gid)
+            return fp.attr(n.ino, 0, st.S_IFDIR | self.dir_mode, n.mtime, self.uid, self.gid, nlink=2)
+        size = n.size
+        if n.writers:  # this mount holds newer bytes than l2fs: the latest writer's temp file
+            try:
+                size = os.fstat(n.writers[-1].wfd).st_size
+            except OSError:
+                pass
+        return fp.attr(n.ino, size, st.S_IFREG | self.file_mode, n.mtime, self.uid, self.gid)
 
     def node_for(self, path: str, s: pb.FileStat) -> _Node:
         with self.lock:
             n = self.by_path.get(path)
-            if n is None or n.is_dir != s.is_dir:
+            held = [k for k in n.backings.values() if k[0] not in ("w", "u")] if n is not None else []
+            stale = bool(held) and all(k[1:] != (s.size, s.crc32c) for k in held)
+            if n is None or n.is_dir != s.is_dir or stale:  # stale: another version is open on the old inode
                 n = _Node(self.next_ino, path, s.is_dir)
                 self.next_ino += 1
                 self.nodes[n.ino] = n
@@ -402,7 +441,7 @@ class PassthroughServer:
         if major != 7:
             raise Reply(errno.EPROTO)
         offered = flags | (flags2 << 32 if flags & fp.INIT_EXT else 0)
-        want = fp.ASYNC_READ | fp.BIG_WRITES | fp.PARALLEL_DIROPS | fp.MAX_PAGES | fp.INIT_EXT
+        want = fp.ASYNC_READ | fp.BIG_WRITES | fp.PARALLEL_DIROPS | fp.MAX_PAGES | fp.INIT_EXT | fp.ATOMIC_O_TRUNC
         if self.want_passthrough:
             want |= fp.PASSTHROUGH
         got = offered & want
@@ -411,26 +450,39 @@ class PassthroughServer:
             log.warning("kernel %s offers no FUSE passthrough (protocol 7.%d): reads are served by this process",
                         os.uname().release, minor)
         log.info("FUSE protocol 7.%d, passthrough %s", minor, "on" if self.passthrough else "off")
-        return fp.INIT_OUT.pack(7, min(minor, 41), readahead, got & 0xFFFFFFFF, 64, 48, 128 * 1024, 1,
+        return fp.INIT_OUT.pack(7, min(minor, 41), readahead, got & 0xFFFFFFFF, 64, 48, MAX_WRITE, 1,
                                 MAX_READ // 4096, 0, got >> 32, 1, 0)
 
     def op_destroy(self, req: _Req) -> bytes:
         self.stopping.set()
         return b""
 
-    def op_erofs(self, req: _Req) -> bytes:
-        raise Reply(errno.EROFS)
+    def check_writable(self) -> None:
+        if self.read_only:
+            raise Reply(errno.EROFS)
 
-    def op_lookup(self, req: _Req) -> bytes:
-        name = bytes(req.body).split(b"\0", 1)[0]
+    def child(self, parent_ino: int, raw: bytes | memoryview) -> str:
+        """The mount path of the entry `raw` (a NUL-terminated name) in directory parent_ino."""
+        name = bytes(raw).split(b"\0", 1)[0]
         if len(name) > NAME_MAX:
             raise Reply(errno.ENAMETOOLONG)
-        parent = self.node(req.nodeid)
+        parent = self.node(parent_ino)
         try:
             sname = name.decode()
         except UnicodeDecodeError:
             raise Reply(errno.ENOENT) from None
-        path = ("/" + sname) if parent.path == "/" else f"{parent.path}/{sname}"
+        if not sname or "/" in sname:
+            raise Reply(errno.EINVAL)
+        return ("/" + sname) if parent.path == "/" else f"{parent.path}/{sname}"
+
+    def op_lookup(self, req: _Req) -> bytes:
+        path = self.child(req.nodeid, req.body)
+        with self.lock:
+            n = self.by_path.get(path)
+        if n is not None and n.unpublished:  # created here, not closed yet: only this mount knows it
+            with self.lock:
+                n.lookups += 1
+            return fp.entry_out(n.ino, self.attr_of(n), self.timeout)
         s = self.stat_path(path)
         n = self.node_for(path, s)
         with self.lock:
@@ -459,7 +511,7 @@ class PassthroughServer:
 
     def op_getattr(self, req: _Req) -> bytes:
         n = self.node(req.nodeid)
-        if n.ino != ROOT:
+        if n.ino != ROOT and not (n.unpublished and n.writers):
             s = self.stat_path(n.path)
             if s.is_dir != n.is_dir:
                 raise Reply(errno.ESTALE)
@@ -476,7 +528,13 @@ class PassthroughServer:
         for i in infos:
             name = i.path.rstrip("/").rsplit("/", 1)[-1].encode()
             entries.append((name, 0xFFFFFFFF, DT_DIR if i.is_dir else DT_REG))  # d_ino: unknown until lookup
-        with self.lock:
+        pre = n.path.rstrip("/") + "/"
+        known = {e[0] for e in entries}
+        with self.lock:  # files created here and still open are listed on this mount
+            for p, c in self.by_path.items():
+                name = p[len(pre):].encode()
+                if c.unpublished and p.startswith(pre) and b"/" not in name and name not in known:
+                    entries.append((name, c.ino, DT_REG))
             fh = self.next_fh
             self.next_fh += 1
             self.dirs[fh] = entries
@@ -554,11 +612,23 @@ class PassthroughServer:
 
     def op_open(self, req: _Req) -> bytes:
         flags, _ = fp.OPEN_IN.unpack_from(req.body)
-        if flags & os.O_ACCMODE != os.O_RDONLY or flags & os.O_TRUNC:
-            raise Reply(errno.EROFS)
         n = self.node(req.nodeid)
         if n.is_dir:
             raise Reply(errno.EISDIR)
+        if flags & os.O_ACCMODE != os.O_RDONLY or flags & os.O_TRUNC:
+            self.check_writable()
+            return self.open_writer(n, flags, truncate=bool(flags & os.O_TRUNC))
+        if n.unpublished:  # read a file this mount is still writing: from the writer's temp file
+            with self.lock:
+                w = n.writers[-1] if n.writers else None
+            if w is None:
+                raise Reply(errno.ENOENT)
+            fd = os.dup(w.wfd)
+            backing = self.attach(n, fd, ("u", 0, 0))  # shares the writer's backing file
+            if backing:
+                os.close(fd)
+                return self.new_handle(_Handle(n, -1, backing, None), fp.FOPEN_PASSTHROUGH, backing)
+            return self.new_handle(_Handle(n, fd, 0, None), fp.FOPEN_DIRECT_IO, 0)
         s = n.stat
         if s is None or time.monotonic() - n.stat_at > STAT_REUSE:
             s = self.stat_path(n.path)
@@ -579,10 +649,7 @@ class PassthroughServer:
         n.size, n.mtime = s.size, s.mtime
         key = (loc.block_id, s.size, s.crc32c)
         backing = self.attach(n, fd, key)
-        with self.lock:
-            fh = self.next_fh
-            self.next_fh += 1
-            self.handles[fh] = _Handle(n, -1 if backing else fd, bool(backing), cached)
+        fh = self.add_handle(_Handle(n, -1 if backing else fd, backing, cached))
         log.debug("open %s: %s %s in %.2f ms", n.path, "cached copy" if cached else "local block",
                   "passthrough" if backing else "process reads", (time.monotonic() - t0) * 1e3)
         if backing:
@@ -592,17 +659,343 @@ class PassthroughServer:
         self.counters.inc("opens_process")
         return fp.OPEN_OUT.pack(fh, fp.FOPEN_DIRECT_IO, 0)
 
+    def add_handle(self, h: _Handle) -> int:
+        with self.lock:
+            fh = self.next_fh
+            self.next_fh += 1
+            self.handles[fh] = h
+            if h.wfd >= 0:
+                h.node.writers.append(h)
+        return fh
+
+    def new_handle(self, h: _Handle, open_flags: int, backing: int) -> bytes:
+        return fp.OPEN_OUT.pack(self.add_handle(h), open_flags, backing)
+
+    # ------------------------------------------------------------ writes
+    def temp_file(self) -> int:
+        """A new unlinked file in the private cache directory: a crash of this process leaves nothing."""
+        try:
+            return os.open(self.cache.dir, os.O_TMPFILE | os.O_RDWR | os.O_CLOEXEC, 0o600)
+        except (OSError, AttributeError):  # a file system without O_TMPFILE
+            fd, name = tempfile.mkstemp(dir=self.cache.dir)
+            os.unlink(name)
+            return fd
+
+    def open_writer(self, n: _Node, flags: int, *, truncate: bool, created: bool = False) -> bytes:
+        """An open for writing: its own temp file, holding the current bytes unless truncate, as the
+        backing file (or, when the inode already has another backing file, served by WRITE requests)."""
+        wfd = self.temp_file()
+        try:
+            if not truncate:
+                self.copy_in(n, wfd)
+            os.utime(wfd, ns=(0, 0))  # mtime 0 = unchanged since open (see dirty())
+            fd = os.dup(wfd)  # registered as the backing file, or read/written by WRITE/READ requests
+        except BaseException:
+            os.close(wfd)
+            raise
+        h = _Handle(n, fd, 0, None, wfd=wfd, created=truncate or created, append=bool(flags & os.O_APPEND))
+        try:
+            backing = self.attach(n, fd, ("w", wfd, 0))
+        except Reply:
+            os.close(fd)
+            os.close(wfd)
+            raise
+        if backing:
+            os.close(fd)
+            h.fd, h.passthrough = -1, backing
+            self.counters.inc("write_opens_passthrough")
+            return self.new_handle(h, fp.FOPEN_PASSTHROUGH, backing)
+        self.counters.inc("opens_process")
+        return self.new_handle(h, fp.FOPEN_DIRECT_IO, 0)
+
+    def copy_in(self, n: _Node, wfd: int) -> None:
+        """The file's current bytes into a writer's temp file: another open writer's (this mount's newer
+        view), else the published version (ENOENT when it has none: gone, evicted, its worker down)."""
+        with self.lock:
+            w = n.writers[-1] if n.writers else None
+        if w is not None:
+            size = os.fstat(w.wfd).st_size
+            done = 0
+            while done < size:
+                k = os.copy_file_range(w.wfd, wfd, size - done, done, done)
+                if k <= 0:
+                    break
+                done += k
+            return
+        if n.unpublished:
+            raise Reply(errno.ENOENT)
+        s = self.stat_path(n.path)
+        if s.is_dir:
+            raise Reply(errno.EISDIR)
+        if s.size:
+            os.ftruncate(wfd, s.size)
+            with mmap.mmap(wfd, s.size) as m, memoryview(m) as view:
+                try:
+                    got = self.client.get_into(self.l2(n.path), view)
+                except ValueError:  # it grew since the Stat
+                    got = -1
+                except Exception as e:  # noqa: BLE001
+                    raise Reply(errno_of(e)) from None
+            if got is None:
+                raise Reply(errno.ENOENT)
+            if got != s.size:
+                data = self.client.get(self.l2(n.path))
+                if data is None:
+                    raise Reply(errno.ENOENT)
+                os.ftruncate(wfd, 0)
+                os.pwrite(wfd, data, 0)
+
+    @staticmethod
+    def killed(pid: int) -> bool:
+        """Whether task pid is exiting on a signal (a crash, SIGKILL): the kernel closes its files in do_exit
+        after setting PF_EXITING and the exit code, so its FLUSH must not publish a half-written file. A pid
+        outside this mount's pid namespace arrives as 0 and cannot be told apart: published as before."""
+        if pid <= 0:
+            return False
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()
+            flags, code = int(fields[6]), int(fields[49])
+        except (OSError, IndexError, ValueError):
+            return False
+        return bool(flags & PF_EXITING) and bool(code & 0x7F)
+
+    def dirty(self, h: _Handle) -> bool:
+        if h.created:
+            return True
+        try:
+            return os.fstat(h.wfd).st_mtime_ns != 0
+        except OSError:
+            return False
+
+    def publish(self, h: _Handle) -> None:
+        """Publish a writer's temp file at its node's path, atomically (last close wins). EFBIG beyond
+        --max-file-size, the client's errno otherwise (nothing published then)."""
+        n = h.node
+        with h.lock:
+            if h.discard or n.detached or not self.dirty(h):
+                return
+            os.utime(h.wfd, ns=(0, 0))  # a write from now on makes it dirty again
+            created, h.created = h.created, False
+            size = os.fstat(h.wfd).st_size
+            try:
+                if size > self.max_file_size:
+                    raise Reply(errno.EFBIG)
+                if size:
+                    with mmap.mmap(h.wfd, size, prot=mmap.PROT_READ) as m, memoryview(m) as view:
+                        self.client.put(self.l2(n.path), view, if_absent=False)
+                else:
+                    self.client.put(self.l2(n.path), b"", if_absent=False)
+            except Reply:
+                h.created = created or h.created
+                raise
+            except Exception as e:  # noqa: BLE001 - quota, capability, dead worker: the errno, nothing published
+                h.created = True
+                log.warning("publish of %s failed: %s", n.path, e)
+                raise Reply(errno_of(e)) from None
+            self.counters.inc("publishes")
+            n.unpublished = False
+            n.size, n.mtime = size, time.time()
+            n.stat = None
+
+    def op_create(self, req: _Req) -> bytes:
+        self.check_writable()
+        flags, _, _, _ = fp.CREATE_IN.unpack_from(req.body)
+        path = self.child(req.nodeid, req.body[fp.CREATE_IN.size:])
+        with self.lock:
+            n = self.by_path.get(path)
+            if n is None or n.is_dir:
+                n = _Node(self.next_ino, path, False)
+                self.next_ino += 1
+                self.nodes[n.ino] = n
+                self.by_path[path] = n
+            fresh = not n.writers
+            if fresh:
+                n.unpublished, n.size = True, 0
+            n.detached = False
+            n.mtime = time.time()
+            n.lookups += 1
+        try:
+            opened = self.open_writer(n, flags, truncate=fresh, created=True)
+        except BaseException:
+            self._forget(n.ino, 1)
+            raise
+        return fp.entry_out(n.ino, self.attr_of(n), self.timeout) + opened
+
+    def op_write(self, req: _Req) -> bytes:
+        fh, off, size, _, _, _, _ = fp.WRITE_IN.unpack_from(req.body)
+        h = self.handles.get(fh)
+        if h is None or h.wfd < 0:
+            raise Reply(errno.EBADF)
+        if h.append:
+            off = os.fstat(h.wfd).st_size
+        if off + size > self.max_file_size:
+            raise Reply(errno.EFBIG)
+        data = req.body[fp.WRITE_IN.size:fp.WRITE_IN.size + size]
+        done = 0
+        while done < size:
+            done += os.pwrite(h.wfd, data[done:], off + done)
+        self.counters.inc("write_requests")
+        return fp.WRITE_OUT.pack(size, 0)
+
+    def op_flush(self, req: _Req) -> bytes:
+        fh = fp.FLUSH_IN.unpack_from(req.body)[0]
+        h = self.handles.get(fh)
+        if h is None or h.wfd < 0:
+            return b""
+        pid = fp.IN_HEADER.unpack_from(req.raw)[6]
+        if self.killed(pid):
+            log.warning("%s: its writer (pid %d) was killed mid-write: nothing published", h.node.path, pid)
+            h.discard = True
+            self.counters.inc("publishes_discarded")
+            return b""
+        self.publish(h)
+        return b""
+
+    def op_fsync(self, req: _Req) -> bytes:
+        h = self.handles.get(fp.FSYNC_IN.unpack_from(req.body)[0])
+        if h is not None and h.wfd >= 0:
+            self.publish(h)
+        return b""
+
+    def op_setattr(self, req: _Req) -> bytes:
+        f = fp.SETATTR_IN.unpack_from(req.body)
+        valid, fh, size = f[0], f[2], f[3]
+        n = self.node(req.nodeid)
+        if valid & fp.FATTR_SIZE:
+            self.check_writable()
+            if n.is_dir:
+                raise Reply(errno.EISDIR)
+            if size > self.max_file_size:
+                raise Reply(errno.EFBIG)
+            h = self.handles.get(fh) if valid & fp.FATTR_FH else None
+            if (h is None or h.wfd < 0) and n.writers:
+                h = n.writers[-1]
+            if h is not None and h.wfd >= 0:  # ftruncate: that writer's temp file
+                os.ftruncate(h.wfd, size)
+                h.created = True
+            else:  # truncate(path): read, cut, publish, with a temp writer of our own
+                self.truncate_path(n, size)
+        # mode/owner/times are not stored by l2fs; accepted so that cp -p and touch work
+        return fp.attr_out(self.attr_of(n), self.timeout)
+
+    def truncate_path(self, n: _Node, size: int) -> None:
+        wfd = self.temp_file()
+        try:
+            h = _Handle(n, -1, 0, None, wfd=wfd, created=True)
+            if size:
+                self.copy_in(n, wfd)
+            else:
+                self.stat_path(n.path)  # ENOENT for a file that is gone
+            os.ftruncate(wfd, size)
+            self.publish(h)
+        finally:
+            os.close(wfd)
+
+    def op_mkdir(self, req: _Req) -> bytes:
+        self.check_writable()
+        path = self.child(req.nodeid, req.body[fp.MKDIR_IN.size:])
+        try:
+            self.client.mkdir(self.l2(path), parents=False, exist_ok=False)
+        except Exception as e:  # noqa: BLE001
+            raise Reply(errno_of(e)) from None
+        s = self.stat_path(path)
+        n = self.node_for(path, s)
+        with self.lock:
+            n.lookups += 1
+        return fp.entry_out(n.ino, self.attr_of(n), self.timeout)
+
+    def detach(self, path: str) -> None:
+        """Forget path's inode (unlinked, replaced): its open writers never publish again."""
+        with self.lock:
+            n = self.by_path.pop(path, None)
+            if n is not None:
+                n.detached, n.unpublished = True, False
+
+    def op_unlink(self, req: _Req) -> bytes:
+        self.check_writable()
+        path = self.child(req.nodeid, req.body)
+        with self.lock:
+            n = self.by_path.get(path)
+        try:
+            removed = self.client.rm(self.l2(path))
+        except Exception as e:  # noqa: BLE001
+            raise Reply(errno_of(e)) from None
+        if not removed and (n is None or not n.unpublished):
+            raise Reply(errno.ENOENT)
+        self.detach(path)
+        return b""
+
+    def op_rmdir(self, req: _Req) -> bytes:
+        self.check_writable()
+        path = self.child(req.nodeid, req.body)
+        try:
+            self.client.rmdir(self.l2(path))
+        except Exception as e:  # noqa: BLE001
+            raise Reply(errno_of(e)) from None
+        self.detach(path)
+        return b""
+
+    def op_rename(self, req: _Req) -> bytes:
+        newdir = fp.RENAME_IN.unpack_from(req.body)[0]
+        return self.rename(req.nodeid, newdir, 0, req.body[fp.RENAME_IN.size:])
+
+    def op_rename2(self, req: _Req) -> bytes:
+        newdir, flags, _ = fp.RENAME2_IN.unpack_from(req.body)
+        return self.rename(req.nodeid, newdir, flags, req.body[fp.RENAME2_IN.size:])
+
+    def rename(self, olddir: int, newdir: int, flags: int, names: memoryview) -> bytes:
+        self.check_writable()
+        if flags & fp.RENAME_EXCHANGE or flags & ~(fp.RENAME_EXCHANGE | fp.RENAME_NOREPLACE):
+            raise Reply(errno.EINVAL)
+        old, new = bytes(names).split(b"\0")[:2]
+        src, dst = self.child(olddir, old), self.child(newdir, new)
+        if src == dst:
+            return b""
+        with self.lock:
+            sn = self.by_path.get(src)
+            w = sn.writers[-1] if sn is not None and sn.writers else None
+        if w is not None:
+            self.publish(w)  # renaming a file still being written: publish it first
+        try:
+            self.client.rename(self.l2(src), self.l2(dst), overwrite=not flags & fp.RENAME_NOREPLACE)
+        except Exception as e:  # noqa: BLE001
+            raise Reply(errno_of(e)) from None
+        with self.lock:
+            moved = [(p, c) for p, c in self.by_path.items() if p == src or p.startswith(src + "/")]
+            for p, _ in moved:
+                del self.by_path[p]
+            old_dst = self.by_path.pop(dst, None)
+            if old_dst is not None and old_dst is not sn:
+                old_dst.detached, old_dst.unpublished = True, False
+            for p, c in moved:
+                c.path = dst + p[len(src):]
+                c.stat = None
+                self.by_path[c.path] = c
+        return b""
+
     def attach(self, n: _Node, fd: int, key: tuple[str, int, int]) -> int:
-        """The backing_id for this open of n (0: serve it from this process). One per inode at a time: the
-        kernel refuses a second backing file on an inode with passthrough opens (EBUSY)."""
+        """The backing_id for this open of n (0: serve it from this process).
+
+        The kernel allows one backing file per inode at a time and fails (EIO) any open of an inode that
+        still has passthrough opens unless it names that same backing file. Its inode drops the backing file
+        at the last close, before our RELEASE arrives (asynchronously), so what this process has recorded
+        may already be gone there. Hence: a reader of the recorded version, or of a file this mount is
+        writing (n's writer's temp file: this mount's newer bytes), shares the recorded backing_id; anything
+        else (every writer, a reader of another version) registers its own file. Where the kernel still
+        holds another one, it refuses that open with EIO: never does a writer write through a reader's
+        backing file (a worker's sealed block), nor a reader read another version than it asked for. A LOOKUP
+        that finds another version gives the path a new inode (node_for), so that conflict lasts at most the
+        entry timeout."""
         if not self.passthrough:
             return 0
         with self.lock:
-            if n.opens and n.backing:
-                if n.backing_key != key:
-                    return 0  # another version is open through passthrough: this one is served here
-                n.opens += 1
-                return n.backing
+            writing = {w.wfd for w in n.writers}
+            for bid, k in reversed(n.backings.items()):
+                if key[0] != "w" and (k == key or (k[0] == "w" and k[1] in writing)):
+                    self.refs[bid] += 1
+                    n.opens += 1
+                    return bid
             try:
                 bid = fp.backing_open(self.devfd, fd)
             except OSError as e:
@@ -612,7 +1005,9 @@ class PassthroughServer:
                 else:
                     log.info("no passthrough for %s: %s", n.path, e)
                 return 0
-            n.backing, n.backing_key, n.opens = bid, key, 1
+            self.refs[bid] = 1
+            n.backings[bid] = key
+            n.opens += 1
             return bid
 
     def op_read(self, req: _Req) -> bytes:
@@ -632,12 +1027,26 @@ class PassthroughServer:
         if h is None:
             return b""
         n = h.node
+        if h.wfd >= 0:
+            try:
+                self.publish(h)
+            except Reply as r:
+                log.warning("publish of %s at release failed: errno %d", n.path, r.code)
         close_id = 0
         with self.lock:
+            if h.wfd >= 0:
+                n.writers.remove(h)
+                if n.unpublished and not n.writers:  # never published: it is gone
+                    n.unpublished = False
+                    if self.by_path.get(n.path) is n:
+                        del self.by_path[n.path]
             if h.passthrough:
                 n.opens -= 1
-                if n.opens <= 0:
-                    close_id, n.backing, n.backing_key = n.backing, 0, None
+                self.refs[h.passthrough] -= 1
+                if self.refs[h.passthrough] <= 0:
+                    del self.refs[h.passthrough]
+                    close_id = h.passthrough
+                    n.backings.pop(close_id, None)
             if n.lookups <= 0 and n.opens <= 0 and self.nodes.get(n.ino) is n:
                 del self.nodes[n.ino]
                 if self.by_path.get(n.path) is n:
@@ -649,15 +1058,18 @@ class PassthroughServer:
                 log.warning("FUSE_DEV_IOC_BACKING_CLOSE %d: %s", close_id, e)
         if h.fd >= 0:
             os.close(h.fd)
+        if h.wfd >= 0:
+            os.close(h.wfd)
         if h.cached:
             self.cache.release(h.cached)
         return b""
 
 
 class _Req:
-    __slots__ = ("opcode", "unique", "nodeid", "body")
+    __slots__ = ("opcode", "unique", "nodeid", "body", "raw")
 
     def __init__(self, raw: memoryview) -> None:
+        self.raw = raw
         _, self.opcode, self.unique, self.nodeid, _, _, _, _, _ = fp.IN_HEADER.unpack_from(raw)
         self.body = raw[fp.IN_HEADER.size:]
 
@@ -665,12 +1077,16 @@ class _Req:
 # -------------------------------------------------------------------- CLI
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="l2fs mount --passthrough",
-                                description="Read-only l2fs mount whose reads use FUSE passthrough (Linux >= 6.9).")
+                                description="l2fs mount whose reads and writes use FUSE passthrough (Linux >= 6.9).")
     p.add_argument("mountpoint")
     p.add_argument("--passthrough", action="store_true", help="(selects this server; always on here)")
     add_client_args(p, timeout=2.0)
     p.add_argument("--root", default="/")
-    p.add_argument("--read-only", action="store_true", help="(always read-only)")
+    p.add_argument("--read-only", action="store_true", help="mount read-only (MS_RDONLY: writes get EROFS)")
+    p.add_argument("--max-file-size", default=str(DEFAULT_MAX_FILE_SIZE),
+                   help="largest file a close may publish (EFBIG beyond, nothing published; default 1G)")
+    p.add_argument("--umask", type=lambda v: int(v, 8), default=0o022,
+                   help="octal umask applied to 0777 (dirs) and 0666 (files), enforced by the kernel (default 022)")
     p.add_argument("--cache-timeout", type=float, default=1.0, help="kernel entry/attr cache, <= 1 s")
     p.add_argument("--process-reads", action="store_true",
                    help="do not use passthrough: answer READ requests from this process (the fallback path)")
@@ -693,8 +1109,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         p.error("--cache-timeout must be within 0..1 s")
     try:
         a.cache_size = parse_size(a.cache_size)
+        a.max_file_size = parse_size(a.max_file_size)
     except ValueError as e:
         p.error(f"bad size: {e}")
+    if a.max_file_size < 1:
+        p.error("--max-file-size must be positive")
+    if not 0 <= a.umask <= 0o777:
+        p.error("--umask must be an octal mode within 000..777")
     kind = mount_type(a.mountpoint)
     if kind and kind.startswith("fuse"):
         p.error(f"{a.mountpoint} already has a {kind} mount; unmount it first: fusermount3 -u {a.mountpoint}")
@@ -713,7 +1134,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     srv = PassthroughServer(client, mp, root=a.root, cache_dir=cache_dir, cache_size=a.cache_size,
                             passthrough=not a.process_reads, verify=a.verify, timeout=a.cache_timeout,
                             threads=a.threads, uid=a.uid, gid=a.gid,
-                            allow_other=a.allow_other or bool(a.uid or a.gid))
+                            allow_other=a.allow_other or bool(a.uid or a.gid), read_only=a.read_only,
+                            max_file_size=a.max_file_size, umask=a.umask)
     try:
         srv.mount()
     except OSError as e:
@@ -725,8 +1147,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         srv.counters.serve(a.metrics_port)
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, lambda *_: srv.stop())
-    log.info("mounted l2fs %s%s at %s (node %s, read-only, passthrough requested: %s)", a.master, a.root, mp,
-             a.node_id or "-", not a.process_reads)
+    log.info("mounted l2fs %s%s at %s (node %s, %s, passthrough requested: %s)", a.master, a.root, mp,
+             a.node_id or "-", "read-only" if a.read_only else "read-write", not a.process_reads)
     try:
         srv.serve()
     finally:
