@@ -304,14 +304,19 @@ def replica_env(config_path: str | Path | None, *, node_id: str | None = None, l
 def _check(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="kvtier lmcache-config check",
                                 description="list key-compat records of replicas sharing an l2fs, flag mismatches")
-    p.add_argument("--l2fs-master", required=True)
+    from l2fs.options import add_client_args
+
+    add_client_args(p, prefix="l2fs-")  # a client of the cluster: its token, TLS CA, timeout as any l2fs command's
     p.add_argument("--model", required=True, help="model name as LMCache sees it (the --model path or name)")
     a = p.parse_args(argv)
+    if not a.l2fs_master:
+        p.error("--l2fs-master (or $L2FS_MASTER) is required")
     from connector.fingerprint import KEY_FIELDS, diff, load_records
     from l2fs.client import Client, L2fsError
+    from l2fs.options import ClientOptions
 
     try:
-        with Client(a.l2fs_master) as c:
+        with Client(a.l2fs_master, **ClientOptions.from_args(a, prefix="l2fs-").client_kwargs()) as c:
             recs = load_records(c, a.model)
     except (L2fsError, ValueError) as e:
         print(f"kvtier lmcache-config check: {e}", file=sys.stderr)
@@ -391,10 +396,14 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="kvtier lmcache-config", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="model path or HF name (for the vLLM args; LMCache's model name "
                                                  "in the chunk keys); default MODEL, /opt/ml/model with --iec")
-    l2 = p.add_mutually_exclusive_group()
-    l2.add_argument("--l2fs-master", help="host:port of the l2fs master (native plugin)")
-    l2.add_argument("--mount", help="l2fs FUSE mount path (LMCache's fs connector)")
-    p.add_argument("--node-id", help="this replica's node (l2fs local-first placement)")
+    from l2fs.options import add_client_args
+
+    # l2fs's shared client flags, for the replica (not this process: no defaults from this environment)
+    add_client_args(p, prefix="l2fs-", flags=("master", "node_id"), env=False, timeout=None,
+                    aliases={"node_id": "--node-id"},
+                    help={"master": "host:port of the l2fs master (native plugin)",
+                          "node_id": "this replica's node (l2fs local-first placement)"})
+    p.add_argument("--mount", help="l2fs FUSE mount path (LMCache's fs connector; not with --l2fs-master)")
     p.add_argument("--l1-gb", type=float, default=2.0, help="LMCache L1 (host memory) size, GB")
     p.add_argument("--chunk-size", type=int, default=contract.CHUNK_SIZE)
     p.add_argument("--prefix", default=DEFAULT_PREFIX, help="l2fs directory for chunks")
@@ -429,6 +438,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, help="write the YAML here (default: print)")
     p.add_argument("--format", default="all", choices=["yaml", "env", "args", "all", "json"])
     a = p.parse_args(argv)
+    if a.l2fs_master and a.mount:
+        p.error("argument --mount: not allowed with argument --l2fs-master")
+    a.node_id = a.l2fs_node_id
     device = a.device or detect_device()
     try:
         iec = _read_iec(a) if a.iec else None

@@ -1,8 +1,9 @@
 """The client options every l2fs caller shares: master, node id, token / token file, TLS CA, timeout.
 
 Defined once (as Curvine's one client conf) and used by every command that talks to a master (`l2fs put|get|...`,
-`l2fs mount`, `l2fs mount --passthrough`, `l2fs worker`), by the fsspec filesystem and by the connectors, so a
-flag, its environment variable (l2fs.envs) and its default mean the same everywhere.
+`l2fs mount`, `l2fs mount --passthrough`, `l2fs worker`; `kvtier router` and `kvtier lmcache-config` as
+--l2fs-*), by the fsspec filesystem and by the connectors, so a flag, its environment variable (l2fs.envs) and
+its default mean the same everywhere.
 """
 
 from __future__ import annotations
@@ -25,20 +26,37 @@ _HELP = {
 }
 
 
+FLAGS = ("master", "node_id", "token", "token_file", "tls_ca")
+
+
 def add_client_args(parser: argparse.ArgumentParser, *, timeout: float | None = 2.0,
-                    help: Mapping[str, str] | None = None) -> argparse._ArgumentGroup:  # noqa: A002
+                    help: Mapping[str, str] | None = None, prefix: str = "",  # noqa: A002
+                    flags: tuple[str, ...] = FLAGS, env: bool = True,
+                    aliases: Mapping[str, str] | None = None) -> argparse._ArgumentGroup:
     """Add --master, --node-id, --token, --token-file, --tls-ca and (unless `timeout` is None) --timeout, with
-    their environment defaults. `help` overrides a flag's help where a command gives it a narrower meaning."""
+    their environment defaults. `help` overrides a flag's help where a command gives it a narrower meaning.
+
+    A command whose own flags are not all about l2fs names them with `prefix` ("l2fs-": --l2fs-master,
+    --l2fs-token, ...; read back with `ClientOptions.from_args(ns, prefix=...)`), may take only some `flags`,
+    and extra option strings per flag (`aliases`, e.g. {"node_id": "--node-id"}). `env=False` is for a
+    command that writes settings for another process (kvtier lmcache-config): no default from this one's
+    environment, which that process does not share."""
     text = {**_HELP, **(help or {})}
+    defaults = {"master": envs.get("L2FS_MASTER"), "node_id": envs.node_id(), "token": envs.get("L2FS_TOKEN"),
+                "token_file": envs.get("L2FS_TOKEN_FILE"), "tls_ca": envs.get("L2FS_TLS_CA")} if env else {}
     g = parser.add_argument_group("l2fs client options")
-    g.add_argument("--master", default=envs.get("L2FS_MASTER"), help=text["master"])
-    g.add_argument("--node-id", default=envs.node_id(), help=text["node_id"])
-    g.add_argument("--token", default=envs.get("L2FS_TOKEN"), help=text["token"])
-    g.add_argument("--token-file", default=envs.get("L2FS_TOKEN_FILE"), metavar="PATH", help=text["token_file"])
-    g.add_argument("--tls-ca", default=envs.get("L2FS_TLS_CA"), help=text["tls_ca"])
+    for name in flags:
+        opts = [f"--{prefix}{name.replace('_', '-')}", *([aliases[name]] if aliases and name in aliases else [])]
+        g.add_argument(*opts, dest=_dest(prefix, name), default=defaults.get(name),
+                       metavar="PATH" if name == "token_file" else None, help=text[name])
     if timeout is not None:
-        g.add_argument("--timeout", type=float, default=timeout, help=f"{text['timeout']} (default {timeout:g})")
+        g.add_argument(f"--{prefix}timeout", dest=_dest(prefix, "timeout"), type=float, default=timeout,
+                       help=f"{text['timeout']} (default {timeout:g})")
     return g
+
+
+def _dest(prefix: str, name: str) -> str:
+    return prefix.replace("-", "_") + name
 
 
 @dataclass
@@ -54,9 +72,14 @@ class ClientOptions:
     timeout: float = 2.0
 
     @classmethod
-    def from_args(cls, ns: argparse.Namespace) -> ClientOptions:
-        return cls(master=ns.master, node_id=ns.node_id, token=ns.token or None, token_file=ns.token_file or None,
-                   tls_ca=ns.tls_ca or None, timeout=getattr(ns, "timeout", cls.timeout))
+    def from_args(cls, ns: argparse.Namespace, prefix: str = "") -> ClientOptions:
+        """From a parser with add_client_args(..., prefix=prefix); flags it did not add keep their defaults."""
+        def get(name: str) -> Any:
+            return getattr(ns, _dest(prefix, name), None)
+
+        return cls(master=get("master"), node_id=get("node_id") or "", token=get("token") or None,
+                   token_file=get("token_file") or None, tls_ca=get("tls_ca") or None,
+                   timeout=get("timeout") if get("timeout") is not None else cls.timeout)
 
     @classmethod
     def from_mapping(cls, d: Mapping[str, Any], timeout: float = 2.0) -> ClientOptions:

@@ -8,10 +8,14 @@ import logging
 import os
 import socket
 import sys
+from typing import TYPE_CHECKING
 
 from kvtier import contract
 from kvtier import envs as kvtier_envs
 from kvtier.contract import STRATEGIES
+
+if TYPE_CHECKING:
+    from router.l2 import L2Lookup
 
 
 def _split(v: str | None) -> list[str]:
@@ -101,7 +105,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--k8s-kv-events-port", default=None, help="KV events PUB port (number or port name)")
     p.add_argument("--k8s-kv-replay-port", default=None, help="KV events replay port (number or port name)")
     p.add_argument("--k8s-api", default=None, help="API server URL (default: in-cluster config, then kubeconfig)")
-    p.add_argument("--l2fs-master", default=None, help="host:port of the l2fs master (kvaware L2 presence)")
+    from l2fs.options import add_client_args
+
+    # the l2fs client flags every l2fs caller shares, as --l2fs-*: master (kvaware L2 presence), token, TLS CA
+    add_client_args(p, prefix="l2fs-", timeout=None, help={
+        "master": "host:port of the l2fs master: kvaware's L2 presence lookups ($L2FS_MASTER; none: off)",
+        "token": "l2fs bearer token, a router-role one reads only ($L2FS_TOKEN)"})
     p.add_argument("--l2fs-mode", default="plugin", choices=contract.L2_MODES,
                    help="how the replicas write L2 chunks: plugin (connector.lmcache_l2fs) or mount "
                         "(LMCache fs:// on an l2fs mount); decides the file names looked up")
@@ -208,6 +217,19 @@ def _supervise(args: argparse.Namespace, argv: list[str]) -> int:
         hold.close()
 
 
+def l2_lookup_from_args(args: argparse.Namespace) -> L2Lookup | None:
+    """kvaware's L2 presence lookup from the --l2fs-* flags (the shared l2fs client group plus the router's
+    own mode, prefix, key settings), or None without a master; ValueError on a bad setting."""
+    if not args.l2fs_master:
+        return None
+    from l2fs.options import ClientOptions
+    from router.l2 import L2Lookup
+
+    return L2Lookup(args.l2fs_master, mode=args.l2fs_mode, prefix=args.l2fs_prefix, chunk_size=args.l2fs_chunk_size,
+                    hash_seed=args.l2fs_hash_seed, model_name=args.l2fs_model_name, dtype=args.l2fs_dtype,
+                    client_options=ClientOptions.from_args(args, prefix="l2fs-"))
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -262,17 +284,11 @@ def main(argv: list[str] | None = None) -> int:
         discovery = K8sDiscovery(args.k8s_namespace, args.k8s_selector, port=args.k8s_port,
                                  kv_events_port=args.k8s_kv_events_port, kv_replay_port=args.k8s_kv_replay_port,
                                  api_url=args.k8s_api)
-    l2_lookup = None
-    if args.l2fs_master:
-        from router.l2 import L2Lookup
-
-        try:
-            l2_lookup = L2Lookup(args.l2fs_master, mode=args.l2fs_mode, prefix=args.l2fs_prefix,
-                                 chunk_size=args.l2fs_chunk_size, hash_seed=args.l2fs_hash_seed,
-                                 model_name=args.l2fs_model_name, dtype=args.l2fs_dtype)
-        except ValueError as e:
-            print(f"kvtier router: {e}", file=sys.stderr)
-            return 2
+    try:
+        l2_lookup = l2_lookup_from_args(args)
+    except ValueError as e:
+        print(f"kvtier router: {e}", file=sys.stderr)
+        return 2
     cfg = RouterConfig(
         replicas=replicas, strategy=args.strategy, tokenizer=args.tokenizer, block_size=args.block_size,
         api_key=args.api_key, upstream_api_key=args.upstream_api_key, max_body_bytes=args.max_body_bytes,

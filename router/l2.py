@@ -47,7 +47,7 @@ class L2Lookup:
                  chunk_size: int = contract.CHUNK_SIZE, hash_seed: str = contract.HASH_SEED,
                  model_name: str | None = None, dtype: str = "float", world_size: int = 1, worker_id: int = 0,
                  rpc_timeout: float = 0.5, client: Any = None, salts: Mapping[str, bytes | str] | None = None,
-                 salt_dir: str | None = None, key_check: bool = True) -> None:
+                 salt_dir: str | None = None, key_check: bool = True, client_options: Any = None) -> None:
         if mode not in contract.L2_MODES:
             raise ValueError(f"unknown l2fs mode {mode!r}; choose one of {', '.join(contract.L2_MODES)}")
         contract.none_hash(hash_seed)  # a bad seed fails at start-up, not as a silent miss per request
@@ -56,6 +56,7 @@ class L2Lookup:
         self.world_size, self.worker_id = world_size, worker_id
         self.rpc_timeout = rpc_timeout  # deadline of the l2fs client's RPCs (the router's own budget is l2_timeout)
         self._client = client
+        self.client_options = client_options  # l2fs.options.ClientOptions: token, TLS CA, node id (else the env's)
         self._pool = ThreadPoolExecutor(2, thread_name_prefix="kvtier-l2")
         self._hash_cache: OrderedDict[tuple[int, ...], list[int]] = OrderedDict()
         self.errors = 0
@@ -115,7 +116,8 @@ class L2Lookup:
         if self._client is None:
             from l2fs.client import Client
 
-            self._client = Client(self.master, timeout=self.rpc_timeout)
+            kw = self.client_options.client_kwargs() if self.client_options is not None else {}
+            self._client = Client(self.master, **{**kw, "timeout": self.rpc_timeout})
         return self._client
 
     def chunk_hashes(self, tokens: list[int]) -> list[int]:

@@ -114,3 +114,30 @@ def test_tiny_model_is_deterministic_and_loads(tmp_path: Path, tiny_model: Path)
     assert tok.decode(ids) == "the cache token model"
     bad = _run("model", "tiny", "--out", str(tmp_path / "x"), "--heads", "3")
     assert bad.returncode == 2 and "divide" in bad.stderr
+
+
+def test_lmcache_config_takes_the_shared_l2fs_client_flags(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    """`check` is a client of the cluster: l2fs's client group as --l2fs-* (here a token file against a token
+    cluster); generating a replica's config takes --l2fs-master and --node-id/--l2fs-node-id from the same group
+    but no default from this process's environment (the replica does not share it)."""
+    monkeypatch.setenv("L2FS_MASTER", "elsewhere:1")
+    monkeypatch.setenv("L2FS_NODE_ID", "this-host")
+    assert main(["--mount", "/mnt/l2fs", "--format", "env"]) == 0  # no master, no node id from the environment
+    out = capsys.readouterr().out
+    assert "L2FS_MASTER" not in out and "this-host" not in out
+    for flag in ("--node-id", "--l2fs-node-id"):
+        assert main(["--l2fs-master", "m:1", flag, "node-9", "--format", "env"]) == 0
+        out = capsys.readouterr().out
+        assert "L2FS_NODE_ID=node-9" in out and "L2FS_MASTER=m:1" in out
+    (tmp_path / "tok").write_text("cfg-test-token\n")
+    with LocalCluster(tmp_path / "l2fs", workers=1, token="cfg-test-token") as cluster:
+        c = cluster.client()
+        c.mkdir("/kvtier/meta/m", parents=True)
+        c.put("/kvtier/meta/m/a.json", json.dumps({"replica": "a", "model_name": "m"}).encode())
+        c.close()
+        args = ("lmcache-config", "check", "--l2fs-master", cluster.master, "--model", "m")
+        ok = _run(*args, "--l2fs-token-file", str(tmp_path / "tok"))
+        assert ok.returncode == 0 and '"replica": "a"' in ok.stdout, ok.stderr
+        denied = _run(*args)
+        assert denied.returncode == 2 and "kvtier lmcache-config check" in denied.stderr

@@ -115,3 +115,31 @@ def test_cli_l2fs_flags_are_checked_before_serving(capsys: pytest.CaptureFixture
     assert "PYTHONHASHSEED" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         build_parser().parse_args(["--l2fs-mode", "s3"])
+
+
+def test_router_l2_flags_are_the_shared_l2fs_client_group(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The router's own parser takes l2fs's client group as --l2fs-* (token file, TLS CA, node id, $L2FS_* defaults)
+    and its L2 lookup uses them: against a token cluster it finds a stored chunk with --l2fs-token-file and
+    misses (an error, not a failure) without it."""
+    from l2fs.client import Client
+    from router.cli import build_parser, l2_lookup_from_args
+
+    for var in ("L2FS_TOKEN", "L2FS_TOKEN_FILE", "L2FS_MASTER", "L2FS_TLS_CA"):
+        monkeypatch.delenv(var, raising=False)
+    (tmp_path / "tok").write_text("router-test-token\n")
+    tokens = [(i * 11) % 32000 for i in range(2 * 256)]
+    with LocalCluster(tmp_path / "l2", workers=1, token="router-test-token") as l2:
+        flags = ["--l2fs-master", l2.master, "--l2fs-model-name", "m"]
+        ns = build_parser().parse_args([*flags, "--l2fs-token-file", str(tmp_path / "tok"), "--l2fs-node-id", "n-3"])
+        lk = l2_lookup_from_args(ns)
+        assert lk is not None and lk.client_options.node_id == "n-3"
+        with Client(l2.master, token="router-test-token") as c:
+            for p in lk.paths(tokens, "m"):
+                c.put(p, b"kv-bytes")
+        assert lk.lookup(tokens, "m") == 2 * 256
+        bare = l2_lookup_from_args(build_parser().parse_args(flags))
+        assert bare is not None and bare.lookup(tokens, "m") == 0 and bare.errors == 1
+        monkeypatch.setenv("L2FS_TOKEN", "router-test-token")  # the environment default, as every l2fs command
+        assert l2_lookup_from_args(build_parser().parse_args(flags)).lookup(tokens, "m") == 2 * 256
+    monkeypatch.setenv("L2FS_MASTER", "h:1")
+    assert build_parser().parse_args([]).l2fs_master == "h:1"
