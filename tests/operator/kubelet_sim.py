@@ -36,6 +36,7 @@ import asyncio
 import base64
 import copy
 import http.client
+import inspect
 import json
 import os
 import re
@@ -287,6 +288,14 @@ class Node:
     labels: dict[str, str]
     ns: Namespace  # its own network namespace: status.hostIP
     root: Path  # hostPath volumes live under it
+    holder: subprocess.Popen[bytes] | None = None  # holds the node's mount namespace (see OneBox._node_mounts)
+    mount_base: int = 0  # mounts in that namespace when it was made
+
+    @property
+    def mnt(self) -> str:
+        """The node's mount namespace (what its containers' namespaces are copied from)."""
+        assert self.holder is not None
+        return f"/proc/{self.holder.pid}/ns/mnt"
 
 
 @dataclass
@@ -332,8 +341,14 @@ class OneBox:
 
     def __init__(self, root: Path, nodes: dict[str, dict[str, str]], *, max_pods: int = 20,
                  s3: dict[str, Path] | None = None, models: dict[str, Path] | None = None,
-                 cpu: bool = True) -> None:
+                 cpu: bool = True, max_mounts: int = 150, max_backoff: float = 8) -> None:
         self.root = root
+        # the mount guard: more mounts than this over the host's count at start, in any namespace of the box
+        # (a node's or a container's), is a fault: everything is killed and waits fail at once (a propagation
+        # loop doubles the table per bind; it must stop the run, not the machine)
+        self.max_mounts = max_mounts
+        self.max_backoff = max_backoff  # restart back-off cap (the kubelet's is 5 min; 8 s keeps tests short)
+        self.fault: str | None = None
         self.node_labels = nodes
         self.max_pods = max_pods
         self.s3 = s3 or {}  # S3 URI -> local dir (the aws-cli init containers' source)
@@ -345,18 +360,39 @@ class OneBox:
         self._free: list[Namespace] = []
         self._lock = threading.RLock()
         self._made_dirs: list[Path] = []
+        self._closing = threading.Event()
+        self._stop = threading.Event()
+        self.cgroup: Path | None = None
         self.ca = trustme.CA()
 
     # ---------- lifecycle ----------
 
     def __enter__(self) -> OneBox:
+        try:
+            return self._enter()
+        except BaseException:
+            self.close()
+            raise
+
+    def _enter(self) -> OneBox:
         self.root.mkdir(parents=True, exist_ok=True)
         self.root.chmod(0o755)
+        cg_root = _cgroup2_root()
+        self.cgroup = cg_root / f"kvtier-onebox-{os.getpid()}-{time.time_ns()}" if cg_root else None
+        if self.cgroup is not None:
+            self.cgroup.mkdir()
+        self._watchdog = subprocess.Popen([sys.executable, "-c", WATCHDOG, str(self.cgroup or "")],
+                                          stdin=subprocess.PIPE, start_new_session=True, text=True)
         self.net = NetnsCluster(nodes=len(self.node_labels) + self.max_pods).__enter__()
+        self.mount_base = _mount_count()
         for (name, labels), ns in zip(self.node_labels.items(), self.net.nodes, strict=False):
             d = self.root / "nodes" / name
             d.mkdir(parents=True, exist_ok=True)
-            self.nodes.append(Node(name, {"kubernetes.io/hostname": name, **labels}, ns, d))
+            node = Node(name, {"kubernetes.io/hostname": name, **labels}, ns, d)
+            self.nodes.append(node)
+            self._node_mounts(node)
+        self._guard = threading.Thread(target=self._mount_guard, daemon=True)
+        self._guard.start()
         self._free = list(self.net.nodes[len(self.node_labels):])
         self.api = ApiServer(call_service=self.call_service)
         for res in ("inference.sagemaker.aws.amazon.com/v1/inferenceendpointconfigs",
@@ -393,7 +429,6 @@ class OneBox:
                               "template": {"metadata": {"labels": {"app": "hyperpod-inference-operator"}},
                                            "spec": {"containers": [{"name": "manager", "image":
                                                     "public.ecr.aws/sagemaker/hyperpod-inference-operator:stand-in"}]}}}}])
-        self._stop = threading.Event()
         self._ctl = threading.Thread(target=self._controllers, daemon=True)
         self._ctl.start()
         return self
@@ -401,16 +436,133 @@ class OneBox:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    def _node_mounts(self, node: Node) -> None:
+        """The node's own mount namespace, held by a sleeping process: a copy of this machine's mounts as
+        slaves (nothing done in a node or its containers ever propagates back to the machine), in which the
+        node's host dir is a bind mount of its own, shared (as a node's / is rshared under systemd): a
+        Bidirectional mount in a container reaches the node and its HostToContainer mounts through it.
+        Containers' namespaces are copied from it; it dies with its last process (the box's cgroup)."""
+        host = node.root / "host"
+        host.mkdir(parents=True, exist_ok=True)
+        h = shlex.quote(str(host))
+        node.holder = subprocess.Popen(
+            [*self._cg_prefix("nodes"), "setpriv", "--pdeathsig", "KILL", "--", "unshare", "--mount",
+             "--propagation", "slave", "--", "/bin/sh", "-ec",
+             f"mount --bind {h} {h}; mount --make-private {h}; mount --make-shared {h}; exec sleep infinity"],
+            start_new_session=True, stdin=subprocess.DEVNULL)
+        self._report_group(node.holder.pid)
+        deadline = time.monotonic() + 20
+        while not any(line.split()[4] == str(host) and "shared:" in line
+                      for line in Path(f"/proc/{node.holder.pid}/mountinfo").read_text().splitlines()):
+            assert node.holder.poll() is None and time.monotonic() < deadline, \
+                f"node {node.name}: its mount namespace did not come up (rc {node.holder.poll()})"
+            time.sleep(0.05)
+        node.mount_base = _mount_count(node.holder.pid)
+
+    def _cg_prefix(self, *parts: str) -> list[str]:
+        """argv prefix that puts the command into the box's cgroup (`parts` below it) before it execs."""
+        if self.cgroup is None:
+            return []
+        cg = self.cgroup.joinpath(*parts)
+        cg.mkdir(parents=True, exist_ok=True)
+        return ["/bin/sh", "-c", 'echo $$ > "$0/cgroup.procs" && exec "$@"', str(cg)]
+
+    def _report_group(self, pgid: int) -> None:
+        """Tell the watchdog a process group to kill if this process dies (the fallback without cgroups)."""
+        if self.cgroup is None and self._watchdog.stdin is not None and pgid > 0:
+            try:
+                self._watchdog.stdin.write(f"pg {pgid}\n")
+                self._watchdog.stdin.flush()
+            except (OSError, ValueError):
+                pass
+
+    def _namespaces(self) -> list[tuple[str, int]]:
+        """(what, pid) of every mount namespace the box made: the nodes' and the running containers'."""
+        out = [(f"node {n.name}", n.holder.pid) for n in self.nodes if n.holder is not None]
+        for p in list(self.pods):
+            out += [(f"pod {p.name} container {c.spec['name']}", c.proc.pid) for c in list(p.containers)
+                    if c.proc is not None and c.proc.poll() is None]
+        return out
+
+    def _mount_guard(self) -> None:
+        """Fail the box (kill everything, set `fault`) when any of its mount namespaces, or the machine's
+        table under the box's root, holds more than `max_mounts` mounts over the host's count at start."""
+        limit = self.mount_base + self.max_mounts
+        while not self._closing.wait(1):
+            bad = [f"{what}: {n} mounts" for what, pid in self._namespaces() if (n := _mount_count(pid)) > limit]
+            here = len(_mounts_under(self.root))
+            if here > self.max_mounts:
+                bad.append(f"this machine's table: {here} mounts under {self.root}")
+            if bad:
+                self.fault = (f"mount guard: more than {limit} mounts (host had {self.mount_base} at start): "
+                              + "; ".join(bad))
+                (self.root / "controllers.log").open("a").write(self.fault + "\n")
+                self._kill_everything()
+                return
+
+    def _kill_everything(self) -> None:
+        """SIGKILL every process of the box (pods, probes, node namespaces) at once."""
+        for p in list(self.pods):
+            p.stopping = True
+        if self.cgroup is not None:
+            _cgroup_kill(self.cgroup)
+        procs = [c.proc for p in list(self.pods) for c in p.containers if c.proc is not None]
+        procs += [n.holder for n in self.nodes if n.holder is not None]
+        for proc in procs:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except OSError:
+                pass
+        for proc in procs:
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                pass
+
     def close(self) -> None:
+        """Stop every pod (preStop, SIGTERM, grace), then kill whatever is left (the box's cgroup), drop the
+        node mount namespaces (all mounts of nodes and containers go with them), unmount anything still under
+        the root on this machine (umount -R -l) and check none is left."""
+        self._closing.set()
         self._stop.set()
+        problems: list[str] = []
         for pod in reversed(list(self.pods)):
-            self.stop_pod(pod)
-        self.front.close()
-        self._serve.__exit__(None, None, None)
-        for node in self.nodes:  # FUSE mounts a killed daemon left on a node path
-            for m in _mounts_under(node.root):
-                subprocess.run(["umount", "-l", m], capture_output=True)
-        self.net.close()
+            try:
+                self.stop_pod(pod)
+            except Exception as e:  # noqa: BLE001 - the rest must still be cleaned up
+                problems.append(f"stop {pod.name}: {type(e).__name__}: {e}")
+        for what, fn in (("front", lambda: self.front.close()), ("api", lambda: self._serve.__exit__(None, None, None))):
+            try:
+                if hasattr(self, what == "front" and "front" or "_serve"):
+                    fn()
+            except Exception as e:  # noqa: BLE001
+                problems.append(f"{what}: {type(e).__name__}: {e}")
+        self._kill_everything()
+        left = _mounts_under(self.root)
+        if left:
+            subprocess.run(["umount", "-R", "-l", str(self.root)], capture_output=True, timeout=60)
+            for m in _mounts_under(self.root):
+                subprocess.run(["umount", "-l", m], capture_output=True, timeout=30)
+            if _mounts_under(self.root):
+                problems.append(f"mounts left under {self.root}: {_mounts_under(self.root)[:5]}")
+        for d in sorted(self._made_dirs, key=lambda x: len(x.parts), reverse=True):
+            try:  # mountPath dirs made on this machine's root for the binds (only if still empty)
+                d.rmdir() if d.is_dir() and not d.is_symlink() else d.unlink()
+            except OSError:
+                pass
+        watchdog = getattr(self, "_watchdog", None)
+        if watchdog is not None and watchdog.stdin is not None:
+            watchdog.stdin.close()
+            try:
+                watchdog.wait(30)
+            except subprocess.TimeoutExpired:
+                problems.append("watchdog did not finish")
+        if self.cgroup is not None and self.cgroup.exists():
+            problems.append(f"processes left in {self.cgroup}: {(self.cgroup / 'cgroup.procs').read_text()!r}")
+        if hasattr(self, "net"):
+            self.net.close()
+        if problems:
+            raise AssertionError("one-box cleanup: " + "; ".join(problems))
 
     # ---------- the API ----------
 
@@ -621,7 +773,7 @@ class OneBox:
                     if rc == 0:
                         break
                     c.restarts += 1
-                    time.sleep(min(8, 2 ** min(c.restarts, 3)))
+                    time.sleep(min(self.max_backoff, 2 ** min(c.restarts, 3)))
             mains = [c for c in pod.containers if not c.init]
             for c in mains:
                 self._start(pod, c)
@@ -638,7 +790,8 @@ class OneBox:
                             c.ready, changed = False, True
                         if policy == "Never" or (policy == "OnFailure" and c.proc.returncode == 0):
                             continue
-                        when = backoff.setdefault(c.spec["name"], time.monotonic() + min(8, 2 ** min(c.restarts, 3)))
+                        when = backoff.setdefault(c.spec["name"], time.monotonic()
+                                                  + min(self.max_backoff, 2 ** min(c.restarts, 3)))
                         if time.monotonic() >= when:
                             c.restarts += 1
                             backoff.pop(c.spec["name"])
@@ -706,10 +859,15 @@ class OneBox:
                 try:
                     c.proc.wait(min(grace, 20))
                 except subprocess.TimeoutExpired:
-                    os.killpg(c.proc.pid, signal.SIGKILL)
-                    c.proc.wait(10)
+                    try:
+                        os.killpg(c.proc.pid, signal.SIGKILL)
+                        c.proc.wait(10)
+                    except (OSError, subprocess.TimeoutExpired):
+                        pass
         if pod.thread is not None:
             pod.thread.join(10)
+        if self.cgroup is not None:  # what the containers left behind (children in other process groups)
+            _cgroup_kill(self.cgroup / "pods" / pod.dir.name)
         with self._lock:
             if pod in self.pods:
                 self.pods.remove(pod)
@@ -925,15 +1083,23 @@ class OneBox:
         argv = self._argv(pod, c.spec, env)
         script = self._mount_script(pod, c.spec)
         ids = _setpriv(pod, c.spec)
-        # nsenter (network) -> unshare (mounts) -> sh (bind volumes) -> setpriv (users, caps) -> the command;
-        # all exec, so the Popen pid is the container's process
-        wrapper = ["nsenter", f"--net={pod.ns.path}", "--", "unshare", "--mount", "--propagation", "unchanged",
+        # the pod's cgroup -> nsenter (the node's mounts, the pod's network) -> unshare (the container's own
+        # mounts, copied from the node's: the node's host dir shared, the rest slaves) -> sh (bind volumes) ->
+        # setpriv (users, caps) -> the command; all exec, so the Popen pid is the container's process, and
+        # its process group and the pod's cgroup hold everything it starts
+        wrapper = [*self._cg_prefix("pods", pod.dir.name), "nsenter", f"--mount={pod.node.mnt}",
+                   f"--net={pod.ns.path}", f"--wd={c.spec.get('workingDir') or '/'}", "--",
+                   "unshare", "--mount", "--propagation", "unchanged",
                    "--", "/bin/sh", "-ec", script + "\nexec " + " ".join(map(shlex.quote, ids + argv))]
         out = (pod.dir / f"{c.spec['name']}.log").open("ab")
         out.write(f"--- start {time.strftime('%H:%M:%S')} {shlex.join(argv)}\n".encode())
         out.flush()
+        if pod.stopping or self.fault:
+            raise RuntimeError(f"pod {pod.name} is stopping: {c.spec['name']} not started")
         c.proc = subprocess.Popen(wrapper, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                                  cwd=c.spec.get("workingDir") or "/")
+                                  stdin=subprocess.DEVNULL, cwd="/")
+        out.close()
+        self._report_group(c.proc.pid)
         c.ready = False
         return c.proc
 
@@ -970,11 +1136,14 @@ class OneBox:
         if "kube-api-access" in pod.volumes:
             mounts.append(("/var/run/secrets/kubernetes.io/serviceaccount", pod.volumes["kube-api-access"],
                            {"readOnly": True}))
+        # As runc binds a container's mounts: each source bound (recursively) at its target, the bind made
+        # rshared (Bidirectional), rslave (HostToContainer) or rprivate (None). A source under the node's host
+        # dir is shared there (OneBox._node_mounts), so its bind joins that peer group; every target's parent
+        # is this namespace's copy of the machine's root, never shared, so no bind propagates anywhere else
+        # (and nothing is ever bound onto a shared mount: that doubles the peer group per bind).
         for target, src, m in mounts:
             self._ensure_target(Path(target), src)
             prop = m.get("mountPropagation", "None")
-            if prop == "Bidirectional":
-                self._make_shared(src)
             sub = src / m["subPath"] if m.get("subPath") else src
             q, s = shlex.quote(target), shlex.quote(str(sub))
             lines.append(f"mount --rbind {s} {q}")
@@ -993,32 +1162,42 @@ class OneBox:
         return "\n".join(lines)
 
     def _ensure_target(self, target: Path, src: Path) -> None:
-        """A mountPath's directory (or file) on the machine's root, where the runtime would create it."""
+        """A mountPath's directory (or file) on the machine's root, where the runtime would create it
+        (recorded with the parents made for it: close() removes them again if they are still empty)."""
         if target.exists() or target.is_symlink():
             return
+        made = [p for p in [target, *target.parents] if not p.exists()]
         if src.is_dir():
             target.mkdir(parents=True, exist_ok=True)
         else:
             target.parent.mkdir(parents=True, exist_ok=True)
             target.touch()
-        self._made_dirs.append(target)
-
-    def _make_shared(self, d: Path) -> None:
-        """A node path another container's mount must reach (mountPropagation): a shared mount on the host."""
-        if not os.path.ismount(d):
-            subprocess.run(["mount", "--bind", str(d), str(d)], check=True)
-        subprocess.run(["mount", "--make-shared", str(d)], check=True)
+        self._made_dirs.extend(made)
 
     def _exec_in(self, pod: Pod, c: Container, cmd: list[str], timeout: float) -> int:
         """`kubectl exec`: cmd in the container's mount and network namespaces, as its user."""
         if c.proc is None or c.proc.poll() is not None:
             return -1
         env = self.env(pod, c.spec)
-        argv = ["nsenter", "-t", str(c.proc.pid), "-m", "-n", "--", *_setpriv(pod, c.spec), *cmd]
+        argv = [*self._cg_prefix("pods", pod.dir.name), "nsenter", "-t", str(c.proc.pid), "-m", "-n", "--",
+                *_setpriv(pod, c.spec), *cmd]
+        # own process group: on a timeout the whole probe goes (a `sh -c 'mountpoint ...'` whose child hangs
+        # on a dead mount would otherwise outlive it, re-parented to pid 1)
+        p = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL, start_new_session=True)
         try:
-            return subprocess.run(argv, env=env, capture_output=True, timeout=timeout).returncode
+            return p.wait(timeout)
         except subprocess.TimeoutExpired:
             return -1
+        finally:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except OSError:
+                pass
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                pass
 
     def _probe(self, pod: Pod, c: Container, which: str) -> bool:
         p = c.spec.get(which)
@@ -1116,8 +1295,22 @@ class OneBox:
             self.kubeconfig = write_kubeconfig(self.root / "kubeconfig", self.api_url)
         full = {**os.environ, **(env or {}), "PATH": f"{bindir}:{VENV_BIN}:{os.environ['PATH']}",
                 "KUBECONFIG": str(self.kubeconfig)}
-        return subprocess.run(["bash", "-euo", "pipefail", "-c", script], cwd=cwd, env=full, capture_output=True,
-                              text=True, timeout=timeout)
+        # its own process group, killed as a whole on the timeout; a timeout is rc 124 with the output so far
+        p = subprocess.Popen(["bash", "-euo", "pipefail", "-c", script], cwd=cwd, env=full, stdin=subprocess.DEVNULL,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+        try:
+            out, err = p.communicate(timeout=timeout)
+            rc = p.returncode
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            out, err = p.communicate(timeout=10)
+            rc, err = 124, (err or "") + f"\nonebox: timed out after {timeout:.0f} s\n"
+        finally:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except OSError:
+                pass
+        return subprocess.CompletedProcess(p.args, rc, out, err)
 
     def _kubectl_server(self, srv: socket.socket) -> None:
         while True:
@@ -1265,9 +1458,15 @@ class OneBox:
         return [p for p in self.pods if p.owner.split("/")[2] == owner_name and not p.stopping
                 and (namespace is None or p.namespace == namespace)]
 
+    def check(self) -> None:
+        """Raise at once if the box failed (the mount guard tripped): waits must fail, not run out."""
+        if self.fault:
+            raise AssertionError(self.fault)
+
     def wait_ready(self, *owners: str, timeout: float = 180) -> None:
         deadline = time.monotonic() + timeout
         while True:
+            self.check()
             missing = [o for o in owners if not self.pods_of(o) or not all(p.ready for p in self.pods_of(o))]
             if not missing:
                 return
@@ -1317,6 +1516,7 @@ class OneBox:
         """`kubectl wait job/NAME --for=condition=complete` (or failed): the Job's finished pod."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
+            self.check()
             done = [p for p in self.finished if p.owner == f"Job/{namespace}/{job}"]
             if done:
                 return done[0]
@@ -1328,11 +1528,30 @@ class OneBox:
         name = container or pod.containers[-1].spec["name"]
         return (pod.dir / f"{name}.log").read_text(errors="replace")
 
-    def run_in_node(self, node: Node, argv: list[str], **kw: Any) -> subprocess.CompletedProcess[str]:
-        """A process in a node's network (a debug pod with hostNetwork)."""
-        kw.setdefault("capture_output", True)
-        kw.setdefault("text", True)
-        return subprocess.run(["nsenter", f"--net={node.ns.path}", "--", *argv], **kw)
+    def run_in_node(self, node: Node, argv: list[str], timeout: float = 300, env: dict[str, str] | None = None,
+                    cwd: str = "/") -> subprocess.CompletedProcess[str]:
+        """A process in a node's network and mounts (a debug pod with hostNetwork and the node's / mounted):
+        its own process group in the box's cgroup, killed as a whole on the timeout (then TimeoutExpired)."""
+        p = subprocess.Popen([*self._cg_prefix("debug"), "nsenter", f"--mount={node.mnt}", f"--net={node.ns.path}",
+                              f"--wd={cwd}", "--", *argv], env=env, stdin=subprocess.DEVNULL,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+        try:
+            out, err = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.communicate(timeout=10)
+            raise
+        finally:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except OSError:
+                pass
+        return subprocess.CompletedProcess(p.args, p.returncode, out, err)
+
+    def node_mounted(self, node: Node, path: str) -> bool:
+        """Whether a node path (a hostPath) is a mount point in the node's mount namespace."""
+        assert node.holder is not None
+        return str(self.host_path(node, path)) in _mounts_under(self.host_path(node, path), node.holder.pid)
 
 
 # ---------------------------------------------------------------- kubectl (the docs' commands)
@@ -1491,13 +1710,84 @@ def _node_fits(n: Node, spec: dict[str, Any]) -> bool:
                           for t in req)
 
 
-def _mounts_under(root: Path) -> list[str]:
+def _mounts_under(root: Path, pid: int | str = "self") -> list[str]:
+    """Mount points at or under `root` in the mount namespace of `pid` (deepest first)."""
     out = []
-    for line in Path("/proc/self/mountinfo").read_text().splitlines():
+    try:
+        text = Path(f"/proc/{pid}/mountinfo").read_text()
+    except OSError:  # the process is gone
+        return []
+    for line in text.splitlines():
         mp = line.split()[4]
-        if mp.startswith(str(root)):
+        if mp == str(root) or mp.startswith(str(root) + "/"):
             out.append(mp)
     return sorted(out, key=len, reverse=True)
+
+
+def _mount_count(pid: int | str = "self") -> int:
+    try:
+        return Path(f"/proc/{pid}/mountinfo").read_text().count("\n")
+    except OSError:
+        return 0
+
+
+def _cgroup2_root() -> Path | None:
+    """A writable cgroup v2 hierarchy (/sys/fs/cgroup, or /sys/fs/cgroup/unified on a hybrid host), for
+    cgroup.kill: a pod's processes die together, double-forked ones included."""
+    for d in (Path("/sys/fs/cgroup"), Path("/sys/fs/cgroup/unified")):
+        if (d / "cgroup.procs").exists() and os.access(d, os.W_OK) and (d / "cgroup.controllers").exists():
+            probe = d / f"kvtier-onebox-probe-{os.getpid()}"
+            try:
+                probe.mkdir()
+            except OSError:
+                continue
+            ok = (probe / "cgroup.kill").exists()
+            probe.rmdir()
+            if ok:
+                return d
+    return None
+
+
+def _cgroup_kill(cg: Path, timeout: float = 15) -> bool:
+    """SIGKILL every process in cgroup `cg` and its children, wait until they are gone, remove the cgroups."""
+    if not cg.exists():
+        return True
+    try:
+        (cg / "cgroup.kill").write_text("1")
+    except OSError:
+        pass
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and "populated 1" in (cg / "cgroup.events").read_text():
+        time.sleep(0.1)
+    for d in sorted((x for x in cg.rglob("*") if x.is_dir()), key=lambda x: len(x.parts), reverse=True) + [cg]:
+        try:
+            d.rmdir()
+        except OSError:
+            pass
+    return not cg.exists()
+
+
+# The box's watchdog: a process of its own (own session) holding the read end of a pipe whose write end only
+# the box's process has. When that end closes (close() done, or the test process killed), it SIGKILLs what the
+# box started (its cgroup; without cgroups, the process groups the box reported) so no container, probe loop
+# or node mount namespace outlives the box; the mount namespaces go with their last process.
+WATCHDOG = """
+import os, signal, sys, time
+from pathlib import Path
+cg = Path(sys.argv[1]) if sys.argv[1] else None
+groups = set()
+for line in sys.stdin:
+    if line.startswith("pg "):
+        groups.add(int(line.split()[1]))
+for g in groups:
+    try:
+        os.killpg(g, signal.SIGKILL)
+    except OSError:
+        pass
+""" + inspect.getsource(_cgroup_kill) + """
+if cg is not None:
+    _cgroup_kill(cg, 20)
+"""
 
 
 def operator_deployment(iec: dict[str, Any]) -> dict[str, Any]:

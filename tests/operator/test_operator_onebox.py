@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from kubelet_sim import ROOT, OneBox, box_root, render
+from kubelet_sim import ROOT, OneBox, _mount_count, _mounts_under, box_root, render
 
 pytestmark = [
     pytest.mark.k8s,
@@ -74,6 +74,7 @@ def g6e(tiny: Path) -> Iterator[OneBox]:
     src, name = iec["spec"]["modelSourceConfig"], iec["metadata"]["name"]
     nodes = {f"node-{i}": {"node.kubernetes.io/instance-type": iec["spec"]["instanceType"]} for i in (1, 2)}
     uri = f"s3://{src['s3Storage']['bucketName']}/{src['modelLocation']}/"
+    before = _mount_count()
     for root in box_root():
         work = root / "work"
         work.mkdir()
@@ -85,11 +86,15 @@ def g6e(tiny: Path) -> Iterator[OneBox]:
             steps = filled(docs_block("deploy.md", "## Install, step by step"))
             if OVERLAY != "hyperpod-g6e":
                 steps = steps.replace("hyperpod-g6e", OVERLAY).replace("qwen2-7b", name)
-            box.installed = box.shell(steps, cwd=work)
+            box.installed = box.shell(steps, cwd=work, timeout=420)
             tokens = work / "tokens.json"
             box.tokens = {e["name"]: e["token"] for e in json.loads(tokens.read_text())} if tokens.exists() else {}
             box.work = work
             yield box
+        # the box's mounts lived in its node and container namespaces: none is left on this machine (a few
+        # lines of slack: other tests on the machine mount too)
+        assert not _mounts_under(root), _mounts_under(root)[:5]
+        assert _mount_count() <= before + 4, (before, _mount_count())
 
 
 def test_install_steps_of_the_docs_run_in_order(g6e: OneBox) -> None:
@@ -119,7 +124,7 @@ def test_core_pods_come_up_from_the_rendered_overlay(g6e: OneBox) -> None:
                                            if d["metadata"]["name"].startswith("kvtier-config")))
     assert cm is not None
     for node in g6e.nodes:
-        assert os.path.ismount(g6e.host_path(node, cm["L2FS_MOUNT_PATH"])), node.name
+        assert g6e.node_mounted(node, cm["L2FS_MOUNT_PATH"]), node.name
     # what the API serves of those pods (the router reads it): Ready, with the pod's address
     for p in g6e.pods_of("l2fs-worker"):
         got = g6e.get("Pod", "kvtier", p.name)
