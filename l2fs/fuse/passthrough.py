@@ -424,7 +424,11 @@ class PassthroughServer:
     def node_for(self, path: str, s: pb.FileStat) -> _Node:
         with self.lock:
             n = self.by_path.get(path)
-            held = [k for k in n.backings.values() if k[0] not in ("w", "u")] if n is not None else []
+            held: list[tuple[str, int, int]] = []  # backings of a version (or of a writer gone since) still open
+            if n is not None:
+                writing = {w.wfd for w in n.writers}
+                held = [k for k in n.backings.values()
+                        if not ((k[0] == "w" and k[1] in writing) or (k[0] == "u" and writing))]
             stale = bool(held) and all(k[1:] != (s.size, s.crc32c) for k in held)
             if n is None or n.is_dir != s.is_dir or stale:  # stale: another version is open on the old inode
                 n = _Node(self.next_ino, path, s.is_dir)
