@@ -1105,6 +1105,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--gid", type=int, default=0)
     p.add_argument("--allow-other", action="store_true")
     p.add_argument("--metrics-port", type=int, default=None, help="serve the server's counters on 127.0.0.1")
+    # the pyfuse3 mount's flags that mean nothing here, accepted so that one argument list starts either mount
+    p.add_argument("--write-buffer", default=None,
+                   help="(not used: the kernel writes the temp files; their bound is the --cache-dir file system)")
+    p.add_argument("--read-cache", default=None, help="(not used: no read snapshots, the kernel reads the files)")
+    p.add_argument("--page-cache", action="store_true", help="(not used: passthrough reads use the block files' pages)")
     p.add_argument("--debug", action="store_true")
     a = p.parse_args(argv)
     if not a.master:

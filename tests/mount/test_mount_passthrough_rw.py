@@ -245,3 +245,22 @@ def test_process_writes_fallback(cluster: LocalCluster, pt_mount: Callable[..., 
     c = cluster.client()
     assert c.get("/p/f") == d and c.stat("/p/f").nodes == ["node-2"]
     assert (m / "p/f").read_bytes() == d
+
+
+@pytest.mark.unit
+def test_one_argument_list_starts_either_mount(tmp_path: Path) -> None:
+    """The deployed mount's flags (as the mount DaemonSet and an endpoint supervisor's children pass them) are
+    accepted by the passthrough server's own parser too, so selecting it is adding --passthrough."""
+    import importlib
+
+    from l2fs.fuse import passthrough
+
+    pyfuse3_main = importlib.import_module("l2fs.fuse.main")  # the package re-exports main(), hiding the module
+
+    argv = [str(tmp_path), "--master", "10.0.0.5:8995", "--node-id", "n1", "--timeout", "2", "--allow-other",
+            "--uid", "1000", "--gid", "1000", "--umask", "002", "--max-file-size", "64M", "--write-buffer", "128M",
+            "--read-cache", "256M", "--page-cache", "--cache-timeout", "1", "--threads", "8"]
+    pyfuse3_main.parse_args(argv)
+    a = passthrough.parse_args([*argv, "--passthrough"])
+    assert (a.uid, a.gid, a.umask, a.max_file_size, a.read_only) == (1000, 1000, 0o002, 64 << 20, False)
+    assert passthrough.parse_args([*argv, "--read-only"]).read_only
