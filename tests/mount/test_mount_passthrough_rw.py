@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import textwrap
 from collections.abc import Callable
 from pathlib import Path
@@ -17,6 +18,7 @@ from typing import Any
 
 import pytest
 import test_mount_passthrough
+from mount_helpers import start_mount
 from polling import wait_until
 from test_mount_passthrough import PtMount
 
@@ -246,6 +248,28 @@ def test_process_writes_fallback(cluster: LocalCluster, pt_mount: Callable[..., 
     assert c.get("/p/f") == d and c.stat("/p/f").nodes == ["node-2"]
     assert (m / "p/f").read_bytes() == d
 
+
+def test_non_root_writer(cluster: LocalCluster, tmp_path: Path) -> None:
+    """--uid 1000 --gid 1000 (a vLLM container's user): uid 1000 makes a directory, writes, renames and reads
+    back; uid 1001 reads but cannot create (the kernel enforces the modes)."""
+    with tempfile.TemporaryDirectory(prefix="l2fs-pt-owner-", dir="/tmp", ignore_cleanup_errors=True) as top:
+        os.chmod(top, 0o755)  # pytest's tmp_path is root-only
+        m = start_mount(Path(top) / "m", cluster.master, "--passthrough", "--node-id", "node-1", "--uid", "1000",
+                        "--gid", "1000", "--cache-dir", str(tmp_path))
+        try:
+            def as_user(uid: int, script: str) -> subprocess.CompletedProcess[str]:
+                return subprocess.run(["setpriv", "--reuid", str(uid), "--regid", str(uid), "--clear-groups", "sh",
+                                       "-c", script], capture_output=True, text=True, timeout=60)
+
+            d = m / "owned"
+            r = as_user(1000, f"mkdir {d} && printf hi > {d}/a.tmp && mv {d}/a.tmp {d}/a && cat {d}/a")
+            assert (r.returncode, r.stdout) == (0, "hi"), r.stderr
+            r = as_user(1001, f"cat {d}/a && printf x > {d}/b")
+            assert r.returncode != 0 and r.stdout == "hi" and "Permission denied" in r.stderr
+        finally:
+            m.stop()
+    c = cluster.client()
+    assert c.get("/owned/a") == b"hi" and not c.exists("/owned/b")
 
 @pytest.mark.unit
 def test_one_argument_list_starts_either_mount(tmp_path: Path) -> None:
