@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from .options import add_config_args, config_from_args
+from .options import add_config_args, config_from_args, fill_unset
 from .patch import (
     IEC_GROUP,
     IEC_KIND,
@@ -41,6 +41,7 @@ PAUSED_KEY = "kvtier.io/paused-replicas"  # on the operator controller: replicas
 REPLICAS_KEY = "kvtier.io/original-replicas"  # on the model Deployment: replicas before the drain
 CONTROLLER_NAMES = ("hyperpod-inference-operator-controller-manager", "hyperpod-inference-controller-manager")
 WEBHOOK_CONFIG = "kvtier-operator-patch"
+WEBHOOK_DEPLOYMENT = "kvtier-webhook"  # deploy/base/webhook.yaml: its env is the patch settings
 JSON_PATCH = "application/json-patch+json"
 MERGE_PATCH = "application/merge-patch+json"
 
@@ -474,21 +475,53 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--poll", type=float, default=2.0, help=argparse.SUPPRESS)
     p.add_argument("--token-namespace", default="kvtier",
                    help="plugin mode: namespace of the l2fs token Secret that `apply` copies into --namespace")
+    p.add_argument("--webhook-namespace", default="kvtier",
+                   help="where the kvtier webhook runs: patch settings not given here (flag or KVTIER_* env) "
+                        "are the ones it patches with")
     p.add_argument("--kubeconfig", default=None)
     p.add_argument("--context", default=None)
     add_config_args(p)
     return p
 
 
+def webhook_settings(k: Kube, namespace: str) -> dict[str, str]:
+    """The KVTIER_* settings the installed webhook (Deployment kvtier-webhook) patches with: its containers'
+    envFrom ConfigMaps and plain env values; {} when it is not installed or cannot be read."""
+    try:
+        dep = k.apps.read_namespaced_deployment(WEBHOOK_DEPLOYMENT, namespace)
+    except Exception:  # noqa: BLE001 - no webhook (or no right to read it): the flags alone decide
+        return {}
+    out: dict[str, str] = {}
+    for c in dep.spec.template.spec.containers or []:
+        for src in c.env_from or []:
+            if src.config_map_ref is not None:
+                try:
+                    out.update(k.core.read_namespaced_config_map(src.config_map_ref.name, namespace).data or {})
+                except Exception:  # noqa: BLE001
+                    continue
+        out.update({e.name: e.value for e in c.env or [] if e.value is not None})
+    return {name: str(v) for name, v in out.items() if name.startswith("KVTIER_")}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = build_parser()
-    ns = p.parse_args(argv)
+    args = sys.argv[1:] if argv is None else argv
+    ns = p.parse_args(args)
     try:
         cfg = config_from_args(ns)
+        kube = Kube.connect(ns.kubeconfig, ns.context)
+        filled = fill_unset(ns, webhook_settings(kube, ns.webhook_namespace), {a.split("=", 1)[0] for a in args})
+        if filled:
+            print(f"operator-patch: {', '.join(filled)} as the webhook in {ns.webhook_namespace} has them",
+                  flush=True)
+            cfg = config_from_args(ns)
     except ValueError as e:
         p.error(str(e))
+    except CliError as e:
+        print(f"operator-patch: error: {e}", file=sys.stderr)
+        return e.code
     try:
-        proc = Procedure(Kube.connect(ns.kubeconfig, ns.context), ns, cfg)
+        proc = Procedure(kube, ns, cfg)
         return int(getattr(proc, ns.action)())
     except CliError as e:
         print(f"operator-patch: error: {e}", file=sys.stderr)

@@ -70,3 +70,22 @@ def add_config_args(parser: argparse.ArgumentParser) -> None:
 def config_from_args(ns: argparse.Namespace) -> PatchConfig:
     """PatchConfig from parsed flags; raises ValueError with a readable message on bad values."""
     return PatchConfig(**{field: getattr(ns, field) for field, _ in _FLAGS.values()})
+
+
+def flag_env(flag: str) -> str:
+    """The KVTIER_<FLAG> name of a flag (what deploy/'s kvtier-config ConfigMap sets for the webhook)."""
+    return "KVTIER_" + flag.lstrip("-").replace("-", "_").upper()
+
+
+def fill_unset(ns: argparse.Namespace, settings: dict[str, str], given: set[str]) -> list[str]:
+    """Flags neither on the command line (`given`) nor in this environment take `settings`' KVTIER_* values
+    (the running webhook's): so `verify` checks what the webhook patched with, not the defaults (mount mode,
+    the default master), which a plugin-mode endpoint fails. Returns the flags filled in."""
+    filled = []
+    for flag, (field, _) in _FLAGS.items():
+        if flag in given or kvtier_envs.patch_flag(flag) is not None or flag_env(flag) not in settings:
+            continue
+        setattr(ns, field, settings[flag_env(flag)])
+        filled.append(flag)
+    return filled
+

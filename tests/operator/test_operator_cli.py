@@ -458,3 +458,35 @@ def test_failed_patch_rolls_back_drain_and_pause(cluster: Cluster, capsys: pytes
     assert dep["spec"]["replicas"] == 2 and REPLICAS_KEY not in (dep["metadata"].get("annotations") or {})
     assert replicas_seen(cluster, CTRL_NS, CTRL) == [1, 0, 1]
     assert replicas_seen(cluster, "team-a", "qwen2-7b") == [2, 0, 2]
+
+
+def test_verify_checks_what_the_installed_webhook_patches_with(cluster: Cluster,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    """docs/deploy.md's `kvtier operator-patch verify --namespace N --endpoint E` (no --mode) after a plugin-mode
+    install (hyperpod-p5: KVTIER_MODE=plugin in the webhook's ConfigMap): verify takes the settings the flags do
+    not give from the webhook's Deployment (its envFrom ConfigMap) and passes; with the defaults (mount mode)
+    it failed a correctly patched plugin-mode endpoint. A flag given still wins."""
+    from kubernetes import client
+
+    dep = setup(cluster)
+    ns, name = dep["metadata"]["namespace"], dep["metadata"]["name"]
+    engine_secret(cluster, name, ns)
+    master = "l2fs-master-0.l2fs-master.kvtier.svc.cluster.local:8995"
+    assert run(cluster, "apply", ns, name, "--mode", "plugin", "--master", master) == 0
+    assert run(cluster, "verify", ns, name) == 1  # no webhook installed: the defaults (mount mode)
+    core = client.CoreV1Api(cluster.api)
+    core.create_namespaced_config_map("kvtier", {"apiVersion": "v1", "kind": "ConfigMap",
+                                                 "metadata": {"name": "kvtier-config-5g2h8", "namespace": "kvtier"},
+                                                 "data": {"KVTIER_MODE": "plugin", "KVTIER_MASTER": master,
+                                                          "L2FS_MASTER": "x:1"}})
+    cluster.apps.create_namespaced_deployment("kvtier", {
+        "apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "kvtier-webhook", "namespace": "kvtier"},
+        "spec": {"replicas": 1, "selector": {"matchLabels": {"app": "w"}}, "template": {
+            "metadata": {"labels": {"app": "w"}}, "spec": {"containers": [{
+                "name": "webhook", "image": "kvtier", "envFrom": [{"configMapRef": {"name": "kvtier-config-5g2h8"}}],
+                "env": [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}]}]}}}})
+    capsys.readouterr()
+    assert run(cluster, "verify", ns, name) == 0
+    out = capsys.readouterr().out
+    assert "--mode, --master as the webhook in kvtier has them" in out and "plugin mode" in out, out
+    assert run(cluster, "verify", ns, name, "--mode", "mount") == 1
