@@ -16,6 +16,12 @@ operation, and the worker checks it without asking anyone:
   was allocated for (not in the string: the worker takes it from the request): without that, an engine
   token could write its allocated block under another tenant's path, which the worker keeps in its manifest
   and reports, so a restarted master would publish it there. This extends the brief's (op, id, expiry).
+- From protocol 6 a capability also names its holder: `c2.<op>.<block id>.<expiry>.<holder>.<MAC>`, holder
+  the first 48 bits of SHA-256 of the credential name the master minted it for (holder_id), inside the MAC. The
+  worker counts its data-plane connections and block streams per holder, so one credential cannot take more
+  than its share of a worker's slots however many addresses it comes from (before, only per address: a c1
+  capability names no credential). A master mints c2 only for workers of protocol >= 6 and only for a caller
+  with a credential; otherwise c1 as before, which every worker still takes (limited per address only).
 - The expiry is checked against the worker's clock with `skew` seconds of slack (clocks of master and
   worker differ). Checking is one HMAC and a constant-time compare per request (~6 us in Python on a
   loaded 2-core box).
@@ -33,6 +39,7 @@ the CRC is known after the id is minted.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
 import time
@@ -42,11 +49,13 @@ from typing import Any
 from l2fs.common.paths import BLOCK_ID
 
 VERSION = "c1"
+VERSION_HOLDER = "c2"  # protocol 6: the capability names its holder (holder_id)
+HOLDER_HEX = 12
 READ, WRITE = "r", "w"
 DEFAULT_TTL = 600.0  # seconds a capability is valid after the master minted it (l2fs master --capability-ttl)
 DEFAULT_SKEW = 60.0  # seconds of clock difference a worker allows past the expiry (l2fs worker --capability-skew)
 MAC_HEX = 32
-MAX_LEN = 2 + 1 + 1 + 1 + 32 + 1 + 20 + 1 + MAC_HEX  # a longer presented string is not a capability
+MAX_LEN = 2 + 1 + 1 + 1 + 32 + 1 + 20 + 1 + HOLDER_HEX + 1 + MAC_HEX  # a longer string is not a capability
 _DATA_LABEL = b"l2fs-data\0"
 
 
@@ -77,32 +86,73 @@ def seal_ok(block_key: bytes, mac: str, worker_id: str, bid: str, size: int, crc
             and hmac.compare_digest(mac, seal_mac(block_key, worker_id, bid, size, crc, path)))
 
 
-def _mac(key: bytes, op: str, bid: str, expiry: int, path: str, size: int | None = None) -> str:
+@functools.lru_cache(maxsize=4096)
+def holder_id(name: str) -> str:
+    """The holder a capability names for the credential `name`: the same on every master and shard (a worker
+    counts one credential's connections together whichever shard minted their capabilities)."""
+    return hashlib.sha256(b"l2fs-holder\0" + name.encode("utf-8", "surrogatepass")).hexdigest()[:HOLDER_HEX]
+
+
+def _mac(key: bytes, op: str, bid: str, expiry: int, path: str, size: int | None = None,
+         holder: str | None = None) -> str:
+    if holder is not None:  # c2 (protocol 6): sized writes always
+        return _mac_hex(key, VERSION_HOLDER, op, bid, expiry, holder, path, "" if size is None else size)
     if size is None:  # a read, or a write minted for a worker older than protocol 5
         return _mac_hex(key, VERSION, op, bid, expiry, path)
     return _mac_hex(key, VERSION, op, bid, expiry, path, size)
 
 
-def mint(key: bytes, op: str, bid: str, expiry: int, path: str = "", size: int | None = None) -> str:
+def mint(key: bytes, op: str, bid: str, expiry: int, path: str = "", size: int | None = None,
+         holder: str | None = None) -> str:
     """A capability for `op` on block `bid` until `expiry` (unix seconds); `path` and `size`: a write's path and
-    allocated size (size None: the MAC of protocol 3-4 workers, which bind no size)."""
+    allocated size (size None: the MAC of protocol 3-4 workers, which bind no size); `holder`: the holder_id of
+    the credential it is minted for (a c2 capability, protocol >= 6 workers), None for a c1 one."""
     if op not in (READ, WRITE):
         raise ValueError(f"capability op must be {READ!r} or {WRITE!r}, not {op!r}")
     w = op == WRITE
-    return f"{VERSION}.{op}.{bid}.{expiry}.{_mac(key, op, bid, expiry, path if w else '', size if w else None)}"
+    mac = _mac(key, op, bid, expiry, path if w else "", size if w else None, holder)
+    if holder is not None:
+        if len(holder) != HOLDER_HEX or not _is_hex(holder):
+            raise ValueError(f"capability holder must be {HOLDER_HEX} hex digits (holder_id), not {holder!r}")
+        return f"{VERSION_HOLDER}.{op}.{bid}.{expiry}.{holder}.{mac}"
+    return f"{VERSION}.{op}.{bid}.{expiry}.{mac}"
+
+
+def _is_hex(s: str) -> bool:
+    return s.isascii() and all(c in "0123456789abcdef" for c in s)
+
+
+def _parse(cap: str) -> tuple[str, str, int, str, str | None] | None:
+    """(op, block id, expiry, mac, holder or None) of a well-formed c1 or c2 capability string, else None."""
+    if not cap or len(cap) > MAX_LEN:
+        return None
+    parts = cap.split(".")
+    holder = None
+    if len(parts) == 6 and parts[0] == VERSION_HOLDER:
+        holder = parts.pop(4)
+        if len(holder) != HOLDER_HEX or not _is_hex(holder):
+            return None
+    elif len(parts) != 5 or parts[0] != VERSION:
+        return None
+    _, op, bid, exp, mac = parts
+    if op not in (READ, WRITE) or not BLOCK_ID.match(bid) or not exp.isdigit() or len(exp) > 20 \
+            or len(mac) != MAC_HEX:
+        return None
+    return op, bid, int(exp), mac, holder
 
 
 def parse(cap: str) -> tuple[str, str, int, str] | None:
     """(op, block id, expiry, mac) of a well-formed capability string, else None."""
-    if not cap or len(cap) > MAX_LEN:
-        return None
-    parts = cap.split(".")
-    if len(parts) != 5 or parts[0] != VERSION or parts[1] not in (READ, WRITE):
-        return None
-    _, op, bid, exp, mac = parts
-    if not BLOCK_ID.match(bid) or not exp.isdigit() or len(exp) > 20 or len(mac) != MAC_HEX:
-        return None
-    return op, bid, int(exp), mac
+    got = _parse(cap)
+    return got[:4] if got is not None else None
+
+
+def holder_of(cap: str | bytes) -> str | None:
+    """The holder a well-formed c2 capability names (unverified: check it first), None for anything else."""
+    if isinstance(cap, bytes):
+        cap = cap.decode("ascii", "replace")
+    got = _parse(cap)
+    return got[4] if got is not None else None
 
 
 def expiry_of(cap: str) -> int | None:
@@ -118,26 +168,26 @@ def why_denied(key: bytes, presented: str | bytes, op: str, bid: str, path: str 
     refused client sees)."""
     if isinstance(presented, bytes):
         presented = presented.decode("ascii", "replace")
-    got = parse(presented)
+    got = _parse(presented)
     if got is None:
         return ("this worker needs a block capability from the master (l2fs protocol >= 3), not a token: "
                 "upgrade the client")
-    cop, cbid, exp, mac = got
+    cop, cbid, exp, mac, holder = got
     if cop != op or cbid != bid:
         return f"capability is for {'reading' if cop == READ else 'writing'} another block or operation"
     if (time.time() if now is None else now) > exp + skew:
         return "capability expired: locate the block again"
     w = op == WRITE
-    if not hmac.compare_digest(mac, _mac(key, op, bid, exp, path if w else "", size if w else None)):
+    if not hmac.compare_digest(mac, _mac(key, op, bid, exp, path if w else "", size if w else None, holder)):
         return ("capability does not verify for this worker (forged, another worker's, another path, or a size "
                 "other than the allocated one)")
     return None
 
 
 def mint_for(block_key: bytes, worker_id: str, op: str, bid: str, path: str = "", ttl: float = DEFAULT_TTL,
-             size: int | None = None) -> str:
+             size: int | None = None, holder: str | None = None) -> str:
     """A capability as a master with `block_key` mints it for `worker_id` (tools and tests holding the key)."""
-    return mint(data_key(block_key, worker_id), op, bid, int(time.time() + ttl), path, size)
+    return mint(data_key(block_key, worker_id), op, bid, int(time.time() + ttl), path, size, holder)
 
 
 NOT_READY = "worker not registered with its master yet: retry"  # a (re)started worker's first instants
@@ -185,8 +235,9 @@ class Minter:
             k = self._keys[worker_id] = data_key(self._block_key, worker_id)
         return k
 
-    def mint(self, worker_id: str, op: str, bid: str, path: str = "", size: int | None = None) -> str:
-        return mint(self.key_for(worker_id), op, bid, int(time.time() + self.ttl), path, size)
+    def mint(self, worker_id: str, op: str, bid: str, path: str = "", size: int | None = None,
+             holder: str | None = None) -> str:
+        return mint(self.key_for(worker_id), op, bid, int(time.time() + self.ttl), path, size, holder)
 
     def call_metadata(self, worker_id: str, method: str, request: Any) -> tuple[tuple[str, str], ...]:
         """The metadata that proves a maintenance call to `worker_id` comes from a master (master_call_mac)."""
@@ -238,9 +289,10 @@ class DataGate:
         """None when the request may go on, else why it is refused. `size`: the bytes a write declares (a
         reservation, a stream's header); under a sized master a write capability verifies only for the size it
         was allocated for."""
-        if self.key is not None:
+        if self.key is not None:  # a c2 capability (protocol 6) binds the size whatever the other masters do
+            sized = self.sized or (presented[:3] in (b"c2.", "c2.") if presented else False)
             return why_denied(self.key, presented, op, bid, path, skew=self.skew,
-                              size=size if self.sized and op == WRITE else None)
+                              size=size if sized and op == WRITE else None)
         if not self.ready:
             return NOT_READY
         tok = presented if isinstance(presented, bytes) else presented.encode()

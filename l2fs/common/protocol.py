@@ -31,8 +31,14 @@ R = TypeVar("R")
 # MAC also covers the allocated size, and such a worker (once each of its masters is >= 5) verifies a write's
 # capability with the size the write declares (data plane header, WriteBlock, ReserveLocal, AdoptLocal), so a
 # writer cannot reserve or send more than it was allocated; older peers keep the size-free MAC.
-PROTOCOL_VERSION = 5
+# 6 = capabilities that name their holder (c2, l2fs/common/capability.py): a master with a block key mints a worker
+# of >= 6 capabilities carrying the caller's holder_id, and the worker bounds data-plane connections and block
+# streams per holder as well as per address. c1 capabilities (older masters or workers, no authentication) are
+# still taken everywhere and limited per address only; clients pass capabilities through unread, so an older
+# client works with c2 ones (it only cannot read their expiry: it finds out from the worker's refusal).
+PROTOCOL_VERSION = 6
 SIZED_CAPABILITIES = 5
+HOLDER_CAPABILITIES = 6
 MIN_PEER_VERSION = 1
 # Worker manifest format (SQLite `PRAGMA user_version` of each data dir's manifest): 0 = written before the
 # stamp, the same table as 1; 2 = the seal column (a format-0/1 manifest gets it, its blocks unsealed). A worker

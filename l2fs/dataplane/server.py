@@ -21,6 +21,7 @@ import grpc
 from prometheus_client import Counter
 
 from l2fs.common import PathError, RpcError, check_block_id, norm_path
+from l2fs.common.capability import holder_of
 from l2fs.dataplane.wire import (
     BAD,
     BUF,
@@ -160,10 +161,14 @@ class DataServer:
         self._sel = selectors.DefaultSelector()
         self._pending: dict[socket.socket, _Pending] = {}  # insertion order: oldest first
         self._per_ip: dict[str, int] = {}
-        # authenticated connections per peer address: at most half the slots, so one source (a pod) cannot
-        # hold every slot with valid but idle or slow connections (block capabilities name no credential)
+        # authenticated connections per peer address and per holder (the credential a c2 capability names,
+        # l2fs.common.capability): at most half the slots each, so neither one source (a pod) nor one credential
+        # from any number of addresses can hold every slot with valid but idle or slow connections. A c1
+        # capability (older master, no authentication) names no holder: per address only, as before.
         self.auth_per_ip = max(1, max_conns // 2)
+        self.auth_per_holder = max(1, max_conns // 2)
         self._auth_ip: dict[str, int] = {}
+        self._auth_holder: dict[str, int] = {}
         self._auth_lock = threading.Lock()
 
     @staticmethod
@@ -263,35 +268,46 @@ class DataServer:
         if why:
             self._drop(p, "denied", DENIED, why)
             return
+        holder = holder_of(req.token)  # verified above (None: a c1 capability or a token)
         with self._auth_lock:
             held = self._auth_ip.get(p.ip, 0)
             if held >= self.auth_per_ip:
                 REFUSED.inc()
                 self._drop(p, "busy", BUSY, BUSY_MSG.format(f"{self.auth_per_ip} from {p.ip}"))
                 return
+            by = self._auth_holder.get(holder, 0) if holder else 0
+            if by >= self.auth_per_holder:
+                REFUSED.inc()
+                self._drop(p, "busy", BUSY, BUSY_MSG.format(f"{self.auth_per_holder} for one credential"))
+                return
             if not self._slots.acquire(blocking=False):
                 REFUSED.inc()
                 self._drop(p, "busy", BUSY, BUSY_MSG.format(self.max_conns))
                 return
             self._auth_ip[p.ip] = held + 1
+            if holder:
+                self._auth_holder[holder] = by + 1
         self._forget(p)
         try:
             p.conn.setblocking(True)
-            threading.Thread(target=self._serve, args=(p.conn, req, p.ip), name="l2fs-data-conn",
+            threading.Thread(target=self._serve, args=(p.conn, req, p.ip, holder), name="l2fs-data-conn",
                              daemon=True).start()
         except BaseException:
-            self._release(p.ip)
+            self._release(p.ip, holder)
             p.conn.close()
             raise
 
-    def _release(self, ip: str) -> None:
-        """Give back an authenticated connection's slot and its address's share."""
+    def _release(self, ip: str, holder: str | None = None) -> None:
+        """Give back an authenticated connection's slot and its address's and holder's shares."""
         with self._auth_lock:
-            n = self._auth_ip.get(ip, 1) - 1
-            if n > 0:
-                self._auth_ip[ip] = n
-            else:
-                self._auth_ip.pop(ip, None)
+            for table, key in ((self._auth_ip, ip), (self._auth_holder, holder)):
+                if key is None:
+                    continue
+                n = table.get(key, 1) - 1
+                if n > 0:
+                    table[key] = n
+                else:
+                    table.pop(key, None)
         self._slots.release()
 
     def _forget(self, p: _Pending) -> None:
@@ -332,7 +348,9 @@ class DataServer:
 
     # ---------- authenticated connections ----------
 
-    def _serve(self, conn: socket.socket, req: _Request, ip: str) -> None:
+    def _serve(self, conn: socket.socket, req: _Request, ip: str, holder: str | None = None) -> None:
+        """Serve an authenticated connection, counted for `ip` and `holder` (the credential of its first
+        request's capability: a connection keeps that count whatever capabilities follow on it)."""
         try:
             conn.settimeout(self.idle_timeout)  # idle connections close, freeing their slot
             with conn:
@@ -343,7 +361,7 @@ class DataServer:
                 except (OSError, ConnectionError, struct.error, UnicodeDecodeError) as e:
                     log.debug("data connection ended: %s", e)
         finally:
-            self._release(ip)
+            self._release(ip, holder)
 
     def _serve_one(self, conn: socket.socket) -> bool:
         """One further request on an authenticated connection; False when the connection is to be closed

@@ -162,29 +162,37 @@ class NamespaceOps(QuotaOps):
         DUPLICATES.set(self.duplicates)
 
 
-    def _cap(self, w: WorkerEntry, op: str, bid: str, path: str = "", size: int | None = None) -> str:
+    def _cap(self, w: WorkerEntry, op: str, bid: str, path: str = "", size: int | None = None,
+             holder: str | None = None) -> str:
         """The capability a client shows `w` for `op` on `bid` ("" when `w` takes tokens); a write's binds its
-        path and, for a worker that checks it (protocol >= 5), the allocated `size`."""
+        path and, for a worker that checks it (protocol >= 5), the allocated `size`; for a worker of protocol
+        >= 6 it names `holder` (the caller's capability.holder_id), which that worker counts connections by."""
         if self.minter is None or not w.caps:
             return ""
-        return self.minter.mint(w.worker_id, op, bid, path, size if w.sized else None)
+        return self.minter.mint(w.worker_id, op, bid, path, size if w.sized else None,
+                                holder if w.holders else None)
+
+    def _holder(self, cred: Credential | None) -> str | None:
+        """The holder capabilities minted for `cred` name (None without authentication: c1 capabilities)."""
+        return capability.holder_id(cred.name) if cred is not None and self.minter is not None else None
 
 
-    def _location(self, e: FileEntry, caps: bool = True, w: WorkerEntry | None = None) -> pb.Location:
+    def _location(self, e: FileEntry, caps: bool = True, w: WorkerEntry | None = None,
+                  holder: str | None = None) -> pb.Location:
         """`w`: e's worker when looked up already (StatMany builds its answer outside the lock)."""
         w = w if w is not None else self.workers[e.worker_id]
         return pb.Location(worker_id=w.worker_id, node_id=w.node_id, address=w.address,
                            block_id=e.block_id, local_path=e.local_path, data_address=w.data_address,
                            domain_socket=w.domain_socket,
-                           capability=self._cap(w, capability.READ, e.block_id) if caps else "")
+                           capability=self._cap(w, capability.READ, e.block_id, holder=holder) if caps else "")
 
 
-    def _stat(self, path: str, caps: bool = True) -> pb.FileStat:
+    def _stat(self, path: str, caps: bool = True, holder: str | None = None) -> pb.FileStat:
         """`caps`: mint read capabilities into the locations (lookups before a read; a List need not)."""
         e = self.files.get(path)
         if e is not None:
             return pb.FileStat(path=path, exists=True, size=e.size, mtime=e.mtime, crc32c=e.crc32c,
-                               order_hint=e.order_hint, locations=[self._location(e, caps)])
+                               order_hint=e.order_hint, locations=[self._location(e, caps, holder=holder)])
         if path in self.children:
             return pb.FileStat(path=path, exists=True, is_dir=True)
         return pb.FileStat(path=path, exists=False)
@@ -193,9 +201,10 @@ class NamespaceOps(QuotaOps):
     @_rpc
     def Stat(self, request: pb.PathRequest, context: Any) -> pb.FileStat:  # noqa: N802
         path = norm_path(request.path)
+        holder = self._holder(self.creds.caller(context))
         with self.lock:
             self._own_or_dir(path)
-            st = self._stat(path)
+            st = self._stat(path, holder=holder)
         (LOOKUP_HITS if st.exists else LOOKUP_MISSES).inc()
         return st
 
@@ -213,18 +222,20 @@ class NamespaceOps(QuotaOps):
             for p in paths:
                 e = self.files.get(p)
                 found.append((p, e, self.workers[e.worker_id] if e is not None else None, p in self.children))
-        stats = [self._stat_found(p, e, w, is_dir) for p, e, w, is_dir in found]
+        holder = self._holder(self.creds.caller(context))
+        stats = [self._stat_found(p, e, w, is_dir, holder) for p, e, w, is_dir in found]
         hits = sum(s.exists for s in stats)
         LOOKUP_HITS.inc(hits)
         LOOKUP_MISSES.inc(len(stats) - hits)
         return pb.StatManyResponse(stats=stats)
 
 
-    def _stat_found(self, path: str, e: FileEntry | None, w: WorkerEntry | None, is_dir: bool) -> pb.FileStat:
+    def _stat_found(self, path: str, e: FileEntry | None, w: WorkerEntry | None, is_dir: bool,
+                    holder: str | None = None) -> pb.FileStat:
         """_stat of an entry looked up under the lock, built (and its capability minted) outside it."""
         if e is not None and w is not None:
             return pb.FileStat(path=path, exists=True, size=e.size, mtime=e.mtime, crc32c=e.crc32c,
-                               order_hint=e.order_hint, locations=[self._location(e, w=w)])
+                               order_hint=e.order_hint, locations=[self._location(e, w=w, holder=holder)])
         return pb.FileStat(path=path, exists=True, is_dir=True) if is_dir else pb.FileStat(path=path, exists=False)
 
 

@@ -15,7 +15,7 @@ from l2fs.common import (
     norm_path,
     valid_address,
 )
-from l2fs.common.protocol import SIZED_CAPABILITIES, peer_version, version_mismatch
+from l2fs.common.protocol import HOLDER_CAPABILITIES, SIZED_CAPABILITIES, peer_version, version_mismatch
 from l2fs.master.state import (
     _MAC_REJECT,
     _SEAL_REJECT,
@@ -184,7 +184,9 @@ class RegistryOps(WriteOps):
                                 and peer_version(request.protocol_version) >= 3,
                                 seals=self.sealing and peer_version(request.protocol_version) >= 4,
                                 sized=self.minter is not None and self.protocol_version >= SIZED_CAPABILITIES
-                                and peer_version(request.protocol_version) >= SIZED_CAPABILITIES)
+                                and peer_version(request.protocol_version) >= SIZED_CAPABILITIES,
+                                holders=self.minter is not None and self.protocol_version >= HOLDER_CAPABILITIES
+                                and peer_version(request.protocol_version) >= HOLDER_CAPABILITIES)
                 self.workers[request.worker_id] = w
             data_key = self.minter.key_for(w.worker_id) if self.minter is not None and w.caps else b""
             for b in request.blocks:

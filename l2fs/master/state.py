@@ -107,6 +107,7 @@ class WorkerEntry:
     caps: bool = False  # it holds its data key (protocol >= 3, we have a block key): give clients capabilities
     seals: bool = False  # it keeps seal MACs (protocol >= 4, we have a block key): push it its blocks' seals
     sized: bool = False  # its write capabilities bind the allocated size (protocol >= 5, we have a block key)
+    holders: bool = False  # its capabilities name their holder (c2: protocol >= 6, we have a block key)
     seal_sync_after: float = 0.0  # monotonic time before which commits leave its seals to the pusher
 
     @property

@@ -107,7 +107,8 @@ class WriteOps(PusherOps):
                     self.quota_inflight[q] += request.size
             return pb.AllocateResponse(block_id=bid, worker=pb.Location(
                 worker_id=w.worker_id, node_id=w.node_id, address=w.address, data_address=w.data_address,
-                domain_socket=w.domain_socket, capability=self._cap(w, capability.WRITE, bid, path, request.size)))
+                domain_socket=w.domain_socket,
+                capability=self._cap(w, capability.WRITE, bid, path, request.size, self._holder(cred))))
 
 
     def _place(self, size: int, node_id: str, exclude: set[str]) -> WorkerEntry:

@@ -13,7 +13,7 @@ import grpc
 from prometheus_client import Counter, Histogram
 
 from l2fs.common import READERS, WORKERS, WRITERS, RpcError, check_block_id, norm_path, rpc_handler
-from l2fs.common.capability import MASTER_MD, READ, WRITE, DataGate
+from l2fs.common.capability import MASTER_MD, READ, WRITE, DataGate, holder_of
 from l2fs.common.protocol import each
 from l2fs.proto import l2fs_pb2 as pb
 from l2fs.proto import l2fs_pb2_grpc as pbg
@@ -50,8 +50,9 @@ WORKER_POLICY = {
 
 
 class StreamGate:
-    """Admission of block streams: a total and a per-peer-address bound, and a watchdog that cancels a
-    stream past its deadline (STREAM_GRACE + size / STREAM_MIN_RATE), which frees its thread."""
+    """Admission of block streams: a total, a per-peer-address and a per-holder bound (the credential a c2
+    capability names: one credential from many addresses), and a watchdog that cancels a stream past its
+    deadline (STREAM_GRACE + size / STREAM_MIN_RATE), which frees its thread."""
 
     def __init__(self, total: int = STREAMS, per_peer: int = STREAMS_PER_PEER, grace: float = STREAM_GRACE,
                  min_rate: float = STREAM_MIN_RATE) -> None:
@@ -65,31 +66,36 @@ class StreamGate:
     def _peer(context: Any) -> str:
         return str(context.peer()).rsplit(":", 1)[0]
 
-    def enter(self, context: Any, size: int) -> str:
-        """Admit a stream of about `size` bytes, or RESOURCE_EXHAUSTED; returns the key to leave() with."""
-        peer = self._peer(context)
+    def enter(self, context: Any, size: int, cap: str = "") -> tuple[str, ...]:
+        """Admit a stream of about `size` bytes whose (verified) capability is `cap`, or RESOURCE_EXHAUSTED;
+        returns the keys to leave() with."""
+        holder = holder_of(cap) if cap else None
+        keys = (self._peer(context),) + ((f"holder:{holder}",) if holder else ())
         with self._lock:
-            if len(self._live) >= self.total or self._per.get(peer, 0) >= self.per_peer:
+            if len(self._live) >= self.total or any(self._per.get(k, 0) >= self.per_peer for k in keys):
                 STREAMS_REFUSED.labels("busy").inc()
                 raise RpcError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                               f"worker busy: {len(self._live)} block streams ({self._per.get(peer, 0)} from "
-                               f"{peer}; at most {self.total}, {self.per_peer} per peer)")
-            self._per[peer] = self._per.get(peer, 0) + 1
+                               f"worker busy: {len(self._live)} block streams ({self._per.get(keys[0], 0)} from "
+                               f"{keys[0]}" + (f", {self._per.get(keys[1], 0)} of this credential" if holder else "")
+                               + f"; at most {self.total}, {self.per_peer} per peer and per credential)")
+            for k in keys:
+                self._per[k] = self._per.get(k, 0) + 1
             self._live[id(context)] = (context, time.monotonic() + self.grace + max(0, size) / self.min_rate)
             if self._watchdog is None:
                 self._watchdog = threading.Thread(target=self._watch, name="l2fs-stream-watchdog", daemon=True)
                 self._watchdog.start()
-        return peer
+        return keys
 
-    def leave(self, context: Any, peer: str) -> None:
+    def leave(self, context: Any, keys: tuple[str, ...]) -> None:
         with self._lock:
             if self._live.pop(id(context), None) is None:
                 return
-            n = self._per.get(peer, 1) - 1
-            if n > 0:
-                self._per[peer] = n
-            else:
-                self._per.pop(peer, None)
+            for k in keys:
+                n = self._per.get(k, 1) - 1
+                if n > 0:
+                    self._per[k] = n
+                else:
+                    self._per.pop(k, None)
 
     def _watch(self) -> None:
         while True:
@@ -137,7 +143,7 @@ class WorkerService(pbg.WorkerServicer):
         bid = check_block_id(first.block_id)
         path = norm_path(first.path)
         self._need(first.capability, WRITE, bid, path, first.size)
-        peer = self.streams.enter(context, first.size)
+        peer = self.streams.enter(context, first.size, first.capability)
         try:
             b = self.store.receive(bid, path, first.size, first.order_hint,
                                    (m.data for m in itertools.chain([first], it) if m.data))
@@ -163,7 +169,7 @@ class WorkerService(pbg.WorkerServicer):
             return  # abort raises; this tells the type checker
         b, path, f = opened
         try:
-            peer = self.streams.enter(context, b.size)
+            peer = self.streams.enter(context, b.size, request.capability)
         except RpcError as e:
             f.close()
             context.abort(e.code, str(e))

@@ -9,7 +9,9 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import socket
+import struct
 import sys
 import threading
 import time
@@ -152,3 +154,117 @@ def test_mkdir_cap_per_credential_holds_and_loses_nothing(make_cluster: Any, tmp
         for i in range(40):
             b.mkdir(f"{B}/d{i}")  # another credential: its own count (its first also makes B's prefix dir)
         admin.mkdir("/ops/" + "/".join(f"z{i}" for i in range(60)))  # admins are not counted
+
+
+def _stat_as(cl: Any, path: str, token: str) -> pb.Location:
+    m = pbg.MasterStub(grpc.insecure_channel(cl.master))
+    return m.Stat(pb.PathRequest(path=path), timeout=10, metadata=(("authorization", f"Bearer {token}"),)).locations[0]
+
+
+def test_data_plane_one_credential_from_many_addresses_holds_at_most_half_the_slots(make_cluster: Any,
+                                                                                     tmp_path: Path) -> None:
+    """A worker with 8 data-plane slots; engine A opens 8 connections from 3 addresses (127.0.0.2-4, none
+    over its per-address half), each a valid read left open: the 5th and later are answered BUSY naming the
+    per-credential limit (A's capabilities name A: c2), and engine B at a fifth address is served meanwhile.
+    Before: capabilities named no credential, all 8 of A's were served and B was answered BUSY."""
+    from test_reliability_bounds import _read_header
+    from test_reliability_trust_deployed import ENGINE_A, ENGINE_B, A, B, _scoped
+
+    cl = _scoped(make_cluster, tmp_path, capacity="64M", worker=["--data-max-conns", "8"])
+    with cl.client(token=ENGINE_A, timeout=DEADLINE) as a, cl.client(token=ENGINE_B, timeout=DEADLINE) as b:
+        assert a.put(f"{A}/x", b"a" * 10_000) is True and b.put(f"{B}/x", b"b" * 10_000) is True
+    la, lb = _stat_as(cl, f"{A}/x", ENGINE_A), _stat_as(cl, f"{B}/x", ENGINE_B)
+    assert la.capability.startswith("c2.") and lb.capability.startswith("c2."), (la.capability, lb.capability)
+    host, port = la.data_address.rsplit(":", 1)
+    socks, statuses = [], []
+
+    def connect(source: str, head: bytes) -> tuple[int, str]:
+        s = socket.create_connection((host, int(port)), timeout=5, source_address=(source, 0))
+        socks.append(s)
+        s.sendall(head)
+        st = s.recv(1, socket.MSG_WAITALL)[0]
+        if st == 0:
+            size, _ = struct.unpack("<QI", s.recv(12, socket.MSG_WAITALL))
+            s.recv(size, socket.MSG_WAITALL)
+            return st, ""
+        (n,) = struct.unpack("<H", s.recv(2, socket.MSG_WAITALL))
+        return st, s.recv(n, socket.MSG_WAITALL).decode()
+
+    try:
+        for k in range(8):
+            statuses.append(connect(f"127.0.0.{2 + k % 3}", _read_header(la.capability, la.block_id)))
+        other = connect("127.0.0.5", _read_header(lb.capability, lb.block_id))
+    finally:
+        for s in socks:
+            s.close()
+    assert [st for st, _ in statuses] == [0] * 4 + [4] * 4, statuses
+    assert all("for one credential" in msg for _, msg in statuses[4:]), statuses
+    assert other == (0, ""), f"engine B at another address was answered {other} (4 = BUSY)"
+
+
+def test_block_streams_of_one_credential_from_many_addresses_leave_others_served(make_cluster: Any,
+                                                                                tmp_path: Path) -> None:
+    """24 unread ReadBlock streams (the worker admits 24 at once, 16 per address and, now, per credential) of a
+    64 MiB block by engine A, 8 from each of 3 addresses (through forwarders): 16 are admitted and the rest
+    refused RESOURCE_EXHAUSTED naming the credential, and engine B's stream is served meanwhile. Before: A's
+    24 held every stream slot (none over its per-address 16) and B was refused."""
+    from test_reliability_trust_deployed import ENGINE_A, ENGINE_B, A, B, _scoped
+
+    cl = _scoped(make_cluster, tmp_path, capacity="256M")
+    with cl.client(token=ENGINE_A, timeout=30) as a, cl.client(token=ENGINE_B, timeout=DEADLINE) as b:
+        assert a.put(f"{A}/big", os.urandom(64 << 20)) is True and b.put(f"{B}/x", b"b" * 100_000) is True
+    la, lb = _stat_as(cl, f"{A}/big", ENGINE_A), _stat_as(cl, f"{B}/x", ENGINE_B)
+    md_a, md_b = (("authorization", f"Bearer {ENGINE_A}"),), (("authorization", f"Bearer {ENGINE_B}"),)
+    opts = [("grpc.use_local_subchannel_pool", 1), ("grpc.max_receive_message_length", 16 << 20)]
+    chans: list[grpc.Channel] = []
+    streams: list[Any] = []
+    admitted: list[str] = []
+    with contextlib.ExitStack() as stack:
+        vias = [stack.enter_context(_forwarder(la.address, f"127.0.0.{2 + i}")) for i in range(3)]
+        try:
+            for k in range(24):
+                ch = grpc.insecure_channel(vias[k % 3], options=opts)
+                chans.append(ch)
+                st = pbg.WorkerStub(ch).ReadBlock(pb.ReadRequest(block_id=la.block_id, capability=la.capability),
+                                                  timeout=60, metadata=md_a)
+                streams.append(st)
+                try:
+                    next(st)  # its first chunk: admitted (and then left unread)
+                    admitted.append("OK")
+                except grpc.RpcError as e:
+                    admitted.append(f"{e.code().name}: {e.details()}")
+            ch = grpc.insecure_channel(la.address, options=opts)
+            chans.append(ch)
+            got = b"".join(c.data for c in pbg.WorkerStub(ch).ReadBlock(
+                pb.ReadRequest(block_id=lb.block_id, capability=lb.capability), timeout=30, metadata=md_b))
+        finally:
+            for s in streams:
+                s.cancel()
+            for ch in chans:
+                ch.close()
+    # (a stream of the first 16 can end early, buffered whole on the way: then a later one takes its place)
+    assert admitted[:16] == ["OK"] * 16, admitted
+    refused = [a for a in admitted[16:] if a != "OK"]
+    assert len(refused) >= 4 and all(a.startswith("RESOURCE_EXHAUSTED") and "of this credential" in a
+                                     for a in refused), admitted
+    assert got == b"b" * 100_000
+
+
+@pytest.mark.unit
+def test_holder_is_bound_into_the_capability() -> None:
+    """A c2 capability verifies only with the holder it was minted for: one rewritten to name another
+    credential (to dodge that credential's count) fails; c1 capabilities still verify and name no holder."""
+    from l2fs.common import capability as cp
+
+    key, bid = b"k" * 32, "ab" * 16
+    exp = int(time.time()) + 60
+    mine, other = cp.holder_id("engine-ep-a"), cp.holder_id("engine-ep-b")
+    r = cp.mint(key, cp.READ, bid, exp, holder=mine)
+    w = cp.mint(key, cp.WRITE, bid, exp, "/p", 10, holder=mine)
+    assert r.startswith("c2.") and cp.holder_of(r) == mine and cp.expiry_of(r) == exp
+    assert cp.why_denied(key, r, cp.READ, bid) is None
+    assert cp.why_denied(key, w, cp.WRITE, bid, "/p", size=10) is None
+    assert cp.why_denied(key, w, cp.WRITE, bid, "/p", size=11) is not None
+    assert cp.why_denied(key, r.replace(mine, other), cp.READ, bid) is not None
+    old = cp.mint(key, cp.READ, bid, exp)
+    assert old.startswith("c1.") and cp.holder_of(old) is None and cp.why_denied(key, old, cp.READ, bid) is None
