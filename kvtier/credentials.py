@@ -8,10 +8,13 @@ holds what (deploy/base):
   pod's projected ServiceAccount token, which the master checks with a TokenReview and binds to the node the
   review names (`l2fs master --worker-identity k8s`, l2fs/master/identity.py);
 - clients never see either file: engines and the router get one token each, in their own Secrets;
-- the FUSE mounts of deploy/base hold no token: each shows its pod's projected ServiceAccount token, which the
-  master reviews as `--mount-sa` and names mount@<node>. `--mount` (one mount-role token, Secret
-  l2fs-mount-token) is for mounts outside Kubernetes or clusters without TokenReview node names: every holder
-  of it is the same credential, so one mount could replace or delete what another mount wrote.
+- the FUSE mount DaemonSet of deploy/base holds one mount-role token per endpoint (`mount-<endpoint>`, prefixes:
+  that endpoint's prefix only; Secret l2fs-endpoint-mounts) and serves each endpoint at
+  <mount path>/<endpoint> with `--root` its prefix; the webhook gives an endpoint's vLLM pods only their own
+  endpoint's directory. Why per endpoint: one node-wide mount credential covered every endpoint's KV, so a pod
+  of endpoint A planted chunks under B's prefix that B's engine then loaded. Every --engine gets one (unused
+  in plugin mode, where the mounts are read-only). `--mount` (one mount-role token for every kvtier prefix,
+  Secret l2fs-mount-token) is for mounts outside Kubernetes: every holder of it is the same credential.
 
 Clusters without TokenReview node names (Kubernetes < 1.32) can keep tokens-file workers: `--workers NODE...`
 adds one entry per node, named `worker-<node name>` and bound to it ("node"), and each worker container starts
@@ -33,6 +36,7 @@ import argparse
 import base64
 import json
 import os
+import re
 import secrets
 import sys
 from pathlib import Path
@@ -45,11 +49,15 @@ TOKENS_KEY = "tokens.json"
 VERIFIERS_SECRET = "l2fs-token-verifiers"  # namespace kvtier: every token's SHA-256 only (workers)
 VERIFIERS_KEY = "verifiers.json"
 MOUNT_SECRET = "l2fs-mount-token"  # namespace kvtier: the FUSE mount's mount-role token
+# namespace kvtier: one key per endpoint, {"root": its prefix, "token": its mount-role token}, read by the mount
+# DaemonSet (l2fs mount --endpoints), which serves each endpoint's prefix alone at <mount path>/<endpoint>
+ENDPOINT_MOUNTS_SECRET = "l2fs-endpoint-mounts"
 ROUTER_SECRET = "kvtier-router-l2fs-token"  # the router's namespace: its router-role token
 ENGINE_SECRET = "{endpoint}-l2fs-token"  # the endpoint's namespace: its engine-role token (webhook default)
 TOKEN_KEY = "token"
 BLOCK_KEY_SECRET = "l2fs-block-key"  # namespace kvtier: the master's block-id MAC key (master only)
 BLOCK_KEY_KEY = "block-key"
+MOUNT_ENTRY = "mount-"  # + endpoint: the endpoint's own mount credential
 MASTER_ENTRY = "master"  # worker role, first in the file: the token the master calls workers with
 
 
@@ -62,13 +70,17 @@ def _node(name: str) -> str:
     return name.removeprefix("node/").strip()
 
 
+ENDPOINT_NAME = re.compile(r"[A-Za-z0-9][-._A-Za-z0-9]{0,252}")
+
+
 def parse_engine(spec: str, namespace: str) -> tuple[str, str, str]:
     """ENDPOINT[:PREFIX][@NAMESPACE] -> (endpoint, prefix, namespace). The default prefix is the one the webhook
     files the endpoint under (<KV prefix>/<endpoint>/<revision>/...), so one token covers every revision."""
     rest, _, ns = spec.partition("@")
     endpoint, _, prefix = rest.partition(":")
-    if not endpoint or "/" in endpoint:
-        raise ValueError(f"--engine {spec!r}: want ENDPOINT[:PREFIX][@NAMESPACE]")
+    if not ENDPOINT_NAME.fullmatch(endpoint):  # also a Secret key and a directory name (ENDPOINT_MOUNTS_SECRET)
+        raise ValueError(f"--engine {spec!r}: want ENDPOINT[:PREFIX][@NAMESPACE], ENDPOINT a name like an "
+                         f"InferenceEndpointConfig's (letters, digits, '-', '.', '_')")
     prefix = prefix or f"{contract.KV_PREFIX.rstrip('/')}/{endpoint}"
     if not prefix.startswith("/") or prefix.rstrip("/") == "":
         raise ValueError(f"--engine {spec!r}: the prefix must be an absolute l2fs directory other than /")
@@ -97,6 +109,8 @@ def generate(workers: list[str], engines: list[tuple[str, str, str]], routers: l
         add(f"worker-{_node(node)}", "worker", node=_node(node))
     for endpoint, prefix, _ in engines:
         add(f"engine-{endpoint}", "engine", [prefix])
+    for endpoint, prefix, _ in engines:  # the endpoint's mount (mount mode): its prefix, nothing else
+        add(f"{MOUNT_ENTRY}{endpoint}", "mount", [prefix])
     for ns in routers:
         add(f"router-{ns}", "router")
     if mount:  # creates under kvtier's prefixes; replaces, renames and deletes only files it wrote itself
@@ -135,6 +149,11 @@ def secrets_for(entries: list[dict[str, Any]], engines: list[tuple[str, str, str
                            "l2fs master's block-id MAC key: the master only, never workers", field="data"))
     if "mount" in by_name:
         out.append(_secret(MOUNT_SECRET, namespace, {TOKEN_KEY: by_name["mount"]}, "mount-role token of the FUSE mount (its own files only)"))
+    if engines:
+        out.append(_secret(ENDPOINT_MOUNTS_SECRET, namespace,
+                           {endpoint: json.dumps({"root": prefix, "token": by_name[f"{MOUNT_ENTRY}{endpoint}"]})
+                            for endpoint, prefix, _ in engines},
+                           "one mount-role token per endpoint (its prefix only): the l2fs-mount DaemonSet only"))
     for endpoint, _, ns in engines:
         out.append(_secret(ENGINE_SECRET.format(endpoint=endpoint), ns, {TOKEN_KEY: by_name[f"engine-{endpoint}"]},
                            f"engine token of endpoint {endpoint}"))
@@ -251,13 +270,14 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--workers", nargs="*", default=[], metavar="NODE",
                    help="node names that run an l2fs worker (kubectl get nodes -l kvtier.io/l2fs=true -o name)")
     g.add_argument("--engine", action="append", default=[], metavar="ENDPOINT[:PREFIX][@NAMESPACE]",
-                   help=f"an endpoint's engine token; PREFIX default {contract.KV_PREFIX}/ENDPOINT (repeatable)")
+                   help=f"an endpoint's engine token and its mount token (mount-ENDPOINT, Secret "
+                        f"{ENDPOINT_MOUNTS_SECRET}); PREFIX default {contract.KV_PREFIX}/ENDPOINT (repeatable)")
     g.add_argument("--router", action="append", default=[], metavar="NAMESPACE",
                    help="a router-role token (reads only) for the kvtier router in NAMESPACE (repeatable)")
     g.add_argument("--mount", action="store_true", help="one mount-role token for FUSE mounts outside Kubernetes "
-                   "(deploy/base's mounts use their ServiceAccount token instead, master --mount-sa): writes under "
-                   "kvtier's prefixes; overwrites, renames (onto free paths) and deletes only files it wrote, i.e. "
-                   "that any holder of this one token wrote")
+                   "(deploy/base's mount DaemonSet uses the per-endpoint mount tokens every --engine gets, Secret "
+                   f"{ENDPOINT_MOUNTS_SECRET}): writes under kvtier's prefixes; overwrites, renames (onto free "
+                   "paths) and deletes only files it wrote, i.e. that any holder of this one token wrote")
     g.add_argument("--admin", action="store_true", help="an admin token for people (rm, rename, overwrite)")
     g.add_argument("--keep", metavar="FILE", help="reuse the tokens of same-name entries of this earlier file")
     g.add_argument("--namespace", default="kvtier", help="namespace of l2fs (the tokens file and mount Secrets)")

@@ -93,7 +93,7 @@ class PatchConfig:
     token_key: str = "token"
     # Secrets holding worker/admin credentials (the tokens file, the mount's admin token, the old shared
     # token): an endpoint Deployment that would get one (token_secret or any reference) is refused
-    privileged_secrets: str = "l2fs-tokens,l2fs-mount-token,l2fs-token"
+    privileged_secrets: str = "l2fs-tokens,l2fs-mount-token,l2fs-token,l2fs-endpoint-mounts"
     # vLLM KV events for the kvtier router: ZMQ PUB + replay ports, exposed as named container ports
     # (kv-events / kv-replay); 0 = do not add --kv-events-config
     kv_events_port: int = 5557
@@ -555,10 +555,24 @@ def kv_layout(dep: dict[str, Any], c: dict[str, Any], cfg: PatchConfig,
     return dtype or cfg.kv_dtype, world
 
 
-def wait_init(cfg: PatchConfig, image: str) -> dict[str, Any]:
-    """The init container that waits for the node's live l2fs mount (WAIT_INIT), in the vLLM image (python3)."""
-    return {"name": WAIT_INIT, "image": image, "command": ["python3", "-c", WAIT_SCRIPT, cfg.mount_path],
-            "volumeMounts": [{"name": cfg.volume_name, "mountPath": cfg.mount_path,
+def endpoint_mount(dep: dict[str, Any], cfg: PatchConfig) -> tuple[str, str]:
+    """(node path, path in the pod) of this endpoint's own l2fs mount (mount mode, hostPath): the mount
+    DaemonSet serves each endpoint's prefix alone, with that endpoint's mount credential, at
+    <host_path>/<endpoint> (l2fs mount --endpoints); the pod sees it where the whole tree would put that prefix
+    (<mount_path><prefix>/<endpoint>), so LMCache's fs:// URL and the l2fs paths are those of before.
+
+    Why: with the node's one mount at <host_path> every vLLM pod on the node could write every endpoint's
+    directory through it (a pod of A planted B's chunks, which B's engine then loaded)."""
+    endpoint = contract.esc(owner_endpoint(dep) or _meta(dep).get("name") or "deployment")  # as endpoint_prefix
+    return f"{cfg.host_path.rstrip('/')}/{endpoint}", f"{cfg.mount_path.rstrip('/')}{cfg.prefix.rstrip('/')}/{endpoint}"
+
+
+def wait_init(cfg: PatchConfig, image: str, mount_path: str | None = None) -> dict[str, Any]:
+    """The init container that waits for the node's live l2fs mount (WAIT_INIT) at `mount_path` (default the
+    config's), in the vLLM image (python3)."""
+    mount_path = mount_path or cfg.mount_path
+    return {"name": WAIT_INIT, "image": image, "command": ["python3", "-c", WAIT_SCRIPT, mount_path],
+            "volumeMounts": [{"name": cfg.volume_name, "mountPath": mount_path,
                               "mountPropagation": "HostToContainer"}],
             "resources": {"requests": {"cpu": "10m", "memory": "32Mi"}, "limits": {"memory": "128Mi"}},
             "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}}
@@ -608,10 +622,13 @@ def _patch_worker(dep: dict[str, Any], cfg: PatchConfig, iec: dict[str, Any] | N
             volume: dict[str, Any] = {"name": cfg.volume_name,
                                       "persistentVolumeClaim": {"claimName": cfg.pvc_name}}
         else:
-            # HostToContainer: a FUSE remount by the l2fs-mount DaemonSet becomes visible in the pod.
+            # only this endpoint's mount, never the node's whole tree (endpoint_mount); HostToContainer: a FUSE
+            # remount by the l2fs-mount DaemonSet becomes visible in the pod
+            host, mount["mountPath"] = endpoint_mount(dep, cfg)
             mount["mountPropagation"] = "HostToContainer"
-            volume = {"name": cfg.volume_name, "hostPath": {"path": cfg.host_path, "type": "DirectoryOrCreate"}}
-            _upsert(pod["spec"].setdefault("initContainers", []), wait_init(cfg, str(c.get("image") or "")),
+            volume = {"name": cfg.volume_name, "hostPath": {"path": host, "type": "DirectoryOrCreate"}}
+            _upsert(pod["spec"].setdefault("initContainers", []),
+                    wait_init(cfg, str(c.get("image") or ""), mount["mountPath"]),
                     lambda x: x.get("name") == WAIT_INIT)
     elif cfg.mode == "plugin" and cfg.data_path:
         # Same-node short-circuit: the co-located worker hands block fds over its Unix socket (l2fs/common/fdpass.py,
@@ -923,12 +940,17 @@ def check(dep: dict[str, Any], cfg: PatchConfig) -> list[str]:
     elif cfg.mode == "mount":
         if len(urls) != 1 or urls[0].get("value") != cfg.url_for(kv_dir):
             problems.append(f"env {URL_VAR}: want exactly one entry = {cfg.url_for(kv_dir)!r}, have {urls}")
+        host, at = endpoint_mount(dep, cfg) if not cfg.pvc_name else ("", cfg.mount_path)
         mounts = [m for m in c.get("volumeMounts") or [] if m.get("name") == cfg.volume_name]
-        if len(mounts) != 1 or mounts[0].get("mountPath") != cfg.mount_path:
-            problems.append(f"container {c.get('name')!r}: want one volumeMount {cfg.volume_name} at {cfg.mount_path}")
+        if len(mounts) != 1 or mounts[0].get("mountPath") != at:
+            problems.append(f"container {c.get('name')!r}: want one volumeMount {cfg.volume_name} at {at}")
         vols = [v for v in dep["spec"]["template"]["spec"].get("volumes") or [] if v.get("name") == cfg.volume_name]
         if len(vols) != 1:
             problems.append(f"pod spec: want one volume named {cfg.volume_name}, have {len(vols)}")
+        elif host and (vols[0].get("hostPath") or {}).get("path") != host:
+            problems.append(f"pod spec: volume {cfg.volume_name} must be this endpoint's own mount {host} (the "
+                            f"node's whole {cfg.host_path} lets its pods write every endpoint's KV), have "
+                            f"{vols[0].get('hostPath')}")
         waits = [x for x in dep["spec"]["template"]["spec"].get("initContainers") or [] if x.get("name") == WAIT_INIT]
         if not cfg.pvc_name and len(waits) != 1:
             problems.append(f"pod spec: want init container {WAIT_INIT} (no L2 writes onto the node's disk "

@@ -135,6 +135,16 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--umask", type=lambda v: int(v, 8), default=0o022,
                    help="octal umask applied to 0777 (dirs) and 0666 (files), enforced by the kernel (default 022)")
     p.add_argument("-o", dest="options", action="append", default=[], help="extra FUSE mount option")
+    p.add_argument("--endpoints", metavar="DIR",
+                   help="serve one mount per endpoint instead: DIR holds a file per endpoint ({\"root\": its "
+                        "prefix, \"token\": its mount-role token}; Secret l2fs-endpoint-mounts of `kvtier tokens "
+                        "generate`), each mounted at MOUNTPOINT/<endpoint> showing only its root, with only its "
+                        "token; DIR is re-read (new endpoints mounted, removed ones unmounted, others untouched)")
+    p.add_argument("--endpoints-poll", type=float, default=5.0, metavar="SECONDS",
+                   help="with --endpoints: seconds between re-reads of DIR (default 5)")
+    p.add_argument("--status-file", metavar="PATH",
+                   help="with --endpoints: rewritten every pass, first line 'ready' once every endpoint's mount "
+                        "is live (else 'waiting'): for the probes")
     p.add_argument("--debug", action="store_true")
     a = p.parse_args(argv)
     if not a.master:
@@ -166,6 +176,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         p.error(f"mountpoint {a.mountpoint!r}: {e.strerror}")
     if not a.root.startswith("/"):
         p.error("--root must be an absolute l2fs path")
+    if a.endpoints:
+        if a.root != "/" or a.token or a.token_file:
+            p.error("--endpoints takes each endpoint's root and token from its file: no --root, --token, "
+                    "--token-file ($L2FS_TOKEN, $L2FS_TOKEN_FILE)")
+        if a.endpoints_poll <= 0:
+            p.error("--endpoints-poll must be positive")
+    elif a.status_file:
+        p.error("--status-file needs --endpoints")
     return a
 
 
@@ -188,6 +206,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     a = parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if a.debug else logging.INFO,
                         format="%(asctime)s l2fs-mount %(levelname)s %(message)s")
+    if a.endpoints:
+        from l2fs.fuse.endpoints import EndpointMounts, child_args
+
+        return EndpointMounts(a.mountpoint, a.endpoints, child_args(a), poll=a.endpoints_poll,
+                              status_file=a.status_file).run()
     copts = ClientOptions.from_args(a)
     # A ServiceAccount token is known to the master (TokenReview), not to the workers (they hold token digests
     # only): writes then move with the master's per-block capabilities over the data plane (same-node

@@ -34,7 +34,7 @@ def test_generate_is_what_l2fs_loads(tmp_path: Path) -> None:
     assert out.stat().st_mode & 0o077 == 0 and (tmp_path / "s.yaml").stat().st_mode & 0o077 == 0
     loaded = {c.name: (t, c) for t, c in load_tokens_file(str(out))}
     assert list(loaded) == ["master", "worker-ip-10-0-0-1.ec2.internal", "worker-node-b", "engine-ep-a",
-                            "engine-ep-b", "router-team-a", "mount", "admin"]
+                            "engine-ep-b", "mount-ep-a", "mount-ep-b", "router-team-a", "mount", "admin"]
     roles = {n: set(c.roles) for n, (_, c) in loaded.items()}
     assert roles["master"] == roles["worker-node-b"] == {"worker"}  # master first: its outbound token
     assert roles["admin"] == {"admin"} and roles["router-team-a"] == {"router"}
@@ -42,6 +42,10 @@ def test_generate_is_what_l2fs_loads(tmp_path: Path) -> None:
     assert roles["mount"] == {"mount"} and loaded["mount"][1].prefixes == ("/kvtier/kv", "/kvtier/mp", "/kvtier/meta")
     assert loaded["engine-ep-a"][1].prefixes == ("/kvtier/kv/ep-a",)
     assert loaded["engine-ep-b"][1].prefixes == ("/kvtier/kv/custom",)
+    # each endpoint's own mount credential: mount role, that endpoint's prefix only
+    assert roles["mount-ep-a"] == roles["mount-ep-b"] == {"mount"}
+    assert loaded["mount-ep-a"][1].prefixes == ("/kvtier/kv/ep-a",)
+    assert loaded["mount-ep-b"][1].prefixes == ("/kvtier/kv/custom",)
     assert len({t for t, _ in loaded.values()}) == len(loaded)
     # each node's worker credential is bound to that node; the master's own and other roles are not
     assert loaded["worker-ip-10-0-0-1.ec2.internal"][1].node == "ip-10-0-0-1.ec2.internal"
@@ -50,7 +54,8 @@ def test_generate_is_what_l2fs_loads(tmp_path: Path) -> None:
             for d in yaml.safe_load_all((tmp_path / "s.yaml").read_text())}
     assert set(docs) == {("kvtier", "l2fs-tokens"), ("kvtier", "l2fs-mount-token"), ("team-a", "ep-a-l2fs-token"),
                          ("default", "ep-b-l2fs-token"), ("team-a", "kvtier-router-l2fs-token"),
-                         ("kvtier", "l2fs-block-key"), ("kvtier", "l2fs-token-verifiers")}
+                         ("kvtier", "l2fs-block-key"), ("kvtier", "l2fs-token-verifiers"),
+                         ("kvtier", "l2fs-endpoint-mounts")}
     # the master's block key: next to the tokens file (0600, >= 32 bytes), the Secret holds exactly its bytes,
     # and a second run keeps it (a new key would unpublish the whole cache)
     key = (tmp_path / "block-key").read_bytes()
@@ -62,22 +67,33 @@ def test_generate_is_what_l2fs_loads(tmp_path: Path) -> None:
     assert docs[("team-a", "ep-a-l2fs-token")] == {"token": loaded["engine-ep-a"][0]}
     assert docs[("team-a", "kvtier-router-l2fs-token")] == {"token": loaded["router-team-a"][0]}
     assert docs[("kvtier", "l2fs-mount-token")] == {"token": loaded["mount"][0]}
+    # the mount DaemonSet's Secret, as its volume (a file per key) is read by `l2fs mount --endpoints`
+    from l2fs.fuse.endpoints import read_endpoints
+
+    vol = tmp_path / "endpoint-mounts"
+    vol.mkdir()
+    for k, v in docs[("kvtier", "l2fs-endpoint-mounts")].items():
+        (vol / k).write_text(v)
+    (vol / "..data").mkdir()  # the kubelet's bookkeeping in a Secret volume
+    assert read_endpoints(str(vol)) == ({"ep-a": ("/kvtier/kv/ep-a", loaded["mount-ep-a"][0]),
+                                         "ep-b": ("/kvtier/kv/custom", loaded["mount-ep-b"][0])}, [])
 
 
 def test_keep_reuses_tokens_and_drops_the_rest() -> None:
     first = tokens.generate(["a", "b"], [("ep", "/kvtier/kv/ep", "ns")], [], mount=True, admin=False)
     second = tokens.generate(["a", "c"], [("ep", "/kvtier/kv/ep", "ns")], [], mount=True, admin=False, keep=first)
     old, new = ({e["name"]: e["token"] for e in x} for x in (first, second))
-    assert set(new) == {"master", "worker-a", "worker-c", "engine-ep", "mount"}  # worker-b revoked
-    for name in ("master", "worker-a", "engine-ep", "mount"):
+    assert set(new) == {"master", "worker-a", "worker-c", "engine-ep", "mount-ep", "mount"}  # worker-b revoked
+    for name in ("master", "worker-a", "engine-ep", "mount-ep", "mount"):
         assert new[name] == old[name]
     assert new["worker-c"] not in old.values()
     rotated = tokens.generate(["a"], [], [], mount=False, admin=False)
     assert rotated[1]["token"] != old["worker-a"]
     with pytest.raises(ValueError, match="twice"):
         tokens.generate(["a", "node/a"], [], [], mount=False, admin=False)
-    with pytest.raises(ValueError, match="ENDPOINT"):
-        tokens.parse_engine(":/x", "ns")
+    for bad in (":/x", "a/b", ".hidden", "a b"):  # the endpoint is also a Secret key and a directory name
+        with pytest.raises(ValueError, match="ENDPOINT"):
+            tokens.parse_engine(bad, "ns")
     with pytest.raises(ValueError, match="other than /"):
         tokens.parse_engine("ep:/", "ns")
 

@@ -215,9 +215,10 @@ def test_webhook_wiring(docs: list[dict[str, Any]]) -> None:
     out = mutate(load_yaml("rendered-v3.2-stripped.yaml"), patch_cfg)
     vols = {v["name"]: v for v in out["spec"]["template"]["spec"]["volumes"]}
     mnt = one(docs, "DaemonSet", "l2fs-mount")["spec"]["template"]["spec"]
-    if patch_cfg.mode == "mount":
+    if patch_cfg.mode == "mount":  # the endpoint's own directory under it (l2fs mount --endpoints), not all of it
+        endpoint = out["spec"]["template"]["metadata"]["labels"]["kvtier.io/endpoint"]
         assert vols[patch_cfg.volume_name]["hostPath"]["path"] == {v["name"]: v for v in mnt["volumes"]}["mnt"][
-            "hostPath"]["path"]
+            "hostPath"]["path"] + "/" + endpoint
     # plugin mode: the pod's hostPath vs the rendered worker's socket and data dirs is
     # test_operator_consumers.py::test_plugin_pods_see_the_workers_socket_not_the_data_dir
 

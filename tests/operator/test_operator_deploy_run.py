@@ -125,6 +125,13 @@ class Env:
         assert made.returncode == 0, made.stderr
         for s in yaml.safe_load_all(made.stdout):
             self.secrets.update({(s["metadata"]["name"], k): v for k, v in (s.get("stringData") or {}).items()})
+        # Secret l2fs-endpoint-mounts as its volume in the mount pod: a file per key (mode 0400)
+        self.endpoint_mounts = hostpath / "endpoint-mounts"
+        self.endpoint_mounts.mkdir()
+        for (name, k), v in self.secrets.items():
+            if name == "l2fs-endpoint-mounts":
+                (self.endpoint_mounts / k).write_text(v)
+                (self.endpoint_mounts / k).chmod(0o400)
         key = hostpath / "block-key"  # the master's block key, made next to the tokens file (Secret l2fs-block-key)
         verifiers = hostpath / "token-verifiers.json"  # Secret l2fs-token-verifiers: what workers mount
         # the worker pod's projected ServiceAccount token, and the API server that issued it (the master reaches
@@ -149,6 +156,8 @@ class Env:
         self.vars["L2FS_TOKEN_VERIFIERS_FILE"] = str(verifiers)
         self.vars["L2FS_WORKER_TOKEN_FILE"] = str(identity)
         self.vars["L2FS_MOUNT_TOKEN_FILE"] = str(mount_identity)
+        self.vars["L2FS_MOUNT_ENDPOINTS_DIR"] = str(self.endpoint_mounts)
+        self.vars["L2FS_MOUNT_STATUS_FILE"] = str(tmp / "l2fs-mounts.status")
         self.vars["KUBECONFIG"] = str(api.kubeconfig)
         self.vars["L2FS_BLOCK_KEY_FILE"] = str(key)
 
@@ -251,9 +260,10 @@ def env(base: list[dict[str, Any]], tmp_path: Path, hostpath: Path) -> Iterator[
         e = Env(base, tmp_path, hostpath, api)
         yield e
         mnt = e.vars["L2FS_MOUNT_PATH"]
-        if os.path.ismount(mnt):
-            subprocess.run(["fusermount3", "-u", "-z", mnt], timeout=20)
         e.stop()
+        for m in [mnt] + ([str(p) for p in Path(mnt).iterdir()] if os.path.isdir(mnt) else []):
+            if os.path.ismount(m):  # the endpoints' mounts (l2fs mount --endpoints) and any at the base
+                subprocess.run(["fusermount3", "-u", "-z", m], timeout=20)
 
 
 def test_master_and_worker_commands_and_probes(base: list[dict[str, Any]], env: Env) -> None:
@@ -378,7 +388,9 @@ def _fds_passed(env: Env) -> float:
 @pytest.mark.fuse
 @pytest.mark.skipif(os.geteuid() != 0 or not os.path.exists("/dev/fuse") or not shutil.which("fusermount3"),
                     reason="needs root, /dev/fuse and fusermount3")
-def test_mount_command_probes_and_prestop(base: list[dict[str, Any]], env: Env) -> None:
+def test_mount_command_probes_and_sigterm(base: list[dict[str, Any]], env: Env) -> None:
+    """The rendered mount command serves each endpoint of Secret l2fs-endpoint-mounts at <mount path>/<endpoint>
+    (its prefix only, its own token); readiness waits for every endpoint's mount; SIGTERM unmounts them all."""
     master = container(base, "StatefulSet", "l2fs-master")
     mount = container(base, "DaemonSet", "l2fs-mount")
     env.wait_probe(master, "readinessProbe", env.start(master, "master.log"), "master.log")
@@ -389,12 +401,18 @@ def test_mount_command_probes_and_prestop(base: list[dict[str, Any]], env: Env) 
     proc = env.start(mount, "mount.log")
     env.wait_probe(mount, "readinessProbe", proc, "mount.log")
     assert env.probe(mount, "livenessProbe")
-    # what vLLM's LMCache fs connector will do through the mount: mkdir, write tmp, rename, read
-    chunk = mnt / "kvtier" / "kv"
+    assert os.path.ismount(mnt / "ep-a") and not os.path.ismount(mnt)  # the endpoint's mount, no node-wide one
+    # what vLLM's LMCache fs connector will do through it: mkdir, write tmp, rename, read; it lands under the
+    # endpoint's prefix
+    chunk = mnt / "ep-a" / "rev1"
     chunk.mkdir(parents=True, exist_ok=True)
     (chunk / "k.data.tmp").write_bytes(b"x" * 4096)
     os.replace(chunk / "k.data.tmp", chunk / "k.data")
     assert (chunk / "k.data").read_bytes() == b"x" * 4096
+    l2fs = str(Path(sys.executable).with_name("l2fs"))
+    got = subprocess.run([l2fs, "cat", "--master", env.vars["L2FS_MASTER"], "/kvtier/kv/ep-a/rev1/k.data"],
+                         capture_output=True, timeout=60, env={**os.environ, "L2FS_TOKEN": env.tokens["admin"]})
+    assert got.returncode == 0 and got.stdout == b"x" * 4096, got.stderr
     # the configured owner (uid 1000) writes like LMCache does; another non-root uid reads but cannot write
     write = f"printf y > {chunk}/u.data.tmp && mv {chunk}/u.data.tmp {chunk}/u.data"
     as_uid = ["setpriv", "--reuid", "1000", "--regid", "1000", "--clear-groups", "sh", "-c", write]
@@ -402,23 +420,21 @@ def test_mount_command_probes_and_prestop(base: list[dict[str, Any]], env: Env) 
     other = ["setpriv", "--reuid", "1001", "--regid", "1001", "--clear-groups", "sh", "-c",
              f"cat {chunk}/u.data >/dev/null && ! (printf z > {chunk}/o.data) 2>/dev/null"]
     assert subprocess.run(other, timeout=30).returncode == 0 and not (chunk / "o.data").exists()
-    # preStop unmounts; the daemon then exits and liveness fails
-    pre = expand(mount["lifecycle"]["preStop"]["exec"]["command"], env.vars)
-    assert subprocess.run(pre, env={**os.environ, **env.vars}, timeout=30).returncode == 0
-    assert not os.path.ismount(mnt)
-    proc.wait(30)
+    # SIGTERM (what the kubelet sends; no preStop): every endpoint unmounted, the daemon exits, liveness fails
+    proc.terminate()
+    assert proc.wait(30) == 0
+    assert not os.path.ismount(mnt / "ep-a")
     assert not env.probe(mount, "livenessProbe")
     # why the mount has a role of its own (mount: renames of its own files onto free paths), not an engine token:
     # with one, even inside that engine's own prefix, what LMCache's fs:// connector does through a mount (write
     # a temp file, rename it) is refused
-    engine_token = env.tmp / "engine-token"
-    engine_token.write_text(env.tokens["engine-ep-a"])
-    env.vars["L2FS_MOUNT_TOKEN_FILE"] = str(engine_token)
+    (env.endpoint_mounts / "ep-a").chmod(0o600)
+    (env.endpoint_mounts / "ep-a").write_text(json.dumps({"root": "/kvtier/kv/ep-a", "token": env.tokens["engine-ep-a"]}))
     env.vars["L2FS_MOUNT_PATH"] = str(mnt) + "-engine"
     eproc = env.start(mount, "mount-engine.log")
     env.wait_probe(mount, "readinessProbe", eproc, "mount-engine.log")
-    own = Path(env.vars["L2FS_MOUNT_PATH"]) / "kvtier" / "kv" / "ep-a"
-    own.mkdir(parents=True, exist_ok=True)  # mkdir of its own prefix is allowed
+    own = Path(env.vars["L2FS_MOUNT_PATH"]) / "ep-a" / "rev2"
+    own.mkdir(parents=True, exist_ok=True)  # mkdir under its own prefix is allowed
     try:
         (own / "k.data.tmp").write_bytes(b"x" * 4096)
         os.replace(own / "k.data.tmp", own / "k.data")
@@ -426,8 +442,8 @@ def test_mount_command_probes_and_prestop(base: list[dict[str, Any]], env: Env) 
     except OSError:
         published = False
     assert not published and not (own / "k.data").exists()
-    pre = expand(mount["lifecycle"]["preStop"]["exec"]["command"], env.vars)
-    assert subprocess.run(pre, env={**os.environ, **env.vars}, timeout=30).returncode == 0
+    eproc.terminate()
+    assert eproc.wait(30) == 0
 
 
 def test_router_command_discovers_the_pods_the_webhook_labels(cluster: Any, tmp_path: Path, hostpath: Path) -> None:

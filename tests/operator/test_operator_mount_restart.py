@@ -10,6 +10,7 @@ import errno
 import os
 import signal
 import subprocess
+import time
 from pathlib import Path
 from typing import Any
 
@@ -23,12 +24,18 @@ from operator_patch.patch import WAIT_INIT, PatchConfig, mutate
 pytestmark = pytest.mark.fuse
 
 
-def _init_of(mnt: Path) -> list[str]:
-    """The init container's argv in a pod the webhook patched for this node path (kubelet-expanded)."""
-    out = mutate(load_yaml("rendered-v3.2-stripped.yaml"), PatchConfig(mount_path=str(mnt), host_path=str(mnt)))
+def _init_of(mnt: Path, endpoint: str) -> list[str]:
+    """The init container's argv in a pod of `endpoint` the webhook patched for this node path (kubelet-expanded),
+    with its volume's path in the pod replaced by the node path the volume binds there (the pod's view)."""
+    dep = load_yaml("rendered-v3.2-stripped.yaml")
+    dep["metadata"]["ownerReferences"][0]["name"] = endpoint
+    out = mutate(dep, PatchConfig(host_path=str(mnt)))
     (init,) = [c for c in out["spec"]["template"]["spec"]["initContainers"] if c["name"] == WAIT_INIT]
-    argv = container_argv(init, container_env(init))
-    assert argv[0] == "python3"
+    (vm,) = init["volumeMounts"]
+    (vol,) = [v for v in out["spec"]["template"]["spec"]["volumes"] if v["name"] == vm["name"]]
+    assert vol["hostPath"]["path"] == str(mnt / endpoint)  # its endpoint's own mount only
+    argv = [vol["hostPath"]["path"] if a == vm["mountPath"] else a for a in container_argv(init, container_env(init))]
+    assert argv[0] == "python3" and argv[-1] == str(mnt / endpoint)
     return argv
 
 
@@ -52,8 +59,9 @@ def test_killed_mount_holds_vllm_pods_back_and_its_restart_recovers(base: list[d
     env.wait_probe(master, "readinessProbe", env.start(master, "master.log"), "master.log")
     start_worker(base, env)
     mnt = Path(env.vars["L2FS_MOUNT_PATH"])
-    mnt.mkdir(exist_ok=True)  # the hostPath as DirectoryOrCreate leaves it before any mount
-    init = _init_of(mnt)
+    own = mnt / "ep-a"  # endpoint ep-a's mount (Secret l2fs-endpoint-mounts)
+    own.mkdir(parents=True)  # the hostPath as DirectoryOrCreate leaves it before any mount
+    init = _init_of(mnt, "ep-a")
     assert _waits(init), "a vLLM pod started on a node whose mount is not up (it would write to the node's disk)"
 
     proc = env.start(mount, "mount.log")
@@ -62,20 +70,26 @@ def test_killed_mount_holds_vllm_pods_back_and_its_restart_recovers(base: list[d
 
     proc.send_signal(signal.SIGKILL)  # the mount daemon OOM-killed / killed: its FUSE mount stays, dead
     proc.wait(10)
-    with pytest.raises(OSError) as dead:
-        os.listdir(mnt)
-    assert dead.value.errno == errno.ENOTCONN
+    seen = None
+    for _ in range(100):  # its endpoint mount is killed with it (PR_SET_PDEATHSIG): ECONNABORTED, then dead
+        try:
+            os.listdir(own)
+        except OSError as e:
+            seen = e.errno
+            if seen == errno.ENOTCONN:
+                break
+        time.sleep(0.1)
+    assert seen == errno.ENOTCONN, seen
     assert _waits(init), "a pod started on a dead mount"
 
     again = env.start(mount, "mount-again.log")  # the DaemonSet restarts the pod: same command
     env.wait_probe(mount, "readinessProbe", again, "mount-again.log")
     assert not _waits(init, 30)
-    chunk = mnt / "kvtier" / "kv" / "after-restart.data"
+    chunk = own / "rev" / "after-restart.data"
     chunk.parent.mkdir(parents=True, exist_ok=True)
     chunk.write_bytes(b"kv" * 512)
     assert chunk.read_bytes() == b"kv" * 512
-    pre = container_argv({"command": mount["lifecycle"]["preStop"]["exec"]["command"]}, env.vars)
-    assert subprocess.run(pre, env={**os.environ, **env.vars}, timeout=30).returncode == 0
-    assert not os.path.ismount(mnt)
-    assert not (mnt / "kvtier").exists(), "the chunk went onto the node's disk under the mount point"
-    again.wait(30)
+    again.terminate()  # the kubelet's SIGTERM: every endpoint unmounted
+    assert again.wait(30) == 0
+    assert not os.path.ismount(own)
+    assert not (own / "rev").exists(), "the chunk went onto the node's disk under the mount point"

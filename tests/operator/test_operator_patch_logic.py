@@ -67,10 +67,13 @@ def test_mount_mode_gives_exactly_one_l2_setting(shape: str) -> None:
         {"name": "LMCACHE_REMOTE_URL", "value": f"fs://localhost:0/mnt/l2fs/kvtier/kv/{endpoint}/unversioned/"}]
     assert env_entries(out, "PYTHONHASHSEED") == [{"name": "PYTHONHASHSEED", "value": "0"}]
     assert env_entries(out, "LMCACHE_REMOTE_SERDE") == [{"name": "LMCACHE_REMOTE_SERDE", "value": "naive"}]
-    mounts = [m for m in vllm(out)["volumeMounts"] if m["mountPath"] == "/mnt/l2fs"]
-    assert mounts == [{"name": "kvtier-l2fs", "mountPath": "/mnt/l2fs", "mountPropagation": "HostToContainer"}]
+    # only this endpoint's own mount (the node's mount DaemonSet serves it at /mnt/l2fs/<endpoint>), seen where
+    # the URL's prefix is; never the node's whole /mnt/l2fs
+    mounts = [m for m in vllm(out)["volumeMounts"] if m["name"] == "kvtier-l2fs"]
+    assert mounts == [{"name": "kvtier-l2fs", "mountPath": f"/mnt/l2fs/kvtier/kv/{endpoint}",
+                       "mountPropagation": "HostToContainer"}]
     vols = [v for v in out["spec"]["template"]["spec"]["volumes"] if v["name"] == "kvtier-l2fs"]
-    assert vols == [{"name": "kvtier-l2fs", "hostPath": {"path": "/mnt/l2fs", "type": "DirectoryOrCreate"}}]
+    assert vols == [{"name": "kvtier-l2fs", "hostPath": {"path": f"/mnt/l2fs/{endpoint}", "type": "DirectoryOrCreate"}}]
     pod_meta = out["spec"]["template"]["metadata"]
     assert pod_meta["labels"][ENDPOINT_LABEL] == dep["metadata"]["ownerReferences"][0]["name"]
     assert pod_meta["annotations"][STRATEGY_KEY] == "prefixaware"

@@ -103,22 +103,24 @@ def test_scoped_tokens_wired_unless_explicitly_insecure(rendered: dict[str, list
             assert master[master.index("--worker-identity") + 1] == "$(L2FS_WORKER_IDENTITY)"
             assert (cm["L2FS_WORKER_IDENTITY"], cm["L2FS_WORKER_SA"], cm["L2FS_WORKER_AUDIENCE"]) == (
                 "k8s", "kvtier:l2fs-worker", "l2fs")
-            # the FUSE mount: no Secret at all; its pod's projected token (audience l2fs), which the master
-            # reviews as ServiceAccount l2fs-mount (--mount-sa) and names after the node
+            # the FUSE mounts: one per endpoint, each with that endpoint's mount token from Secret
+            # l2fs-endpoint-mounts (no other Secret, no token in the env, no ServiceAccount token)
             mount, mspec = found["l2fs-mount"]
-            assert not env_of(mount, "L2FS_TOKEN") and '--token-file "$L2FS_MOUNT_TOKEN_FILE"' in mount["args"][0]
+            assert not env_of(mount, "L2FS_TOKEN") and '--endpoints "$L2FS_MOUNT_ENDPOINTS_DIR"' in mount["args"][0]
             assert mspec["serviceAccountName"] == "l2fs-mount" and mspec["automountServiceAccountToken"] is False
-            assert not [v for v in mspec["volumes"] if "secret" in v]
-            (ident,) = [v for v in mspec["volumes"] if v["name"] == "identity"]
-            assert ident["projected"]["sources"] == [{"serviceAccountToken": {
-                "path": "token", "audience": cm["L2FS_WORKER_AUDIENCE"], "expirationSeconds": 3600}}]
-            assert cm["L2FS_MOUNT_TOKEN_FILE"].rsplit("/", 1)[0] in [m["mountPath"] for m in mount["volumeMounts"]]
+            (vol,) = [v for v in mspec["volumes"] if "secret" in v or "projected" in v]
+            assert vol["secret"]["secretName"] == "l2fs-endpoint-mounts" and vol["secret"]["defaultMode"] == 0o400
+            assert {m["name"]: m["mountPath"] for m in mount["volumeMounts"]}[vol["name"]] == \
+                cm["L2FS_MOUNT_ENDPOINTS_DIR"]
             assert master[master.index("--mount-sa") + 1] == "$(L2FS_MOUNT_SA)"
+            assert "--endpoint-writes" not in master  # the default (plugin): no mount but an endpoint's own
+            # writes under a prefix an engine credential serves
             assert cm["L2FS_MOUNT_SA"] == "kvtier:l2fs-mount"
             # the webhook's config: per-endpoint token Secrets, and the privileged ones it refuses
             cfg = patch_config(cm, monkeypatch)
             assert cfg.token_secret == "{endpoint}-l2fs-token"
-            assert {"l2fs-tokens", "l2fs-mount-token", "l2fs-token"} <= set(cfg.privileged_secrets.split(","))
+            assert {"l2fs-tokens", "l2fs-mount-token", "l2fs-token", "l2fs-endpoint-mounts"} <= set(
+                cfg.privileged_secrets.split(","))
             plugin = mutate(load_yaml("rendered-v3.2-stripped.yaml"), PatchConfig(**{**cfg.__dict__, "mode": "plugin"}))
             pc = plugin["spec"]["template"]["spec"]["containers"][0]
             assert env_of(pc, "L2FS_TOKEN")[0]["valueFrom"]["secretKeyRef"] == {"name": "qwen2-7b-l2fs-token",
