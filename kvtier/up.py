@@ -6,6 +6,9 @@ benchmarks (`kvtier bench ...`) so that they measure exactly what a user starts.
 
 --mode plugin (default): replicas use our LMCache connector to l2fs; --mode mount: each node runs `l2fs mount`
 (its own mountpoint under <dir>/mnt/<node>) and its replicas use stock LMCache `fs://` on it.
+--lmcache-mode mp: LMCache's multiprocess mode instead of LMCache inside vLLM: each replica gets its own
+`lmcache server` (the webhook's sidecar layout) with kvtier's l2fs L2 adapter, and vLLM runs LMCache's own MP
+connector (engine_driven transfer, the one that runs on CPU); CPU, plugin mode, loopback only.
 --netns [--link RATE]: master and router in a control namespace, node K (worker, mount, replicas) in its own,
 each bound to its address, the router reached from the host through a 127.0.0.1 forwarder.
 
@@ -37,6 +40,9 @@ from l2fs.common import free_port
 DEFAULT_DIR = Path(".kvtier")
 STATE_NAME = "up.json"
 MODES = ("plugin", "mount")
+LMCACHE_MODES = ("inprocess", "mp")  # mp: an `lmcache server` per replica (the webhook's sidecar layout)
+MP_ONLY = ("--lmcache-mode mp runs on CPU replicas on loopback, with the server's l2fs adapter as the L2 (not with "
+           "--mode mount, --netns or --device cuda: those combinations are untested)")
 
 
 def log(msg: str) -> None:
@@ -65,6 +71,8 @@ class ReplicaInfo:
     pid: int | None = None
     bind_url: str = ""      # as the router and other nodes reach it (the node's address with --netns)
     mount: str | None = None  # --mode mount: the node's l2fs mountpoint this replica's LMCache writes to
+    lmcache_server: str | None = None  # --lmcache-mode mp: its `lmcache server` (tcp://host:port)
+    lmcache_server_log: str | None = None
 
 
 @dataclass
@@ -85,6 +93,7 @@ class StackState:
     mounts: dict[str, str] = field(default_factory=dict)  # node -> mountpoint (mount mode)
     host_l2fs_master: str = ""           # the master as reached from the host (a forwarder with --netns)
     netns: dict[str, Any] | None = None  # NetnsCluster.describe(): prefix, subnet, addresses, rates, forwards
+    lmcache_mode: str = "inprocess"      # inprocess (LMCache inside vLLM) | mp (an `lmcache server` per replica)
 
     def save(self, path: Path) -> None:
         path.write_text(json.dumps(asdict(self), indent=2))
@@ -148,6 +157,7 @@ class Stack(procs.Started):
         share_gpus: bool = False,
         replica_env: dict[str, str] | None = None,
         l2fs_shards: int = 1,
+        lmcache_mode: str = "inprocess",
     ) -> None:
         if replicas < 1:
             raise ValueError("--replicas must be >= 1")
@@ -157,6 +167,12 @@ class Stack(procs.Started):
             raise ValueError(f"--mode must be one of {', '.join(MODES)}")
         if link and not netns:
             raise ValueError("--link needs --netns")
+        if lmcache_mode not in LMCACHE_MODES:
+            raise ValueError(f"--lmcache-mode must be one of {', '.join(LMCACHE_MODES)}")
+        if lmcache_mode == "mp" and (mode != "plugin" or netns or device == "cuda"):
+            raise ValueError(MP_ONLY)
+        self.lmcache_mode = lmcache_mode
+        self.mp_servers: dict[int, Any] = {}  # replica index -> its lmcache server (--lmcache-mode mp)
         if tensor_parallel_size < 1:
             raise ValueError("--tensor-parallel-size must be >= 1")
         self.mode, self.use_netns, self.link = mode, netns, link
@@ -199,18 +215,22 @@ class Stack(procs.Started):
         (self.base / "logs").mkdir(exist_ok=True)
         self.model = self.model_arg or str(default_model(self.base))
         self.gpu_slots = self.plan_gpus()  # too few GPUs fails here, before anything started
+        if self.lmcache_mode == "mp" and self.device == "cuda":
+            raise ValueError(MP_ONLY)
         nodes = self._start_l2fs()
         plan = self._plan_replicas(nodes)
         self._start_replicas(plan)
         if self.strategy:
             self._start_router()
         from connector.config import DEFAULT_PREFIX
+        from kvtier.contract import MP_PREFIX
 
         state = StackState(dir=str(self.base), model=self.model, l2fs_master=self.cluster.master, nodes=nodes,
                            replicas=self.infos, kv_events=self.kv_events, router_url=self.router_url,
-                           strategy=self.strategy, mode=self.mode, kv_prefix=DEFAULT_PREFIX, mounts=self.mounts,
+                           strategy=self.strategy, mode=self.mode,
+                           kv_prefix=MP_PREFIX if self.lmcache_mode == "mp" else DEFAULT_PREFIX, mounts=self.mounts,
                            host_l2fs_master=self.cluster.host_master,
-                           netns=self.net.describe() if self.net is not None else None)
+                           netns=self.net.describe() if self.net is not None else None, lmcache_mode=self.lmcache_mode)
         state.save(self.state_path)
         return state
 
@@ -278,13 +298,25 @@ class Stack(procs.Started):
             fwd = self.net.forward(p.port, where=p.node)
             where = {"bind_host": self._node_addr(p.node), "reach": ("127.0.0.1", fwd.port),
                      "wrap": lambda argv: self.net.wrap(p.node, argv)}
-        l2 = {"mount_path": self.mounts[p.node]} if self.mode == "mount" else {"l2fs_master": self.cluster.master}
+        l2: dict[str, Any] = {"mount_path": self.mounts[p.node]} if self.mode == "mount" \
+            else {"l2fs_master": self.cluster.master}
+        env = dict(self.replica_env)
         try:
+            if self.lmcache_mode == "mp":  # its own server on its node, like the webhook's sidecar
+                from kvtier.devstack.mp_server import mp_transfer_config, start_mp_server
+
+                srv = start_mp_server(self.cluster.master, p.node, p.log_path.with_name(f"{p.name}-lmcache-server.log"),
+                                      l1_gb=self.l1_gb)
+                self.mp_servers[i] = srv
+                log(f"{p.name}: lmcache server (MP mode) on 127.0.0.1:{srv.port}; log {srv.log_path}")
+                extra += ["--kv-transfer-config", json.dumps(mp_transfer_config(srv.port))]
+                l2 = {"lmcache": False}
+                env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")  # a KV connector's thread needs a core
             self._launched[i] = start_replica(
                 self.model, p.port, node_id=p.node, l1_gb=self.l1_gb,
                 log_path=p.log_path, max_model_len=self.max_model_len, prefix_caching=self.prefix_caching,
                 kv_cache_gb=self.kv_cache_gb, extra_args=extra, config_dir=self.base / "config", progress=False,
-                extra_env=self.replica_env,
+                extra_env=env,
                 device=self.device or "cpu", gpu=self.gpu_slots[i] if self.gpu_slots else None, **l2, **where)
             log(f"{p.name} healthy at {self._launched[i].url}")
         except BaseException as e:  # noqa: BLE001 - reported after all launches returned
@@ -313,16 +345,19 @@ class Stack(procs.Started):
         if errors:
             raise RuntimeError(f"replica start failed: {errors[0]!r}") from errors[0]
         for i, p in enumerate(plan):
-            rep = self._launched[i]
+            rep, srv = self._launched[i], self.mp_servers.get(i)
             self.infos.append(ReplicaInfo(p.name, rep.url, p.node, str(p.log_path), rep.proc.pid,
-                                          bind_url=rep.bind_url, mount=self.mounts.get(p.node)))
+                                          bind_url=rep.bind_url, mount=self.mounts.get(p.node),
+                                          lmcache_server=f"tcp://127.0.0.1:{srv.port}" if srv else None,
+                                          lmcache_server_log=str(srv.log_path) if srv else None))
 
     def _start_router(self) -> None:
         port = self.router_port or free_port()
         urls = ",".join(r.bind_url or r.url for r in self.infos)
         host = self.net.ctl.addr if self.net is not None else "127.0.0.1"
-        cmd = router_command(urls, str(self.strategy), port, self.model, self.cluster.master, self.kv_events,
-                             host=host)
+        # MP mode's chunk keys are the server's blake3 ObjectKeys, which the router's L2 lookup does not compute
+        l2 = None if self.lmcache_mode == "mp" else self.cluster.master
+        cmd = router_command(urls, str(self.strategy), port, self.model, l2, self.kv_events, host=host)
         log_path = self.base / "logs" / "router.log"
         log(f"starting router ({self.strategy}) on {host}:{port}; log {log_path}")
         if self.net is not None:  # in the control namespace; the host reaches it on 127.0.0.1:<--port or free>
@@ -356,6 +391,9 @@ class Stack(procs.Started):
                 rep.stop()
             except Exception as e:  # noqa: BLE001 - keep stopping the rest
                 log(f"error stopping replica: {e!r}")
+        for i in sorted(self.mp_servers):
+            log(f"stopping replica-{i + 1}'s lmcache server")
+            self.mp_servers[i].stop()
         if self.cluster is not None:
             log("stopping l2fs")
             self.cluster.__exit__(None, None, None)
@@ -397,7 +435,11 @@ def _print_endpoints(state: StackState, smoke: bool = False) -> None:
     print(f"  router ({state.strategy}): {state.router_url}")
     for r in state.replicas:
         print(f"  {r.name} ({r.node_id}): {r.url}   log {r.log_path}")
-    print(f"  l2fs master: {state.l2fs_master}   nodes: {', '.join(state.nodes)}   mode: {state.mode}")
+    print(f"  l2fs master: {state.l2fs_master}   nodes: {', '.join(state.nodes)}   mode: {state.mode}"
+          f"   lmcache: {state.lmcache_mode}")
+    for r in state.replicas:
+        if r.lmcache_server:
+            print(f"  {r.name} lmcache server: {r.lmcache_server}   log {r.lmcache_server_log}")
     for node, mp in state.mounts.items():
         print(f"  {node} l2fs mount: {mp}")
     if state.netns:
@@ -433,6 +475,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mode", choices=MODES, default="plugin",
                    help="plugin: LMCache + our l2fs connector (default); mount: each node's own `l2fs mount` "
                    "and stock LMCache fs:// on it")
+    p.add_argument("--lmcache-mode", choices=LMCACHE_MODES, default="inprocess",
+                   help="inprocess: LMCache inside vLLM (default); mp: LMCache multiprocess mode, an `lmcache server` "
+                   "per replica with kvtier's l2fs adapter and vLLM on LMCache's MP connector")
     p.add_argument("--netns", action="store_true",
                    help="one network namespace per node (needs root, ip, tc, nsenter); router on 127.0.0.1:--port")
     p.add_argument("--link", default=None, metavar="RATE", help="with --netns: each node's link rate, e.g. 2gbit")
@@ -474,6 +519,11 @@ def check_args(args: argparse.Namespace) -> str | None:
         return "--l1-gb and --kv-cache-gb must be > 0"
     if args.link and not args.netns:
         return "--link needs --netns (loopback has no link to shape)"
+    if args.lmcache_mode == "mp" and (args.mode != "plugin" or args.netns or args.device == "cuda"):
+        return MP_ONLY
+    if args.lmcache_mode == "mp" and args.prefill_tokens_per_s is not None:
+        return ("--prefill-tokens-per-s feeds the in-process plugin's load gate; in MP mode the gate's figure is "
+                "the L2 adapter's prefill_tokens_per_s")
     if args.prefill_tokens_per_s is not None and (args.prefill_tokens_per_s < 0 or args.mode != "plugin"):
         return "--prefill-tokens-per-s: a rate >= 0, in plugin mode (the load gate is in the l2fs plugin)"
     if args.tensor_parallel_size < 1:
@@ -519,6 +569,7 @@ def main(argv: list[str] | None = None) -> int:
                   strategy=args.strategy, router_port=args.port, l1_gb=args.l1_gb,
                   max_model_len=args.max_model_len, parallel_start=not args.sequential,
                   prefix_caching=args.prefix_caching, kv_cache_gb=args.kv_cache_gb, mode=args.mode,
+                  lmcache_mode=args.lmcache_mode,
                   netns=args.netns, link=args.link, device=None if args.device == "auto" else args.device,
                   tensor_parallel_size=args.tensor_parallel_size, share_gpus=args.share_gpus,
                   replica_env=prefill_env(args.prefill_tokens_per_s), l2fs_shards=args.l2fs_shards)

@@ -7,7 +7,7 @@
 
 Why these flags: LMCache's CPU client talks engine_driven (worker-side gather/scatter), whose handlers the
 server registers only with --supported-transfer-mode engine_driven|auto, and `lmcache server` refuses to start
-with --l1-size-gb but no --eviction-policy. The MP tests use it (`kvtier up` has no MP mode yet).
+with --l1-size-gb but no --eviction-policy. Used by `kvtier up --lmcache-mode mp` and the MP tests.
 """
 
 from __future__ import annotations

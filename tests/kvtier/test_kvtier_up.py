@@ -23,48 +23,18 @@ from typing import Any
 import httpx
 import psutil
 import pytest
-
-from l2fs import procs
+from upstack import Up, up_stack
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.vllm
 LENGTH = 1024  # HTTP-only bench: 4 full LMCache chunks; vLLM computes the last token itself, so 1023 can load
 
 
-class Up:
-    def __init__(self, proc: subprocess.Popen[bytes], state: dict[str, Any], dir: Path) -> None:
-        self.proc, self.state, self.dir = proc, state, dir
-
-
 @pytest.fixture(scope="module")
 def up(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Iterator[Up]:
-    d = tmp_path_factory.mktemp("up")
-    out = d / "up.out"
     # its own process group, as from a terminal; the SIGTERM test signals only `kvtier up` itself
-    proc = procs.spawn([sys.executable, "-m", "kvtier.cli", "up", "--dir", str(d), "--port", "0", "--model",
-                        str(tiny_model), "--l1-gb", "0.5"], out, cwd=ROOT)
-    state_file = d / "up.json"
-    try:
-        procs.wait_ready(proc, lambda: state_file.exists() and "Ctrl-C stops everything" in out.read_text(),
-                         timeout=600, what="kvtier up", log_path=out, interval=1)
-    except procs.ProcessError as e:
-        _kill_tree(proc)
-        pytest.fail(str(e))
-    u = Up(proc, json.loads(state_file.read_text()), d)
-    yield u
-    if proc.poll() is None:  # a test failed before the shutdown test: do not leave engines behind
-        _kill_tree(proc)
-
-
-def _kill_tree(proc: subprocess.Popen[bytes]) -> None:
-    """`kvtier up` starts each child in its own group, so a group kill would miss them: walk the tree."""
-    try:
-        for c in psutil.Process(proc.pid).children(recursive=True):
-            c.kill()
-    except psutil.NoSuchProcess:
-        pass
-    proc.kill()
-    proc.wait()
+    with up_stack(tmp_path_factory.mktemp("up"), ["--model", str(tiny_model), "--l1-gb", "0.5"]) as u:
+        yield u
 
 
 def test_up_prints_endpoints_and_serves_through_router(up: Up) -> None:
