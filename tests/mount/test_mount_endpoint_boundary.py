@@ -8,16 +8,24 @@ creates, renames into or makes directories under it; mount-mode endpoints (no en
 own) are written through the mounts as before.
 
 Real master, workers and a `l2fs mount` process with its own projected ServiceAccount token (master
-`--mount-sa`, reviewed by kmock's TokenReview emulator, as deploy/base runs it).
+`--mount-sa`, reviewed by kmock's TokenReview emulator).
+
+Mount mode as deployed now (test_pod_of_one_endpoint_cannot_plant_anothers_chunk): one mount per endpoint on
+each node (`l2fs mount --endpoints`, each with that endpoint's own mount token and prefix), and each endpoint's
+pods given only their endpoint's mount by the webhook; run from the rendered deploy/base and webhook config.
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import errno
 import json
 import os
+import shutil
+import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -107,12 +115,144 @@ def test_mount_cannot_plant_another_endpoints_chunks(node_mount: tuple[LocalClus
 
 
 def test_mount_mode_mounts_still_write_every_endpoint(tmp_path: Path) -> None:
-    """With `--endpoint-writes mount` (deploy/ passes $(KVTIER_MODE): endpoints write through the node mounts,
-    their engine credentials unused for KV) the mount writes under B's prefix as before, and an engine's put of
-    that key then answers "exists"."""
+    """With `--endpoint-writes mount` (what deploy/ passed before per-endpoint mounts: one node-wide mount wrote
+    every endpoint's KV) the mount writes under B's prefix as before, and an engine's put of that key then
+    answers "exists". deploy/ no longer passes it (test_pod_of_one_endpoint_cannot_plant_anothers_chunk)."""
     with _node_mount(tmp_path, "--endpoint-writes", "mount") as (c, m):
         (m / "kvtier/kv/ep-b").mkdir(parents=True, exist_ok=True)
         (m / "kvtier/kv/ep-b/chunk.data").write_bytes(b"through the mount" * 100)
         with c.client(token=ENGINE_B) as b:
             assert b.get(f"{KV}/ep-b/chunk.data") == b"through the mount" * 100
             assert b.put(f"{KV}/ep-b/chunk.data", b"other") is False
+
+
+# ------------------------------------------------------------------ as deployed: per-endpoint mounts
+B_KEY = "vllm@%2Fopt%2Fml%2Fmodel@1@0@00c0ffee00c0ffee@bfloat16.data"  # deterministic, as LMCache names chunks
+A_KEY = "vllm@%2Fopt%2Fml%2Fmodel@1@0@0a0a0a0a0a0a0a0a@bfloat16.data"
+
+
+def _patched_pod(endpoint: str, host_path: Path, pod_mnt: Path) -> tuple[str, str, str]:
+    """(hostPath, mountPath, LMCache's remote dir) of the l2fs volume of a pod of `endpoint`, patched by the
+    webhook configured from the rendered kvtier-config (its own flag parser), node and pod paths redirected."""
+    from operator_helpers import load_yaml, render
+
+    from operator_patch.options import add_config_args, config_from_args
+    from operator_patch.patch import mutate
+
+    (cm,) = [d for d in render("base") if d["kind"] == "ConfigMap" and d["metadata"]["name"].startswith("kvtier-config")]
+    env = {**{k: v for k, v in cm["data"].items() if k.startswith("KVTIER_")},
+           "KVTIER_HOST_PATH": str(host_path), "KVTIER_MOUNT_PATH": str(pod_mnt)}
+    old = dict(os.environ)
+    try:
+        os.environ.update(env)
+        parser = argparse.ArgumentParser()
+        add_config_args(parser)
+        cfg = config_from_args(parser.parse_args([]))
+    finally:
+        os.environ.clear()
+        os.environ.update(old)
+    dep = load_yaml("rendered-v3.2-stripped.yaml")
+    dep["metadata"]["ownerReferences"][0]["name"] = endpoint
+    out = mutate(dep, cfg)
+    spec = out["spec"]["template"]["spec"]
+    (c,) = [c for c in spec["containers"] if any(e.get("name") == "LMCACHE_REMOTE_URL" for e in c.get("env") or [])]
+    (vm,) = [m for m in c["volumeMounts"] if m["name"] == cfg.volume_name]
+    (vol,) = [v for v in spec["volumes"] if v["name"] == cfg.volume_name]
+    (url,) = [e["value"] for e in c["env"] if e["name"] == "LMCACHE_REMOTE_URL"]
+    assert url.startswith("fs://localhost:0/"), url
+    return vol["hostPath"]["path"], vm["mountPath"], url.removeprefix("fs://localhost:0")
+
+
+def _in_pod(host: str, mount_path: str, node: Path, script: str, *args: str) -> subprocess.CompletedProcess[str]:
+    """`script` (sh, $1...) as a container given only this volume sees the node: the hostPath bound at its
+    mountPath, the rest of the node's paths (`node`: mounts, data, tokens) hidden under an empty tmpfs."""
+    setup = ('mkdir -p "$MP" && mount --rbind "$HOST" "$MP" && mount --make-rslave "$MP" && '
+             'mount -t tmpfs none "$NODE" && exec sh -c "$SCRIPT" sh "$@"')
+    return subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c", setup, "sh", *args],
+                          env={**os.environ, "MP": mount_path, "HOST": host, "NODE": str(node), "SCRIPT": script},
+                          capture_output=True, text=True, timeout=60)
+
+
+# LMCache's fs:// connector's put: the directory, a temp file, then a rename into place
+PUT = 'mkdir -p "$(dirname "$1")" && printf %s "$2" > "$1.tmp" && mv "$1.tmp" "$1"'
+
+
+@pytest.mark.fuse
+@pytest.mark.skipif(os.geteuid() != 0 or not os.path.exists("/dev/fuse") or not shutil.which("fusermount3")
+                    or not shutil.which("unshare"), reason="needs root, /dev/fuse, fusermount3 and unshare")
+def test_pod_of_one_endpoint_cannot_plant_anothers_chunk(tmp_path: Path) -> None:
+    """deploy/base as rendered (master, worker and mount DaemonSet commands, tokens from `kvtier tokens generate
+    --engine ep-a --engine ep-b`) and pods patched by the webhook as its ConfigMap configures it. A pod of
+    endpoint A writes B's next chunk (deterministic key) wherever what it is given reaches: B's URL path as a
+    node-wide mount would show it, and `..` out of its own mount. Before (one node-wide mount whose credential
+    wrote every endpoint's prefix, every pod given all of it) the chunk was published under B's prefix, B's put
+    then answered "exists" and B loaded the planted bytes; the test fails there. Now A's pod has only its
+    endpoint's mount (root /kvtier/kv/ep-a, mount-ep-a's token), nothing reaches B's prefix, and B's own pod puts
+    and reads its bytes. The mount credential itself cannot write outside its prefix either; A's chunk written
+    by a pod on node-a is read by A's pod on node-b through node-b's mount (cross-pod hits still work)."""
+    from operator_helpers import render
+    from test_operator_deploy_run import Env, container, start_worker
+
+    docs = render("base")
+    node = Path(tempfile.mkdtemp(prefix="kvtier-node-"))
+    node.chmod(0o755)
+    try:
+        with review_api(node) as api:
+            env = Env(docs, tmp_path, node, api, engines=("ep-a@team-a", "ep-b@team-b"))
+            try:
+                _plant_and_hit(docs, env, node, tmp_path, container, start_worker)
+            finally:
+                env.stop()
+                for m in sorted({str(p) for d in node.glob("mnt*") for p in [d, *d.iterdir()]}, reverse=True):
+                    if os.path.ismount(m):
+                        subprocess.run(["fusermount3", "-u", "-z", m], timeout=20)
+    finally:
+        shutil.rmtree(node, ignore_errors=True)
+
+
+def _plant_and_hit(docs: list[dict[str, Any]], env: Any, node: Path, tmp: Path, container: Any,
+                   start_worker: Any) -> None:
+    master = container(docs, "StatefulSet", "l2fs-master")
+    mount = container(docs, "DaemonSet", "l2fs-mount")
+    env.wait_probe(master, "readinessProbe", env.start(master, "master.log"), "master.log")
+    start_worker(docs, env)
+    env.wait_probe(mount, "readinessProbe", env.start(mount, "mount.log"), "mount.log")
+    mnt = Path(env.vars["L2FS_MOUNT_PATH"])
+    pod_mnt = tmp / "pod-root" / "mnt" / "l2fs"  # the path the pods see the mount at (KVTIER_MOUNT_PATH)
+    a_host, a_path, a_dir = _patched_pod("ep-a", mnt, pod_mnt)
+    b_host, b_path, b_dir = _patched_pod("ep-b", mnt, pod_mnt)
+    l2fs = str(Path(sys.executable).with_name("l2fs"))
+
+    def cli(token: str, *cmd: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([l2fs, cmd[0], "--master", env.vars["L2FS_MASTER"], *cmd[1:]], capture_output=True,
+                              text=True, timeout=60, env={**os.environ, "L2FS_TOKEN": token})
+
+    b_l2fs = f"{KV}/ep-b/unversioned/{B_KEY}"
+    assert b_dir.removeprefix(str(pod_mnt)) + B_KEY == b_l2fs  # the pod's URL names the l2fs path
+    # A's pod: B's chunk at B's URL path, and one `..` out of its own mount's view
+    for target in (f"{b_dir}{B_KEY}", f"{a_path}/../ep-b/unversioned/{B_KEY}"):
+        _in_pod(a_host, a_path, node, PUT, target, "planted-by-A")
+    planted = cli(env.tokens["admin"], "cat", b_l2fs)
+    assert planted.returncode != 0, f"A's pod planted B's chunk: {planted.stdout!r}"
+    # the mount daemon's credential for A: nothing outside A's prefix either (the master refuses it)
+    src = tmp / "planted"
+    src.write_text("planted-by-A's-mount-token")
+    denied = cli(env.tokens["mount-ep-a"], "put", str(src), b_l2fs)
+    assert denied.returncode != 0 and "may not" in denied.stderr + denied.stdout, denied
+    # B's pod puts its chunk (published: nothing was there) and reads back its own bytes
+    put = _in_pod(b_host, b_path, node, PUT + ' && cat "$1"', f"{b_dir}{B_KEY}", "B's own KV")
+    assert put.returncode == 0 and put.stdout == "B's own KV", put.stderr
+    assert cli(env.tokens["admin"], "cat", b_l2fs).stdout == "B's own KV"
+    # A's own cross-pod hit: a pod of A on node-a writes, a pod of A on node-b (its node's mount) reads
+    wrote = _in_pod(a_host, a_path, node, PUT, f"{a_dir}{A_KEY}", "A's KV from node-a")
+    assert wrote.returncode == 0, wrote.stderr
+    node_b = {**env.vars, "NODE_NAME": "node-b", "L2FS_MOUNT_PATH": str(node / "mnt-b"),
+              "L2FS_MOUNT_STATUS_FILE": str(tmp / "node-b.status")}
+    saved, env.vars = env.vars, node_b
+    try:
+        env.wait_probe(mount, "readinessProbe", env.start(mount, "mount-b.log"), "mount-b.log")
+    finally:
+        env.vars = saved
+    a_host_b, a_path_b, a_dir_b = _patched_pod("ep-a", node / "mnt-b", pod_mnt)
+    got = _in_pod(a_host_b, a_path_b, node, 'cat "$1"', f"{a_dir_b}{A_KEY}")
+    assert got.returncode == 0 and got.stdout == "A's KV from node-a", got.stderr

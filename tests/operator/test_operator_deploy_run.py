@@ -99,7 +99,8 @@ def hostpath() -> Iterator[Path]:
 class Env:
     """The container environment: the rendered ConfigMap with local ports/paths, plus downward API values."""
 
-    def __init__(self, docs: list[dict[str, Any]], tmp: Path, hostpath: Path, api: ReviewApi) -> None:
+    def __init__(self, docs: list[dict[str, Any]], tmp: Path, hostpath: Path, api: ReviewApi,
+                 engines: tuple[str, ...] = ("ep-a@team-a",)) -> None:
         (cm,) = [d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"].startswith("kvtier-config")]
         self.vars: dict[str, str] = dict(cm["data"])
         mport = free_port()
@@ -120,7 +121,7 @@ class Env:
         self.secrets: dict[tuple[str, str], str] = {}
         tokens = hostpath / "tokens.json"
         made = subprocess.run([sys.executable, "-m", "kvtier.cli", "tokens", "generate", "--workers", "node-a", "node-b",
-                               "--engine", "ep-a@team-a", "--router", "team-a", "--admin", "-o", str(tokens),
+                               *[f"--engine={e}" for e in engines], "--router", "team-a", "--admin", "-o", str(tokens),
                                "--secret-yaml", "-"], capture_output=True, text=True, timeout=60, cwd=ROOT)
         assert made.returncode == 0, made.stderr
         for s in yaml.safe_load_all(made.stdout):

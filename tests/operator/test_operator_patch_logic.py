@@ -74,6 +74,10 @@ def test_mount_mode_gives_exactly_one_l2_setting(shape: str) -> None:
                        "mountPropagation": "HostToContainer"}]
     vols = [v for v in out["spec"]["template"]["spec"]["volumes"] if v["name"] == "kvtier-l2fs"]
     assert vols == [{"name": "kvtier-l2fs", "hostPath": {"path": f"/mnt/l2fs/{endpoint}", "type": "DirectoryOrCreate"}}]
+    # verify flags a pod given the node's whole mount tree (as patched before per-endpoint mounts)
+    wide = copy.deepcopy(out)
+    [v for v in wide["spec"]["template"]["spec"]["volumes"] if v["name"] == "kvtier-l2fs"][0]["hostPath"]["path"] = "/mnt/l2fs"
+    assert any("this endpoint's own mount" in p for p in check(wide, cfg)), check(wide, cfg)
     pod_meta = out["spec"]["template"]["metadata"]
     assert pod_meta["labels"][ENDPOINT_LABEL] == dep["metadata"]["ownerReferences"][0]["name"]
     assert pod_meta["annotations"][STRATEGY_KEY] == "prefixaware"
