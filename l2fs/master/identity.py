@@ -73,9 +73,9 @@ RENEW_AFTER = 2 / 3  # fraction of a cached review's time after which it is rene
 KNOWN_KEEP = 10  # an accepted token stays "known" for this many cache TTLs after its last positive review
 # Unknown tokens from one source address (a node's worker and mount pods share one in hostNetwork; a restarted
 # master reviews one or two tokens per node at once): checked before the shared budget, which it never reaches
-# beyond this share.
-SOURCE_IN_FLIGHT = 1
-SOURCE_RATE, SOURCE_BURST = 2.0, 10.0
+# beyond this share (a quarter of its rate; in flight, at least one of REVIEWS_IN_FLIGHT stays for others).
+SOURCE_IN_FLIGHT = 3
+SOURCE_RATE, SOURCE_BURST = 5.0, 20.0
 
 
 def _jwt_exp(token: str) -> float | None:
