@@ -23,6 +23,7 @@ import errno
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -32,6 +33,7 @@ from typing import Any
 
 import pytest
 from mount_helpers import Mount, start_mount
+from polling import wait_until
 
 from l2fs.testing.cluster import LocalCluster
 
@@ -256,3 +258,66 @@ def _plant_and_hit(docs: list[dict[str, Any]], env: Any, node: Path, tmp: Path, 
     a_host_b, a_path_b, a_dir_b = _patched_pod("ep-a", node / "mnt-b", pod_mnt)
     got = _in_pod(a_host_b, a_path_b, node, 'cat "$1"', f"{a_dir_b}{A_KEY}")
     assert got.returncode == 0 and got.stdout == "A's KV from node-a", got.stderr
+
+
+@pytest.mark.fuse
+@pytest.mark.skipif(os.geteuid() != 0 or not os.path.exists("/dev/fuse") or not shutil.which("fusermount3"),
+                    reason="needs root, /dev/fuse and fusermount3")
+def test_endpoint_mounts_follow_the_secret(tmp_path: Path) -> None:
+    """`l2fs mount --endpoints DIR` (what the mount DaemonSet runs) against a real cluster: an endpoint added to
+    DIR is mounted without touching the others' mounts (same process), a crashed endpoint mount is restarted, a
+    removed one unmounted; each shows only its own prefix."""
+    import psutil
+
+    from l2fs.procs import spawn, stop
+
+    tokens = tmp_path / "tokens.json"
+    entries = [{"name": "master", "token": MASTER, "role": "worker"},
+               {"name": "ops", "token": ADMIN, "role": "admin"},
+               *[{"name": f"mount-{e}", "token": f"mount-{e}-token-0123456789", "role": "mount",
+                  "prefixes": [f"{KV}/{e}"]} for e in ("ep-a", "ep-b")]]
+    tokens.write_text(json.dumps(entries))
+    sec = ["--tokens-file", str(tokens), "--token", MASTER]
+    src, base = tmp_path / "endpoint-mounts", tmp_path / "mnt"
+    src.mkdir()
+    base.mkdir()
+
+    def add(e: str) -> None:
+        (src / e).write_text(json.dumps({"root": f"{KV}/{e}", "token": f"mount-{e}-token-0123456789"}))
+
+    def children() -> dict[str, int]:  # endpoint -> pid of its mount process
+        return {Path(p.cmdline()[4]).name: p.pid for p in psutil.Process(sup.pid).children()
+                if len(p.cmdline()) > 4 and p.cmdline()[3] == "mount"}
+
+    def live(e: str) -> bool:
+        return fuse_type(base / e) == "fuse.l2fs" and e in children()
+
+    from l2fs.fuse.main import mount_type as fuse_type
+
+    add("ep-a")
+    with LocalCluster(tmp_path / "c", workers=1, capacity="256M", token=ADMIN, master_args=sec,
+                      worker_args=sec) as c:
+        status = tmp_path / "status"
+        sup = spawn([sys.executable, "-m", "l2fs.cli", "mount", str(base), "--endpoints", str(src),
+                     "--endpoints-poll", "0.3", "--status-file", str(status), "--master", c.master,
+                     "--node-id", "node-1"], tmp_path / "sup.log")
+        try:
+            wait_until(lambda: live("ep-a") and status.read_text().startswith("ready"), 30)
+            (base / "ep-a" / "rev").mkdir()
+            (base / "ep-a" / "rev" / "k.data").write_bytes(b"a" * 1000)
+            with c.client(token=ADMIN) as admin:
+                assert admin.get(f"{KV}/ep-a/rev/k.data") == b"a" * 1000  # under its prefix, only there
+            a_pid = children()["ep-a"]
+            add("ep-b")
+            wait_until(lambda: live("ep-b"), 30)
+            assert children()["ep-a"] == a_pid  # ep-a's mount untouched
+            assert os.listdir(base / "ep-b") == []  # ep-b's mount shows ep-b's prefix, not ep-a's files
+            b_pid = children()["ep-b"]
+            os.kill(b_pid, signal.SIGKILL)  # crashed: restarted after its backoff
+            wait_until(lambda: live("ep-b") and children()["ep-b"] != b_pid and os.listdir(base / "ep-b") == [], 30)
+            (src / "ep-a").unlink()
+            wait_until(lambda: fuse_type(base / "ep-a") is None and "ep-a" not in children(), 30)
+            assert live("ep-b")
+        finally:
+            stop(sup)
+        assert fuse_type(base / "ep-b") is None  # SIGTERM unmounted every endpoint
