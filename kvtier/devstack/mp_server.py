@@ -49,8 +49,10 @@ def mp_transfer_config(port: int, host: str = "127.0.0.1") -> dict[str, Any]:
 
 def start_mp_server(master: str, node_id: str, log_path: str | Path, *, prefix: str = contract.MP_PREFIX,
                     l1_gb: float = 0.5, chunk_size: int = contract.CHUNK_SIZE,
-                    env: dict[str, str] | None = None, timeout: float = 300.0) -> MPServer:
-    """Launch the server, wait for its HTTP /status; raises (with the log tail) if it exits first."""
+                    env: dict[str, str] | None = None, timeout: float = 300.0,
+                    transfer_mode: str = "engine_driven") -> MPServer:
+    """Launch the server, wait for its HTTP /status; raises (with the log tail) if it exits first.
+    transfer_mode: what the server accepts (lmcache_driven = its shared-memory path, CUDA IPC or CPU SHM)."""
     port, http = free_port(), free_port()
     adapter = {"type": "plugin", "module_path": "connector.mp_l2fs", "class_name": "L2fsL2Adapter",
                "adapter_params": {"master": master, "node_id": node_id, "prefix": prefix}}
@@ -60,7 +62,7 @@ def start_mp_server(master: str, node_id: str, log_path: str | Path, *, prefix: 
     log_path = Path(log_path)
     p = procs.spawn([sys.executable, "-m", "lmcache.cli.main", "server", "--host", "127.0.0.1", "--port", str(port),
                      "--chunk-size", str(chunk_size), "--l1-size-gb", f"{l1_gb:g}", "--eviction-policy", "LRU",
-                     "--supported-transfer-mode", "engine_driven", "--http-host", "127.0.0.1",
+                     "--supported-transfer-mode", transfer_mode, "--http-host", "127.0.0.1",
                      "--http-port", str(http), "--l2-adapter", json.dumps(adapter)], log_path, env=e)
     try:
         procs.wait_ready(p, lambda: procs.http_ok(f"http://127.0.0.1:{http}/status") or None, timeout=timeout,

@@ -1,7 +1,8 @@
 """LMCache multiprocess mode on CPU, end to end without vLLM: real `lmcache server` processes with kvtier's L2
 adapter (loaded by LMCache's `{"type":"plugin","module_path":...}`) and LMCache's OWN MP client, `lmcache bench
-server --mode cpu` (REGISTER_KV_CACHE, LOOKUP, STORE/RETRIEVE of CPU KV tensors in engine_driven transfer
-mode, checksums of the KV over the server's HTTP API), against a real l2fs master + 2 workers.
+server --mode cpu` (REGISTER_KV_CACHE, LOOKUP, STORE/RETRIEVE of CPU KV tensors, checksums of the KV over the
+server's HTTP API), against a real l2fs master + 2 workers, in both transfer modes: engine_driven (what vLLM's
+CPU engines use) and lmcache_driven (the client's KV in POSIX shared memory, copied by the server).
 
 Server A on node-1 stores two 2-chunk sequences (cold misses, then L1 hits). It is stopped; server B on node-2
 starts with an empty L1, so its first lookups can only be answered from l2fs: 2/2 chunks hit, and the KV it
@@ -31,15 +32,17 @@ ENV = dict(os.environ, PYTHONPATH=str(ROOT), LMCACHE_TRACK_USAGE="false", PYTHON
            LMCACHE_DISABLE_BANNER="1")
 
 
-def _server(master: str, node: str, log: Path, env: dict[str, str] = ENV) -> tuple[MPServer, int, int]:
-    srv = start_mp_server(master, node, log, prefix=PREFIX, l1_gb=0.2, env=env)
+def _server(master: str, node: str, log: Path, env: dict[str, str] = ENV,
+            mode: str = "engine_driven") -> tuple[MPServer, int, int]:
+    srv = start_mp_server(master, node, log, prefix=PREFIX, l1_gb=0.2, env=env, transfer_mode=mode)
     return srv, srv.port, srv.http_port
 
 
-def _client(port: int, http: int, out: Path) -> dict[str, list[str]]:
-    """LMCache's MP client on CPU over two sequences; per 'seq N/kind': its LOOKUP/STORE/RETRIEVE/CHECKSUM lines."""
+def _client(port: int, http: int, out: Path, mode: str = "engine_driven") -> dict[str, list[str]]:
+    """LMCache's MP client on CPU over two sequences; per 'seq N/kind': its LOOKUP/STORE/RETRIEVE/CHECKSUM lines.
+    mode lmcache_driven: the client's KV tensors move into POSIX shared memory and the server copies them."""
     r = subprocess.run([sys.executable, "-m", "lmcache.cli.main", "bench", "server", "--mode", "cpu",
-                        "--transfer-mode", "engine_driven", "--rpc-url", f"tcp://127.0.0.1:{port}",
+                        "--transfer-mode", mode, "--rpc-url", f"tcp://127.0.0.1:{port}",
                         "--url", f"http://127.0.0.1:{http}", "--num-tokens", "512", "--start", "0", "--end", "2",
                         "--interval", "0.2", "--num-blocks", "128", "--block-size", "16",
                         "--kvcache-shape-spec", "(2,128,16,2,64):float16:2"],
@@ -60,11 +63,12 @@ def _checksum(lines: list[str]) -> str:
     return _first(lines, "CHECKSUM").split()[0]
 
 
-def test_lmcache_server_shares_kv_across_nodes_through_l2fs(tmp_path: Path) -> None:
+@pytest.mark.parametrize("mode", ["engine_driven", "lmcache_driven"])
+def test_lmcache_server_shares_kv_across_nodes_through_l2fs(tmp_path: Path, mode: str) -> None:
     with LocalCluster(tmp_path / "l2", workers=2) as c:
-        a, pa, ha = _server(c.master, "node-1", tmp_path / "server-a.log")
+        a, pa, ha = _server(c.master, "node-1", tmp_path / "server-a.log", mode=mode)
         try:
-            run_a = _client(pa, ha, tmp_path / "client-a.log")
+            run_a = _client(pa, ha, tmp_path / "client-a.log", mode)
         finally:
             a.stop()
         for seq in ("0", "1"):
@@ -77,9 +81,9 @@ def test_lmcache_server_shares_kv_across_nodes_through_l2fs(tmp_path: Path) -> N
         keys = [ckeys.name_to_object_key(i.path.rsplit("/", 1)[1]) for i in objs]
         assert all(len(k.chunk_hash) == 32 for k in keys)  # LMCache MP's blake3 chunk hashes
 
-        b, pb, hb = _server(c.master, "node-2", tmp_path / "server-b.log")  # empty L1, another node
+        b, pb, hb = _server(c.master, "node-2", tmp_path / "server-b.log", mode=mode)  # empty L1, another node
         try:
-            run_b = _client(pb, hb, tmp_path / "client-b.log")
+            run_b = _client(pb, hb, tmp_path / "client-b.log", mode)
         finally:
             b.stop()
         for seq in ("0", "1"):
@@ -90,9 +94,9 @@ def test_lmcache_server_shares_kv_across_nodes_through_l2fs(tmp_path: Path) -> N
         for i in objs:
             client.rm(i.path)
         client.close()
-        s3, p3, h3 = _server(c.master, "node-2", tmp_path / "server-c.log")
+        s3, p3, h3 = _server(c.master, "node-2", tmp_path / "server-c.log", mode=mode)
         try:
-            run_c = _client(p3, h3, tmp_path / "client-c.log")
+            run_c = _client(p3, h3, tmp_path / "client-c.log", mode)
         finally:
             s3.stop()
         assert all(_first(run_c[f"{seq}/cold"], "LOOKUP").startswith("0/2 chunks hit") for seq in ("0", "1"))
