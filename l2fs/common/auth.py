@@ -223,7 +223,10 @@ class Credentials:
         prefixes at or below them); any other credential as it is."""
         if "mount" not in cred.roles or "admin" in cred.roles or not self.served:
             return cred
-        out = tuple(p for p in self.served if not any(q == p or q.startswith(p + "/") for q in cred.prefixes))
+        # only prefixes strictly inside one of its own can ever match a path it may write (may_write): a
+        # per-endpoint mount then carries none, instead of every other endpoint's (16 us per write at 200)
+        out = tuple(p for p in self.served if not any(q == p or q.startswith(p + "/") for q in cred.prefixes)
+                    and any(q == "/" or p.startswith(q + "/") for q in cred.prefixes))
         return cred if out == cred.excluded else replace(cred, excluded=out)
 
     @property
