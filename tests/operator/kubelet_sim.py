@@ -1495,8 +1495,10 @@ class OneBox:
         return "\n".join(out)
 
     def http(self, pod: Pod, port: int, method: str = "GET", path: str = "/", body: bytes | None = None,
-             headers: dict[str, str] | None = None, timeout: float = 60) -> tuple[int, bytes]:
-        """An HTTP request to a pod's address from inside its network (what another pod on the cluster does)."""
+             headers: dict[str, str] | None = None, timeout: float = 60,
+             got_headers: dict[str, str] | None = None) -> tuple[int, bytes]:
+        """An HTTP request to a pod's address from inside its network (what another pod on the cluster does);
+        the response's headers (lower-case names) go into `got_headers` when given."""
         s = socket_in(pod.ns.path)
         s.settimeout(timeout)
         try:
@@ -1508,6 +1510,8 @@ class OneBox:
                        + "\r\n").encode() + (body or b""))
             r = http.client.HTTPResponse(s)
             r.begin()
+            if got_headers is not None:
+                got_headers.update({k.lower(): v for k, v in r.getheaders()})
             return r.status, r.read()
         finally:
             s.close()

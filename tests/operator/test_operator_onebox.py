@@ -66,11 +66,17 @@ def filled(block: str) -> str:
 
 @pytest.fixture(scope="module")
 def g6e(tiny: Path) -> Iterator[OneBox]:
+    """The box of this run's OVERLAY, installed (install_box)."""
+    yield from install_box(OVERLAY, tiny)
+
+
+def install_box(overlay: str, tiny: Path) -> Iterator[OneBox]:
     """docs/deploy.md "Install, step by step", run as written by bash in a directory holding deploy/, on a two-node
-    G6e box: kubectl is the box's (kubelet_sim.OneBox.kubectl), kvtier the venv's; `aws` (step 2, S3 access for
-    the router's ServiceAccount) is the box's s3 table, `pip install .` (step 0) the venv. The monitoring
-    namespace exists, as kube-prometheus-stack (a prerequisite of step 5) makes it."""
-    (iec,) = [d for d in render(f"overlays/{OVERLAY}/endpoint") if d["kind"] == "InferenceEndpointConfig"]
+    box of the overlay's instance type: kubectl is the box's (kubelet_sim.OneBox.kubectl), kvtier the venv's;
+    `aws` (step 2, S3 access for the router's ServiceAccount) is the box's s3 table, `pip install .` (step 0) the
+    venv. The monitoring namespace exists, as kube-prometheus-stack (a prerequisite of step 5) makes it. Also
+    used by test_operator_onebox_plugin.py."""
+    (iec,) = [d for d in render(f"overlays/{overlay}/endpoint") if d["kind"] == "InferenceEndpointConfig"]
     src, name = iec["spec"]["modelSourceConfig"], iec["metadata"]["name"]
     nodes = {f"node-{i}": {"node.kubernetes.io/instance-type": iec["spec"]["instanceType"]} for i in (1, 2)}
     uri = f"s3://{src['s3Storage']['bucketName']}/{src['modelLocation']}/"
@@ -84,8 +90,8 @@ def g6e(tiny: Path) -> Iterator[OneBox]:
             box.endpoint = name
             # hyperpod-p5: "install it like hyperpod-g6e, with p5 in the paths" (and its endpoint's name)
             steps = filled(docs_block("deploy.md", "## Install, step by step"))
-            if OVERLAY != "hyperpod-g6e":
-                steps = steps.replace("hyperpod-g6e", OVERLAY).replace("qwen2-7b", name)
+            if overlay != "hyperpod-g6e":
+                steps = steps.replace("hyperpod-g6e", overlay).replace("qwen2-7b", name)
             box.installed = box.shell(steps, cwd=work, timeout=420)
             tokens = work / "tokens.json"
             box.tokens = {e["name"]: e["token"] for e in json.loads(tokens.read_text())} if tokens.exists() else {}
