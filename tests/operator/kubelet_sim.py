@@ -904,10 +904,16 @@ class OneBox:
                 t = hp.get("type", "")
                 if t == "CharDevice":
                     d = Path(hp["path"])  # the device itself (e.g. /dev/fuse)
+                elif t == "Directory" and hp["path"] == "/dev/shm":
+                    d = Path("/dev/shm")
                 elif t in ("DirectoryOrCreate", "Directory", ""):
-                    d.mkdir(parents=True, exist_ok=True)
-                    if t == "Directory" and hp["path"] == "/dev/shm":
-                        d = Path("/dev/shm")
+                    # made as the node sees the path: inside a FUSE mount already on a parent of it, as the
+                    # kubelet's mkdir would (not on the disk underneath, which the node's mount hides)
+                    made = subprocess.run(["nsenter", f"--mount={pod.node.mnt}", "--", "sh", "-c",
+                                           '[ -e "$0" ] || mkdir -p "$0"', str(d)],
+                                          capture_output=True, text=True, timeout=30)
+                    if made.returncode:
+                        raise RuntimeError(f"hostPath {hp['path']}: {made.stderr.strip()}")
             elif "emptyDir" in v or "persistentVolumeClaim" in v:
                 d.mkdir(parents=True, exist_ok=True)
                 _own(d, fs_group, 0o2775 if fs_group is not None else 0o777)
@@ -1552,10 +1558,12 @@ class OneBox:
                 pass
         return subprocess.CompletedProcess(p.args, p.returncode, out, err)
 
-    def node_mounted(self, node: Node, path: str) -> bool:
-        """Whether a node path (a hostPath) is a mount point in the node's mount namespace."""
+    def node_mounted(self, node: Node, path: str) -> list[str]:
+        """The mount points at or under a node path (a hostPath) in the node's mount namespace, as node paths."""
         assert node.holder is not None
-        return str(self.host_path(node, path)) in _mounts_under(self.host_path(node, path), node.holder.pid)
+        host = self.host_path(node, "/")
+        return ["/" + m[len(str(host)):].lstrip("/") for m in _mounts_under(self.host_path(node, path),
+                                                                            node.holder.pid)]
 
 
 # ---------------------------------------------------------------- kubectl (the docs' commands)
@@ -1614,8 +1622,10 @@ def _duration(text: str | None, default: float) -> float:
 # gives (after the webhook): flags a GPU deployment sets that vLLM CPU cannot take or that the tiny test model
 # cannot serve are replaced, and vLLM CPU's own settings added (as connector.config.vllm_args(device="cpu")).
 # Everything else (the model path, --kv-transfer-config, --kv-events-config, ports, LMCACHE_* env) is the pod's.
+# vLLM's prefix caching stays on, as on a GPU (vLLM's default): it is what publishes the KV events the router
+# routes by.
 CPU_OVERLAY_SET = {"--max-model-len": "2048", "--dtype": "float32", "--seed": "0", "--tensor-parallel-size": None}
-CPU_OVERLAY_ADD = ["--enforce-eager", "--no-enable-prefix-caching"]
+CPU_OVERLAY_ADD = ["--enforce-eager"]
 CPU_OVERLAY_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "1", "VLLM_NO_USAGE_STATS": "1",
                    "DO_NOT_TRACK": "1", "LMCACHE_TRACK_USAGE": "false", "HF_HUB_OFFLINE": "1",
                    "TRANSFORMERS_OFFLINE": "1"}
