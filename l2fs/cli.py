@@ -154,7 +154,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         from l2fs.worker.main import main as run
     elif cmd == "local":
         from l2fs.testing.cluster import main as run
-    elif cmd == "mount" and "--passthrough" in rest:  # read-only native-protocol server (docs/mount.md)
+    elif cmd == "mount" and "--passthrough" in rest and not any(r.split("=")[0] == "--endpoints" for r in rest):
+        # the native-protocol passthrough server (docs/mount.md); with --endpoints the supervisor starts those
         from l2fs.fuse.passthrough import main as run
     elif cmd == "mount":
         from l2fs.fuse.main import main as run

@@ -226,4 +226,10 @@ def child_args(a: Any) -> list[str]:
         out += ["--gid", str(a.gid)]
     for o in a.options:
         out += ["-o", o]
+    if getattr(a, "passthrough", False):  # each child a passthrough server; its own private dir under cache_dir
+        out.append("--passthrough")
+        if a.cache_dir:
+            out += ["--cache-dir", a.cache_dir]
+        if a.cache_size:
+            out += ["--cache-size", a.cache_size]
     return out

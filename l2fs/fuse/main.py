@@ -145,6 +145,15 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--status-file", metavar="PATH",
                    help="with --endpoints: rewritten every pass, first line 'ready' once every endpoint's mount "
                         "is live (else 'waiting'): for the probes")
+    p.add_argument("--passthrough", action="store_true",
+                   help="with --endpoints: each endpoint's mount is the passthrough server (`l2fs mount --passthrough "
+                        "--help`; Linux >= 6.9), its temp and cross-node files under --cache-dir")
+    p.add_argument("--cache-dir", default=None,
+                   help="with --passthrough: where each endpoint's mount keeps its files being written and its "
+                        "cross-node copies, each in its own private subdirectory (default: $TMPDIR or /tmp); "
+                        "its file system's free space bounds the bytes written but not yet published")
+    p.add_argument("--cache-size", default=None,
+                   help="with --passthrough: bound on each endpoint mount's cross-node copies (default 4G)")
     p.add_argument("--debug", action="store_true")
     a = p.parse_args(argv)
     if not a.master:
@@ -184,6 +193,17 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
             p.error("--endpoints-poll must be positive")
     elif a.status_file:
         p.error("--status-file needs --endpoints")
+    if a.passthrough and not a.endpoints:
+        p.error("--passthrough without --endpoints is `l2fs mount --passthrough` (its own server)")
+    if (a.cache_dir or a.cache_size) and not a.passthrough:
+        p.error("--cache-dir and --cache-size need --passthrough")
+    if a.passthrough and a.options:
+        p.error("-o is not taken by the passthrough mount")
+    if a.passthrough and a.cache_size:
+        try:
+            parse_size(a.cache_size)
+        except ValueError as e:
+            p.error(f"bad size: {e}")
     return a
 
 
