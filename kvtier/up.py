@@ -40,6 +40,7 @@ from l2fs.common import free_port
 DEFAULT_DIR = Path(".kvtier")
 STATE_NAME = "up.json"
 MODES = ("plugin", "mount")
+MOUNT_SERVERS = ("auto", "passthrough", "pyfuse3")  # --mode mount: which `l2fs mount` each node runs
 LMCACHE_MODES = ("inprocess", "mp")  # mp: an `lmcache server` per replica (the webhook's sidecar layout)
 MP_ONLY = ("--lmcache-mode mp runs on CPU replicas on loopback, with the server's l2fs adapter as the L2 (not with "
            "--mode mount, --netns or --device cuda: those combinations are untested)")
@@ -94,6 +95,7 @@ class StackState:
     host_l2fs_master: str = ""           # the master as reached from the host (a forwarder with --netns)
     netns: dict[str, Any] | None = None  # NetnsCluster.describe(): prefix, subnet, addresses, rates, forwards
     lmcache_mode: str = "inprocess"      # inprocess (LMCache inside vLLM) | mp (an `lmcache server` per replica)
+    mount_servers: dict[str, str] = field(default_factory=dict)  # node -> passthrough | pyfuse3 (mount mode)
 
     def save(self, path: Path) -> None:
         path.write_text(json.dumps(asdict(self), indent=2))
@@ -158,6 +160,7 @@ class Stack(procs.Started):
         replica_env: dict[str, str] | None = None,
         l2fs_shards: int = 1,
         lmcache_mode: str = "inprocess",
+        mount_server: str = "auto",
     ) -> None:
         if replicas < 1:
             raise ValueError("--replicas must be >= 1")
@@ -167,6 +170,10 @@ class Stack(procs.Started):
             raise ValueError(f"--mode must be one of {', '.join(MODES)}")
         if link and not netns:
             raise ValueError("--link needs --netns")
+        if mount_server not in MOUNT_SERVERS:
+            raise ValueError(f"--mount-server must be one of {', '.join(MOUNT_SERVERS)}")
+        self.mount_server = mount_server
+        self.mount_servers: dict[str, str] = {}  # node -> the mount it runs (mount mode)
         if lmcache_mode not in LMCACHE_MODES:
             raise ValueError(f"--lmcache-mode must be one of {', '.join(LMCACHE_MODES)}")
         if lmcache_mode == "mp" and (mode != "plugin" or netns or device == "cuda"):
@@ -230,7 +237,8 @@ class Stack(procs.Started):
                            strategy=self.strategy, mode=self.mode,
                            kv_prefix=MP_PREFIX if self.lmcache_mode == "mp" else DEFAULT_PREFIX, mounts=self.mounts,
                            host_l2fs_master=self.cluster.host_master,
-                           netns=self.net.describe() if self.net is not None else None, lmcache_mode=self.lmcache_mode)
+                           netns=self.net.describe() if self.net is not None else None, lmcache_mode=self.lmcache_mode,
+                           mount_servers=self.mount_servers)
         state.save(self.state_path)
         return state
 
@@ -253,8 +261,10 @@ class Stack(procs.Started):
         log(f"l2fs master at {self.cluster.master}, nodes {', '.join(nodes)}")
         if self.mode == "mount":
             for i, node in enumerate(nodes):
-                self.mounts[node] = str(self.cluster.mount(i, self.base / "mnt" / node))
-                log(f"{node}: l2fs mounted at {self.mounts[node]}")
+                self.mount_servers[node] = mount_node(self.cluster, i, self.base / "mnt" / node,
+                                                      self.base / "mnt-cache" / node, self.mount_server)
+                self.mounts[node] = str(self.base / "mnt" / node)
+                log(f"{node}: l2fs mounted at {self.mounts[node]} ({self.mount_servers[node]})")
         return nodes
 
     def plan_gpus(self, gpus: int | None = None) -> list[Any]:
@@ -441,7 +451,7 @@ def _print_endpoints(state: StackState, smoke: bool = False) -> None:
         if r.lmcache_server:
             print(f"  {r.name} lmcache server: {r.lmcache_server}   log {r.lmcache_server_log}")
     for node, mp in state.mounts.items():
-        print(f"  {node} l2fs mount: {mp}")
+        print(f"  {node} l2fs mount: {mp} ({state.mount_servers.get(node, 'pyfuse3')})")
     if state.netns:
         print(f"  namespaces: {state.netns['prefix']}-* subnet {state.netns['subnet']}; from the host: master "
               f"{state.host_l2fs_master}, router {state.router_url}")
@@ -452,6 +462,55 @@ def _print_endpoints(state: StackState, smoke: bool = False) -> None:
     print("try:")
     print(f"  curl -s {target}/v1/chat/completions -H 'Content-Type: application/json' -d '{body}'")
     print("smoke test: one request, then stop." if smoke else "Ctrl-C stops everything.", flush=True)
+
+
+def _passthrough_works(cluster: Any, i: int, log_path: Path, since: int) -> str | None:
+    """None when node i's passthrough mount serves its opens through the kernel, else why not. A probe, not a
+    version check: the server logs whether INIT granted FUSE_PASSTHROUGH, and a write through the mount (a
+    writer always registers its backing file) makes it try FUSE_DEV_IOC_BACKING_OPEN, which it logs if refused."""
+    def text() -> str:
+        with open(log_path, "rb") as f:
+            f.seek(since)
+            return f.read().decode(errors="replace")
+
+    deadline = time.monotonic() + 10
+    while "FUSE protocol 7." not in text():
+        if time.monotonic() > deadline:
+            return "the mount logged no INIT"
+        time.sleep(0.05)
+    if "passthrough off" in text():
+        return "the kernel did not grant FUSE_PASSTHROUGH at INIT (needs Linux >= 6.9, CONFIG_FUSE_PASSTHROUGH)"
+    mp = cluster.mounts[i][0]
+    probe = Path(mp) / f".kvtier-passthrough-probe-{cluster.workers[i].node_id}"
+    try:
+        probe.write_bytes(b"probe")
+        ok = probe.read_bytes() == b"probe"
+        probe.unlink()
+    except OSError as e:
+        return f"a probe write through the mount failed: {e}"
+    if "FUSE_DEV_IOC_BACKING_OPEN refused" in text():
+        return "the kernel refused FUSE_DEV_IOC_BACKING_OPEN"
+    return None if ok else "the probe file read back different bytes"
+
+
+def mount_node(cluster: Any, i: int, mountpoint: Path, cache_dir: Path, server: str, *extra: str) -> str:
+    """Mount the cluster at mountpoint as node i: the read-write passthrough mount where the kernel grants it
+    (server auto, probed), else the pyfuse3 mount; `server` passthrough|pyfuse3 forces one (passthrough fails
+    with the probe's reason where it does not work). Returns the one it runs."""
+    if server in ("auto", "passthrough"):
+        cache_dir.mkdir(parents=True, exist_ok=True)  # the open writers' temp files and cross-node copies
+        log_path = cluster.base / "logs" / f"mount-{i + 1}.log"
+        since = log_path.stat().st_size if log_path.exists() else 0
+        cluster.mount(i, mountpoint, "--passthrough", "--cache-dir", str(cache_dir), *extra)
+        why = _passthrough_works(cluster, i, log_path, since)
+        if why is None:
+            return "passthrough"
+        cluster.unmount(i)
+        if server == "passthrough":
+            raise RuntimeError(f"--mount-server passthrough: {why}")
+        log(f"node {cluster.workers[i].node_id}: no passthrough mount ({why}); the pyfuse3 mount instead")
+    cluster.mount(i, mountpoint)
+    return "pyfuse3"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -475,6 +534,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mode", choices=MODES, default="plugin",
                    help="plugin: LMCache + our l2fs connector (default); mount: each node's own `l2fs mount` "
                    "and stock LMCache fs:// on it")
+    p.add_argument("--mount-server", choices=MOUNT_SERVERS, default="auto",
+                   help="--mode mount: passthrough: the read-write FUSE passthrough mount (`l2fs mount --passthrough`, "
+                   "Linux >= 6.9); pyfuse3: the pyfuse3 mount; auto (default): passthrough where a probe shows the "
+                   "kernel grants it, pyfuse3 otherwise")
     p.add_argument("--lmcache-mode", choices=LMCACHE_MODES, default="inprocess",
                    help="inprocess: LMCache inside vLLM (default); mp: LMCache multiprocess mode, an `lmcache server` "
                    "per replica with kvtier's l2fs adapter and vLLM on LMCache's MP connector")
@@ -521,6 +584,8 @@ def check_args(args: argparse.Namespace) -> str | None:
         return "--link needs --netns (loopback has no link to shape)"
     if args.lmcache_mode == "mp" and (args.mode != "plugin" or args.netns or args.device == "cuda"):
         return MP_ONLY
+    if args.mount_server != "auto" and args.mode != "mount":
+        return f"--mount-server {args.mount_server} needs --mode mount"
     if args.lmcache_mode == "mp" and args.prefill_tokens_per_s is not None:
         return ("--prefill-tokens-per-s feeds the in-process plugin's load gate; in MP mode the gate's figure is "
                 "the L2 adapter's prefill_tokens_per_s")
@@ -569,7 +634,7 @@ def main(argv: list[str] | None = None) -> int:
                   strategy=args.strategy, router_port=args.port, l1_gb=args.l1_gb,
                   max_model_len=args.max_model_len, parallel_start=not args.sequential,
                   prefix_caching=args.prefix_caching, kv_cache_gb=args.kv_cache_gb, mode=args.mode,
-                  lmcache_mode=args.lmcache_mode,
+                  lmcache_mode=args.lmcache_mode, mount_server=args.mount_server,
                   netns=args.netns, link=args.link, device=None if args.device == "auto" else args.device,
                   tensor_parallel_size=args.tensor_parallel_size, share_gpus=args.share_gpus,
                   replica_env=prefill_env(args.prefill_tokens_per_s), l2fs_shards=args.l2fs_shards)
