@@ -1138,6 +1138,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.DEBUG if a.debug else logging.INFO,
                         format="%(asctime)s l2fs-mount-pt %(levelname)s %(message)s")
     client = Client(a.master, **ClientOptions.from_args(a).client_kwargs())
+    root = a.root.rstrip("/") or "/"
+    if root != "/" and not a.read_only:  # as the pyfuse3 mount: an endpoint's prefix may not exist yet
+        try:
+            client.mkdir(root, parents=True, exist_ok=True)
+        except L2fsError as e:
+            log.warning("could not create --root %s now (%s); it must exist for the mount to work", root, e)
     cache_dir = tempfile.mkdtemp(prefix="l2fs-pt-", dir=a.cache_dir)
     mp = os.path.abspath(a.mountpoint)
     srv = PassthroughServer(client, mp, root=a.root, cache_dir=cache_dir, cache_size=a.cache_size,

@@ -316,10 +316,7 @@ def test_endpoint_mounts_with_passthrough(tmp_path: Path) -> None:
     sups: dict[str, Any] = {}
     with LocalCluster(tmp_path / "c", workers=2, capacity="512M", token=admin, master_args=sec,
                       worker_args=sec) as c:
-        with c.client(token=admin) as a:
-            for e in eps:
-                a.mkdir(f"{kv}/{e}", parents=True, exist_ok=True)
-        try:
+        try:  # each endpoint's prefix does not exist yet: its mount makes it
             for node in ("node-1", "node-2"):
                 (tmp_path / f"cache-{node}").mkdir()
                 (tmp_path / f"mnt-{node}").mkdir()

@@ -447,6 +447,51 @@ def test_mount_command_probes_and_sigterm(base: list[dict[str, Any]], env: Env) 
     assert eproc.wait(30) == 0
 
 
+@pytest.mark.fuse
+@pytest.mark.skipif(os.geteuid() != 0 or not os.path.exists("/dev/fuse") or not shutil.which("fusermount3"),
+                    reason="needs root, /dev/fuse and fusermount3")
+def test_mount_command_with_passthrough(base: list[dict[str, Any]], env: Env) -> None:
+    """The rendered mount command with kvtier-config's L2FS_MOUNT_SERVER=passthrough: each endpoint's mount is
+    the read-write passthrough server keeping its files in the mount-cache emptyDir (L2FS_MOUNT_CACHE_DIR is that
+    volume's mountPath, the volume sized); LMCache's write pattern through it lands under the endpoint's prefix;
+    SIGTERM unmounts. A value other than pyfuse3|passthrough stops the container with the reason."""
+    import psutil
+
+    (ds,) = [d for d in base if d["kind"] == "DaemonSet" and d["metadata"]["name"] == "l2fs-mount"]
+    spec = ds["spec"]["template"]["spec"]
+    mount = container(base, "DaemonSet", "l2fs-mount")
+    (vm,) = [m for m in mount["volumeMounts"] if m["mountPath"] == env.vars["L2FS_MOUNT_CACHE_DIR"]]
+    (vol,) = [v for v in spec["volumes"] if v["name"] == vm["name"]]
+    assert vol["emptyDir"]["sizeLimit"] and env.vars["L2FS_MOUNT_SERVER"] == "pyfuse3"  # the default stays
+    bad = env.start(mount, "mount-bad.log") if not env.vars.update(L2FS_MOUNT_SERVER="fast") else None
+    assert bad is not None and bad.wait(30) == 2 and "want pyfuse3 or passthrough" in (env.tmp / "mount-bad.log").read_text()
+    master = container(base, "StatefulSet", "l2fs-master")
+    env.wait_probe(master, "readinessProbe", env.start(master, "master.log"), "master.log")
+    start_worker(base, env)
+    cache = env.tmp / "mount-cache"  # the emptyDir, where this test's node has it
+    cache.mkdir()
+    env.vars.update(L2FS_MOUNT_SERVER="passthrough", L2FS_MOUNT_CACHE_DIR=str(cache))
+    proc = env.start(mount, "mount.log")
+    env.wait_probe(mount, "readinessProbe", proc, "mount.log")
+    text = (env.tmp / "mount.log").read_text()
+    if "passthrough on" not in text:
+        pytest.skip("the kernel grants no FUSE passthrough (needs Linux >= 6.9, CONFIG_FUSE_PASSTHROUGH)")
+    (child,) = psutil.Process(proc.pid).children()
+    assert "--passthrough" in child.cmdline() and len(list(cache.glob("l2fs-pt-*"))) == 1
+    chunk = Path(env.vars["L2FS_MOUNT_PATH"]) / "ep-a" / "rev1"
+    chunk.mkdir(parents=True, exist_ok=True)
+    data = os.urandom(2 << 20)
+    (chunk / "k.data.tmp").write_bytes(data)
+    os.replace(chunk / "k.data.tmp", chunk / "k.data")
+    l2fs = str(Path(sys.executable).with_name("l2fs"))
+    got = subprocess.run([l2fs, "cat", "--master", env.vars["L2FS_MASTER"], "/kvtier/kv/ep-a/rev1/k.data"],
+                         capture_output=True, timeout=60, env={**os.environ, "L2FS_TOKEN": env.tokens["admin"]})
+    assert got.returncode == 0 and got.stdout == data, got.stderr
+    proc.terminate()
+    assert proc.wait(30) == 0 and not os.path.ismount(Path(env.vars["L2FS_MOUNT_PATH"]) / "ep-a")
+    assert list(cache.iterdir()) == []  # its private directory removed at exit
+
+
 def test_router_command_discovers_the_pods_the_webhook_labels(cluster: Any, tmp_path: Path, hostpath: Path) -> None:
     """The g6e overlay's router container (its args, its ConfigMap) against the API emulator: it routes to
     the endpoint pod that carries the label the webhook adds, and ignores an unpatched one."""
