@@ -602,6 +602,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mode", choices=("plugin", "mount"), default=None,
                    help="stack started here: plugin (our connector, default) or mount (stock fs:// on each node's "
                    "l2fs mount); with --from-up it is read from up.json")
+    p.add_argument("--mount-server", choices=("auto", "passthrough", "pyfuse3"), default=None,
+                   help="stack started here with --mode mount: each node's mount (kvtier up --mount-server; default "
+                   "auto: passthrough where the kernel grants it)")
     p.add_argument("--netns", action="store_true",
                    help="stack started here: each node in its own network namespace (docs/netns.md)")
     p.add_argument("--link", default=None, metavar="RATE", help="with --netns: each node's link rate, e.g. 2gbit")
@@ -657,6 +660,8 @@ def _check_stack_args(args: argparse.Namespace, http_mode: bool) -> str | None:
         return "--link needs --netns (loopback has no link to shape)"
     if (http_mode or args.from_up) and (args.mode or args.netns):
         return "--mode/--netns/--link are for a stack started here (--from-up reads them from up.json)"
+    if args.mount_server and args.mode != "mount":
+        return "--mount-server needs --mode mount (a stack started here)"
     if args.model_preset and (http_mode or args.from_up or args.model):
         return "--model-preset builds the model for a stack started here (not with --model/--from-up/--replica-*)"
     if (args.throttle_l2 or args.prefill_tokens_per_s) and (http_mode or args.from_up):
@@ -829,6 +834,7 @@ def main(argv: list[str] | None = None) -> int:
                 args.model = str(preset_model(args.dir, args.model_preset))
             with Stack(args.dir, replicas=2, workers=2, model=args.model, strategy=None, l1_gb=args.l1_gb,
                        max_model_len=max(8192, max(lengths) + 64), mode=args.mode or "plugin",
+                       mount_server=args.mount_server or "auto",
                        netns=args.netns, link=args.link, replica_env=_prefill_env(args, prefill_file)) as stack:
                 state = StackState.load(stack.state_path)
                 model = state.model
@@ -840,7 +846,8 @@ def main(argv: list[str] | None = None) -> int:
     netns = bool(state is not None and state.netns)
     if state is not None:
         where = f"netns link {link or 'unshaped'}" if netns else "loopback"
-        print(f"cross-pod: mode {stack_mode}, {where}")
+        servers = sorted(set(state.mount_servers.values()))
+        print(f"cross-pod: mode {stack_mode}" + (f" ({'/'.join(servers)} mount)" if servers else "") + f", {where}")
     print(text)
     ftext = floor_table(rows)
     if ftext:
@@ -863,6 +870,7 @@ def main(argv: list[str] | None = None) -> int:
     summary = {"mode": "http" if http_mode else "local", "replica_a": args.replica_a, "replica_b": args.replica_b,
                "lengths": lengths, "reps": reps, "model": model, "seed": seed, "rows": rows, "notes": notes(raw),
                "l2_mode": stack_mode, "netns": netns, "link": link,
+               "mount_servers": state.mount_servers if state is not None else {},
                "link_tcp_gbit": pct(tcp_bps, 50) / 1e9 if tcp_bps else None,
                "link_tcp_gbit_all": [b / 1e9 for b in tcp_bps], "prefill": prefill,
                "shaper_bound": shaper_bound(pct(tcp_bps, 50), link) if tcp_bps else None}

@@ -60,3 +60,16 @@ def test_mount_node_probes_passthrough_and_falls_back(tmp_path: Path) -> None:
         c.unmount(1)
         assert mount_node(c, 1, tmp_path / "m2", tmp_path / "cache-2", "pyfuse3") == "pyfuse3"
         assert _server(c, 1) == "pyfuse3"
+
+
+@pytest.mark.unit
+def test_bench_cross_pod_mount_server_flag() -> None:
+    """`kvtier bench cross-pod --mount-server` by the bench's own parser: only for a mount-mode stack started here."""
+    from kvtier.bench.cross_pod import _check_stack_args
+    from kvtier.bench.cross_pod import build_parser as bench_parser
+
+    p = bench_parser()
+    assert _check_stack_args(p.parse_args(["--mode", "mount", "--mount-server", "pyfuse3"]), False) is None
+    assert "needs --mode mount" in str(_check_stack_args(p.parse_args(["--mount-server", "passthrough"]), False))
+    with pytest.raises(SystemExit):
+        p.parse_args(["--mode", "mount", "--mount-server", "fast"])
