@@ -306,6 +306,7 @@ class Container:
     restarts: int = 0
     ready: bool = False
     exits: list[int] = field(default_factory=list)
+    held: bool = False  # OneBox.kill(hold=True): not restarted until OneBox.release (a CrashLoopBackOff)
 
 
 @dataclass
@@ -792,7 +793,7 @@ class OneBox:
                             continue
                         when = backoff.setdefault(c.spec["name"], time.monotonic()
                                                   + min(self.max_backoff, 2 ** min(c.restarts, 3)))
-                        if time.monotonic() >= when:
+                        if time.monotonic() >= when and not c.held:
                             c.restarts += 1
                             backoff.pop(c.spec["name"])
                             self._start(pod, c)
@@ -881,13 +882,19 @@ class OneBox:
             pass
         self._write_hosts()
 
-    def kill(self, pod: Pod, container: str, sig: int = signal.SIGKILL) -> int:
-        """A container's process dies (OOM kill, crash): the kubelet will start it again."""
+    def kill(self, pod: Pod, container: str, sig: int = signal.SIGKILL, hold: bool = False) -> int:
+        """A container's process dies (OOM kill, crash): the kubelet will start it again; with `hold` only after
+        release() (a container in CrashLoopBackOff: how long the node goes without it is the test's choice)."""
         c = pod.container(container)
         assert c.proc is not None
+        c.held = hold
         pid = c.proc.pid
         os.killpg(pid, sig)
         return pid
+
+    def release(self, pod: Pod, container: str) -> None:
+        """The held container's back-off is over: the kubelet starts it again."""
+        pod.container(container).held = False
 
     # ---------- volumes ----------
 
