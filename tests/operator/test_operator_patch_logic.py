@@ -47,12 +47,18 @@ def env_entries(dep: dict, name: str) -> list[dict]:
     return [e for e in vllm(dep).get("env") or [] if e["name"] == name]
 
 
+def token_secrets(dep: dict) -> dict[str, dict[str, str]]:
+    """A stand-in value for every Secret key the container's env references (the kubelet needs them present)."""
+    return {e["valueFrom"]["secretKeyRef"]["name"]: {e["valueFrom"]["secretKeyRef"]["key"]: "x"}
+            for e in vllm(dep).get("env") or [] if "secretKeyRef" in (e.get("valueFrom") or {})}
+
+
 def validate(obj: dict) -> None:
     kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
 
 
 @pytest.mark.parametrize("shape", SHAPES)
-def test_mount_mode_gives_exactly_one_l2_setting(shape: str) -> None:
+def test_mount_mode_gives_exactly_one_l2_setting(shape: str, monkeypatch: pytest.MonkeyPatch) -> None:
     dep = load_yaml(shape)
     cfg = PatchConfig()
     assert wants_patch(dep)
@@ -63,15 +69,30 @@ def test_mount_mode_gives_exactly_one_l2_setting(shape: str) -> None:
     validate(out)
     assert check(out, cfg) == []
     endpoint = dep["metadata"]["ownerReferences"][0]["name"]  # no IEC read: one namespace per endpoint
-    assert env_entries(out, "LMCACHE_REMOTE_URL") == [
-        {"name": "LMCACHE_REMOTE_URL", "value": f"fs://localhost:0/mnt/l2fs/kvtier/kv/{endpoint}/unversioned/"}]
-    assert env_entries(out, "PYTHONHASHSEED") == [{"name": "PYTHONHASHSEED", "value": "0"}]
-    assert env_entries(out, "LMCACHE_REMOTE_SERDE") == [{"name": "LMCACHE_REMOTE_SERDE", "value": "naive"}]
+    for name in ("LMCACHE_REMOTE_URL", "PYTHONHASHSEED", "LMCACHE_REMOTE_SERDE"):  # a shape's duplicates are gone:
+        assert len(env_entries(out, name)) == 1, (name, env_entries(out, name))  # the kubelet takes the last one
+    # what the pod's LMCache makes of it: the container's env as the kubelet gives it, read by from_env()
+    from kubelet_env import container_env
+    from lmcache.v1.config import LMCacheEngineConfig
+
+    env = container_env(vllm(out), secrets=token_secrets(out),
+                        fields={"spec.nodeName": "node-1", "status.hostIP": "10.0.1.1", "status.podIP": "10.0.0.7"})
+    for k in list(os.environ):
+        if k.startswith("LMCACHE_"):
+            monkeypatch.delenv(k)
+    for k, v in env.items():
+        if k.startswith("LMCACHE_"):
+            monkeypatch.setenv(k, v)
+    lmc = LMCacheEngineConfig.from_env()
+    assert lmc.remote_url == f"fs://localhost:0/mnt/l2fs/kvtier/kv/{endpoint}/unversioned/" and \
+        lmc.remote_serde == "naive", (lmc.remote_url, lmc.remote_serde)
+    assert env["PYTHONHASHSEED"] == "0"  # read by CPython itself: LMCache's builtin keys need it fixed
     # only this endpoint's own mount (the node's mount DaemonSet serves it at /mnt/l2fs/<endpoint>), seen where
     # the URL's prefix is; never the node's whole /mnt/l2fs
     mounts = [m for m in vllm(out)["volumeMounts"] if m["name"] == "kvtier-l2fs"]
     assert mounts == [{"name": "kvtier-l2fs", "mountPath": f"/mnt/l2fs/kvtier/kv/{endpoint}",
                        "mountPropagation": "HostToContainer"}]
+    assert lmc.remote_url.split("localhost:0", 1)[1].startswith(mounts[0]["mountPath"] + "/")  # LMCache's dir
     vols = [v for v in out["spec"]["template"]["spec"]["volumes"] if v["name"] == "kvtier-l2fs"]
     assert vols == [{"name": "kvtier-l2fs", "hostPath": {"path": f"/mnt/l2fs/{endpoint}", "type": "DirectoryOrCreate"}}]
     # verify flags a pod given the node's whole mount tree (as patched before per-endpoint mounts)
