@@ -18,8 +18,14 @@ by bytes. One run prints, with the load average next to each figure:
    Redis server instead (MGET = allocate's existence check, SET NX = publish-if-absent; MGET of 64 =
    a prefix lookup) from the same 4 processes, with redis-server's CPU per put.
 
+With --scoped the per-size clusters run as deployed: a scoped tokens file (l2fs --tokens-file) and every put,
+Stat and prefix lookup made with an engine token whose prefix (/bench) covers the paths, so each call pays the
+token check, the holder-bound capabilities and the engine's write and read scopes (without it no call is
+authenticated and none of those checks runs).
+
     .venv/bin/kvtier bench l2 --metadata                     # 10k and 100k files, shards 1,2,4, Redis
     .venv/bin/kvtier bench l2 --metadata --quick             # tiny, for tests
+    .venv/bin/kvtier bench l2 --metadata --scoped --files 10000 --shards '' --no-redis --mib-objects 0
 """
 
 from __future__ import annotations
@@ -60,10 +66,32 @@ def _paths(run: str, proc: int, n: int) -> list[str]:
     return [f"/bench/{run}/p{proc}/{i:08d}.data" for i in range(n)]
 
 
-def _put_proc(master: str, node: str, run: str, proc: int, n: int, batch: int, size: int,
+# --scoped: the tokens file of the per-size clusters (what `kvtier tokens generate` gives an endpoint, with the
+# bench's paths as the engine's prefix) and the token the clients use
+SCOPED_ENGINE = "bench-engine-token-0123456789abcdef"
+SCOPED_ADMIN = "bench-admin-token-0123456789abcdef"
+_SCOPED_MASTER, _SCOPED_WORKER = "bench-master-token-0123456789abcdef", "bench-worker-token-0123456789abcdef"
+
+
+def scoped_security(base: Path) -> dict[str, Any]:
+    """LocalCluster options of a cluster with a scoped tokens file (written under `base`): the admin's token for
+    the cluster's own calls; the clients use SCOPED_ENGINE (prefix /bench; with read scopes it reads /bench and
+    /kvtier/meta, l2fs's default for an entry without read_prefixes, which every l2fs version loads)."""
+    base.mkdir(parents=True, exist_ok=True)
+    f = base / "tokens.json"
+    f.write_text(json.dumps([
+        {"name": "master", "token": _SCOPED_MASTER, "role": "worker"},
+        {"name": "worker", "token": _SCOPED_WORKER, "role": "worker"},
+        {"name": "engine-bench", "token": SCOPED_ENGINE, "role": "engine", "prefixes": ["/bench"]},
+        {"name": "ops", "token": SCOPED_ADMIN, "role": "admin"}]))
+    return {"token": SCOPED_ADMIN, "master_args": ["--tokens-file", str(f), "--token", _SCOPED_MASTER],
+            "worker_args": ["--tokens-file", str(f), "--token", _SCOPED_WORKER]}
+
+
+def _put_proc(master: str, node: str, run: str, proc: int, n: int, batch: int, size: int, token: str | None,
               ready: Any, start: Any, q: Any) -> None:
     """One client process: put n objects in put_many batches; reports (seconds, published, errors)."""
-    client = Client(master, node_id=node, timeout=30.0)
+    client = Client(master, node_id=node, timeout=30.0, token=token)
     data = os.urandom(size)
     paths = _paths(run, proc, n)
     ready.put(proc)
@@ -196,23 +224,26 @@ def _cpu(procs_: Sequence[psutil.Process]) -> float:
     return sum(sum(p.cpu_times()[:2]) for p in procs_)
 
 
-def run_size(cluster: LocalCluster, files: int, batch: int, seconds: float) -> dict[str, Any]:
-    """Fill the namespace with `files` 4 KiB objects and measure every rate at that size."""
+def run_size(cluster: LocalCluster, files: int, batch: int, seconds: float,
+             token: str | None = None) -> dict[str, Any]:
+    """Fill the namespace with `files` 4 KiB objects and measure every rate at that size; `token`: the clients'
+    (--scoped: an engine's), else the cluster's."""
     run = f"n{files}-{os.getpid()}-{int(time.time())}"
     master = _master(cluster)
     rss0, cpu0 = master.memory_info().rss, _cpu([master])
     per = files // PROCS
+    scoped, token = token is not None, token or cluster.token
     wall, published, errors = _run_procs(
-        _put_proc, lambda k: (cluster.master, f"node-{1 + k % 2}", run, k, per, batch, OBJ))
+        _put_proc, lambda k: (cluster.master, f"node-{1 + k % 2}", run, k, per, batch, OBJ, token))
     cpu = _cpu([master]) - cpu0
     out: dict[str, Any] = {
-        "files": files, "batch": batch, "put_wall_s": round(wall, 2), "published": published,
+        "files": files, "batch": batch, "scoped": scoped, "put_wall_s": round(wall, 2), "published": published,
         "put_errors": errors, "puts_per_s": round(published / wall, 1),
         "master_cpu_ms_per_put": round(cpu * 1000 / max(1, published), 3),
         "master_rss_bytes_per_file": round((master.memory_info().rss - rss0) / max(1, published), 1),
         "load_put": _load(),
     }
-    clients = [cluster.client(timeout=10.0) for _ in range(THREADS)]
+    clients = [cluster.client(timeout=10.0, token=token) for _ in range(THREADS)]
     try:
         everything = [p for k in range(PROCS) for p in _paths(run, k, per)]
         out["empty_grpc_per_s"] = grpc_floor(seconds)
@@ -285,7 +316,7 @@ def run_shards(base: Path, shards: int, files: int, batch: int, seconds: float) 
         per = files // PROCS
         cpu0 = _cpu(mprocs)
         wall, published, errors = _run_procs(
-            _put_proc, lambda k: (cl.master, f"node-{1 + k % 2}", run, k, per, batch, OBJ))
+            _put_proc, lambda k: (cl.master, f"node-{1 + k % 2}", run, k, per, batch, OBJ, None))
         cpu = _cpu(mprocs) - cpu0
         load_put = _load()
         clients = [cl.client(timeout=10.0) for _ in range(THREADS)]
@@ -356,6 +387,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shard-files", type=int, default=20000, help="files per shard-prototype run")
     p.add_argument("--no-redis", action="store_true", help="skip the Redis namespace prototype")
     p.add_argument("--quick", action="store_true", help="tiny run for tests: 400 files, shards 1,2, 0.5 s rates")
+    p.add_argument("--scoped", action="store_true",
+                   help="per-size clusters with a scoped tokens file, every client an engine token (prefix "
+                        "/bench): the checks a deployed cluster runs on each call")
     p.add_argument("--dir", default=None, help="scratch dir (default: a temp dir)")
     p.add_argument("--out", type=Path, default=None, help="write l2_metadata.json/.csv here")
     p.add_argument("--json", default=None, help="also write the per-size rows here (as the old script did)")
@@ -380,10 +414,11 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(dir=args.dir, prefix="l2fs-meta-") as tmp:
         # one cluster per size: RSS per file and rebuild time are then about that size alone
         for i, n in enumerate(sizes):
-            with LocalCluster(Path(tmp) / f"c{n}", workers=2, capacity="16G", heartbeat_timeout=30.0) as cl:
+            sec = scoped_security(Path(tmp) / f"c{n}-tokens") if args.scoped else {}
+            with LocalCluster(Path(tmp) / f"c{n}", workers=2, capacity="16G", heartbeat_timeout=30.0, **sec) as cl:
                 if i == 0 and args.mib_objects > 0:
                     mib = run_mib(cl, args.mib_objects, 8)
-                rows.append(run_size(cl, n, args.batch, args.seconds))
+                rows.append(run_size(cl, n, args.batch, args.seconds, SCOPED_ENGINE if args.scoped else None))
             print(json.dumps(rows[-1]), flush=True)
         for n in shards:
             past.append(run_shards(Path(tmp), n, args.shard_files, args.batch, args.seconds))

@@ -19,10 +19,13 @@ def _kvtier(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str
 
 def test_bench_l2_metadata_quick(tmp_path: Path) -> None:
     out = tmp_path / "out"
-    r = _kvtier("bench", "l2", "--metadata", "--quick", "--out", str(out), "--dir", str(tmp_path))
+    # --scoped: the per-size cluster as deployed (a scoped tokens file, the clients an engine token); the
+    # sharded arms without authentication
+    r = _kvtier("bench", "l2", "--metadata", "--quick", "--scoped", "--out", str(out), "--dir", str(tmp_path))
     assert r.returncode == 0, r.stdout + r.stderr
     summary = json.loads((out / "l2_metadata.json").read_text())["summary"]
     [row] = summary["sizes"]
+    assert row["scoped"] is True
     assert row["files"] == 400 and row["published"] == 400 and row["put_errors"] == 0 and row["stat_errors"] == 0
     assert row["files_in_namespace"] >= 400  # the rebuilt namespace has every file again
     for key in ("puts_per_s", "master_cpu_ms_per_put", "stat_per_s", "prefix_paths_per_s", "empty_grpc_per_s",
