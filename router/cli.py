@@ -17,6 +17,10 @@ from kvtier.contract import STRATEGIES
 if TYPE_CHECKING:
     from router.l2 import L2Lookup
 
+# --l2fs-mode of replicas on LMCache's multiprocess server (operator-patch --mode mp, kvtier up --lmcache-mode mp):
+# their L2 objects are named by the server's blake3 ObjectKeys, which the router's L2 lookup does not compute
+MP_MODE = "mp"
+
 
 def _split(v: str | None) -> list[str]:
     return [x.strip() for x in v.split(",")] if v else []
@@ -111,9 +115,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_client_args(p, prefix="l2fs-", timeout=None, help={
         "master": "host:port of the l2fs master: kvaware's L2 presence lookups ($L2FS_MASTER; none: off)",
         "token": "l2fs bearer token, a router-role one reads only ($L2FS_TOKEN)"})
-    p.add_argument("--l2fs-mode", default="plugin", choices=contract.L2_MODES,
+    p.add_argument("--l2fs-mode", default="plugin", choices=(*contract.L2_MODES, MP_MODE),
                    help="how the replicas write L2 chunks: plugin (connector.lmcache_l2fs) or mount "
-                        "(LMCache fs:// on an l2fs mount); decides the file names looked up")
+                        "(LMCache fs:// on an l2fs mount); decides the file names looked up. mp (LMCache's "
+                        "multiprocess server, the webhook's --mode mp): no L2 lookup, whatever --l2fs-master says "
+                        "(the server's keys are its blake3 ObjectKeys, not the chunk hashes computed here); "
+                        "routing by KV events and load only")
     p.add_argument("--l2fs-prefix", default=contract.KV_PREFIX,
                    help="l2fs directory the replicas write chunks under")
     p.add_argument("--l2fs-timeout", type=float, default=0.05,
@@ -219,8 +226,8 @@ def _supervise(args: argparse.Namespace, argv: list[str]) -> int:
 
 def l2_lookup_from_args(args: argparse.Namespace) -> L2Lookup | None:
     """kvaware's L2 presence lookup from the --l2fs-* flags (the shared l2fs client group plus the router's
-    own mode, prefix, key settings), or None without a master; ValueError on a bad setting."""
-    if not args.l2fs_master:
+    own mode, prefix, key settings), or None without a master or in mp mode; ValueError on a bad setting."""
+    if not args.l2fs_master or args.l2fs_mode == MP_MODE:
         return None
     from l2fs.options import ClientOptions
     from router.l2 import L2Lookup
