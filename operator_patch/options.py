@@ -47,6 +47,8 @@ _FLAGS: dict[str, tuple[str, str]] = {
                                            "(0 = no --kv-events-config)"),
     "--kv-replay-port": ("kv_replay_port", "vLLM KV-events replay port, named 'kv-replay' (0 = none)"),
     "--mp-port": ("mp_port", "mp mode: the lmcache server sidecar's loopback port"),
+    "--mp-http-port": ("mp_http_port", "mp mode: the sidecar's HTTP admin port, loopback (LMCache's default 8080 "
+                                       "is vLLM's port on HyperPod)"),
     "--mp-l1-gb": ("mp_l1_gb", "mp mode: host memory (GB) of the sidecar's L1"),
     "--mp-image": ("mp_image", "mp mode: the sidecar's image ('' = the vLLM container's, which must hold "
                                "LMCache and kvtier)"),

@@ -107,6 +107,9 @@ class PatchConfig:
     # vLLM gets LMCache's MP connector in engine_driven transfer mode (no CUDA IPC into the sidecar, so the
     # sidecar needs no GPU, no hostIPC and no hostPath: Pod Security baseline). mp_image "" = the vLLM image.
     mp_port: int = 6555
+    # the server's HTTP admin API (LMCache's default is 8080, the port HyperPod's vLLM serves on: in one pod the
+    # two would collide), also on loopback only: it has no authentication
+    mp_http_port: int = 6556
     mp_l1_gb: float = 4.0
     mp_image: str = ""
     # an InferenceEndpointConfig with l2CacheBackend "tieredstorage" is taken over only when opted in
@@ -119,9 +122,11 @@ class PatchConfig:
         if self.mode not in ("mount", "plugin", "mp"):
             raise ValueError(f"mode must be 'mount', 'plugin' or 'mp', not {self.mode!r}")
         object.__setattr__(self, "mp_port", int(self.mp_port))
+        object.__setattr__(self, "mp_http_port", int(self.mp_http_port))
         object.__setattr__(self, "mp_l1_gb", float(self.mp_l1_gb))
-        if not 0 < self.mp_port < 65536 or self.mp_l1_gb <= 0:
-            raise ValueError(f"mp_port must be a port and mp_l1_gb positive, not {self.mp_port}/{self.mp_l1_gb}")
+        if not 0 < self.mp_port < 65536 or not 0 < self.mp_http_port < 65536 or self.mp_l1_gb <= 0:
+            raise ValueError(f"mp_port and mp_http_port must be ports and mp_l1_gb positive, not "
+                             f"{self.mp_port}/{self.mp_http_port}/{self.mp_l1_gb}")
         for name in ("mount_path", "host_path", "data_path"):
             value = getattr(self, name)
             if name == "data_path" and value == "":
@@ -150,6 +155,10 @@ class PatchConfig:
                              f"not {self.kv_dtype!r}")
         if self.kv_events_port and self.kv_events_port == self.kv_replay_port:
             raise ValueError("kv_events_port and kv_replay_port must differ")
+        if self.mode == "mp":  # one pod, one network namespace: the sidecar's ports and vLLM's added ones
+            ports = [p for p in (self.mp_port, self.mp_http_port, self.kv_events_port, self.kv_replay_port) if p]
+            if len(set(ports)) != len(ports):
+                raise ValueError(f"mp_port, mp_http_port, kv_events_port and kv_replay_port must differ, not {ports}")
 
     @property
     def remote_url(self) -> str:
@@ -696,6 +705,8 @@ MP_CONNECTOR = "LMCacheMPConnector"
 MP_CONNECTOR_MODULE = "lmcache.integration.vllm.lmcache_mp_connector"  # LMCache's own: vLLM's needs CUDA
 MP_ADAPTER = {"type": "plugin", "module_path": "connector.mp_l2fs", "class_name": "L2fsL2Adapter"}
 SHM_VOLUME = "kvtier-dshm"
+# the sidecar's startup probe: its server accepts connections on loopback
+MP_PROBE = "import socket, sys; socket.create_connection(('127.0.0.1', int(sys.argv[1])), 3).close()"
 
 
 def mp_transfer_config(cfg: PatchConfig, old: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -724,14 +735,18 @@ def mp_sidecar(cfg: PatchConfig, image: str, kv_dir: str, salted: str, token: st
     env += [{"name": "PYTHONHASHSEED", "value": cfg.hash_seed}, {"name": "LMCACHE_TRACK_USAGE", "value": "false"}]
     return {"name": MP_SIDECAR, "image": cfg.mp_image or image, "restartPolicy": "Always",
             "command": ["lmcache", "server"],
-            "args": ["--host", "127.0.0.1", "--port", str(cfg.mp_port), "--chunk-size", str(contract.CHUNK_SIZE),
+            "args": ["--host", "127.0.0.1", "--port", str(cfg.mp_port), "--http-host", "127.0.0.1",
+                     "--http-port", str(cfg.mp_http_port), "--chunk-size", str(contract.CHUNK_SIZE),
                      "--l1-size-gb", f"{cfg.mp_l1_gb:g}", "--eviction-policy", "LRU",
                      "--supported-transfer-mode", "engine_driven",
                      "--l2-adapter", json.dumps({**MP_ADAPTER, "adapter_params": params}, sort_keys=True)],
             "env": env,
             "resources": {"requests": {"memory": f"{int(cfg.mp_l1_gb + 1)}Gi"}},
             "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
-            "startupProbe": {"tcpSocket": {"port": cfg.mp_port}, "periodSeconds": 2, "failureThreshold": 150}}
+            # the server listens on loopback only, where a tcpSocket/httpGet probe (sent to the pod IP) never
+            # reaches: the probe connects from inside the container. vLLM starts once it passes (native sidecar)
+            "startupProbe": {"exec": {"command": ["python3", "-c", MP_PROBE, str(cfg.mp_port)]},
+                             "periodSeconds": 2, "timeoutSeconds": 5, "failureThreshold": 150}}
 
 
 def _patch_mp(dep: dict[str, Any], c: dict[str, Any], cfg: PatchConfig, kv_dir: str, salted: str,

@@ -11,7 +11,7 @@ import pytest
 from operator_helpers import configmap, render, workloads
 
 pytestmark = pytest.mark.unit
-SECURE = ["base", "overlays/hyperpod-g6e", "overlays/hyperpod-p5", "overlays/dev"]
+SECURE = ["base", "overlays/hyperpod-g6e", "overlays/hyperpod-p5", "overlays/hyperpod-p5-mp", "overlays/dev"]
 
 
 def _refs(spec: dict[str, Any]) -> list[str]:

@@ -23,8 +23,8 @@ from operator_patch.options import _FLAGS, add_config_args, config_from_args
 from operator_patch.patch import ENDPOINT_LABEL, mutate
 
 ROOT = Path(__file__).resolve().parents[2]
-TARGETS = ["base", "router", "monitoring", "overlays/hyperpod-g6e", "overlays/hyperpod-p5", "overlays/dev",
-           "overlays/dev-insecure"]
+TARGETS = ["base", "router", "monitoring", "overlays/hyperpod-g6e", "overlays/hyperpod-p5", "overlays/hyperpod-p5-mp",
+           "overlays/dev", "overlays/dev-insecure"]
 K8S_VERSION = "1.32"
 CRD_KINDS = {"Issuer", "Certificate", "InferenceEndpointConfig", "PodMonitor", "PrometheusRule"}
 

@@ -76,7 +76,10 @@ def test_lmcache_server_reads_the_sidecar_and_loads_our_adapter_config() -> None
     from lmcache.cli.commands.server import ServerCommand
     from lmcache.v1.distributed.config import parse_args_to_config
     from lmcache.v1.distributed.l2_adapters.config import parse_args_to_l2_adapters_config
-    from lmcache.v1.multiprocess.config import parse_args_to_mp_server_config
+    from lmcache.v1.multiprocess.config import (
+        parse_args_to_http_frontend_config,
+        parse_args_to_mp_server_config,
+    )
 
     from connector.mp_l2fs import L2fsL2AdapterConfig
 
@@ -92,6 +95,13 @@ def test_lmcache_server_reads_the_sidecar_and_loads_our_adapter_config() -> None
     ns = parser.parse_args(container_argv(side, env)[2:])  # after `lmcache server`
     mp = parse_args_to_mp_server_config(ns)
     assert (mp.host, mp.port, mp.chunk_size) == ("127.0.0.1", cfg.mp_port, 256)
+    # its HTTP admin API: loopback, and not on a port of the pod's vLLM container (LMCache's default, 8080, is
+    # the port HyperPod's vLLM serves on: the engine could not bind it)
+    http = parse_args_to_http_frontend_config(ns)
+    assert (http.http_host, http.http_port) == ("127.0.0.1", cfg.mp_http_port)
+    taken = {int(p["containerPort"]) for x in spec["containers"] for p in x.get("ports") or []}
+    taken.add(8000)  # vLLM's own default port
+    assert taken and not {mp.port, http.http_port} & taken, taken
     storage = parse_args_to_config(ns)
     assert storage is not None
     (ad,) = parse_args_to_l2_adapters_config(ns).adapters
@@ -122,3 +132,70 @@ def test_mp_mode_is_idempotent() -> None:
     again = mutate(dep, cfg)
     assert again["spec"]["template"]["spec"] == dep["spec"]["template"]["spec"]
     assert [x["name"] for x in again["spec"]["template"]["spec"]["initContainers"]].count(MP_SIDECAR) == 1
+
+
+def test_sidecar_startup_probe_reaches_the_loopback_server() -> None:
+    """The server listens on 127.0.0.1 only, which a kubelet tcpSocket/httpGet probe (sent to the pod IP) never
+    reaches; the startup probe is an exec in the container: its command succeeds once something accepts on the
+    loopback port and fails before."""
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+        dep, _ = _patched(mp_port=port)
+        (side,) = [x for x in dep["spec"]["template"]["spec"]["initContainers"] if x["name"] == MP_SIDECAR]
+        probe = side["startupProbe"]
+        assert set(probe) >= {"exec", "periodSeconds", "failureThreshold"} and probe["timeoutSeconds"] >= 3
+        argv = probe["exec"]["command"]
+        assert argv[0] == "python3"  # in the vLLM image (as the mount-mode wait init container)
+        run = [sys.executable, *argv[1:]]
+        assert subprocess.run(run, capture_output=True, timeout=30).returncode != 0  # bound, not listening
+        s.listen(1)
+        assert subprocess.run(run, capture_output=True, timeout=30).returncode == 0
+
+
+@pytest.mark.parametrize("over", [{"mp_http_port": 6555}, {"mp_port": 5557}, {"mp_http_port": 0}])
+def test_mp_ports_must_be_distinct(over: dict[str, int]) -> None:
+    with pytest.raises(ValueError, match="mp_"):
+        PatchConfig(mode="mp", **over)
+
+
+def test_the_mp_overlay_runs_the_webhook_in_mp_mode_and_its_router_without_l2_lookup(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """deploy/overlays/hyperpod-p5-mp: the webhook's settings (its rendered kvtier-config read by its own flag
+    parser) are hyperpod-p5's but for mp mode; the example endpoint's router (its argv kubelet-expanded, read by
+    `kvtier router`'s parser) runs --l2fs-mode mp, so it has no L2 lookup (the sidecars' keys are LMCache's
+    blake3 ObjectKeys) though it still names the master."""
+    from operator_helpers import configmap, render
+
+    from operator_patch.options import add_config_args, config_from_args
+    from router.cli import build_parser, l2_lookup_from_args
+
+    def webhook_config(overlay: str) -> PatchConfig:
+        with monkeypatch.context() as m:
+            for k, v in configmap(render(overlay), "kvtier-config")["data"].items():
+                if k.startswith("KVTIER_"):
+                    m.setenv(k, v)
+            parser = argparse.ArgumentParser()
+            add_config_args(parser)
+            return config_from_args(parser.parse_args([]))
+
+    mp, p5 = webhook_config("overlays/hyperpod-p5-mp"), webhook_config("overlays/hyperpod-p5")
+    assert mp.mode == "mp" and p5.mode == "plugin"
+    assert {k: v for k, v in vars(mp).items() if k != "mode"} == {k: v for k, v in vars(p5).items() if k != "mode"}
+    docs = render("overlays/hyperpod-p5-mp")
+    assert [d["metadata"]["name"] for d in docs if d["kind"] == "InferenceEndpointConfig"] == ["llama3-70b"]
+    (router,) = [d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == "kvtier-router"]
+    c = router["spec"]["template"]["spec"]["containers"][0]
+    cms = {d["metadata"]["name"]: d["data"] for d in docs if d["kind"] == "ConfigMap"}
+    env = container_env(c, configmaps=cms, secrets={"kvtier-router-api-key": {"api-key": "k"},
+                                                    "kvtier-router-l2fs-token": {"token": "t"}},
+                        fields={**FIELDS, "metadata.namespace": "team-a"})
+    argv = container_argv(c, env)
+    assert argv[:2] == ["kvtier", "router"], argv
+    ns = build_parser().parse_args(argv[2:])
+    assert ns.l2fs_mode == "mp" and ns.l2fs_master == mp.master
+    assert l2_lookup_from_args(ns) is None

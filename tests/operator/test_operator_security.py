@@ -14,7 +14,7 @@ from operator_helpers import by_kind, configmap, one, render, workloads
 
 from operator_patch.patch import KV_EVENTS_PORT_NAME, KV_REPLAY_PORT_NAME, PatchConfig
 
-SECURE = ["base", "overlays/hyperpod-g6e", "overlays/hyperpod-p5", "overlays/dev"]
+SECURE = ["base", "overlays/hyperpod-g6e", "overlays/hyperpod-p5", "overlays/hyperpod-p5-mp", "overlays/dev"]
 pytestmark = pytest.mark.unit
 
 
