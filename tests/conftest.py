@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import json
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -30,16 +31,42 @@ def tiny_model() -> Path:
 class _Clusters:
     """Starts LocalClusters (master + workers node-1..N on loopback, data under a fresh dir) and stops them all."""
 
-    def __init__(self, new_dir: Callable[[str], Path], tolerate_stop_errors: bool) -> None:
+    def __init__(self, new_dir: Callable[[str | None], Path], tolerate_stop_errors: bool) -> None:
         self.new_dir, self.tolerate = new_dir, tolerate_stop_errors
         self.started: list[Any] = []
 
-    def start(self, workers: int = 2, *, name: str = "l2fs", **options: Any) -> Any:
+    def start(self, workers: int = 2, *, name: str | None = None, tokens: list[dict[str, Any]] | None = None,
+              node_ids: Sequence[str] = (), each_worker_args: Sequence[Sequence[str]] = (), started: bool = True,
+              **options: Any) -> Any:
+        """A LocalCluster of `workers` workers, running (started=False: not yet; the caller starts and stops it
+        with `with cluster:`, to stop it before something it needs goes, e.g. a TokenReview API); stopped with
+        the factory in any case.
+
+        name: its directory (cluster_factory: a fresh one named after it; make_cluster: tmp_path/<name>, which
+            the test may have seeded, default tmp_path/cluster<N>).
+        tokens: the entries of a scoped tokens file, written to <dir>/tokens.json and given to the master and
+            every worker as `--tokens-file`, ahead of master_args and worker_args.
+        node_ids: worker i's node id (default node-<i+1>).
+        each_worker_args: worker i's own arguments, after worker_args (its node's token, its socket, ...).
+        options: LocalCluster's (capacity, heartbeat_timeout, token, master_args, worker_args, block_key, ...).
+        """
         from l2fs.testing.cluster import LocalCluster
 
-        cluster = LocalCluster(self.new_dir(name), workers=workers, **options)
+        base = self.new_dir(name)
+        if tokens is not None:
+            base.mkdir(parents=True, exist_ok=True)
+            tokens_file = base / "tokens.json"
+            tokens_file.write_text(json.dumps(tokens))
+            for key in ("master_args", "worker_args"):
+                options[key] = ["--tokens-file", str(tokens_file), *(options.get(key) or [])]
+        cluster = LocalCluster(base, workers=workers, **options)
+        for w, node in zip(cluster.workers, node_ids, strict=False):
+            w.node_id = node
+        for w, args in zip(cluster.workers, each_worker_args, strict=False):
+            w.extra_args += list(args)
         self.started.append(cluster)
-        cluster.__enter__()
+        if started:
+            cluster.__enter__()
         return cluster
 
     def stop_all(self) -> None:
@@ -53,9 +80,9 @@ class _Clusters:
 
 @pytest.fixture(scope="module")
 def cluster_factory(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[..., Any]]:
-    """The suite's l2fs cluster factory, per module: start(workers=2, name="l2fs", **LocalCluster options) returns
-    a running LocalCluster; every cluster it started is stopped when the module is done."""
-    clusters = _Clusters(tmp_path_factory.mktemp, tolerate_stop_errors=False)
+    """The suite's l2fs cluster factory, per module: cluster_factory(workers=2, name="l2fs", **options) returns a
+    running LocalCluster (options: `_Clusters.start`); every cluster it made is stopped when the module is done."""
+    clusters = _Clusters(lambda name: tmp_path_factory.mktemp(name or "l2fs"), tolerate_stop_errors=False)
     try:
         yield clusters.start
     finally:
@@ -66,7 +93,7 @@ def cluster_factory(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callab
 def make_cluster(tmp_path: Path) -> Iterator[Callable[..., Any]]:
     """The same factory per test (a cluster a test damages or restarts): data under the test's tmp_path."""
     n = itertools.count()
-    clusters = _Clusters(lambda name: tmp_path / f"cluster{next(n)}", tolerate_stop_errors=True)
+    clusters = _Clusters(lambda name: tmp_path / (name or f"cluster{next(n)}"), tolerate_stop_errors=True)
     try:
         yield clusters.start
     finally:

@@ -7,6 +7,7 @@ import importlib.util
 import json
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -83,20 +84,20 @@ def test_config_bad_input_is_a_clear_error(capsys: pytest.CaptureFixture[str]) -
     assert r.returncode == 2 and "not allowed with" in r.stderr
 
 
-def test_check_reports_key_mismatch(tmp_path: Path) -> None:
-    with LocalCluster(tmp_path / "l2fs", workers=1) as cluster:
-        c = cluster.client()
-        base = {"model_name": "m/x", "kv_dtype": "float32", "chunk_size": 256, "hash_algorithm": "builtin",
-                "python_hash_seed": "0", "world_size": 1}
-        c.mkdir("/kvtier/meta/m%2Fx", parents=True)
-        c.put("/kvtier/meta/m%2Fx/a.json", json.dumps({**base, "replica": "a"}).encode())
-        c.put("/kvtier/meta/m%2Fx/b.json", json.dumps({**base, "replica": "b"}).encode())
-        ok = _run("lmcache-config", "check", "--l2fs-master", cluster.master, "--model", "m/x")
-        assert ok.returncode == 0, ok.stderr
-        c.put("/kvtier/meta/m%2Fx/c.json", json.dumps({**base, "replica": "c", "chunk_size": 512}).encode())
-        bad = _run("lmcache-config", "check", "--l2fs-master", cluster.master, "--model", "m/x")
-        assert bad.returncode == 1 and "MISMATCH" in bad.stderr and "chunk_size" in bad.stderr
-        c.close()
+def test_check_reports_key_mismatch(make_cluster: Callable[..., LocalCluster]) -> None:
+    cluster = make_cluster(1)
+    c = cluster.client()
+    base = {"model_name": "m/x", "kv_dtype": "float32", "chunk_size": 256, "hash_algorithm": "builtin",
+            "python_hash_seed": "0", "world_size": 1}
+    c.mkdir("/kvtier/meta/m%2Fx", parents=True)
+    c.put("/kvtier/meta/m%2Fx/a.json", json.dumps({**base, "replica": "a"}).encode())
+    c.put("/kvtier/meta/m%2Fx/b.json", json.dumps({**base, "replica": "b"}).encode())
+    ok = _run("lmcache-config", "check", "--l2fs-master", cluster.master, "--model", "m/x")
+    assert ok.returncode == 0, ok.stderr
+    c.put("/kvtier/meta/m%2Fx/c.json", json.dumps({**base, "replica": "c", "chunk_size": 512}).encode())
+    bad = _run("lmcache-config", "check", "--l2fs-master", cluster.master, "--model", "m/x")
+    assert bad.returncode == 1 and "MISMATCH" in bad.stderr and "chunk_size" in bad.stderr
+    c.close()
 
 
 def test_tiny_model_is_deterministic_and_loads(tmp_path: Path, tiny_model: Path) -> None:
@@ -117,7 +118,8 @@ def test_tiny_model_is_deterministic_and_loads(tmp_path: Path, tiny_model: Path)
 
 
 def test_lmcache_config_takes_the_shared_l2fs_client_flags(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                           capsys: pytest.CaptureFixture[str]) -> None:
+                                                           capsys: pytest.CaptureFixture[str],
+                                                           make_cluster: Callable[..., LocalCluster]) -> None:
     """`check` is a client of the cluster: l2fs's client group as --l2fs-* (here a token file against a token
     cluster); generating a replica's config takes --l2fs-master and --node-id/--l2fs-node-id from the same group
     but no default from this process's environment (the replica does not share it)."""
@@ -131,13 +133,13 @@ def test_lmcache_config_takes_the_shared_l2fs_client_flags(tmp_path: Path, monke
         out = capsys.readouterr().out
         assert "L2FS_NODE_ID=node-9" in out and "L2FS_MASTER=m:1" in out
     (tmp_path / "tok").write_text("cfg-test-token\n")
-    with LocalCluster(tmp_path / "l2fs", workers=1, token="cfg-test-token") as cluster:
-        c = cluster.client()
-        c.mkdir("/kvtier/meta/m", parents=True)
-        c.put("/kvtier/meta/m/a.json", json.dumps({"replica": "a", "model_name": "m"}).encode())
-        c.close()
-        args = ("lmcache-config", "check", "--l2fs-master", cluster.master, "--model", "m")
-        ok = _run(*args, "--l2fs-token-file", str(tmp_path / "tok"))
-        assert ok.returncode == 0 and '"replica": "a"' in ok.stdout, ok.stderr
-        denied = _run(*args)
-        assert denied.returncode == 2 and "kvtier lmcache-config check" in denied.stderr
+    cluster = make_cluster(1, token="cfg-test-token")
+    c = cluster.client()
+    c.mkdir("/kvtier/meta/m", parents=True)
+    c.put("/kvtier/meta/m/a.json", json.dumps({"replica": "a", "model_name": "m"}).encode())
+    c.close()
+    args = ("lmcache-config", "check", "--l2fs-master", cluster.master, "--model", "m")
+    ok = _run(*args, "--l2fs-token-file", str(tmp_path / "tok"))
+    assert ok.returncode == 0 and '"replica": "a"' in ok.stdout, ok.stderr
+    denied = _run(*args)
+    assert denied.returncode == 2 and "kvtier lmcache-config check" in denied.stderr

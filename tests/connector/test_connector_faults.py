@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import random
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -55,30 +56,31 @@ def test_unreachable_master_at_startup_is_l1_only(tmp_path: Path, tiny_model: Pa
         rep.stop()
 
 
-def test_negative_control_zeroed_kv_changes_output(tmp_path: Path, tiny_model: Path) -> None:
-    with LocalCluster(tmp_path / "l2fs", workers=2) as cluster:
-        a = start_replica(tiny_model, free_port(), l2fs_master=cluster.master, node_id="node-1", l1_gb=0.5,
-                          kv_cache_gb=1, log_path=tmp_path / "a.log")
-        try:
-            p = ids(12)
-            _, ref, ref_lp = a.stream_greedy(p, max_tokens=8)
-            c = cluster.client()
-            t0 = time.monotonic()
-            while time.monotonic() - t0 < 60:
-                files = c.ls(ckeys.model_dir("/kvtier/kv", str(tiny_model)))
-                if len([f for f in files if f.path.endswith(".data")]) >= FULL // 256:
-                    break
-                time.sleep(0.2)
-            c.close()
-        finally:
-            a.stop()
-        bad = start_replica(tiny_model, free_port(), l2fs_master=cluster.master, node_id="node-2", l1_gb=0.5,
-                            kv_cache_gb=1, log_path=tmp_path / "bad.log",
-                            extra_env={"KVTIER_CPU_CONNECTOR_FAULT": "zero_load"})
-        try:
-            _, got, got_lp = bad.stream_greedy(p, max_tokens=8)
-            assert bad.lmcache_hits()[-1][1:] == (N_TOKENS, FULL)  # it did load from L2 ...
-            diff = max(abs(x - y) for x, y in zip(got_lp, ref_lp, strict=True))
-            assert got != ref or diff > 1e-3  # ... and the comparison sees the damage
-        finally:
-            bad.stop()
+def test_negative_control_zeroed_kv_changes_output(tmp_path: Path, tiny_model: Path,
+                                                   make_cluster: Callable[..., LocalCluster]) -> None:
+    cluster = make_cluster(2)
+    a = start_replica(tiny_model, free_port(), l2fs_master=cluster.master, node_id="node-1", l1_gb=0.5,
+                      kv_cache_gb=1, log_path=tmp_path / "a.log")
+    try:
+        p = ids(12)
+        _, ref, ref_lp = a.stream_greedy(p, max_tokens=8)
+        c = cluster.client()
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 60:
+            files = c.ls(ckeys.model_dir("/kvtier/kv", str(tiny_model)))
+            if len([f for f in files if f.path.endswith(".data")]) >= FULL // 256:
+                break
+            time.sleep(0.2)
+        c.close()
+    finally:
+        a.stop()
+    bad = start_replica(tiny_model, free_port(), l2fs_master=cluster.master, node_id="node-2", l1_gb=0.5,
+                        kv_cache_gb=1, log_path=tmp_path / "bad.log",
+                        extra_env={"KVTIER_CPU_CONNECTOR_FAULT": "zero_load"})
+    try:
+        _, got, got_lp = bad.stream_greedy(p, max_tokens=8)
+        assert bad.lmcache_hits()[-1][1:] == (N_TOKENS, FULL)  # it did load from L2 ...
+        diff = max(abs(x - y) for x, y in zip(got_lp, ref_lp, strict=True))
+        assert got != ref or diff > 1e-3  # ... and the comparison sees the damage
+    finally:
+        bad.stop()

@@ -15,6 +15,7 @@ import os
 import re
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -64,42 +65,43 @@ def _checksum(lines: list[str]) -> str:
 
 
 @pytest.mark.parametrize("mode", ["engine_driven", "lmcache_driven"])
-def test_lmcache_server_shares_kv_across_nodes_through_l2fs(tmp_path: Path, mode: str) -> None:
-    with LocalCluster(tmp_path / "l2", workers=2) as c:
-        a, pa, ha = _server(c.master, "node-1", tmp_path / "server-a.log", mode=mode)
-        try:
-            run_a = _client(pa, ha, tmp_path / "client-a.log", mode)
-        finally:
-            a.stop()
-        for seq in ("0", "1"):
-            assert _first(run_a[f"{seq}/cold"], "LOOKUP").startswith("0/2 chunks hit")
-            assert _first(run_a[f"{seq}/cold"], "STORE").startswith("stored (512 tokens")
-        stored = {seq: _checksum(run_a[f"{seq}/cold"]) for seq in ("0", "1")}
-        client = c.client()
-        objs = [i for i in client.walk(PREFIX).values() if not i.is_dir]
-        assert len(objs) == 4  # 2 sequences x 2 chunks, raw object bytes under reversible names
-        keys = [ckeys.name_to_object_key(i.path.rsplit("/", 1)[1]) for i in objs]
-        assert all(len(k.chunk_hash) == 32 for k in keys)  # LMCache MP's blake3 chunk hashes
+def test_lmcache_server_shares_kv_across_nodes_through_l2fs(tmp_path: Path, mode: str,
+                                                            make_cluster: Callable[..., LocalCluster]) -> None:
+    c = make_cluster(2)
+    a, pa, ha = _server(c.master, "node-1", tmp_path / "server-a.log", mode=mode)
+    try:
+        run_a = _client(pa, ha, tmp_path / "client-a.log", mode)
+    finally:
+        a.stop()
+    for seq in ("0", "1"):
+        assert _first(run_a[f"{seq}/cold"], "LOOKUP").startswith("0/2 chunks hit")
+        assert _first(run_a[f"{seq}/cold"], "STORE").startswith("stored (512 tokens")
+    stored = {seq: _checksum(run_a[f"{seq}/cold"]) for seq in ("0", "1")}
+    client = c.client()
+    objs = [i for i in client.walk(PREFIX).values() if not i.is_dir]
+    assert len(objs) == 4  # 2 sequences x 2 chunks, raw object bytes under reversible names
+    keys = [ckeys.name_to_object_key(i.path.rsplit("/", 1)[1]) for i in objs]
+    assert all(len(k.chunk_hash) == 32 for k in keys)  # LMCache MP's blake3 chunk hashes
 
-        b, pb, hb = _server(c.master, "node-2", tmp_path / "server-b.log", mode=mode)  # empty L1, another node
-        try:
-            run_b = _client(pb, hb, tmp_path / "client-b.log", mode)
-        finally:
-            b.stop()
-        for seq in ("0", "1"):
-            assert _first(run_b[f"{seq}/cold"], "LOOKUP").startswith("2/2 chunks hit")
-            assert _first(run_b[f"{seq}/cold"], "RETRIEVE").startswith("retrieved (512 tokens")
-            assert _checksum(run_b[f"{seq}/warm"]) == stored[seq]  # the KV A stored, byte for byte
+    b, pb, hb = _server(c.master, "node-2", tmp_path / "server-b.log", mode=mode)  # empty L1, another node
+    try:
+        run_b = _client(pb, hb, tmp_path / "client-b.log", mode)
+    finally:
+        b.stop()
+    for seq in ("0", "1"):
+        assert _first(run_b[f"{seq}/cold"], "LOOKUP").startswith("2/2 chunks hit")
+        assert _first(run_b[f"{seq}/cold"], "RETRIEVE").startswith("retrieved (512 tokens")
+        assert _checksum(run_b[f"{seq}/warm"]) == stored[seq]  # the KV A stored, byte for byte
 
-        for i in objs:
-            client.rm(i.path)
-        client.close()
-        s3, p3, h3 = _server(c.master, "node-2", tmp_path / "server-c.log", mode=mode)
-        try:
-            run_c = _client(p3, h3, tmp_path / "client-c.log", mode)
-        finally:
-            s3.stop()
-        assert all(_first(run_c[f"{seq}/cold"], "LOOKUP").startswith("0/2 chunks hit") for seq in ("0", "1"))
+    for i in objs:
+        client.rm(i.path)
+    client.close()
+    s3, p3, h3 = _server(c.master, "node-2", tmp_path / "server-c.log", mode=mode)
+    try:
+        run_c = _client(p3, h3, tmp_path / "client-c.log", mode)
+    finally:
+        s3.stop()
+    assert all(_first(run_c[f"{seq}/cold"], "LOOKUP").startswith("0/2 chunks hit") for seq in ("0", "1"))
 
 
 SITECUSTOMIZE = sitecustomize('lmcache.v1.multiprocess.token_hasher', r"""
@@ -113,7 +115,8 @@ SITECUSTOMIZE = sitecustomize('lmcache.v1.multiprocess.token_hasher', r"""
 """)
 
 
-def test_lmcache_server_whose_hash_drifted_writes_nothing_to_l2fs(tmp_path: Path) -> None:
+def test_lmcache_server_whose_hash_drifted_writes_nothing_to_l2fs(tmp_path: Path,
+                                                                  make_cluster: Callable[..., LocalCluster]) -> None:
     """The MP adapter inside a real `lmcache server` whose installed LMCache hashes differently (patched at
     import by a sitecustomize): it says so once and stores nothing in l2fs; the server itself keeps serving
     from L1."""
@@ -121,18 +124,18 @@ def test_lmcache_server_whose_hash_drifted_writes_nothing_to_l2fs(tmp_path: Path
     patched.mkdir()
     (patched / "sitecustomize.py").write_text(SITECUSTOMIZE)
     env = dict(ENV, PYTHONPATH=f"{patched}{os.pathsep}{ROOT}")
-    with LocalCluster(tmp_path / "l2", workers=1) as c:
-        s, port, http = _server(c.master, "node-1", tmp_path / "server.log", env)
-        try:
-            run = _client(port, http, tmp_path / "client.log")
-        finally:
-            s.stop()
-        assert _first(run["0/cold"], "STORE").startswith("stored (512 tokens")  # L1 still works
-        assert _first(run["0/warm"], "LOOKUP").startswith("2/2 chunks hit")
-        client = c.client()
-        try:
-            assert not client.exists(PREFIX) or not [i for i in client.walk(PREFIX).values() if not i.is_dir]
-        finally:
-            client.close()
-        drift = [ln for ln in (tmp_path / "server.log").read_text().splitlines() if "KVTIER KEY DRIFT: mp_l2fs" in ln]
-        assert len(drift) == 1
+    c = make_cluster(1)
+    s, port, http = _server(c.master, "node-1", tmp_path / "server.log", env)
+    try:
+        run = _client(port, http, tmp_path / "client.log")
+    finally:
+        s.stop()
+    assert _first(run["0/cold"], "STORE").startswith("stored (512 tokens")  # L1 still works
+    assert _first(run["0/warm"], "LOOKUP").startswith("2/2 chunks hit")
+    client = c.client()
+    try:
+        assert not client.exists(PREFIX) or not [i for i in client.walk(PREFIX).values() if not i.is_dir]
+    finally:
+        client.close()
+    drift = [ln for ln in (tmp_path / "server.log").read_text().splitlines() if "KVTIER KEY DRIFT: mp_l2fs" in ln]
+    assert len(drift) == 1

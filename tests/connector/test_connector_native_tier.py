@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -118,20 +119,20 @@ def test_vllm_fs_tier_on_an_l2fs_mount_reads_the_l2fs_tiers_files(cluster: Local
         fuse.stop(proc, mnt)
 
 
-def test_a_dead_master_is_a_miss_not_a_hang(tmp_path: Path) -> None:
+def test_a_dead_master_is_a_miss_not_a_hang(make_cluster: Callable[..., LocalCluster]) -> None:
     keys, data = block_keys(_tokens(5)), _payload(5)
-    with LocalCluster(tmp_path / "l2", workers=1) as c:
-        a = Engine(BLOCK, [l2fs_tier(c.master, "node-1", timeout=0.5)], N)
-        b = Engine(BLOCK, [l2fs_tier(c.master, "node-1", timeout=0.5)], N)
-        try:
-            a.store("w", keys, data)
-            c.kill_master()
-            t0 = time.monotonic()
-            assert b.fetch("r", keys, timeout=30) == [None] * N  # every lookup a miss, nothing raised
-            assert time.monotonic() - t0 < 30
-        finally:
-            a.close()
-            b.close()
+    c = make_cluster(1)
+    a = Engine(BLOCK, [l2fs_tier(c.master, "node-1", timeout=0.5)], N)
+    b = Engine(BLOCK, [l2fs_tier(c.master, "node-1", timeout=0.5)], N)
+    try:
+        a.store("w", keys, data)
+        c.kill_master()
+        t0 = time.monotonic()
+        assert b.fetch("r", keys, timeout=30) == [None] * N  # every lookup a miss, nothing raised
+        assert time.monotonic() - t0 < 30
+    finally:
+        a.close()
+        b.close()
 
 
 def test_drifted_vllm_hash_stops_the_tiers_writes(cluster: LocalCluster, monkeypatch: pytest.MonkeyPatch,

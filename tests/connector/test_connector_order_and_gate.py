@@ -256,120 +256,120 @@ def _load(sm: StorageManager, keys: list) -> int:
     return n
 
 
-def test_stops_claiming_when_l2_is_slower_than_recompute_and_resumes(tmp_path) -> None:
-    with LocalCluster(tmp_path / "l2fs", workers=2, heartbeat_interval=0.5) as cluster:
-        a = _manager(cluster.master, "node-1")  # writes: local-first, so the chunks sit on worker 1 (node-1)
-        extra = {"remote_storage_plugin.l2fs.prefill_tokens_per_s": 4000,  # 4 KiB/token: needs 16 MB/s
-                 "remote_storage_plugin.l2fs.rate_probe_interval": 0.5}
-        b = _manager(cluster.master, "node-2", extra=extra)
-        client = cluster.client()
-        try:
-            keys = _store(a, _tokens(7, 8))
-            _wait_exists(client, _paths(keys))
-            assert all(n == "node-1" for p in _paths(keys) for n in client.stat(p).nodes)
-            conn = _conn(b)
-            # healthy L2: every hit is claimed, loads measure a rate far above what recompute needs
-            for _ in range(3):
-                assert _remote(b).batched_contains(keys) == 8
-                assert _load(b, keys) == 8
-            assert conn.gate.rate is not None and conn.gate.rate > conn.gate.needed_rate
-            assert conn.stats["gated"] == 0
-            assert REGISTRY.get_sample_value("kvtier_l2_load_bytes_per_second") == pytest.approx(conn.gate.rate)
-            # throttled worker: loads crawl, the connector stops claiming although the chunks are there
-            with Throttle(cluster.workers[0].proc.pid):
-                deadline = time.monotonic() + 60
-                while _remote(b).batched_contains(keys) != 0:
-                    assert time.monotonic() < deadline, f"still claiming at {conn.gate.rate} B/s"
-                    _load(b, keys)
-                    time.sleep(0.3)  # requests arrive on their own clock, not in step with the stalls
-                assert client.prefix_lookup(_paths(keys)) == 8  # present, just not worth loading
-                assert conn.stats["gated"] >= 8
-                assert REGISTRY.get_sample_value("kvtier_l2_claims_open") == 0
-                assert REGISTRY.get_sample_value("kvtier_l2_load_bytes_per_second") < conn.gate.needed_rate
-            # recovered: the background probe measures L2 fast again and claims resume
+def test_stops_claiming_when_l2_is_slower_than_recompute_and_resumes(make_cluster) -> None:
+    cluster = make_cluster(2, heartbeat_interval=0.5)
+    a = _manager(cluster.master, "node-1")  # writes: local-first, so the chunks sit on worker 1 (node-1)
+    extra = {"remote_storage_plugin.l2fs.prefill_tokens_per_s": 4000,  # 4 KiB/token: needs 16 MB/s
+             "remote_storage_plugin.l2fs.rate_probe_interval": 0.5}
+    b = _manager(cluster.master, "node-2", extra=extra)
+    client = cluster.client()
+    try:
+        keys = _store(a, _tokens(7, 8))
+        _wait_exists(client, _paths(keys))
+        assert all(n == "node-1" for p in _paths(keys) for n in client.stat(p).nodes)
+        conn = _conn(b)
+        # healthy L2: every hit is claimed, loads measure a rate far above what recompute needs
+        for _ in range(3):
+            assert _remote(b).batched_contains(keys) == 8
+            assert _load(b, keys) == 8
+        assert conn.gate.rate is not None and conn.gate.rate > conn.gate.needed_rate
+        assert conn.stats["gated"] == 0
+        assert REGISTRY.get_sample_value("kvtier_l2_load_bytes_per_second") == pytest.approx(conn.gate.rate)
+        # throttled worker: loads crawl, the connector stops claiming although the chunks are there
+        with Throttle(cluster.workers[0].proc.pid):
             deadline = time.monotonic() + 60
-            while _remote(b).batched_contains(keys) != 8:
-                assert time.monotonic() < deadline, f"never resumed: {conn.gate.rate} B/s, {conn.stats}"
-                time.sleep(0.2)
-            assert conn.gate.probes >= 1
-            assert REGISTRY.get_sample_value("kvtier_l2_claims_open") == 1
-        finally:
-            client.close()
-            a.close()
-            b.close()
+            while _remote(b).batched_contains(keys) != 0:
+                assert time.monotonic() < deadline, f"still claiming at {conn.gate.rate} B/s"
+                _load(b, keys)
+                time.sleep(0.3)  # requests arrive on their own clock, not in step with the stalls
+            assert client.prefix_lookup(_paths(keys)) == 8  # present, just not worth loading
+            assert conn.stats["gated"] >= 8
+            assert REGISTRY.get_sample_value("kvtier_l2_claims_open") == 0
+            assert REGISTRY.get_sample_value("kvtier_l2_load_bytes_per_second") < conn.gate.needed_rate
+        # recovered: the background probe measures L2 fast again and claims resume
+        deadline = time.monotonic() + 60
+        while _remote(b).batched_contains(keys) != 8:
+            assert time.monotonic() < deadline, f"never resumed: {conn.gate.rate} B/s, {conn.stats}"
+            time.sleep(0.2)
+        assert conn.gate.probes >= 1
+        assert REGISTRY.get_sample_value("kvtier_l2_claims_open") == 1
+    finally:
+        client.close()
+        a.close()
+        b.close()
 
 
-def test_claims_are_decided_before_the_load_when_a_worker_stalls(tmp_path) -> None:
+def test_claims_are_decided_before_the_load_when_a_worker_stalls(make_cluster) -> None:
     """The first claims after L2 slows, not only later ones, are decided before their load: each claim first
     reads its first chunk within a tenth of the claimed chunks' recompute time. Before, the gate's average was
     still healthy, the chunks were claimed and their load waited for the stalled worker. Healthy claims read
     that chunk once: the load takes it from the check."""
-    with LocalCluster(tmp_path / "l2fs", workers=2, heartbeat_interval=0.5) as cluster:
-        a = _manager(cluster.master, "node-1")
-        extra = {"remote_storage_plugin.l2fs.prefill_tokens_per_s": 4000,  # 4 KiB/token: needs 16 MB/s
-                 "remote_storage_plugin.l2fs.rate_probe_interval": 60}
-        b = _manager(cluster.master, "node-2", extra=extra)
-        client = cluster.client()
+    cluster = make_cluster(2, heartbeat_interval=0.5)
+    a = _manager(cluster.master, "node-1")
+    extra = {"remote_storage_plugin.l2fs.prefill_tokens_per_s": 4000,  # 4 KiB/token: needs 16 MB/s
+             "remote_storage_plugin.l2fs.rate_probe_interval": 60}
+    b = _manager(cluster.master, "node-2", extra=extra)
+    client = cluster.client()
+    try:
+        keys = _store(a, _tokens(11, 8))
+        _wait_exists(client, _paths(keys))
+        conn = _conn(b)
+        for _ in range(3):
+            assert _remote(b).batched_contains(keys) == 8
+            assert _load(b, keys) == 8
+        assert conn.gate.allow() and conn.stats["prechecked_reused"] >= 3
+        budget = conn.gate.precheck_budget(8 * conn.full_chunk_size_bytes)
+        pid = cluster.workers[0].proc.pid
+        os.kill(pid, signal.SIGSTOP)
         try:
-            keys = _store(a, _tokens(11, 8))
-            _wait_exists(client, _paths(keys))
-            conn = _conn(b)
-            for _ in range(3):
-                assert _remote(b).batched_contains(keys) == 8
-                assert _load(b, keys) == 8
-            assert conn.gate.allow() and conn.stats["prechecked_reused"] >= 3
-            budget = conn.gate.precheck_budget(8 * conn.full_chunk_size_bytes)
-            pid = cluster.workers[0].proc.pid
-            os.kill(pid, signal.SIGSTOP)
-            try:
-                for _ in range(2):  # the first claim after the stall and the next one
-                    t0 = time.monotonic()
-                    n = _remote(b).batched_contains(keys)
-                    took = time.monotonic() - t0
-                    assert n == 0, "claimed on a healthy average: the load waits for the stalled worker"
-                    assert took < budget + 0.5, f"the check took {took:.3f} s, budget {budget:.3f} s"
-                    assert not conn.gate.allow()  # the missed check closes the gate for the claims that follow
-            finally:
-                os.kill(pid, signal.SIGCONT)
-            assert client.prefix_lookup(_paths(keys)) == 8  # present, just not worth waiting for
-            assert conn.stats["gated"] >= 16
+            for _ in range(2):  # the first claim after the stall and the next one
+                t0 = time.monotonic()
+                n = _remote(b).batched_contains(keys)
+                took = time.monotonic() - t0
+                assert n == 0, "claimed on a healthy average: the load waits for the stalled worker"
+                assert took < budget + 0.5, f"the check took {took:.3f} s, budget {budget:.3f} s"
+                assert not conn.gate.allow()  # the missed check closes the gate for the claims that follow
         finally:
-            client.close()
-            a.close()
-            b.close()
+            os.kill(pid, signal.SIGCONT)
+        assert client.prefix_lookup(_paths(keys)) == 8  # present, just not worth waiting for
+        assert conn.stats["gated"] >= 16
+    finally:
+        client.close()
+        a.close()
+        b.close()
 
 
-def test_mp_adapter_stops_finding_when_l2_is_slower_than_recompute_and_resumes(tmp_path) -> None:
-    with LocalCluster(tmp_path / "l2fs", workers=2, heartbeat_interval=0.5) as cluster:
-        a = _adapter(cluster.master, "node-1")
-        b = _adapter(cluster.master, "node-2", prefill_tokens_per_s=8000, rate_probe_interval=0.5)  # 8 MB/s
-        keys = [_key(100 + i) for i in range(8)]
+def test_mp_adapter_stops_finding_when_l2_is_slower_than_recompute_and_resumes(make_cluster) -> None:
+    cluster = make_cluster(2, heartbeat_interval=0.5)
+    a = _adapter(cluster.master, "node-1")
+    b = _adapter(cluster.master, "node-2", prefill_tokens_per_s=8000, rate_probe_interval=0.5)  # 8 MB/s
+    keys = [_key(100 + i) for i in range(8)]
 
-        def found() -> int:
-            tid = b.submit_lookup_and_lock_task(keys, {})
-            return _poll(lambda: b.query_lookup_and_lock_result(tid), b.get_lookup_and_lock_event_fd()).popcount()
+    def found() -> int:
+        tid = b.submit_lookup_and_lock_task(keys, {})
+        return _poll(lambda: b.query_lookup_and_lock_result(tid), b.get_lookup_and_lock_event_fd()).popcount()
 
-        def load() -> int:
-            tid = b.submit_load_task(keys, _objs(8, seed=0))
-            return _poll(lambda: b.query_load_result(tid), b.get_load_event_fd(), timeout=30).popcount()
+    def load() -> int:
+        tid = b.submit_load_task(keys, _objs(8, seed=0))
+        return _poll(lambda: b.query_load_result(tid), b.get_load_event_fd(), timeout=30).popcount()
 
-        try:
-            tid = a.submit_store_task(keys, _objs(8, seed=5))
-            assert _poll(a.pop_completed_store_tasks, a.get_store_event_fd())[tid] > 0
-            for _ in range(3):  # healthy: everything found and loaded, rate far above the bar
-                assert found() == 8 and load() == 8
-            assert b.gate.enabled and b.gate.rate is not None and b.gate.rate > b.gate.needed_rate
-            with Throttle(cluster.workers[0].proc.pid):
-                deadline = time.monotonic() + 60
-                while found() != 0:
-                    assert time.monotonic() < deadline, f"still finding at {b.gate.rate} B/s"
-                    load()
-                    time.sleep(0.3)
+    try:
+        tid = a.submit_store_task(keys, _objs(8, seed=5))
+        assert _poll(a.pop_completed_store_tasks, a.get_store_event_fd())[tid] > 0
+        for _ in range(3):  # healthy: everything found and loaded, rate far above the bar
+            assert found() == 8 and load() == 8
+        assert b.gate.enabled and b.gate.rate is not None and b.gate.rate > b.gate.needed_rate
+        with Throttle(cluster.workers[0].proc.pid):
             deadline = time.monotonic() + 60
-            while found() != 8:
-                assert time.monotonic() < deadline, f"never resumed: {b.gate.rate} B/s"
-                time.sleep(0.2)
-            assert b.gate.probes >= 1
-        finally:
-            a.close()
-            b.close()
+            while found() != 0:
+                assert time.monotonic() < deadline, f"still finding at {b.gate.rate} B/s"
+                load()
+                time.sleep(0.3)
+        deadline = time.monotonic() + 60
+        while found() != 8:
+            assert time.monotonic() < deadline, f"never resumed: {b.gate.rate} B/s"
+            time.sleep(0.2)
+        assert b.gate.probes >= 1
+    finally:
+        a.close()
+        b.close()

@@ -7,7 +7,9 @@ from __future__ import annotations
 import json
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -67,28 +69,27 @@ def test_kvtier_up_passes_the_prefill_rate() -> None:
     assert "plugin mode" in str(check_args(p.parse_args(["--prefill-tokens-per-s", "4300", "--mode", "mount"])))
 
 
-def test_plugin_follows_the_prefill_file(tmp_path: Path) -> None:
+def test_plugin_follows_the_prefill_file(tmp_path: Path, make_cluster: Callable[..., Any]) -> None:
     """A real LMCache StorageManager with our plugin: the gate's figure is the file's, re-read while running;
     the fixed figure is the fallback while the file holds none."""
     from test_connector_l2fs_plugin import _conn, _manager
 
-    from l2fs.testing.cluster import LocalCluster
 
     f = tmp_path / "prefill"
-    with LocalCluster(tmp_path / "l2fs", workers=1) as cluster:
-        sm = _manager(cluster.master, "node-1", extra={KEY: 1000,
-                                                       "remote_storage_plugin.l2fs.prefill_tokens_per_s_file": str(f)})
-        try:
-            gate = _conn(sm).gate
-            assert gate.prefill_tps == 1000.0
-            f.write_text("4300")
-            deadline = time.monotonic() + 15
-            while gate.prefill_tps != 4300.0:
-                assert time.monotonic() < deadline, gate.prefill_tps
-                time.sleep(0.1)
-            f.unlink()
-            while gate.prefill_tps != 1000.0:
-                assert time.monotonic() < deadline, gate.prefill_tps
-                time.sleep(0.1)
-        finally:
-            sm.close()
+    cluster = make_cluster(1)
+    sm = _manager(cluster.master, "node-1", extra={KEY: 1000,
+                                                   "remote_storage_plugin.l2fs.prefill_tokens_per_s_file": str(f)})
+    try:
+        gate = _conn(sm).gate
+        assert gate.prefill_tps == 1000.0
+        f.write_text("4300")
+        deadline = time.monotonic() + 15
+        while gate.prefill_tps != 4300.0:
+            assert time.monotonic() < deadline, gate.prefill_tps
+            time.sleep(0.1)
+        f.unlink()
+        while gate.prefill_tps != 1000.0:
+            assert time.monotonic() < deadline, gate.prefill_tps
+            time.sleep(0.1)
+    finally:
+        sm.close()

@@ -12,7 +12,9 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -176,7 +178,8 @@ def test_lmcache_config_cli_revision_and_device(tmp_path: Path) -> None:
 
 
 def test_replicas_of_different_weights_never_share_chunks(tmp_path: Path, tiny_model: Path,
-                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+                                                          monkeypatch: pytest.MonkeyPatch,
+                                                          make_cluster: Callable[..., Any]) -> None:
     """Three replicas, one LMCache model name (/opt/ml/model) and one l2fs: A and C load the same weights
     (C from a copy), B same-architecture weights of another seed. B never hits A's chunks; C hits all."""
     pytest.importorskip("lmcache")
@@ -192,7 +195,6 @@ def test_replicas_of_different_weights_never_share_chunks(tmp_path: Path, tiny_m
     from connector.fingerprint import diff, load_records
     from kvtier.devstack.tiny_model import build
     from l2fs.client import NotFound
-    from l2fs.testing.cluster import LocalCluster
 
     name = "/opt/ml/model"  # what every HyperPod endpoint's LMCache sees
     other = build(tmp_path / "seed1", seed=1)  # same architecture (default args), other weights
@@ -200,85 +202,85 @@ def test_replicas_of_different_weights_never_share_chunks(tmp_path: Path, tiny_m
     revs = {d: resolve_revision(str(d)) for d in (tiny_model, other, copy)}
     assert revs[tiny_model] == revs[copy] != revs[other]
 
-    with LocalCluster(tmp_path / "l2fs", workers=2) as cluster:
-        client = cluster.client()
-        managers: list[StorageManager] = []
-        monkeypatch.setenv("PYTHONHASHSEED", contract.HASH_SEED)  # what replica_env gives a real replica
+    cluster = make_cluster(2)
+    client = cluster.client()
+    managers: list[StorageManager] = []
+    monkeypatch.setenv("PYTHONHASHSEED", contract.HASH_SEED)  # what replica_env gives a real replica
 
-        def records() -> list[dict]:
-            try:
-                return load_records(client, name)
-            except NotFound:  # no replica has published yet
-                return []
-
-        def replica(model: Path, rid: str) -> tuple[StorageManager, str]:
-            prefix = contract.revision_prefix(contract.KV_PREFIX, "endpoint", revs[model])
-            d = lmcache_config(chunk_size=256, l1_gb=0.1, l2fs_master=cluster.master, node_id="node-1",
-                               model_revision=revs[model], namespace="endpoint")
-            d.pop("remote_serde")
-            monkeypatch.setenv("KVTIER_REPLICA_ID", rid)
-            md = LMCacheMetadata(model_name=name, world_size=1, local_world_size=1, worker_id=0,
-                                 local_worker_id=0, kv_dtype=torch.float32, kv_shape=(4, 2, 256, 2, 64))
-            sm = StorageManager(LMCacheEngineConfig.from_defaults(**d), md, EventManager())
-            managers.append(sm)
-            t0 = time.monotonic()  # the connector publishes its fingerprint off-thread; wait for it
-            while rid not in {r.get("replica") for r in records()}:
-                assert time.monotonic() - t0 < 20, f"no fingerprint record from {rid}"
-                time.sleep(0.1)
-            return sm, prefix
-
+    def records() -> list[dict]:
         try:
-            a, pa = replica(tiny_model, "rep-a")
-            b, pb = replica(other, "rep-b")
-            c, pc = replica(copy, "rep-c")
-            assert pa == pc != pb
-            keys = [CacheEngineKey(model_name=name, world_size=1, worker_id=0, chunk_hash=h, dtype=torch.float32)
-                    for h in (101, -202, 303)]
-            datas = _put(a, keys, seed=3)
-            _wait_exists(client, [ckeys.key_path(pa, k) for k in keys])
-            assert b.batched_contains(keys)[0] == 0  # same model name, same hashes: still a miss
-            assert all(b.get(k) is None for k in keys)
-            assert c.batched_contains(keys)[0] == 3
-            for k, want in zip(keys, datas, strict=True):
-                obj = c.get(k)
-                assert obj is not None and torch.equal(obj.tensor, want)
-                obj.ref_count_down()
-            recs = {r["replica"]: r for r in load_records(client, name)}
-            assert recs["rep-a"]["model_revision"] == recs["rep-c"]["model_revision"] == revs[tiny_model]
-            assert recs["rep-b"]["model_revision"] == revs[other]
-            # one served name, two weights: the key-compat check flags exactly the revision
-            assert diff(recs["rep-a"], recs["rep-b"]) == {"model_revision": (revs[tiny_model], revs[other])}
-            assert diff(recs["rep-a"], recs["rep-c"]) == {}
-        finally:
-            for sm in managers:
-                sm.close()
-            client.close()
+            return load_records(client, name)
+        except NotFound:  # no replica has published yet
+            return []
+
+    def replica(model: Path, rid: str) -> tuple[StorageManager, str]:
+        prefix = contract.revision_prefix(contract.KV_PREFIX, "endpoint", revs[model])
+        d = lmcache_config(chunk_size=256, l1_gb=0.1, l2fs_master=cluster.master, node_id="node-1",
+                           model_revision=revs[model], namespace="endpoint")
+        d.pop("remote_serde")
+        monkeypatch.setenv("KVTIER_REPLICA_ID", rid)
+        md = LMCacheMetadata(model_name=name, world_size=1, local_world_size=1, worker_id=0,
+                             local_worker_id=0, kv_dtype=torch.float32, kv_shape=(4, 2, 256, 2, 64))
+        sm = StorageManager(LMCacheEngineConfig.from_defaults(**d), md, EventManager())
+        managers.append(sm)
+        t0 = time.monotonic()  # the connector publishes its fingerprint off-thread; wait for it
+        while rid not in {r.get("replica") for r in records()}:
+            assert time.monotonic() - t0 < 20, f"no fingerprint record from {rid}"
+            time.sleep(0.1)
+        return sm, prefix
+
+    try:
+        a, pa = replica(tiny_model, "rep-a")
+        b, pb = replica(other, "rep-b")
+        c, pc = replica(copy, "rep-c")
+        assert pa == pc != pb
+        keys = [CacheEngineKey(model_name=name, world_size=1, worker_id=0, chunk_hash=h, dtype=torch.float32)
+                for h in (101, -202, 303)]
+        datas = _put(a, keys, seed=3)
+        _wait_exists(client, [ckeys.key_path(pa, k) for k in keys])
+        assert b.batched_contains(keys)[0] == 0  # same model name, same hashes: still a miss
+        assert all(b.get(k) is None for k in keys)
+        assert c.batched_contains(keys)[0] == 3
+        for k, want in zip(keys, datas, strict=True):
+            obj = c.get(k)
+            assert obj is not None and torch.equal(obj.tensor, want)
+            obj.ref_count_down()
+        recs = {r["replica"]: r for r in load_records(client, name)}
+        assert recs["rep-a"]["model_revision"] == recs["rep-c"]["model_revision"] == revs[tiny_model]
+        assert recs["rep-b"]["model_revision"] == revs[other]
+        # one served name, two weights: the key-compat check flags exactly the revision
+        assert diff(recs["rep-a"], recs["rep-b"]) == {"model_revision": (revs[tiny_model], revs[other])}
+        assert diff(recs["rep-a"], recs["rep-c"]) == {}
+    finally:
+        for sm in managers:
+            sm.close()
+        client.close()
 
 
-def test_same_name_other_revision_is_reported_loudly(tmp_path: Path, caplog: pytest.LogCaptureFixture,
-                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+def test_same_name_other_revision_is_reported_loudly(caplog: pytest.LogCaptureFixture,
+                                                     monkeypatch: pytest.MonkeyPatch,
+                                                     make_cluster: Callable[..., Any]) -> None:
     """Two replicas of one served model name with different weights: KVTIER KEY MISMATCH naming the revision."""
     import logging
     from types import SimpleNamespace
 
     from connector.fingerprint import record_and_check
-    from l2fs.testing.cluster import LocalCluster
 
     caplog.set_level(logging.ERROR, logger="kvtier.connector.fingerprint")
     cfg = SimpleNamespace(chunk_size=256, pre_caching_hash_algorithm="builtin")
     meta = SimpleNamespace(model_name="/opt/ml/model", kv_dtype="torch.bfloat16", chunk_size=256, world_size=1)
     monkeypatch.setenv("PYTHONHASHSEED", "0")
-    with LocalCluster(tmp_path / "l2fs", workers=1) as cluster:
-        client = cluster.client()
-        try:
-            def publish(replica: str, revision: str) -> set[str]:
-                monkeypatch.setenv("KVTIER_REPLICA_ID", replica)
-                return {r["replica"] for r in record_and_check(client, cfg, meta, revision=revision)}
+    cluster = make_cluster(1)
+    client = cluster.client()
+    try:
+        def publish(replica: str, revision: str) -> set[str]:
+            monkeypatch.setenv("KVTIER_REPLICA_ID", replica)
+            return {r["replica"] for r in record_and_check(client, cfg, meta, revision=revision)}
 
-            assert publish("old", "aaa") == publish("old-2", "aaa") == set()  # same weights: silent
-            assert not [r for r in caplog.records if "KEY MISMATCH" in r.getMessage()]
-            assert publish("new", "bbb") == {"old", "old-2"}
-            msgs = [r.getMessage() for r in caplog.records if "KVTIER KEY MISMATCH" in r.getMessage()]
-            assert msgs and "model_revision: ours='bbb' theirs='aaa'" in msgs[0] and "never loaded" in msgs[0]
-        finally:
-            client.close()
+        assert publish("old", "aaa") == publish("old-2", "aaa") == set()  # same weights: silent
+        assert not [r for r in caplog.records if "KEY MISMATCH" in r.getMessage()]
+        assert publish("new", "bbb") == {"old", "old-2"}
+        msgs = [r.getMessage() for r in caplog.records if "KVTIER KEY MISMATCH" in r.getMessage()]
+        assert msgs and "model_revision: ours='bbb' theirs='aaa'" in msgs[0] and "never loaded" in msgs[0]
+    finally:
+        client.close()

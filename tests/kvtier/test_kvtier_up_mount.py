@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -39,27 +40,28 @@ def _server(c: LocalCluster, i: int) -> str:
 
 @pytest.mark.fuse
 @pytest.mark.skipif(not FUSE_OK, reason="needs /dev/fuse, root and fusermount3")
-def test_mount_node_probes_passthrough_and_falls_back(tmp_path: Path) -> None:
-    with LocalCluster(tmp_path / "c", workers=2, capacity="256M") as c:
-        got = mount_node(c, 0, tmp_path / "m1", tmp_path / "cache-1", "auto")
-        log1 = (c.base / "logs" / "mount-1.log").read_text()
-        if "passthrough on" not in log1:
-            assert got == "pyfuse3" and _server(c, 0) == "pyfuse3"  # this kernel grants none: the fallback
-            pytest.skip("the kernel grants no FUSE passthrough (needs Linux >= 6.9, CONFIG_FUSE_PASSTHROUGH)")
-        assert got == "passthrough" and _server(c, 0) == "passthrough"
-        assert list((tmp_path / "cache-1").glob("l2fs-pt-*"))  # its private dir of temp files in the cache dir
-        (tmp_path / "m1" / "k.data").write_bytes(b"x" * 5000)
-        with c.client() as cl:
-            assert cl.get("/k.data") == b"x" * 5000 and not [p for p in cl.ls("/") if "probe" in p.path]
-        # a passthrough server that answers INIT without passthrough: auto falls back, passthrough refuses
-        with pytest.raises(RuntimeError, match="did not grant FUSE_PASSTHROUGH"):
-            mount_node(c, 1, tmp_path / "m2", tmp_path / "cache-2", "passthrough", "--process-reads")
-        assert mount_type(tmp_path / "m2") is None
-        assert mount_node(c, 1, tmp_path / "m2", tmp_path / "cache-2", "auto", "--process-reads") == "pyfuse3"
-        assert _server(c, 1) == "pyfuse3" and (tmp_path / "m2" / "k.data").read_bytes() == b"x" * 5000
-        c.unmount(1)
-        assert mount_node(c, 1, tmp_path / "m2", tmp_path / "cache-2", "pyfuse3") == "pyfuse3"
-        assert _server(c, 1) == "pyfuse3"
+def test_mount_node_probes_passthrough_and_falls_back(tmp_path: Path,
+                                                      make_cluster: Callable[..., LocalCluster]) -> None:
+    c = make_cluster(2, capacity="256M")
+    got = mount_node(c, 0, tmp_path / "m1", tmp_path / "cache-1", "auto")
+    log1 = (c.base / "logs" / "mount-1.log").read_text()
+    if "passthrough on" not in log1:
+        assert got == "pyfuse3" and _server(c, 0) == "pyfuse3"  # this kernel grants none: the fallback
+        pytest.skip("the kernel grants no FUSE passthrough (needs Linux >= 6.9, CONFIG_FUSE_PASSTHROUGH)")
+    assert got == "passthrough" and _server(c, 0) == "passthrough"
+    assert list((tmp_path / "cache-1").glob("l2fs-pt-*"))  # its private dir of temp files in the cache dir
+    (tmp_path / "m1" / "k.data").write_bytes(b"x" * 5000)
+    with c.client() as cl:
+        assert cl.get("/k.data") == b"x" * 5000 and not [p for p in cl.ls("/") if "probe" in p.path]
+    # a passthrough server that answers INIT without passthrough: auto falls back, passthrough refuses
+    with pytest.raises(RuntimeError, match="did not grant FUSE_PASSTHROUGH"):
+        mount_node(c, 1, tmp_path / "m2", tmp_path / "cache-2", "passthrough", "--process-reads")
+    assert mount_type(tmp_path / "m2") is None
+    assert mount_node(c, 1, tmp_path / "m2", tmp_path / "cache-2", "auto", "--process-reads") == "pyfuse3"
+    assert _server(c, 1) == "pyfuse3" and (tmp_path / "m2" / "k.data").read_bytes() == b"x" * 5000
+    c.unmount(1)
+    assert mount_node(c, 1, tmp_path / "m2", tmp_path / "cache-2", "pyfuse3") == "pyfuse3"
+    assert _server(c, 1) == "pyfuse3"
 
 
 @pytest.mark.unit

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+from collections.abc import Callable
 
 import pytest
 
@@ -147,23 +148,23 @@ async def test_async_client(cluster: LocalCluster) -> None:
         assert (await ac.stat("/async/0")).size == len(data)
 
 
-def test_duplicate_content_detector(tmp_path) -> None:
-    with LocalCluster(tmp_path / "dup", workers=1, capacity="256M") as cl:
-        c = cl.client(node_id="node-1")
-        chunk = os.urandom(64 * 1024)
-        c.put("/kv/seed-a/chunk0", chunk)
-        c.put("/kv/other", os.urandom(64 * 1024))
-        c.put("/kv/small-a", b"tiny")
-        c.put("/kv/small-b", b"tiny")  # small files are ignored
-        assert c.report().duplicate_files == 0
-        c.put("/kv/seed-b/chunk0", chunk)  # same KV bytes under a different key
-        c.put("/kv/seed-c/chunk0", chunk)
-        assert c.report().duplicate_files == 2
-        c.rm("/kv/seed-c/chunk0")
-        c.rename("/kv/seed-b/chunk0", "/kv/seed-b/renamed")
-        assert c.report().duplicate_files == 1
-        c.rm("/kv/seed-a/chunk0")
-        assert c.report().duplicate_files == 0
+def test_duplicate_content_detector(make_cluster: Callable[..., LocalCluster]) -> None:
+    cl = make_cluster(1, capacity="256M")
+    c = cl.client(node_id="node-1")
+    chunk = os.urandom(64 * 1024)
+    c.put("/kv/seed-a/chunk0", chunk)
+    c.put("/kv/other", os.urandom(64 * 1024))
+    c.put("/kv/small-a", b"tiny")
+    c.put("/kv/small-b", b"tiny")  # small files are ignored
+    assert c.report().duplicate_files == 0
+    c.put("/kv/seed-b/chunk0", chunk)  # same KV bytes under a different key
+    c.put("/kv/seed-c/chunk0", chunk)
+    assert c.report().duplicate_files == 2
+    c.rm("/kv/seed-c/chunk0")
+    c.rename("/kv/seed-b/chunk0", "/kv/seed-b/renamed")
+    assert c.report().duplicate_files == 1
+    c.rm("/kv/seed-a/chunk0")
+    assert c.report().duplicate_files == 0
 
 
 def test_namespace_errors_carry_errno(cluster: LocalCluster) -> None:

@@ -99,56 +99,56 @@ def test_concurrent_batches_same_paths_one_winner(small: LocalCluster) -> None:
     wait_until(lambda: sum(len(block_files(small, i)) for i in range(2)) == small.client().report().files)
 
 
-def test_master_restart_mid_batch(tmp_path: Path) -> None:
-    with LocalCluster(tmp_path, workers=2, capacity="1G", heartbeat_interval=0.2) as cl:
-        outcomes: list[tuple[str, bytes, object, float]] = []
-        stop = threading.Event()
+def test_master_restart_mid_batch(make_cluster: Callable[..., LocalCluster]) -> None:
+    cl = make_cluster(2, capacity="1G", heartbeat_interval=0.2)
+    outcomes: list[tuple[str, bytes, object, float]] = []
+    stop = threading.Event()
 
-        def writer(node: str) -> None:
-            with cl.client(node_id=node, timeout=1.0) as c:
-                k = 0
-                while not stop.is_set():
-                    items = [(f"/b/restart/{node}/{k}-{i}", os.urandom(4096)) for i in range(32)]
-                    res = c.put_many(items, return_exceptions=True)
-                    now = time.monotonic()
-                    outcomes.extend((p, d, r, now) for (p, d), r in zip(items, res, strict=True))
-                    k += 1
+    def writer(node: str) -> None:
+        with cl.client(node_id=node, timeout=1.0) as c:
+            k = 0
+            while not stop.is_set():
+                items = [(f"/b/restart/{node}/{k}-{i}", os.urandom(4096)) for i in range(32)]
+                res = c.put_many(items, return_exceptions=True)
+                now = time.monotonic()
+                outcomes.extend((p, d, r, now) for (p, d), r in zip(items, res, strict=True))
+                k += 1
 
-        ts = [threading.Thread(target=writer, args=(w.node_id,)) for w in cl.workers]
-        for t in ts:
-            t.start()
-        time.sleep(1.0)
-        cl.kill_master()
-        killed = time.monotonic()
-        time.sleep(1.5)
-        cl.start_master()
-        cl.wait_workers(2)
-        back = time.monotonic()
-        time.sleep(1.5)
-        stop.set()
-        for t in ts:
-            t.join()
-        errors = [(p, r, at) for p, _, r, at in outcomes if isinstance(r, BaseException)]
-        assert errors, "the restart should have failed some items"
-        assert all(isinstance(r, L2fsError) for _, r, _ in errors)
-        # no error outlives the restart by more than one client deadline
-        assert max(at for _, _, at in errors) <= back + 1.0 + 0.5
-        assert min(at for _, _, at in errors) >= killed
-        late_ok = [p for p, _, r, at in outcomes if r is True and at > back + 1.0]
-        assert late_ok, "puts succeed again after the restart"
-        with cl.client(node_id="node-1", timeout=5.0) as c:
-            for p, d, r, _ in outcomes:
-                got = c.get(p)
-                if r is True:
-                    assert got == d, p
-                else:
-                    assert got is None or got == d, p  # published whole or missing, never partial
-            # a retried put of every failed item succeeds (published now, or already there whole)
-            failed = [(p, d) for p, d, r, _ in outcomes if isinstance(r, BaseException)]
-            res = c.put_many(failed, return_exceptions=True)
-            assert all(r in (True, False) for r in res), res
-            for p, d in failed:
-                assert c.get(p) == d
+    ts = [threading.Thread(target=writer, args=(w.node_id,)) for w in cl.workers]
+    for t in ts:
+        t.start()
+    time.sleep(1.0)
+    cl.kill_master()
+    killed = time.monotonic()
+    time.sleep(1.5)
+    cl.start_master()
+    cl.wait_workers(2)
+    back = time.monotonic()
+    time.sleep(1.5)
+    stop.set()
+    for t in ts:
+        t.join()
+    errors = [(p, r, at) for p, _, r, at in outcomes if isinstance(r, BaseException)]
+    assert errors, "the restart should have failed some items"
+    assert all(isinstance(r, L2fsError) for _, r, _ in errors)
+    # no error outlives the restart by more than one client deadline
+    assert max(at for _, _, at in errors) <= back + 1.0 + 0.5
+    assert min(at for _, _, at in errors) >= killed
+    late_ok = [p for p, _, r, at in outcomes if r is True and at > back + 1.0]
+    assert late_ok, "puts succeed again after the restart"
+    with cl.client(node_id="node-1", timeout=5.0) as c:
+        for p, d, r, _ in outcomes:
+            got = c.get(p)
+            if r is True:
+                assert got == d, p
+            else:
+                assert got is None or got == d, p  # published whole or missing, never partial
+        # a retried put of every failed item succeeds (published now, or already there whole)
+        failed = [(p, d) for p, d, r, _ in outcomes if isinstance(r, BaseException)]
+        res = c.put_many(failed, return_exceptions=True)
+        assert all(r in (True, False) for r in res), res
+        for p, d in failed:
+            assert c.get(p) == d
 
 
 NOBODY_PUT = """
@@ -169,21 +169,22 @@ print("bad", bad, flush=True)
 
 
 @pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("setpriv"), reason="needs root and setpriv")
-def test_short_circuit_unwritable_falls_back_with_fresh_block(tmp_path: Path) -> None:
+def test_short_circuit_unwritable_falls_back_with_fresh_block(tmp_path: Path,
+                                                              make_cluster: Callable[..., LocalCluster]) -> None:
     """A same-node client that cannot open the worker's temp files (a pod without the hostPath; here a
     real other uid, 65534, that cannot enter the root-only data dir): every put still succeeds over the
     data plane, and the reservation is given back at once (not after its 30 s expiry)."""
-    with LocalCluster(tmp_path, workers=1, capacity="1G", heartbeat_interval=0.2) as cl:
-        os.chmod(tmp_path, 0o700)
-        out = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable,
-                              "-c", NOBODY_PUT, str(ROOT), cl.master], capture_output=True, text=True,
-                             timeout=120, cwd="/")
-        assert out.returncode == 0, out.stderr[-2000:]
-        assert "bad 0" in out.stdout, out.stdout[-2000:]
-        assert len(block_files(cl, 0)) == 5
-        with cl.client() as c:
-            wait_until(lambda: c.report().used == 5 * 65536, timeout=5.0)  # no reservation left behind
-        assert not [p for p in (cl.workers[0].data_dir).rglob("*") if p.is_file() and ".tmp" in p.name]
+    cl = make_cluster(1, capacity="1G", heartbeat_interval=0.2)
+    os.chmod(tmp_path, 0o700)
+    out = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable,
+                          "-c", NOBODY_PUT, str(ROOT), cl.master], capture_output=True, text=True,
+                         timeout=120, cwd="/")
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "bad 0" in out.stdout, out.stdout[-2000:]
+    assert len(block_files(cl, 0)) == 5
+    with cl.client() as c:
+        wait_until(lambda: c.report().used == 5 * 65536, timeout=5.0)  # no reservation left behind
+    assert not [p for p in (cl.workers[0].data_dir).rglob("*") if p.is_file() and ".tmp" in p.name]
 
 
 @pytest.mark.unit

@@ -16,7 +16,7 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -51,16 +51,13 @@ def _md(token: str) -> tuple[tuple[str, str], ...]:
     return (("authorization", f"Bearer {token}"),)
 
 
-def _cluster(base: Path, sock_dir: Path, *, block_key: bool = True, workers: int = 2) -> LocalCluster:
-    base.mkdir(parents=True, exist_ok=True)
-    f = base / "tokens.json"
-    f.write_text(json.dumps(TOKENS))
-    cl = LocalCluster(base, workers=workers, capacity="256M", token=ADMIN, block_key=block_key,
-                      master_args=["--tokens-file", str(f), "--token", MASTER, "--capability-ttl", str(TTL)])
-    for i, w in enumerate(cl.workers):
-        w.extra_args = ["--tokens-file", str(f), "--token", WORKER if i == 0 else WORKER + "-b",
-                        "--domain-socket", str(sock_dir / f"w{i}.sock"), "--capability-skew", "0"]
-    return cl
+def _cluster(factory: Callable[..., LocalCluster], sock_dir: Path, *, block_key: bool = True,
+             workers: int = 2) -> LocalCluster:
+    return factory(workers, name="caps", capacity="256M", token=ADMIN, block_key=block_key, tokens=TOKENS,
+                   master_args=["--token", MASTER, "--capability-ttl", str(TTL)],
+                   each_worker_args=[["--token", WORKER if i == 0 else WORKER + "-b",
+                                      "--domain-socket", str(sock_dir / f"w{i}.sock"), "--capability-skew", "0"]
+                                     for i in range(workers)])
 
 
 @pytest.fixture(scope="module")
@@ -70,9 +67,8 @@ def sock_dir() -> Iterator[Path]:
 
 
 @pytest.fixture(scope="module")
-def capcluster(tmp_path_factory: pytest.TempPathFactory, sock_dir: Path) -> Iterator[LocalCluster]:
-    with _cluster(tmp_path_factory.mktemp("caps"), sock_dir) as cl:
-        yield cl
+def capcluster(sock_dir: Path, cluster_factory: Callable[..., LocalCluster]) -> LocalCluster:
+    return _cluster(cluster_factory, sock_dir)
 
 
 def _master(cl: LocalCluster, token: str = ENGINE) -> tuple[pbg.MasterStub, tuple[tuple[str, str], ...]]:
@@ -360,38 +356,39 @@ def test_read_after_the_ttl_locates_again(capcluster: LocalCluster) -> None:
         assert [c.get(p) for p, _ in items] == [d for _, d in items]  # ... and the reads locate again
 
 
-def test_sharded_masters_give_the_worker_one_key(tmp_path: Path) -> None:
-    with LocalCluster(tmp_path / "sh", workers=1, capacity="256M", shards=2) as cl:
-        paths = [f"/shards/{i}" for i in range(16)]
-        with cl.client(node_id="elsewhere") as c:
-            assert {c._shard_of(p) for p in paths} == {0, 1}  # noqa: SLF001
-            blobs = [os.urandom(2000) for _ in paths]
-            assert c.put_many(list(zip(paths, blobs, strict=True))) == [True] * 16
-            assert c.get_many(paths) == blobs  # capabilities of both shards verify on the one worker
-            caps = [c._master("Stat", pb.PathRequest(path=p), shard=c._shard_of(p)).locations[0].capability  # noqa: SLF001
-                    for p in paths]
-        assert all(caps)
-        log = (cl.base / "logs" / "worker-1.log").read_text()
-        assert log.count("data plane: block capabilities") == 1  # the second shard's key was the same
+def test_sharded_masters_give_the_worker_one_key(make_cluster: Callable[..., LocalCluster]) -> None:
+    cl = make_cluster(1, capacity="256M", shards=2)
+    paths = [f"/shards/{i}" for i in range(16)]
+    with cl.client(node_id="elsewhere") as c:
+        assert {c._shard_of(p) for p in paths} == {0, 1}  # noqa: SLF001
+        blobs = [os.urandom(2000) for _ in paths]
+        assert c.put_many(list(zip(paths, blobs, strict=True))) == [True] * 16
+        assert c.get_many(paths) == blobs  # capabilities of both shards verify on the one worker
+        caps = [c._master("Stat", pb.PathRequest(path=p), shard=c._shard_of(p)).locations[0].capability  # noqa: SLF001
+                for p in paths]
+    assert all(caps)
+    log = (cl.base / "logs" / "worker-1.log").read_text()
+    assert log.count("data plane: block capabilities") == 1  # the second shard's key was the same
 
 
 # ---------- 3. without a block key: token mode, as before ----------
 
-def test_without_a_block_key_the_token_still_works(tmp_path: Path, sock_dir: Path) -> None:
+def test_without_a_block_key_the_token_still_works(sock_dir: Path,
+                                                   make_cluster: Callable[..., LocalCluster]) -> None:
     d = sock_dir / "nokey"
     d.mkdir(exist_ok=True)
-    with _cluster(tmp_path / "nokey", d, block_key=False, workers=1) as cl:
-        data = os.urandom(4000)
-        loc = _put_on_worker0(cl, f"{PREFIX}/plain", data)
-        assert loc.capability == ""
-        assert _dp_read(loc, "") == data  # any known token, as before
-        fd, size, _ = request_fd(str(d / "w0.sock"), FD_READ, ENGINE, loc.block_id)
-        os.close(fd)
-        assert size == len(data)
-        _denied(lambda: _dp_read(loc, "", token="stranger-token-0123456789"))
-        with cl.client(token=ENGINE, node_id="node-1") as c:
-            assert c.put(f"{PREFIX}/plain2", b"p" * 100) and c.get(f"{PREFIX}/plain2") == b"p" * 100
-        wait_until(lambda: "data plane: tokens" in (cl.base / "logs" / "worker-1.log").read_text())
+    cl = _cluster(make_cluster, d, block_key=False, workers=1)
+    data = os.urandom(4000)
+    loc = _put_on_worker0(cl, f"{PREFIX}/plain", data)
+    assert loc.capability == ""
+    assert _dp_read(loc, "") == data  # any known token, as before
+    fd, size, _ = request_fd(str(d / "w0.sock"), FD_READ, ENGINE, loc.block_id)
+    os.close(fd)
+    assert size == len(data)
+    _denied(lambda: _dp_read(loc, "", token="stranger-token-0123456789"))
+    with cl.client(token=ENGINE, node_id="node-1") as c:
+        assert c.put(f"{PREFIX}/plain2", b"p" * 100) and c.get(f"{PREFIX}/plain2") == b"p" * 100
+    wait_until(lambda: "data plane: tokens" in (cl.base / "logs" / "worker-1.log").read_text())
 
 
 # ---------- 4. unit: mint, verify, expiry ----------

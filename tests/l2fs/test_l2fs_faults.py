@@ -128,32 +128,31 @@ def test_concurrent_put_if_absent_publishes_one_version(fcluster: LocalCluster) 
     wait_until(lambda: copies() == 1, timeout=5)
 
 
-def test_put_moves_on_from_a_dead_worker_the_master_still_lists(tmp_path) -> None:
+def test_put_moves_on_from_a_dead_worker_the_master_still_lists(make_cluster: Callable[..., LocalCluster]) -> None:
     # a long heartbeat timeout: the master keeps placing on the dead worker for a while
-    with LocalCluster(tmp_path / "pm", workers=2, capacity="1G", heartbeat_timeout=30) as cl:
-        c = cl.client(node_id="node-2", timeout=3.0)
-        cl.kill_worker(1, signal.SIGKILL)
-        t0 = time.monotonic()
-        assert c.put("/pm/a", b"data") is True  # local-first picks node-2, which is gone
-        assert time.monotonic() - t0 < 3.0
-        assert c.stat("/pm/a").nodes == ["node-1"]
-        assert c.get("/pm/a") == b"data"
-        cl.kill_worker(0, signal.SIGKILL)
-        from l2fs.client import Unavailable
-        with pytest.raises(Unavailable):
-            c.put("/pm/b", b"data")
-        assert time.monotonic() - t0 < 10.0
+    cl = make_cluster(2, capacity="1G", heartbeat_timeout=30)
+    c = cl.client(node_id="node-2", timeout=3.0)
+    cl.kill_worker(1, signal.SIGKILL)
+    t0 = time.monotonic()
+    assert c.put("/pm/a", b"data") is True  # local-first picks node-2, which is gone
+    assert time.monotonic() - t0 < 3.0
+    assert c.stat("/pm/a").nodes == ["node-1"]
+    assert c.get("/pm/a") == b"data"
+    cl.kill_worker(0, signal.SIGKILL)
+    from l2fs.client import Unavailable
+    with pytest.raises(Unavailable):
+        c.put("/pm/b", b"data")
+    assert time.monotonic() - t0 < 10.0
 
 
-def test_stalled_master_keeps_workers_when_it_resumes(tmp_path) -> None:
-    with LocalCluster(tmp_path / "stall", workers=1, capacity="256M", heartbeat_timeout=3.0,
-                      heartbeat_interval=0.3) as cl:
-        c = cl.client(node_id="node-1")
-        c.put("/stall/a", b"kept")
-        cl.master_proc.send_signal(signal.SIGSTOP)
-        time.sleep(4.5)  # longer than the dead-worker timeout
-        cl.master_proc.send_signal(signal.SIGCONT)
-        for _ in range(10):  # the worker never looks dead: no window of misses
-            assert c.stat("/stall/a") is not None
-            time.sleep(0.05)
-        assert c.get("/stall/a") == b"kept"
+def test_stalled_master_keeps_workers_when_it_resumes(make_cluster: Callable[..., LocalCluster]) -> None:
+    cl = make_cluster(1, capacity="256M", heartbeat_timeout=3.0, heartbeat_interval=0.3)
+    c = cl.client(node_id="node-1")
+    c.put("/stall/a", b"kept")
+    cl.master_proc.send_signal(signal.SIGSTOP)
+    time.sleep(4.5)  # longer than the dead-worker timeout
+    cl.master_proc.send_signal(signal.SIGCONT)
+    for _ in range(10):  # the worker never looks dead: no window of misses
+        assert c.stat("/stall/a") is not None
+        time.sleep(0.05)
+    assert c.get("/stall/a") == b"kept"

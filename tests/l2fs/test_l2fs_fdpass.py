@@ -20,7 +20,7 @@ import tempfile
 import time
 import urllib.request
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -59,19 +59,14 @@ def _md(token: str) -> tuple[tuple[str, str], ...]:
     return (("authorization", f"Bearer {token}"),)
 
 
-def _cluster(base: Path, sock_dir: Path, workers: int = 1) -> LocalCluster:
+def _cluster(factory: Callable[..., LocalCluster], sock_dir: Path, workers: int = 1) -> LocalCluster:
     """Master + workers with scoped tokens; worker i's socket at sock_dir/w<i>.sock (short: sun_path)."""
-    base.mkdir(parents=True, exist_ok=True)
-    f = base / "tokens.json"
-    f.write_text(json.dumps(TOKENS))
     # token mode (no block key): these tests show the socket's token scopes; in capability mode (the default)
     # a request needs the block's capability instead (test_l2fs_capabilities.py)
-    cl = LocalCluster(base, workers=workers, capacity="256M", token=ADMIN,
-                      master_args=["--tokens-file", str(f), "--token", MASTER], block_key=False)
-    for i, w in enumerate(cl.workers):
-        w.extra_args = ["--tokens-file", str(f), "--token", WORKER if i == 0 else WORKER + "-b",
-                        "--domain-socket", str(sock_dir / f"w{i}.sock")]
-    return cl
+    return factory(workers, name="fdpass", capacity="256M", token=ADMIN, block_key=False, tokens=TOKENS,
+                   master_args=["--token", MASTER],
+                   each_worker_args=[["--token", WORKER if i == 0 else WORKER + "-b",
+                                      "--domain-socket", str(sock_dir / f"w{i}.sock")] for i in range(workers)])
 
 
 @pytest.fixture(scope="module")
@@ -83,9 +78,8 @@ def sock_dir() -> Iterator[Path]:
 
 
 @pytest.fixture(scope="module")
-def fdcluster(tmp_path_factory: pytest.TempPathFactory, sock_dir: Path) -> Iterator[LocalCluster]:
-    with _cluster(tmp_path_factory.mktemp("fdpass"), sock_dir) as cl:
-        yield cl
+def fdcluster(sock_dir: Path, cluster_factory: Callable[..., LocalCluster]) -> LocalCluster:
+    return _cluster(cluster_factory, sock_dir)
 
 
 def _metric(cl: LocalCluster, name: str) -> float:
@@ -257,31 +251,31 @@ def test_read_fd_is_read_only(fdcluster: LocalCluster) -> None:
         assert c.get(f"{PREFIX}/ro") == data
 
 
-def test_worker_killed_mid_write_put_goes_elsewhere(tmp_path: Path, sock_dir: Path,
-                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+def test_worker_killed_mid_write_put_goes_elsewhere(sock_dir: Path, monkeypatch: pytest.MonkeyPatch,
+                                                    make_cluster: Callable[..., LocalCluster]) -> None:
     """The worker dies after passing the write fd, before the client adopts: the put is retried on the
     other worker over the data plane (fresh block id), no hang, and the data reads back."""
     kdir = sock_dir / "kill"
     kdir.mkdir(exist_ok=True)
-    with _cluster(tmp_path / "c", kdir, workers=2) as cl:
-        real = client_mod._write_fd
-        killed: list[int] = []
+    cl = _cluster(make_cluster, kdir, workers=2)
+    real = client_mod._write_fd
+    killed: list[int] = []
 
-        def die_first(fd: int, mv: memoryview) -> Any:
-            if not killed:
-                cl.kill_worker(0)
-                killed.append(fd)
-            return real(fd, mv)
+    def die_first(fd: int, mv: memoryview) -> Any:
+        if not killed:
+            cl.kill_worker(0)
+            killed.append(fd)
+        return real(fd, mv)
 
-        monkeypatch.setattr(client_mod, "_write_fd", die_first)
-        data = os.urandom(200_000)
-        with cl.client(node_id=cl.workers[0].node_id, token=ENGINE, timeout=10) as c:
-            t0 = time.monotonic()
-            ok = c.put(f"{PREFIX}/killed", data)
-            assert time.monotonic() - t0 < 10  # bounded by the client's deadline, not a hang
-            assert killed, "the fd short-circuit was not used"
-            assert ok is True
-            assert c.get(f"{PREFIX}/killed") == data
+    monkeypatch.setattr(client_mod, "_write_fd", die_first)
+    data = os.urandom(200_000)
+    with cl.client(node_id=cl.workers[0].node_id, token=ENGINE, timeout=10) as c:
+        t0 = time.monotonic()
+        ok = c.put(f"{PREFIX}/killed", data)
+        assert time.monotonic() - t0 < 10  # bounded by the client's deadline, not a hang
+        assert killed, "the fd short-circuit was not used"
+        assert ok is True
+        assert c.get(f"{PREFIX}/killed") == data
 
 
 def test_worker_refuses_too_long_socket_path(tmp_path: Path) -> None:

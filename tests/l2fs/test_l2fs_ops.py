@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -63,20 +64,20 @@ def test_metrics_and_health(cluster: LocalCluster) -> None:
     assert _http(w.metrics_port, "/nope")[0] == 404
 
 
-def test_token_required(tmp_path: Path) -> None:
-    with LocalCluster(tmp_path / "tok", workers=1, token="s3cret") as cl:
-        good = cl.client(node_id="node-1")
-        assert good.put("/t/a", b"x") is True and good.get("/t/a") == b"x"
-        bad = cl.client(token="wrong")
-        with pytest.raises(PermissionDenied, match="token"):
-            bad.stat("/t/a")
-        assert bad.get("/t/a") is None  # reads stay fail-as-miss
-        none = cl.client(token="")
-        with pytest.raises(PermissionDenied):
-            none.put("/t/b", b"y")
+def test_token_required(make_cluster: Callable[..., LocalCluster]) -> None:
+    cl = make_cluster(1, token="s3cret")
+    good = cl.client(node_id="node-1")
+    assert good.put("/t/a", b"x") is True and good.get("/t/a") == b"x"
+    bad = cl.client(token="wrong")
+    with pytest.raises(PermissionDenied, match="token"):
+        bad.stat("/t/a")
+    assert bad.get("/t/a") is None  # reads stay fail-as-miss
+    none = cl.client(token="")
+    with pytest.raises(PermissionDenied):
+        none.put("/t/b", b"y")
 
 
-def test_tls(tmp_path: Path) -> None:
+def test_tls(tmp_path: Path, make_cluster: Callable[..., LocalCluster]) -> None:
     trustme = pytest.importorskip("trustme")
     ca = trustme.CA()
     cert = ca.issue_cert("127.0.0.1", "localhost")
@@ -84,15 +85,14 @@ def test_tls(tmp_path: Path) -> None:
     ca.cert_pem.write_to_path(str(ca_pem))
     cert.cert_chain_pems[0].write_to_path(str(cert_pem))
     cert.private_key_pem.write_to_path(str(key_pem))
-    with LocalCluster(tmp_path / "tls", workers=1, tls_cert=str(cert_pem), tls_key=str(key_pem),
-                      tls_ca=str(ca_pem)) as cl:
-        c = cl.client(node_id="remote")
-        assert c.put("/tls/a", b"secure") is True
-        assert c.get("/tls/a") == b"secure"
-        from l2fs.client import Client, Unavailable
-        plain = Client(cl.master, tls_ca="", timeout=1.0)
-        with pytest.raises(Unavailable):
-            plain.stat("/tls/a")
+    cl = make_cluster(1, tls_cert=str(cert_pem), tls_key=str(key_pem), tls_ca=str(ca_pem))
+    c = cl.client(node_id="remote")
+    assert c.put("/tls/a", b"secure") is True
+    assert c.get("/tls/a") == b"secure"
+    from l2fs.client import Client, Unavailable
+    plain = Client(cl.master, tls_ca="", timeout=1.0)
+    with pytest.raises(Unavailable):
+        plain.stat("/tls/a")
 
 
 def test_proto_regenerates_identically(tmp_path: Path) -> None:
@@ -106,22 +106,22 @@ def test_proto_regenerates_identically(tmp_path: Path) -> None:
         assert (dst / name).read_text() == (src / name).read_text(), f"{name} is stale: run python -m l2fs.proto.build"
 
 
-def test_worker_not_ready_without_master(tmp_path: Path) -> None:
-    with LocalCluster(tmp_path / "ready", workers=1, heartbeat_interval=0.2) as cl:
-        w = cl.workers[0]
-        deadline = time.monotonic() + 10  # the master lists the worker a moment before the worker's
-        while _http(w.metrics_port, "/readyz")[0] != 200:  # registration call returns and marks it ready
-            assert time.monotonic() < deadline, "worker never ready with its master up"
-            time.sleep(0.1)
-        cl.kill_master()
-        deadline = time.monotonic() + 10
-        while _http(w.metrics_port, "/readyz")[0] != 503:
-            assert time.monotonic() < deadline, "worker still ready with its master gone"
-            time.sleep(0.1)
-        assert _http(w.metrics_port, "/healthz")[0] == 200  # alive, just not ready
-        cl.start_master()
-        cl.wait_workers(1)
-        deadline = time.monotonic() + 10
-        while _http(w.metrics_port, "/readyz")[0] != 200:
-            assert time.monotonic() < deadline, "worker not ready again after the master came back"
-            time.sleep(0.1)
+def test_worker_not_ready_without_master(make_cluster: Callable[..., LocalCluster]) -> None:
+    cl = make_cluster(1, heartbeat_interval=0.2)
+    w = cl.workers[0]
+    deadline = time.monotonic() + 10  # the master lists the worker a moment before the worker's
+    while _http(w.metrics_port, "/readyz")[0] != 200:  # registration call returns and marks it ready
+        assert time.monotonic() < deadline, "worker never ready with its master up"
+        time.sleep(0.1)
+    cl.kill_master()
+    deadline = time.monotonic() + 10
+    while _http(w.metrics_port, "/readyz")[0] != 503:
+        assert time.monotonic() < deadline, "worker still ready with its master gone"
+        time.sleep(0.1)
+    assert _http(w.metrics_port, "/healthz")[0] == 200  # alive, just not ready
+    cl.start_master()
+    cl.wait_workers(1)
+    deadline = time.monotonic() + 10
+    while _http(w.metrics_port, "/readyz")[0] != 200:
+        assert time.monotonic() < deadline, "worker not ready again after the master came back"
+        time.sleep(0.1)

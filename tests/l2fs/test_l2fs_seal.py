@@ -16,6 +16,7 @@ import signal
 import sqlite3
 import time
 import urllib.request
+from collections.abc import Callable
 from contextlib import closing
 from pathlib import Path
 
@@ -59,115 +60,115 @@ def _block_file(c: LocalCluster, bid: str, i: int = 0) -> Path:
     return c.workers[i].data_dir / "blocks" / bid[:2] / bid
 
 
-def test_altered_block_and_crc_are_not_published(tmp_path: Path) -> None:
+def test_altered_block_and_crc_are_not_published(make_cluster: Callable[..., LocalCluster]) -> None:
     """Put 4 files; stop the worker; flip bytes of one block and rewrite its CRC in the manifest to match; restart
     master and worker: the altered file is a miss (never its bytes), the block is neither published nor deleted
     (counted as reason="seal"), the other files (their seals survived the worker's and the master's restart) read
     back byte-identical. Fails before the seal MAC: the altered bytes came back."""
-    with LocalCluster(tmp_path / "c", workers=1, capacity="256M", heartbeat_timeout=10) as c:
-        cl = c.client(timeout=T)
-        data = {f"/s/f{i}": secrets.token_bytes(50_000 + i) for i in range(4)}
-        for p, d in data.items():
-            assert cl.put(p, d) is True
-        bids = {p: _block_id(c, p) for p in data}
-        wait_until(lambda: all(_seals(c).get(b) for b in bids.values()), timeout=15)  # delivered, persisted
-        victim = bids["/s/f0"]
-        c.kill_worker(0)
-        f = _block_file(c, victim)
-        altered = bytearray(f.read_bytes())
-        altered[100:110] = bytes(x ^ 0xFF for x in altered[100:110])
-        f.write_bytes(bytes(altered))
-        with closing(_manifest(c)) as db:
-            db.execute("UPDATE blocks SET crc32c=? WHERE block_id=?", (crc32c.crc32c(bytes(altered)), victim))
-            db.commit()
-        c.kill_master()
-        c.start_master()
-        c.start_worker(0)
-        wait_until(lambda: all(cl.stat(p) is not None for p in data if p != "/s/f0"), timeout=30)
-        assert cl.get("/s/f0") is None and cl.stat("/s/f0") is None
-        for p, d in data.items():
-            if p != "/s/f0":
-                assert cl.get(p) == d, p
-        assert _rejects(c, "seal") >= 1  # once per registration that reported it
-        assert f.exists()  # not deleted: a master with another key must not be able to wipe a worker
-        assert _seals(c)[victim]  # the worker kept what it had
+    c = make_cluster(1, capacity="256M", heartbeat_timeout=10)
+    cl = c.client(timeout=T)
+    data = {f"/s/f{i}": secrets.token_bytes(50_000 + i) for i in range(4)}
+    for p, d in data.items():
+        assert cl.put(p, d) is True
+    bids = {p: _block_id(c, p) for p in data}
+    wait_until(lambda: all(_seals(c).get(b) for b in bids.values()), timeout=15)  # delivered, persisted
+    victim = bids["/s/f0"]
+    c.kill_worker(0)
+    f = _block_file(c, victim)
+    altered = bytearray(f.read_bytes())
+    altered[100:110] = bytes(x ^ 0xFF for x in altered[100:110])
+    f.write_bytes(bytes(altered))
+    with closing(_manifest(c)) as db:
+        db.execute("UPDATE blocks SET crc32c=? WHERE block_id=?", (crc32c.crc32c(bytes(altered)), victim))
+        db.commit()
+    c.kill_master()
+    c.start_master()
+    c.start_worker(0)
+    wait_until(lambda: all(cl.stat(p) is not None for p in data if p != "/s/f0"), timeout=30)
+    assert cl.get("/s/f0") is None and cl.stat("/s/f0") is None
+    for p, d in data.items():
+        if p != "/s/f0":
+            assert cl.get(p) == d, p
+    assert _rejects(c, "seal") >= 1  # once per registration that reported it
+    assert f.exists()  # not deleted: a master with another key must not be able to wipe a worker
+    assert _seals(c)[victim]  # the worker kept what it had
 
 
-def test_sealed_block_republished_under_another_path_is_not_served(tmp_path: Path) -> None:
+def test_sealed_block_republished_under_another_path_is_not_served(make_cluster: Callable[..., LocalCluster]) -> None:
     """The seal covers the path: a worker that reports one of its own sealed blocks under another file's path
     (with a newer mtime, which used to displace that file) gets it published nowhere, and the other file keeps
     its own bytes. A rename re-seals (SetPaths carries the new path's seal), so a renamed file survives the
     worker's and the master's restart. Fails with the path left out of the seal: /s/victim served the
     attacker's block."""
-    with LocalCluster(tmp_path / "c", workers=1, capacity="256M", heartbeat_timeout=10) as c:
-        cl = c.client(timeout=T)
-        mine, victim = secrets.token_bytes(40_000), secrets.token_bytes(40_000)
-        assert cl.put("/s/mine", mine) is True and cl.put("/s/victim", victim) is True
-        assert cl.put("/s/before", b"r" * 30_000) is True
-        cl.rename("/s/before", "/s/after")
-        bids = {p: _block_id(c, p) for p in ("/s/mine", "/s/victim", "/s/after")}
+    c = make_cluster(1, capacity="256M", heartbeat_timeout=10)
+    cl = c.client(timeout=T)
+    mine, victim = secrets.token_bytes(40_000), secrets.token_bytes(40_000)
+    assert cl.put("/s/mine", mine) is True and cl.put("/s/victim", victim) is True
+    assert cl.put("/s/before", b"r" * 30_000) is True
+    cl.rename("/s/before", "/s/after")
+    bids = {p: _block_id(c, p) for p in ("/s/mine", "/s/victim", "/s/after")}
 
-        def settled() -> bool:
-            with closing(_manifest(c)) as db:
-                paths = dict(db.execute("SELECT block_id, path FROM blocks").fetchall())
-            return paths.get(bids["/s/after"]) == "/s/after" and all(_seals(c).get(b) for b in bids.values())
+    def settled() -> bool:
+        with closing(_manifest(c)) as db:
+            paths = dict(db.execute("SELECT block_id, path FROM blocks").fetchall())
+        return paths.get(bids["/s/after"]) == "/s/after" and all(_seals(c).get(b) for b in bids.values())
 
-        wait_until(settled, timeout=15)  # seals and the rename reached the manifest
-        c.kill_worker(0)
-        with closing(_manifest(c)) as db:  # the attacker points its own block at the victim's path, newer
-            db.execute("UPDATE blocks SET path=?, mtime=? WHERE block_id=?",
-                       ("/s/victim", time.time() + 3600, bids["/s/mine"]))
-            db.commit()
-        c.kill_master()
-        c.start_master()
-        c.start_worker(0)
-        wait_until(lambda: cl.stat("/s/victim") is not None and cl.stat("/s/after") is not None, timeout=30)
-        assert cl.get("/s/victim") == victim
-        assert cl.get("/s/after") == b"r" * 30_000 and cl.stat("/s/before") is None
-        assert cl.get("/s/mine") is None  # its block now claims another path: published nowhere
-        assert _rejects(c, "seal") >= 1  # once per registration that reported it
+    wait_until(settled, timeout=15)  # seals and the rename reached the manifest
+    c.kill_worker(0)
+    with closing(_manifest(c)) as db:  # the attacker points its own block at the victim's path, newer
+        db.execute("UPDATE blocks SET path=?, mtime=? WHERE block_id=?",
+                   ("/s/victim", time.time() + 3600, bids["/s/mine"]))
+        db.commit()
+    c.kill_master()
+    c.start_master()
+    c.start_worker(0)
+    wait_until(lambda: cl.stat("/s/victim") is not None and cl.stat("/s/after") is not None, timeout=30)
+    assert cl.get("/s/victim") == victim
+    assert cl.get("/s/after") == b"r" * 30_000 and cl.stat("/s/before") is None
+    assert cl.get("/s/mine") is None  # its block now claims another path: published nowhere
+    assert _rejects(c, "seal") >= 1  # once per registration that reported it
 
 
-def test_commit_sealed_only_after_delivery_master_restart_drops_it(tmp_path: Path) -> None:
+def test_commit_sealed_only_after_delivery_master_restart_drops_it(make_cluster: Callable[..., LocalCluster]) -> None:
     """A block written and committed while its worker is stopped (the master cannot deliver the seal), then the
     master restarts before the worker wakes: the restarted master does not publish it (no seal) and tells the
     worker to delete it (its own allocation: the id verifies); a file sealed before is served as before. The
     first commit waits at most SEAL_WAIT (1 s) for the stopped worker, the next one not at all."""
-    with LocalCluster(tmp_path / "c", workers=1, capacity="256M", heartbeat_timeout=20) as c:
-        cl = c.client(timeout=T)
-        old = secrets.token_bytes(40_000)
-        assert cl.put("/s/old", old) is True
-        wait_until(lambda: all(_seals(c).values()) and len(_seals(c)) == 1, timeout=15)
-        m = pbg.MasterStub(grpc.insecure_channel(c.master))
-        data = secrets.token_bytes(30_000)
-        written = []
-        for path in ("/s/new", "/s/new2"):
-            a = m.Allocate(pb.AllocateRequest(path=path, size=len(data)), timeout=T)
-            w = pbg.WorkerStub(grpc.insecure_channel(a.worker.address))
-            r = w.WriteBlock(iter([pb.WriteChunk(block_id=a.block_id, path=path, size=len(data), data=data,
-                                                 capability=a.worker.capability)]), timeout=T)
-            written.append((path, a, r))
-        proc = c.workers[0].proc
-        assert proc is not None
-        os.kill(proc.pid, signal.SIGSTOP)
-        try:
-            took = []
-            for path, a, r in written:
-                t0 = time.monotonic()
-                assert m.Commit(pb.CommitRequest(path=path, block_id=a.block_id, worker_id=a.worker.worker_id,
-                                                 size=len(data), crc32c=r.crc32c), timeout=T).published
-                took.append(time.monotonic() - t0)
-            assert took[0] < 3.0 and took[1] < 0.9, took  # the second does not wait SEAL_WAIT (1 s) again
-            c.kill_master()
-            c.start_master()
-        finally:
-            os.kill(proc.pid, signal.SIGCONT)
-        c.wait_workers(ids=[c.workers[0].worker_id])
-        for path, a, _ in written:
-            wait_until(lambda a=a: not _block_file(c, a.block_id).exists(), timeout=15)  # deleted on the worker
-            assert cl.stat(path) is None and cl.get(path) is None
-        assert _rejects(c, "unsealed") == 2
-        assert cl.get("/s/old") == old
+    c = make_cluster(1, capacity="256M", heartbeat_timeout=20)
+    cl = c.client(timeout=T)
+    old = secrets.token_bytes(40_000)
+    assert cl.put("/s/old", old) is True
+    wait_until(lambda: all(_seals(c).values()) and len(_seals(c)) == 1, timeout=15)
+    m = pbg.MasterStub(grpc.insecure_channel(c.master))
+    data = secrets.token_bytes(30_000)
+    written = []
+    for path in ("/s/new", "/s/new2"):
+        a = m.Allocate(pb.AllocateRequest(path=path, size=len(data)), timeout=T)
+        w = pbg.WorkerStub(grpc.insecure_channel(a.worker.address))
+        r = w.WriteBlock(iter([pb.WriteChunk(block_id=a.block_id, path=path, size=len(data), data=data,
+                                             capability=a.worker.capability)]), timeout=T)
+        written.append((path, a, r))
+    proc = c.workers[0].proc
+    assert proc is not None
+    os.kill(proc.pid, signal.SIGSTOP)
+    try:
+        took = []
+        for path, a, r in written:
+            t0 = time.monotonic()
+            assert m.Commit(pb.CommitRequest(path=path, block_id=a.block_id, worker_id=a.worker.worker_id,
+                                             size=len(data), crc32c=r.crc32c), timeout=T).published
+            took.append(time.monotonic() - t0)
+        assert took[0] < 3.0 and took[1] < 0.9, took  # the second does not wait SEAL_WAIT (1 s) again
+        c.kill_master()
+        c.start_master()
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)
+    c.wait_workers(ids=[c.workers[0].worker_id])
+    for path, a, _ in written:
+        wait_until(lambda a=a: not _block_file(c, a.block_id).exists(), timeout=15)  # deleted on the worker
+        assert cl.stat(path) is None and cl.get(path) is None
+    assert _rejects(c, "unsealed") == 2
+    assert cl.get("/s/old") == old
 
 
 # ---------- in process: mint/verify, the master's rule, the worker's manifest ----------

@@ -12,7 +12,7 @@ import shutil
 import sqlite3
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import closing
 from pathlib import Path
 
@@ -136,18 +136,19 @@ def _roundtrip_get(c: Client, prefix: str) -> None:
         assert got is not None and len(got) == 5000 + i
 
 
-def test_new_master_serves_old_worker(old_tree: Path, tmp_path: Path) -> None:
-    with LocalCluster(tmp_path / "c", workers=1, capacity="1G") as cl:
-        proc, _ = _spawn(old_tree, "old-worker", _worker_args(cl.master, tmp_path, "node-old"), tmp_path)
-        try:
-            with cl.client(node_id="node-old") as c:
-                wait_until(lambda: len([w for w in c.report().workers if w.alive]) == 2, timeout=30)
-                _roundtrip(c, "/v/oldworker/local")  # short-circuit to the old worker: unary reserve/adopt
-                assert "node-old" in c.stat("/v/oldworker/local/0").nodes  # type: ignore[union-attr]
-            with cl.client(node_id="node-1") as c:
-                _roundtrip(c, "/v/oldworker/new")
-        finally:
-            procs.stop(proc)
+def test_new_master_serves_old_worker(old_tree: Path, tmp_path: Path,
+                                       make_cluster: Callable[..., LocalCluster]) -> None:
+    cl = make_cluster(1, capacity="1G")
+    proc, _ = _spawn(old_tree, "old-worker", _worker_args(cl.master, tmp_path, "node-old"), tmp_path)
+    try:
+        with cl.client(node_id="node-old") as c:
+            wait_until(lambda: len([w for w in c.report().workers if w.alive]) == 2, timeout=30)
+            _roundtrip(c, "/v/oldworker/local")  # short-circuit to the old worker: unary reserve/adopt
+            assert "node-old" in c.stat("/v/oldworker/local/0").nodes  # type: ignore[union-attr]
+        with cl.client(node_id="node-1") as c:
+            _roundtrip(c, "/v/oldworker/new")
+    finally:
+        procs.stop(proc)
 
 
 def test_old_master_serves_new_worker_and_client(old_tree: Path, tmp_path: Path) -> None:
@@ -176,41 +177,42 @@ def test_old_master_serves_new_worker_and_client(old_tree: Path, tmp_path: Path)
 
 
 def test_protocol3_worker_under_sealing_master_then_upgraded(tmp_path_factory: pytest.TempPathFactory,
-                                                             tmp_path: Path) -> None:
+                                                             tmp_path: Path,
+                                                             make_cluster: Callable[..., LocalCluster]) -> None:
     """Protocol 4 (seal MACs), rolling upgrade: a protocol-3 worker (the real code from before seals) under a new
     master with a block key serves puts and gets; after a master restart its blocks are not published again (it
     holds no seals: deleted, its own allocations). The same data dir under the new worker (manifest 1 -> 2): its
     files are sealed, and served again after another master restart."""
     p3 = _tree(tmp_path_factory, P3_COMMIT)
-    with LocalCluster(tmp_path / "c", workers=0) as cl:
-        args = _worker_args(cl.master, tmp_path, "node-p3")
-        proc, _ = _spawn(p3, "p3-worker", args, tmp_path)
-        try:
-            with cl.client(node_id="node-p3") as c:
-                wait_until(lambda: any(w.alive for w in c.report().workers), timeout=30)
-                _roundtrip(c, "/v/p3/a")
-                cl.kill_master()
-                cl.start_master()
-                wait_until(lambda: any(w.alive for w in c.report().workers), timeout=30)
-                assert c.stat("/v/p3/a/0") is None  # unsealed: not published after the restart
-                _roundtrip(c, "/v/p3/b")  # still serves new puts
-        finally:
-            procs.stop(proc)
-        proc, _ = _spawn(ROOT, "upgraded-worker", args, tmp_path)  # same data dir, new code
-        try:
-            assert _user_version(tmp_path / "node-p3") == MANIFEST_VERSION
-            with cl.client(node_id="node-p3") as c:
-                wait_until(lambda: any(w.alive for w in c.report().workers), timeout=30)
-                _roundtrip(c, "/v/p3/c")
-                with closing(sqlite3.connect(tmp_path / "node-p3" / "manifest.sqlite3")) as db:
-                    wait_until(lambda: db.execute("SELECT count(*) FROM blocks WHERE seal != ''").fetchone()[0] >= 8,
-                               timeout=15)
-                cl.kill_master()
-                cl.start_master()
-                wait_until(lambda: c.stat("/v/p3/c/0") is not None, timeout=30)
-                _roundtrip_get(c, "/v/p3/c")
-        finally:
-            procs.stop(proc)
+    cl = make_cluster(0)
+    args = _worker_args(cl.master, tmp_path, "node-p3")
+    proc, _ = _spawn(p3, "p3-worker", args, tmp_path)
+    try:
+        with cl.client(node_id="node-p3") as c:
+            wait_until(lambda: any(w.alive for w in c.report().workers), timeout=30)
+            _roundtrip(c, "/v/p3/a")
+            cl.kill_master()
+            cl.start_master()
+            wait_until(lambda: any(w.alive for w in c.report().workers), timeout=30)
+            assert c.stat("/v/p3/a/0") is None  # unsealed: not published after the restart
+            _roundtrip(c, "/v/p3/b")  # still serves new puts
+    finally:
+        procs.stop(proc)
+    proc, _ = _spawn(ROOT, "upgraded-worker", args, tmp_path)  # same data dir, new code
+    try:
+        assert _user_version(tmp_path / "node-p3") == MANIFEST_VERSION
+        with cl.client(node_id="node-p3") as c:
+            wait_until(lambda: any(w.alive for w in c.report().workers), timeout=30)
+            _roundtrip(c, "/v/p3/c")
+            with closing(sqlite3.connect(tmp_path / "node-p3" / "manifest.sqlite3")) as db:
+                wait_until(lambda: db.execute("SELECT count(*) FROM blocks WHERE seal != ''").fetchone()[0] >= 8,
+                           timeout=15)
+            cl.kill_master()
+            cl.start_master()
+            wait_until(lambda: c.stat("/v/p3/c/0") is not None, timeout=30)
+            _roundtrip_get(c, "/v/p3/c")
+    finally:
+        procs.stop(proc)
 
 
 # ---------- the worker manifest's format version ----------

@@ -27,7 +27,7 @@ import signal
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -49,20 +49,19 @@ KV = "/kvtier/kv"
 
 
 @contextlib.contextmanager
-def _node_mount(base: Path, *master_args: str) -> Iterator[tuple[LocalCluster, Mount]]:
+def _node_mount(factory: Callable[..., LocalCluster], base: Path,
+                *master_args: str) -> Iterator[tuple[LocalCluster, Mount]]:
     """Master (--mount-sa, a tokens file in which endpoint B has an engine credential), a worker, and node 1's
-    mount showing its own ServiceAccount token."""
+    mount showing its own ServiceAccount token; the cluster stops before the TokenReview API it uses."""
     with review_api(base) as api:
-        tokens = base / "tokens.json"
-        tokens.write_text(json.dumps([
+        c = factory(1, name="epmount", started=False, capacity="512M", token=ADMIN, tokens=[
             {"name": "master", "token": MASTER, "role": "worker"},
             {"name": "ops", "token": ADMIN, "role": "admin"},
-            {"name": "engine-ep-b", "token": ENGINE_B, "role": "engine", "prefixes": [f"{KV}/ep-b"]}]))
-        sec = ["--tokens-file", str(tokens), "--token", MASTER]
-        master = [*sec, "--mount-sa", "kvtier:l2fs-mount", "--worker-audience", "l2fs",
-                  "--kubeconfig", str(api.kubeconfig), *master_args]
-        with LocalCluster(base / "c", workers=1, capacity="512M", token=ADMIN, master_args=master,
-                          worker_args=sec) as c:
+            {"name": "engine-ep-b", "token": ENGINE_B, "role": "engine", "prefixes": [f"{KV}/ep-b"]}],
+            master_args=["--token", MASTER, "--mount-sa", "kvtier:l2fs-mount", "--worker-audience", "l2fs",
+                         "--kubeconfig", str(api.kubeconfig), *master_args],
+            worker_args=["--token", MASTER])
+        with c:
             tok = jwt("node-1")
             api.emu.table[tok] = (MOUNT_SA, "node-1", ["l2fs"])
             token_file = base / "node-1.token"
@@ -75,8 +74,10 @@ def _node_mount(base: Path, *master_args: str) -> Iterator[tuple[LocalCluster, M
 
 
 @pytest.fixture(scope="module")
-def node_mount(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LocalCluster, Mount]]:
-    with _node_mount(tmp_path_factory.mktemp("epmount")) as got:  # --endpoint-writes plugin, the default
+def node_mount(tmp_path_factory: pytest.TempPathFactory,
+               cluster_factory: Callable[..., LocalCluster]) -> Iterator[tuple[LocalCluster, Mount]]:
+    # --endpoint-writes plugin, the default
+    with _node_mount(cluster_factory, tmp_path_factory.mktemp("epmount")) as got:
         yield got
 
 
@@ -116,11 +117,12 @@ def test_mount_cannot_plant_another_endpoints_chunks(node_mount: tuple[LocalClus
     assert (m / f"kvtier/kv/ep-b/{key}").read_bytes() == mine  # the mount still reads B's chunks
 
 
-def test_mount_mode_mounts_still_write_every_endpoint(tmp_path: Path) -> None:
+def test_mount_mode_mounts_still_write_every_endpoint(tmp_path: Path,
+                                                      make_cluster: Callable[..., LocalCluster]) -> None:
     """With `--endpoint-writes mount` (what deploy/ passed before per-endpoint mounts: one node-wide mount wrote
     every endpoint's KV) the mount writes under B's prefix as before, and an engine's put of that key then
     answers "exists". deploy/ no longer passes it (test_pod_of_one_endpoint_cannot_plant_anothers_chunk)."""
-    with _node_mount(tmp_path, "--endpoint-writes", "mount") as (c, m):
+    with _node_mount(make_cluster, tmp_path, "--endpoint-writes", "mount") as (c, m):
         (m / "kvtier/kv/ep-b").mkdir(parents=True, exist_ok=True)
         (m / "kvtier/kv/ep-b/chunk.data").write_bytes(b"through the mount" * 100)
         with c.client(token=ENGINE_B) as b:
@@ -263,7 +265,7 @@ def _plant_and_hit(docs: list[dict[str, Any]], env: Any, node: Path, tmp: Path, 
 @pytest.mark.fuse
 @pytest.mark.skipif(os.geteuid() != 0 or not os.path.exists("/dev/fuse") or not shutil.which("fusermount3"),
                     reason="needs root, /dev/fuse and fusermount3")
-def test_endpoint_mounts_follow_the_secret(tmp_path: Path) -> None:
+def test_endpoint_mounts_follow_the_secret(tmp_path: Path, make_cluster: Callable[..., LocalCluster]) -> None:
     """`l2fs mount --endpoints DIR` (what the mount DaemonSet runs) against a real cluster: an endpoint added to
     DIR is mounted without touching the others' mounts (same process), a crashed endpoint mount is restarted, a
     removed one unmounted; each shows only its own prefix."""
@@ -271,13 +273,10 @@ def test_endpoint_mounts_follow_the_secret(tmp_path: Path) -> None:
 
     from l2fs.procs import spawn, stop
 
-    tokens = tmp_path / "tokens.json"
     entries = [{"name": "master", "token": MASTER, "role": "worker"},
                {"name": "ops", "token": ADMIN, "role": "admin"},
                *[{"name": f"mount-{e}", "token": f"mount-{e}-token-0123456789", "role": "mount",
                   "prefixes": [f"{KV}/{e}"]} for e in ("ep-a", "ep-b")]]
-    tokens.write_text(json.dumps(entries))
-    sec = ["--tokens-file", str(tokens), "--token", MASTER]
     src, base = tmp_path / "endpoint-mounts", tmp_path / "mnt"
     src.mkdir()
     base.mkdir()
@@ -295,32 +294,32 @@ def test_endpoint_mounts_follow_the_secret(tmp_path: Path) -> None:
     from l2fs.fuse.main import mount_type as fuse_type
 
     add("ep-a")
-    with LocalCluster(tmp_path / "c", workers=1, capacity="256M", token=ADMIN, master_args=sec,
-                      worker_args=sec) as c:
-        status = tmp_path / "status"
-        sup = spawn([sys.executable, "-m", "l2fs.cli", "mount", str(base), "--endpoints", str(src),
-                     "--endpoints-poll", "0.3", "--status-file", str(status), "--master", c.master,
-                     "--node-id", "node-1"], tmp_path / "sup.log")
-        try:
-            wait_until(lambda: live("ep-a") and status.read_text().startswith("ready"), 30)
-            (base / "ep-a" / "rev").mkdir()
-            (base / "ep-a" / "rev" / "k.data").write_bytes(b"a" * 1000)
-            with c.client(token=ADMIN) as admin:
-                assert admin.get(f"{KV}/ep-a/rev/k.data") == b"a" * 1000  # under its prefix, only there
-            a_pid = children()["ep-a"]
-            add("ep-b")
-            wait_until(lambda: live("ep-b"), 30)
-            assert children()["ep-a"] == a_pid  # ep-a's mount untouched
-            assert os.listdir(base / "ep-b") == []  # ep-b's mount shows ep-b's prefix, not ep-a's files
-            b_pid = children()["ep-b"]
-            os.kill(b_pid, signal.SIGKILL)  # crashed: restarted after its backoff
-            wait_until(lambda: live("ep-b") and children()["ep-b"] != b_pid and os.listdir(base / "ep-b") == [], 30)
-            (src / "ep-a").unlink()
-            wait_until(lambda: fuse_type(base / "ep-a") is None and "ep-a" not in children(), 30)
-            assert live("ep-b")
-        finally:
-            stop(sup)
-        assert fuse_type(base / "ep-b") is None  # SIGTERM unmounted every endpoint
+    c = make_cluster(1, capacity="256M", token=ADMIN, tokens=entries, master_args=["--token", MASTER],
+                     worker_args=["--token", MASTER])
+    status = tmp_path / "status"
+    sup = spawn([sys.executable, "-m", "l2fs.cli", "mount", str(base), "--endpoints", str(src),
+                 "--endpoints-poll", "0.3", "--status-file", str(status), "--master", c.master,
+                 "--node-id", "node-1"], tmp_path / "sup.log")
+    try:
+        wait_until(lambda: live("ep-a") and status.read_text().startswith("ready"), 30)
+        (base / "ep-a" / "rev").mkdir()
+        (base / "ep-a" / "rev" / "k.data").write_bytes(b"a" * 1000)
+        with c.client(token=ADMIN) as admin:
+            assert admin.get(f"{KV}/ep-a/rev/k.data") == b"a" * 1000  # under its prefix, only there
+        a_pid = children()["ep-a"]
+        add("ep-b")
+        wait_until(lambda: live("ep-b"), 30)
+        assert children()["ep-a"] == a_pid  # ep-a's mount untouched
+        assert os.listdir(base / "ep-b") == []  # ep-b's mount shows ep-b's prefix, not ep-a's files
+        b_pid = children()["ep-b"]
+        os.kill(b_pid, signal.SIGKILL)  # crashed: restarted after its backoff
+        wait_until(lambda: live("ep-b") and children()["ep-b"] != b_pid and os.listdir(base / "ep-b") == [], 30)
+        (src / "ep-a").unlink()
+        wait_until(lambda: fuse_type(base / "ep-a") is None and "ep-a" not in children(), 30)
+        assert live("ep-b")
+    finally:
+        stop(sup)
+    assert fuse_type(base / "ep-b") is None  # SIGTERM unmounted every endpoint
 
 
 @pytest.mark.unit

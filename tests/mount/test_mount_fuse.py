@@ -244,40 +244,41 @@ def test_partial_reads_seek_truncate_append(two_mounts: tuple[Mount, Mount], tmp
     assert (d1 / "f").read_bytes()[-2:] == b"++" and os.path.getsize(d1 / "f") == 102
 
 
-def test_dead_master_fails_fast_and_recovers(tmp_path: Path, mount_factory: Callable[..., Mount]) -> None:
-    with LocalCluster(tmp_path / "c", workers=1, capacity="1G", master_args=["--max-file-size", "1M"]) as c:
-        m = mount_factory(c.master, "--node-id", "node-1", "--timeout", "1")
-        (m / "f").write_bytes(b"before")
-        with pytest.raises(OSError) as ei:  # over the cluster's max file size: refused at close
-            (m / "big").write_bytes(b"x" * (2 << 20))
-        assert ei.value.errno == errno.EFBIG
-        # the refused new file is dropped; the kernel forgets its dentry through an asynchronous
-        # invalidation, so allow the attribute-cache bound (1 s) for the name to vanish
-        deadline = time.monotonic() + 2.0
-        while (m / "big").exists() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert not (m / "big").exists()
-        c.kill_master(signal.SIGKILL)
-        for op in (lambda: os.stat(m / "new-name"), lambda: (m / "f2").write_bytes(b"x"),
-                   lambda: os.listdir(m), lambda: open(m / "f", "rb").read()):
-            t0 = time.monotonic()
-            with pytest.raises(OSError) as ei:
-                op()
-            took = time.monotonic() - t0
-            assert ei.value.errno in (errno.EIO, errno.ENOENT), ei.value
-            assert took < 5.0, f"call took {took:.1f}s with the master down"
-        assert m.proc.poll() is None and os.path.ismount(m.path)
-        c.start_master()
-        c.wait_workers(1)
-        deadline = time.monotonic() + 15
-        while True:
-            try:
-                (m / "after").write_bytes(b"after")
-                break
-            except OSError:
-                assert time.monotonic() < deadline, "mount did not recover after the master came back"
-                time.sleep(0.2)
-        assert (m / "after").read_bytes() == b"after"
+def test_dead_master_fails_fast_and_recovers(mount_factory: Callable[..., Mount],
+                                             make_cluster: Callable[..., LocalCluster]) -> None:
+    c = make_cluster(1, capacity="1G", master_args=["--max-file-size", "1M"])
+    m = mount_factory(c.master, "--node-id", "node-1", "--timeout", "1")
+    (m / "f").write_bytes(b"before")
+    with pytest.raises(OSError) as ei:  # over the cluster's max file size: refused at close
+        (m / "big").write_bytes(b"x" * (2 << 20))
+    assert ei.value.errno == errno.EFBIG
+    # the refused new file is dropped; the kernel forgets its dentry through an asynchronous
+    # invalidation, so allow the attribute-cache bound (1 s) for the name to vanish
+    deadline = time.monotonic() + 2.0
+    while (m / "big").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not (m / "big").exists()
+    c.kill_master(signal.SIGKILL)
+    for op in (lambda: os.stat(m / "new-name"), lambda: (m / "f2").write_bytes(b"x"),
+               lambda: os.listdir(m), lambda: open(m / "f", "rb").read()):
+        t0 = time.monotonic()
+        with pytest.raises(OSError) as ei:
+            op()
+        took = time.monotonic() - t0
+        assert ei.value.errno in (errno.EIO, errno.ENOENT), ei.value
+        assert took < 5.0, f"call took {took:.1f}s with the master down"
+    assert m.proc.poll() is None and os.path.ismount(m.path)
+    c.start_master()
+    c.wait_workers(1)
+    deadline = time.monotonic() + 15
+    while True:
+        try:
+            (m / "after").write_bytes(b"after")
+            break
+        except OSError:
+            assert time.monotonic() < deadline, "mount did not recover after the master came back"
+            time.sleep(0.2)
+    assert (m / "after").read_bytes() == b"after"
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])

@@ -23,25 +23,25 @@ def read(path: Path) -> bytes:
         return f.read()
 
 
-def test_kept_pages_serve_an_unchanged_file_without_its_worker(tmp_path: Path,
-                                                                mount_factory: Callable[..., Mount]) -> None:
+def test_kept_pages_serve_an_unchanged_file_without_its_worker(mount_factory: Callable[..., Mount],
+                                                               make_cluster: Callable[..., LocalCluster]) -> None:
     """The second open fetches nothing: with the only worker killed (the master still knows the file), the
     page-cache mount still reads the right bytes, while a direct_io mount gets a miss (ENOENT)."""
-    with LocalCluster(tmp_path / "c", workers=1) as c:
-        data = os.urandom(3 * MiB + 5)
-        cl = c.client(node_id="node-1")
-        cl.put("/k/a.data", data)
-        cl.close()
-        # node-2 has no worker: no short-circuit to the block file on disk, every fetch is remote
-        cached = mount_factory(c.master, "--node-id", "node-2", "--page-cache")
-        direct = mount_factory(c.master, "--node-id", "node-2")
-        assert read(cached / "k" / "a.data") == data
-        assert read(direct / "k" / "a.data") == data
-        c.kill_worker(0, signal.SIGKILL)
-        assert read(cached / "k" / "a.data") == data  # kept pages of the same version
-        with pytest.raises(OSError) as e:
-            read(direct / "k" / "a.data")
-        assert e.value.errno == errno.ENOENT  # fault-as-miss where nothing is cached
+    c = make_cluster(1)
+    data = os.urandom(3 * MiB + 5)
+    cl = c.client(node_id="node-1")
+    cl.put("/k/a.data", data)
+    cl.close()
+    # node-2 has no worker: no short-circuit to the block file on disk, every fetch is remote
+    cached = mount_factory(c.master, "--node-id", "node-2", "--page-cache")
+    direct = mount_factory(c.master, "--node-id", "node-2")
+    assert read(cached / "k" / "a.data") == data
+    assert read(direct / "k" / "a.data") == data
+    c.kill_worker(0, signal.SIGKILL)
+    assert read(cached / "k" / "a.data") == data  # kept pages of the same version
+    with pytest.raises(OSError) as e:
+        read(direct / "k" / "a.data")
+    assert e.value.errno == errno.ENOENT  # fault-as-miss where nothing is cached
 
 
 def test_new_versions_drop_kept_pages(cluster: LocalCluster, mount_factory: Callable[..., Mount]) -> None:

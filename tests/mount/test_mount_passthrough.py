@@ -203,20 +203,20 @@ def test_unmount_is_clean(cluster: LocalCluster, files: dict[str, bytes], pt_mou
     assert not any(tmp_path.glob("cache-node-2-*/*"))  # its cross-node copies are gone with it
 
 
-def test_sharded_masters(tmp_path: Path, pt_mount: Callable[..., PtMount]) -> None:
+def test_sharded_masters(pt_mount: Callable[..., PtMount], make_cluster: Callable[..., LocalCluster]) -> None:
     """With a path-hash sharded namespace (2 masters), each path is looked up on its own shard and
     directories that live on either shard are listed."""
-    with LocalCluster(tmp_path / "sharded", workers=2, capacity="256M", shards=2) as c:
-        cl = Client(c.master, node_id="node-1")
-        data = {f"/s/{d}/{i}.bin": os.urandom(4096 + i) for d in ("a", "b", "c") for i in range(4)}
+    c = make_cluster(2, capacity="256M", shards=2)
+    cl = Client(c.master, node_id="node-1")
+    data = {f"/s/{d}/{i}.bin": os.urandom(4096 + i) for d in ("a", "b", "c") for i in range(4)}
+    for p, d in data.items():
+        cl.put(p, d, if_absent=False)
+    cl.close()
+    m1, m2 = pt_mount(c.master, "node-1"), pt_mount(c.master, "node-2")
+    for m in (m1, m2):
+        assert sorted(os.listdir(m / "s")) == ["a", "b", "c"]
         for p, d in data.items():
-            cl.put(p, d, if_absent=False)
-        cl.close()
-        m1, m2 = pt_mount(c.master, "node-1"), pt_mount(c.master, "node-2")
-        for m in (m1, m2):
-            assert sorted(os.listdir(m / "s")) == ["a", "b", "c"]
-            for p, d in data.items():
-                assert read(m / p.lstrip("/")) == d, p
-            assert m.count("opens_passthrough") == len(data)
-        m1.m.stop()
-        m2.m.stop()
+            assert read(m / p.lstrip("/")) == d, p
+        assert m.count("opens_passthrough") == len(data)
+    m1.m.stop()
+    m2.m.stop()

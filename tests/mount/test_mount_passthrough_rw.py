@@ -290,7 +290,7 @@ def test_one_argument_list_starts_either_mount(tmp_path: Path) -> None:
     assert passthrough.parse_args([*argv, "--read-only"]).read_only
 
 
-def test_endpoint_mounts_with_passthrough(tmp_path: Path) -> None:
+def test_endpoint_mounts_with_passthrough(tmp_path: Path, make_cluster: Callable[..., LocalCluster]) -> None:
     """`l2fs mount --endpoints DIR --passthrough --cache-dir D` (the mount DaemonSet's per-endpoint command with
     the passthrough server) on two nodes of a real cluster: each endpoint's mount is a passthrough server (its
     open writer's backing file is an unlinked temp file in its own private directory under D), a file written
@@ -303,58 +303,56 @@ def test_endpoint_mounts_with_passthrough(tmp_path: Path) -> None:
 
     kv, admin, master = "/kvtier/kv", "admin-token-0123456789abcdef", "master-token-0123456789abcdef"
     eps = ("ep-a", "ep-b")
-    tokens = tmp_path / "tokens.json"
-    tokens.write_text(json.dumps([
+    entries = [
         {"name": "master", "token": master, "role": "worker"}, {"name": "ops", "token": admin, "role": "admin"},
         *[{"name": f"mount-{e}", "token": f"mount-{e}-token-0123456789", "role": "mount",
-           "prefixes": [f"{kv}/{e}"]} for e in eps]]))
+           "prefixes": [f"{kv}/{e}"]} for e in eps]]
     src = tmp_path / "endpoint-mounts"
     src.mkdir()
     for e in eps:
         (src / e).write_text(json.dumps({"root": f"{kv}/{e}", "token": f"mount-{e}-token-0123456789"}))
-    sec = ["--tokens-file", str(tokens), "--token", master]
     sups: dict[str, Any] = {}
-    with LocalCluster(tmp_path / "c", workers=2, capacity="512M", token=admin, master_args=sec,
-                      worker_args=sec) as c:
-        try:  # each endpoint's prefix does not exist yet: its mount makes it
-            for node in ("node-1", "node-2"):
-                (tmp_path / f"cache-{node}").mkdir()
-                (tmp_path / f"mnt-{node}").mkdir()
-                sups[node] = spawn([sys.executable, "-m", "l2fs.cli", "mount", str(tmp_path / f"mnt-{node}"),
-                                    "--endpoints", str(src), "--passthrough", "--cache-dir",
-                                    str(tmp_path / f"cache-{node}"), "--endpoints-poll", "0.3", "--master",
-                                    c.master, "--node-id", node], tmp_path / f"sup-{node}.log")
-            mnt = {n: tmp_path / f"mnt-{n}" for n in sups}
-            wait_until(lambda: all(mount_type(mnt[n] / e) == "fuse.l2fs" for n in sups for e in eps), 30)
-            logs = {n: (tmp_path / f"sup-{n}.log") for n in sups}
-            wait_until(lambda: all(logs[n].read_text().count("passthrough ") >= 2 for n in sups), 15)
-            if any("passthrough off" in logs[n].read_text() for n in sups):
-                pytest.skip("the kernel grants no FUSE passthrough (needs Linux >= 6.9, CONFIG_FUSE_PASSTHROUGH)")
-            data = os.urandom(3 * MIB + 5)
-            cache = tmp_path / "cache-node-1"
-            with open(mnt["node-1"] / "ep-a" / "chunk.data", "wb") as f:
-                f.write(data)
-                f.flush()
-                backing = [link for p in psutil.Process(sups["node-1"].pid).children()
-                           for fd in os.listdir(f"/proc/{p.pid}/fd")
-                           if (link := _readlink(f"/proc/{p.pid}/fd/{fd}")).startswith(str(cache))]
-            # the open writer's backing file: an unlinked temp file in one endpoint mount's private directory
-            # (each endpoint's passthrough server has its own)
-            assert len(list(cache.glob("l2fs-pt-*"))) == 2, list(cache.iterdir())
-            assert [b for b in backing if b.endswith(" (deleted)")], backing
-            assert (mnt["node-2"] / "ep-a" / "chunk.data").read_bytes() == data  # the other node, same endpoint
-            with c.client(token=admin) as a:
-                info = a.stat(f"{kv}/ep-a/chunk.data")
-                assert info.size == len(data) and info.crc32c == crc32c_fast(data) and info.nodes == ["node-1"]
-                assert a.ls(f"{kv}/ep-b") == []
-            assert os.listdir(mnt["node-1"] / "ep-b") == [] and os.listdir(mnt["node-2"] / "ep-b") == []
-            (mnt["node-2"] / "ep-b" / "b.data").write_bytes(b"b" * 1000)
-            with c.client(token=admin) as a:
-                assert a.get(f"{kv}/ep-b/b.data") == b"b" * 1000 and a.stat(f"{kv}/ep-a/b.data") is None
-        finally:
-            for p in sups.values():
-                stop(p)
-        assert all(mount_type(tmp_path / f"mnt-{n}" / e) is None for n in sups for e in eps)
+    c = make_cluster(2, capacity="512M", token=admin, tokens=entries, master_args=["--token", master],
+                     worker_args=["--token", master])
+    try:  # each endpoint's prefix does not exist yet: its mount makes it
+        for node in ("node-1", "node-2"):
+            (tmp_path / f"cache-{node}").mkdir()
+            (tmp_path / f"mnt-{node}").mkdir()
+            sups[node] = spawn([sys.executable, "-m", "l2fs.cli", "mount", str(tmp_path / f"mnt-{node}"),
+                                "--endpoints", str(src), "--passthrough", "--cache-dir",
+                                str(tmp_path / f"cache-{node}"), "--endpoints-poll", "0.3", "--master",
+                                c.master, "--node-id", node], tmp_path / f"sup-{node}.log")
+        mnt = {n: tmp_path / f"mnt-{n}" for n in sups}
+        wait_until(lambda: all(mount_type(mnt[n] / e) == "fuse.l2fs" for n in sups for e in eps), 30)
+        logs = {n: (tmp_path / f"sup-{n}.log") for n in sups}
+        wait_until(lambda: all(logs[n].read_text().count("passthrough ") >= 2 for n in sups), 15)
+        if any("passthrough off" in logs[n].read_text() for n in sups):
+            pytest.skip("the kernel grants no FUSE passthrough (needs Linux >= 6.9, CONFIG_FUSE_PASSTHROUGH)")
+        data = os.urandom(3 * MIB + 5)
+        cache = tmp_path / "cache-node-1"
+        with open(mnt["node-1"] / "ep-a" / "chunk.data", "wb") as f:
+            f.write(data)
+            f.flush()
+            backing = [link for p in psutil.Process(sups["node-1"].pid).children()
+                       for fd in os.listdir(f"/proc/{p.pid}/fd")
+                       if (link := _readlink(f"/proc/{p.pid}/fd/{fd}")).startswith(str(cache))]
+        # the open writer's backing file: an unlinked temp file in one endpoint mount's private directory
+        # (each endpoint's passthrough server has its own)
+        assert len(list(cache.glob("l2fs-pt-*"))) == 2, list(cache.iterdir())
+        assert [b for b in backing if b.endswith(" (deleted)")], backing
+        assert (mnt["node-2"] / "ep-a" / "chunk.data").read_bytes() == data  # the other node, same endpoint
+        with c.client(token=admin) as a:
+            info = a.stat(f"{kv}/ep-a/chunk.data")
+            assert info.size == len(data) and info.crc32c == crc32c_fast(data) and info.nodes == ["node-1"]
+            assert a.ls(f"{kv}/ep-b") == []
+        assert os.listdir(mnt["node-1"] / "ep-b") == [] and os.listdir(mnt["node-2"] / "ep-b") == []
+        (mnt["node-2"] / "ep-b" / "b.data").write_bytes(b"b" * 1000)
+        with c.client(token=admin) as a:
+            assert a.get(f"{kv}/ep-b/b.data") == b"b" * 1000 and a.stat(f"{kv}/ep-a/b.data") is None
+    finally:
+        for p in sups.values():
+            stop(p)
+    assert all(mount_type(tmp_path / f"mnt-{n}" / e) is None for n in sups for e in eps)
 
 
 def _readlink(p: str) -> str:

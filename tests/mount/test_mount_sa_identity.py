@@ -12,10 +12,9 @@ the mounts move bytes with the master's per-block capabilities, not with their t
 
 from __future__ import annotations
 
-import json
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -40,19 +39,20 @@ KV = "/kvtier/kv"
 
 
 @pytest.fixture(scope="module")
-def sa_mounts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LocalCluster, Mount, Mount, Any]]:
+def sa_mounts(tmp_path_factory: pytest.TempPathFactory,
+              cluster_factory: Callable[..., LocalCluster]) -> Iterator[tuple[LocalCluster, Mount, Mount, Any]]:
+    """Master (--mount-sa) and two workers, and the mounts of node-1 and node-2 with their own ServiceAccount
+    tokens (`.token_files`); the cluster stops before the TokenReview API it uses."""
     base = tmp_path_factory.mktemp("samount")
     with review_api(base) as api:
-        tokens = base / "tokens.json"
-        tokens.write_text(json.dumps([
+        c = cluster_factory(2, name="samount", started=False, capacity="1G", token=ADMIN, tokens=[
             {"name": "master", "token": MASTER, "role": "worker"},
             {"name": "ops", "token": ADMIN, "role": "admin"},
-            {"name": "mount", "token": SHARED, "role": "mount", "prefixes": ["/kvtier"]}]))
-        sec = ["--tokens-file", str(tokens), "--token", MASTER]
-        master = [*sec, "--mount-sa", "kvtier:l2fs-mount", "--worker-audience", "l2fs",
-                  "--kubeconfig", str(api.kubeconfig)]
-        with LocalCluster(base / "c", workers=2, capacity="1G", token=ADMIN, master_args=master,
-                          worker_args=sec) as c:
+            {"name": "mount", "token": SHARED, "role": "mount", "prefixes": ["/kvtier"]}],
+            master_args=["--token", MASTER, "--mount-sa", "kvtier:l2fs-mount", "--worker-audience", "l2fs",
+                         "--kubeconfig", str(api.kubeconfig)],
+            worker_args=["--token", MASTER])
+        with c:
             files = {}
             for node in ("node-1", "node-2"):
                 tok = jwt(node)

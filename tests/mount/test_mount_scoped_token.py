@@ -9,9 +9,8 @@ role allows. Real master, workers and `l2fs mount` processes; stock LMCache's fs
 
 from __future__ import annotations
 
-import json
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 from mount_helpers import Mount, assert_cannot_replace, start_mount
@@ -27,23 +26,22 @@ KV = "/kvtier/kv"
 
 
 @pytest.fixture(scope="module")
-def scoped(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LocalCluster, Mount, Mount]]:
+def scoped(tmp_path_factory: pytest.TempPathFactory,
+           cluster_factory: Callable[..., LocalCluster]) -> Iterator[tuple[LocalCluster, Mount, Mount]]:
     base = tmp_path_factory.mktemp("scoped")
-    tokens = base / "tokens.json"
-    tokens.write_text(json.dumps([
+    c = cluster_factory(2, name="scoped-c", capacity="1G", token=ADMIN, tokens=[
         {"name": "master", "token": MASTER, "role": "worker"},
         {"name": "ops", "token": ADMIN, "role": "admin"},
         {"name": "mount", "token": MOUNT, "role": "mount", "prefixes": ["/kvtier"]},
-        {"name": "engine-ep", "token": ENGINE, "role": "engine", "prefixes": [f"{KV}/ep"]}]))
-    sec = ["--tokens-file", str(tokens), "--token", MASTER]
-    with LocalCluster(base / "c", workers=2, capacity="1G", token=ADMIN, master_args=sec, worker_args=sec) as c:
-        m1 = start_mount(base / "m1", c.master, "--node-id", "node-1", "--token", MOUNT)
-        m2 = start_mount(base / "m2", c.master, "--node-id", "node-2", "--token", MOUNT)
-        try:
-            yield c, m1, m2
-        finally:
-            m1.stop()
-            m2.stop()
+        {"name": "engine-ep", "token": ENGINE, "role": "engine", "prefixes": [f"{KV}/ep"]}],
+        master_args=["--token", MASTER], worker_args=["--token", MASTER])
+    m1 = start_mount(base / "m1", c.master, "--node-id", "node-1", "--token", MOUNT)
+    m2 = start_mount(base / "m2", c.master, "--node-id", "node-2", "--token", MOUNT)
+    try:
+        yield c, m1, m2
+    finally:
+        m1.stop()
+        m2.stop()
 
 
 def test_mount_mode_works_with_the_mount_role(scoped: tuple[LocalCluster, Mount, Mount]) -> None:

@@ -14,7 +14,7 @@ import base64
 import json
 import os
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -101,7 +101,7 @@ def lmcache_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
     yield use
 
 
-def test_webhook_plugin_env_loads_the_l2fs_plugin(tmp_path: Path, lmcache_env: Any) -> None:
+def test_webhook_plugin_env_loads_the_l2fs_plugin(lmcache_env: Any, make_cluster: Callable[..., Any]) -> None:
     """Plugin mode as deployed (overlay hyperpod-p5): the webhook-patched pod's env, read by LMCache's own
     from_env() and StorageManager, gives a RemoteBackend whose connector is the kvtier l2fs one, and a
     chunk put through it lands in l2fs under the endpoint's prefix (against a real master and worker).
@@ -116,50 +116,46 @@ def test_webhook_plugin_env_loads_the_l2fs_plugin(tmp_path: Path, lmcache_env: A
     from lmcache.v1.storage_backend.storage_manager import StorageManager
 
     from connector.lmcache_l2fs import L2fsConnector
-    try:
-        from l2fs.testing.cluster import LocalCluster
-    except ImportError:  # before l2fs's split by role
-        from l2fs.testing.cluster import LocalCluster  # type: ignore[no-redef]
 
-    with LocalCluster(tmp_path / "l2fs", workers=1) as cluster:
-        cfg = webhook_config("overlays/hyperpod-p5", KVTIER_MASTER=cluster.master)
-        assert cfg.mode == "plugin"
-        dep = load_yaml("rendered-v3.2-stripped.yaml")
-        # the operator's L1 size (a small one: this test allocates it)
-        vllm_container(dep)["env"].append({"name": "LMCACHE_MAX_LOCAL_CPU_SIZE", "value": "0.05"})
-        out = admitted(dep, cfg)
-        env = container_env(vllm_container(out), secrets=secrets_of(out), fields=FIELDS)
-        lmcache_env({k: v for k, v in env.items() if k.startswith(("LMCACHE_", "L2FS_"))})
-        lmc = LMCacheEngineConfig.from_env()
-        meta = LMCacheMetadata(model_name="/opt/ml/model", world_size=1, local_world_size=1, worker_id=0,
-                               local_worker_id=0, kv_dtype=torch.bfloat16, kv_shape=(2, 2, lmc.chunk_size, 2, 8))
-        sm = StorageManager(lmc, meta, EventManager())
-        try:
-            backends = {name: b for name, b in sm.storage_backends.items() if name.startswith("RemoteBackend")}
-            assert list(backends) == [f"RemoteBackend-{cfg.plugin_name}"], list(sm.storage_backends)
-            conn = backends[f"RemoteBackend-{cfg.plugin_name}"].connection
-            assert conn is not None
-            inner = getattr(conn, "connector", None) or getattr(conn, "_connector", None) or conn
-            assert isinstance(inner, L2fsConnector), type(inner)
-            kv_prefix = out["spec"]["template"]["metadata"]["annotations"]["kvtier.io/kv-prefix"]
-            assert inner.prefix == kv_prefix and inner.node_id == NODE
-            shape = torch.Size([2, 2, lmc.chunk_size, 16])
-            key = CacheEngineKey(model_name="/opt/ml/model", world_size=1, worker_id=0, chunk_hash=1234,
-                                 dtype=torch.bfloat16)
-            obj = sm.allocate(shape, torch.bfloat16, MemoryFormat.KV_2LTD)
-            obj.tensor.fill_(3)
-            sm.batched_put([key], [obj])
-            client = cluster.client()
-            path = inner.path(key)
-            assert path.startswith(kv_prefix + "/")
-            import time
-            deadline = time.monotonic() + 20
-            while not client.exists(path) and time.monotonic() < deadline:
-                time.sleep(0.1)
-            assert client.exists(path), f"the chunk did not reach l2fs at {path}"
-            client.close()
-        finally:
-            sm.close()
+    cluster = make_cluster(1)
+    cfg = webhook_config("overlays/hyperpod-p5", KVTIER_MASTER=cluster.master)
+    assert cfg.mode == "plugin"
+    dep = load_yaml("rendered-v3.2-stripped.yaml")
+    # the operator's L1 size (a small one: this test allocates it)
+    vllm_container(dep)["env"].append({"name": "LMCACHE_MAX_LOCAL_CPU_SIZE", "value": "0.05"})
+    out = admitted(dep, cfg)
+    env = container_env(vllm_container(out), secrets=secrets_of(out), fields=FIELDS)
+    lmcache_env({k: v for k, v in env.items() if k.startswith(("LMCACHE_", "L2FS_"))})
+    lmc = LMCacheEngineConfig.from_env()
+    meta = LMCacheMetadata(model_name="/opt/ml/model", world_size=1, local_world_size=1, worker_id=0,
+                           local_worker_id=0, kv_dtype=torch.bfloat16, kv_shape=(2, 2, lmc.chunk_size, 2, 8))
+    sm = StorageManager(lmc, meta, EventManager())
+    try:
+        backends = {name: b for name, b in sm.storage_backends.items() if name.startswith("RemoteBackend")}
+        assert list(backends) == [f"RemoteBackend-{cfg.plugin_name}"], list(sm.storage_backends)
+        conn = backends[f"RemoteBackend-{cfg.plugin_name}"].connection
+        assert conn is not None
+        inner = getattr(conn, "connector", None) or getattr(conn, "_connector", None) or conn
+        assert isinstance(inner, L2fsConnector), type(inner)
+        kv_prefix = out["spec"]["template"]["metadata"]["annotations"]["kvtier.io/kv-prefix"]
+        assert inner.prefix == kv_prefix and inner.node_id == NODE
+        shape = torch.Size([2, 2, lmc.chunk_size, 16])
+        key = CacheEngineKey(model_name="/opt/ml/model", world_size=1, worker_id=0, chunk_hash=1234,
+                             dtype=torch.bfloat16)
+        obj = sm.allocate(shape, torch.bfloat16, MemoryFormat.KV_2LTD)
+        obj.tensor.fill_(3)
+        sm.batched_put([key], [obj])
+        client = cluster.client()
+        path = inner.path(key)
+        assert path.startswith(kv_prefix + "/")
+        import time
+        deadline = time.monotonic() + 20
+        while not client.exists(path) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert client.exists(path), f"the chunk did not reach l2fs at {path}"
+        client.close()
+    finally:
+        sm.close()
 
 
 def worker_parser() -> argparse.ArgumentParser:
@@ -284,7 +280,7 @@ def test_each_overlay_has_a_router_that_reads_l2_as_its_pods_write_it(overlay: s
 
 
 @pytest.mark.parametrize("mode", ["plugin", "mount"])
-def test_router_finds_a_bf16_tp2_endpoints_chunks(tmp_path: Path, mode: str) -> None:
+def test_router_finds_a_bf16_tp2_endpoints_chunks(mode: str, make_cluster: Callable[..., Any]) -> None:
     """A bf16, tensor-parallel-2 endpoint: the chunks its rank 0 writes are named from LMCache's own
     CacheEngineKey (plugin: connector.keys; mount: the key's to_string(), as LMCache's fs connector names its
     files), stored in a real l2fs; the router's discovery reads the webhook-patched pod and its L2 lookup (with
@@ -296,10 +292,6 @@ def test_router_finds_a_bf16_tp2_endpoints_chunks(tmp_path: Path, mode: str) -> 
     from kvtier import contract
     from router.discovery import K8sDiscovery
     from router.l2 import L2Lookup
-    try:
-        from l2fs.testing.cluster import LocalCluster
-    except ImportError:  # before l2fs's split by role
-        from l2fs.local import LocalCluster  # type: ignore[no-redef]
 
     dep = load_yaml("rendered-v3.2-stripped.yaml")
     args = vllm_container(dep)["args"]
@@ -319,22 +311,23 @@ def test_router_finds_a_bf16_tp2_endpoints_chunks(tmp_path: Path, mode: str) -> 
             for h in contract.chunk_hashes(tokens)]
     paths = [ckeys.key_path(prefix, k) if mode == "plugin" else
              f"{prefix}/{k.to_string().replace('/', '-SEP-')}.data" for k in keys]
-    with LocalCluster(tmp_path / "l2fs", workers=1) as cluster:
-        client = cluster.client()
-        for p in paths:
-            client.mkdir(p.rsplit("/", 1)[0], parents=True, exist_ok=True)
-            client.put(p, b"kv")
-        client.close()
-        lookup = L2Lookup(cluster.master, mode=mode, key_check=False)
-        assert lookup.lookup(tokens, model, prefix, layout) == 3 * contract.CHUNK_SIZE
-        assert lookup.lookup(tokens, model, prefix) == 0  # float / world size 1: what it used to look for
+    cluster = make_cluster(1)
+    client = cluster.client()
+    for p in paths:
+        client.mkdir(p.rsplit("/", 1)[0], parents=True, exist_ok=True)
+        client.put(p, b"kv")
+    client.close()
+    lookup = L2Lookup(cluster.master, mode=mode, key_check=False)
+    assert lookup.lookup(tokens, model, prefix, layout) == 3 * contract.CHUNK_SIZE
+    assert lookup.lookup(tokens, model, prefix) == 0  # float / world size 1: what it used to look for
 
 
 IEC_FILE = Path(__file__).resolve().parents[2] / "deploy/overlays/hyperpod-g6e/endpoint/inference-endpoint-config.yaml"
 
 
 def test_lmcache_config_pod_and_webhook_pod_share_chunks(tmp_path: Path, lmcache_env: Any,
-                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+                                                         monkeypatch: pytest.MonkeyPatch,
+                                                         make_cluster: Callable[..., Any]) -> None:
     """A pod configured by `kvtier lmcache-config --iec` (its pod_env through the kubelet, its YAML read by
     LMCache's from_file() at the absolute LMCACHE_CONFIG_FILE) and a pod of the same endpoint patched by the
     webhook (its env read by from_env()) get l2fs connectors that name a chunk identically, and a chunk one
@@ -350,60 +343,56 @@ def test_lmcache_config_pod_and_webhook_pod_share_chunks(tmp_path: Path, lmcache
     from lmcache.v1.memory_management import MemoryFormat
     from lmcache.v1.metadata import LMCacheMetadata
     from lmcache.v1.storage_backend.storage_manager import StorageManager
-    try:
-        from l2fs.testing.cluster import LocalCluster
-    except ImportError:  # before l2fs's split by role
-        from l2fs.local import LocalCluster  # type: ignore[no-redef]
 
     iec = yaml.safe_load(IEC_FILE.read_text())
     iec["metadata"]["namespace"] = "team-a"
-    with LocalCluster(tmp_path / "l2fs", workers=1) as cluster:
-        out = tmp_path / "etc" / "lmcache.yaml"
-        r = subprocess.run([sys.executable, "-m", "kvtier.cli", "lmcache-config", "--iec", str(IEC_FILE),
-                            "--l2fs-master", cluster.master, "--l1-gb", "0.05", "--device", "cuda",
-                            "--out", str(out), "--config-path", str(out), "--format", "json"],
-                           capture_output=True, text=True, timeout=120)
-        assert r.returncode == 0, r.stderr
-        made = json.loads(r.stdout)
-        by_config = {"name": "vllm", "env": made["pod_env"]}
-        by_webhook = admitted(load_yaml("rendered-v3.2-stripped.yaml"),
-                              webhook_config("overlays/hyperpod-p5", KVTIER_MASTER=cluster.master), iec=iec)
-        webhook_c = vllm_container(by_webhook)
-        webhook_c["env"].append({"name": "LMCACHE_MAX_LOCAL_CPU_SIZE", "value": "0.05"})  # the operator's L1 size
-        managers = []
-        for c in (by_config, webhook_c):  # both take L2FS_TOKEN from the endpoint's engine-token Secret
-            env = container_env(c, secrets={"qwen2-7b-l2fs-token": {"token": "t"}}, fields=FIELDS)
-            for k in list(os.environ):
-                if k.startswith(("LMCACHE_", "L2FS_")):
-                    monkeypatch.delenv(k)
-            lmcache_env({k: v for k, v in env.items() if k.startswith(("LMCACHE_", "L2FS_"))})
-            lmc = LMCacheEngineConfig.from_file(env["LMCACHE_CONFIG_FILE"]) if "LMCACHE_CONFIG_FILE" in env \
-                else LMCacheEngineConfig.from_env()
-            meta = LMCacheMetadata(model_name="/opt/ml/model", world_size=1, local_world_size=1, worker_id=0,
-                                   local_worker_id=0, kv_dtype=torch.bfloat16,
-                                   kv_shape=(2, 2, lmc.chunk_size, 2, 8))
-            managers.append(StorageManager(lmc, meta, EventManager()))
-        try:
-            conns = []
-            for sm in managers:
-                remote = [b for n, b in sm.storage_backends.items() if n.startswith("RemoteBackend")]
-                assert len(remote) == 1, list(sm.storage_backends)
-                conn = remote[0].connection
-                conns.append(getattr(conn, "_connector", conn))
-            key = CacheEngineKey(model_name="/opt/ml/model", world_size=1, worker_id=0, chunk_hash=77,
-                                 dtype=torch.bfloat16)
-            assert conns[0].path(key) == conns[1].path(key), (conns[0].path(key), conns[1].path(key))
-            obj = managers[0].allocate(torch.Size([2, 2, 256, 16]), torch.bfloat16, MemoryFormat.KV_2LTD)
-            obj.tensor.fill_(5)
-            managers[0].batched_put([key], [obj])
-            import time
-            deadline = time.monotonic() + 20
-            while not conns[1].batched_contains([key]) and time.monotonic() < deadline:
-                time.sleep(0.1)
-            assert conns[1].batched_contains([key]) == 1, "the webhook pod does not see the lmcache-config pod's chunk"
-        finally:
-            for sm in managers:
-                sm.close()
+    cluster = make_cluster(1)
+    out = tmp_path / "etc" / "lmcache.yaml"
+    r = subprocess.run([sys.executable, "-m", "kvtier.cli", "lmcache-config", "--iec", str(IEC_FILE),
+                        "--l2fs-master", cluster.master, "--l1-gb", "0.05", "--device", "cuda",
+                        "--out", str(out), "--config-path", str(out), "--format", "json"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    made = json.loads(r.stdout)
+    by_config = {"name": "vllm", "env": made["pod_env"]}
+    by_webhook = admitted(load_yaml("rendered-v3.2-stripped.yaml"),
+                          webhook_config("overlays/hyperpod-p5", KVTIER_MASTER=cluster.master), iec=iec)
+    webhook_c = vllm_container(by_webhook)
+    webhook_c["env"].append({"name": "LMCACHE_MAX_LOCAL_CPU_SIZE", "value": "0.05"})  # the operator's L1 size
+    managers = []
+    for c in (by_config, webhook_c):  # both take L2FS_TOKEN from the endpoint's engine-token Secret
+        env = container_env(c, secrets={"qwen2-7b-l2fs-token": {"token": "t"}}, fields=FIELDS)
+        for k in list(os.environ):
+            if k.startswith(("LMCACHE_", "L2FS_")):
+                monkeypatch.delenv(k)
+        lmcache_env({k: v for k, v in env.items() if k.startswith(("LMCACHE_", "L2FS_"))})
+        lmc = LMCacheEngineConfig.from_file(env["LMCACHE_CONFIG_FILE"]) if "LMCACHE_CONFIG_FILE" in env \
+            else LMCacheEngineConfig.from_env()
+        meta = LMCacheMetadata(model_name="/opt/ml/model", world_size=1, local_world_size=1, worker_id=0,
+                               local_worker_id=0, kv_dtype=torch.bfloat16,
+                               kv_shape=(2, 2, lmc.chunk_size, 2, 8))
+        managers.append(StorageManager(lmc, meta, EventManager()))
+    try:
+        conns = []
+        for sm in managers:
+            remote = [b for n, b in sm.storage_backends.items() if n.startswith("RemoteBackend")]
+            assert len(remote) == 1, list(sm.storage_backends)
+            conn = remote[0].connection
+            conns.append(getattr(conn, "_connector", conn))
+        key = CacheEngineKey(model_name="/opt/ml/model", world_size=1, worker_id=0, chunk_hash=77,
+                             dtype=torch.bfloat16)
+        assert conns[0].path(key) == conns[1].path(key), (conns[0].path(key), conns[1].path(key))
+        obj = managers[0].allocate(torch.Size([2, 2, 256, 16]), torch.bfloat16, MemoryFormat.KV_2LTD)
+        obj.tensor.fill_(5)
+        managers[0].batched_put([key], [obj])
+        import time
+        deadline = time.monotonic() + 20
+        while not conns[1].batched_contains([key]) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert conns[1].batched_contains([key]) == 1, "the webhook pod does not see the lmcache-config pod's chunk"
+    finally:
+        for sm in managers:
+            sm.close()
 
 
 def test_webhook_mount_env_writes_where_the_router_looks(tmp_path: Path, lmcache_env: Any) -> None:

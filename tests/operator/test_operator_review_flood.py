@@ -13,7 +13,7 @@ from __future__ import annotations
 import secrets
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -38,10 +38,10 @@ def api(tmp_path: Path) -> Iterator[ReviewApi]:
 
 
 @pytest.fixture
-def k8s_cluster(api: ReviewApi, tmp_path: Path) -> Iterator[Any]:
+def k8s_cluster(api: ReviewApi, tmp_path: Path, make_cluster: Callable[..., Any]) -> Iterator[Any]:
     """test_operator_worker_identity's cluster (two workers with projected-token files) with a 3 s review
     cache; `.tokens`: each node's token."""
-    cluster = k8s_local_cluster(api, tmp_path, ("--review-cache-ttl", str(TTL)))
+    cluster = k8s_local_cluster(make_cluster, api, tmp_path, ("--review-cache-ttl", str(TTL)))
     cluster.tokens = {node: f.read_text() for node, f in cluster.token_files.items()}
     with cluster:
         yield cluster

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +24,6 @@ from operator_helpers import SA, ReviewApi, jwt, review_api
 from l2fs.common import token_digest
 from l2fs.proto import l2fs_pb2 as pb
 from l2fs.proto import l2fs_pb2_grpc as pbg
-from l2fs.testing.cluster import LocalCluster
 
 pytestmark = pytest.mark.k8s
 
@@ -48,16 +47,18 @@ def _call(method: Any, request: Any, token: str) -> grpc.StatusCode:
 
 
 @pytest.fixture
-def k8s_cluster(api: ReviewApi, tmp_path: Path) -> Iterator[Any]:
+def k8s_cluster(api: ReviewApi, tmp_path: Path, make_cluster: Callable[..., Any]) -> Iterator[Any]:
     """Master with --worker-identity k8s + two workers (node-1, node-2), each with its own token file and the
     verifier file only."""
-    with k8s_local_cluster(api, tmp_path) as cluster:
+    with k8s_local_cluster(make_cluster, api, tmp_path) as cluster:
         yield cluster
 
 
-def k8s_local_cluster(api: ReviewApi, tmp_path: Path, master_args: tuple[str, ...] = ()) -> Any:
-    """The k8s_cluster fixture's cluster, not started (`master_args` added to the master's); its workers'
-    projected tokens in `.token_files` (node id -> file)."""
+def k8s_local_cluster(factory: Callable[..., Any], api: ReviewApi, tmp_path: Path,
+                      master_args: tuple[str, ...] = ()) -> Any:
+    """The k8s_cluster fixture's cluster, made by `factory` (make_cluster) but not started (`with cluster:`:
+    it stops before the review API); `master_args` added to the master's; its workers' projected tokens in
+    `.token_files` (node id -> file)."""
     emu, kubeconfig = api.emu, api.kubeconfig
     tokens = tmp_path / "tokens.json"
     entries = [{"name": "master", "token": MASTER, "role": "worker"}, {"name": "ops", "token": ADMIN, "role": "admin"}]
@@ -65,18 +66,19 @@ def k8s_local_cluster(api: ReviewApi, tmp_path: Path, master_args: tuple[str, ..
     verifiers = tmp_path / "verifiers.json"
     verifiers.write_text(json.dumps([{"name": e["name"], "sha256": token_digest(e["token"]), "role": e["role"]}
                                      for e in entries]))
-    cluster = LocalCluster(tmp_path / "c", workers=2, token=ADMIN, heartbeat_timeout=3, heartbeat_interval=0.5,
-                           master_args=["--tokens-file", str(tokens), "--token", MASTER, "--worker-identity", "k8s",
-                                        "--worker-sa", "kvtier:l2fs-worker", "--worker-audience", "l2fs",
-                                        "--kubeconfig", str(kubeconfig), *master_args])
-    cluster.token_files = {}
-    for w in cluster.workers:
-        f = tmp_path / f"{w.node_id}.token"
-        tok = jwt(w.node_id)
-        emu.table[tok] = (SA, w.node_id, ["l2fs"])
+    token_files = {}
+    for node in ("node-1", "node-2"):
+        f = token_files[node] = tmp_path / f"{node}.token"
+        tok = jwt(node)
+        emu.table[tok] = (SA, node, ["l2fs"])
         f.write_text(tok)
-        cluster.token_files[w.node_id] = f
-        w.extra_args = ["--tokens-file", str(verifiers), "--token-file", str(f)]
+    cluster = factory(2, started=False, token=ADMIN, heartbeat_timeout=3, heartbeat_interval=0.5,
+                      master_args=["--tokens-file", str(tokens), "--token", MASTER, "--worker-identity", "k8s",
+                                   "--worker-sa", "kvtier:l2fs-worker", "--worker-audience", "l2fs",
+                                   "--kubeconfig", str(kubeconfig), *master_args],
+                      each_worker_args=[["--tokens-file", str(verifiers), "--token-file", str(f)]
+                                        for f in token_files.values()])
+    cluster.token_files = token_files
     return cluster
 
 

@@ -9,14 +9,13 @@ node-bound worker credentials), shrunk to seconds by the knobs each bound has.
 from __future__ import annotations
 
 import http.client
-import json
 import os
 import socket
 import stat
 import struct
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -59,18 +58,12 @@ def _threads(pid: int) -> int:
 
 
 @pytest.fixture
-def scoped(tmp_path: Path) -> Iterator[LocalCluster]:
+def scoped(make_cluster: Callable[..., LocalCluster]) -> LocalCluster:
     """Master (block key, tokens file, 3 s heartbeat timeout) + workers of nodes "node-1" and "node-1-gpu",
     each with its own node-bound credential; the cluster's own clients use ADMIN."""
-    f = tmp_path / "tokens.json"
-    f.write_text(json.dumps(TOKENS))
-    c = LocalCluster(tmp_path / "c", workers=2, capacity="256M", heartbeat_timeout=3, heartbeat_interval=0.5,
-                     token=ADMIN, master_args=["--tokens-file", str(f), "--token", MASTER])
-    c.workers[1].node_id = "node-1-gpu"
-    for w, tok in zip(c.workers, (WORKER_1, WORKER_GPU), strict=True):
-        w.extra_args = ["--tokens-file", str(f), "--token", tok]
-    with c:
-        yield c
+    return make_cluster(2, capacity="256M", heartbeat_timeout=3, heartbeat_interval=0.5, token=ADMIN, tokens=TOKENS,
+                        master_args=["--token", MASTER], node_ids=["node-1", "node-1-gpu"],
+                        each_worker_args=[["--token", WORKER_1], ["--token", WORKER_GPU]])
 
 
 def _ids(c: LocalCluster) -> dict[str, str]:
@@ -124,34 +117,32 @@ def test_bounds_worker_registrations_per_credential_are_bounded(scoped: LocalClu
     assert set(_ids(scoped)) == {"node-1", "node-1-gpu"}
 
 
-def test_bounds_dead_worker_entries_are_forgotten(tmp_path: Path) -> None:
+def test_bounds_dead_worker_entries_are_forgotten(make_cluster: Callable[..., LocalCluster]) -> None:
     """A worker entry dead for longer than --forget-dead-after is dropped from the master (a stopped node's
     id no longer lists forever); a live one stays."""
-    with LocalCluster(tmp_path / "c", workers=2, capacity="64M", heartbeat_timeout=2, heartbeat_interval=0.5,
-                      master_args=["--forget-dead-after", "2"]) as c:
-        ids = _ids(c)
-        c.kill_worker(1)
-        deadline = time.monotonic() + 20
-        while True:
-            with c.client() as cl:
-                listed = {w.worker_id for w in cl.report().workers}
-            if ids["node-2"] not in listed:
-                break
-            assert time.monotonic() < deadline, "the dead worker's entry was never dropped"
-            time.sleep(0.3)
-        assert ids["node-1"] in listed
+    c = make_cluster(2, capacity="64M", heartbeat_timeout=2, heartbeat_interval=0.5,
+                     master_args=["--forget-dead-after", "2"])
+    ids = _ids(c)
+    c.kill_worker(1)
+    deadline = time.monotonic() + 20
+    while True:
+        with c.client() as cl:
+            listed = {w.worker_id for w in cl.report().workers}
+        if ids["node-2"] not in listed:
+            break
+        assert time.monotonic() < deadline, "the dead worker's entry was never dropped"
+        time.sleep(0.3)
+    assert ids["node-1"] in listed
 
 
 # ---------- bounded metadata calls ----------
 
 @pytest.fixture
-def quota(tmp_path: Path, make_cluster: Callable[..., LocalCluster]) -> LocalCluster:
+def quota(make_cluster: Callable[..., LocalCluster]) -> LocalCluster:
     """One worker; the engine's prefix has a 256 KiB quota."""
-    f = tmp_path / "tokens.json"
-    f.write_text(json.dumps(TOKENS))
-    return make_cluster(1, capacity="256M", token=ADMIN,
-                        master_args=["--tokens-file", str(f), "--token", MASTER, "--prefix-quota", f"{PREFIX}=256KiB"],
-                        worker_args=["--tokens-file", str(f), "--token", MASTER])
+    return make_cluster(1, capacity="256M", token=ADMIN, tokens=TOKENS,
+                        master_args=["--token", MASTER, "--prefix-quota", f"{PREFIX}=256KiB"],
+                        worker_args=["--token", MASTER])
 
 
 def test_bounds_mkdir_of_a_deep_path_is_refused_and_directories_count(quota: LocalCluster) -> None:
@@ -259,149 +250,151 @@ def _read_reply(s: socket.socket) -> int:
     return st
 
 
-def test_bounds_data_plane_header_deadline_is_not_restarted_per_byte(tmp_path: Path) -> None:
+def test_bounds_data_plane_header_deadline_is_not_restarted_per_byte(
+        make_cluster: Callable[..., LocalCluster]) -> None:
     """32 authenticated data-plane connections (a read each, from two addresses) on a worker with 32 slots,
     each then trickling the next request header one byte per second (the idle timeout is 2 s, so each byte
     would restart it): once the whole-header deadline has passed, a fresh connection's read is served, not
     answered BUSY."""
-    with LocalCluster(tmp_path / "c", workers=1, capacity="64M",
-                      worker_args=["--data-max-conns", "32", "--data-idle-timeout", "2"]) as c:
-        with c.client(timeout=T) as cl:
-            assert cl.put("/slow/a", b"s" * 10_000) is True
-        loc = _master(c).Stat(pb.PathRequest(path="/slow/a"), timeout=T).locations[0]
-        host, port = loc.data_address.rsplit(":", 1)
-        head = _read_header(loc.capability, loc.block_id)
-        socks = []
-        for k in range(32):  # from two addresses (each may hold half the slots)
-            s = socket.create_connection((host, int(port)), timeout=5, source_address=(f"127.0.0.{2 + k % 2}", 0))
-            s.sendall(head)
-            assert _read_reply(s) == 0
-            socks.append(s)
-        stop = threading.Event()
+    c = make_cluster(1, capacity="64M", worker_args=["--data-max-conns", "32", "--data-idle-timeout", "2"])
+    with c.client(timeout=T) as cl:
+        assert cl.put("/slow/a", b"s" * 10_000) is True
+    loc = _master(c).Stat(pb.PathRequest(path="/slow/a"), timeout=T).locations[0]
+    host, port = loc.data_address.rsplit(":", 1)
+    head = _read_header(loc.capability, loc.block_id)
+    socks = []
+    for k in range(32):  # from two addresses (each may hold half the slots)
+        s = socket.create_connection((host, int(port)), timeout=5, source_address=(f"127.0.0.{2 + k % 2}", 0))
+        s.sendall(head)
+        assert _read_reply(s) == 0
+        socks.append(s)
+    stop = threading.Event()
 
-        def trickle() -> None:
-            i = 0
-            while not stop.wait(1.0):
-                for s in socks:
-                    try:
-                        s.send(head[i % len(head):i % len(head) + 1])
-                    except OSError:
-                        pass
-                i += 1
-
-        th = threading.Thread(target=trickle, daemon=True)
-        th.start()
-        try:
-            time.sleep(6.0)  # past a whole-header deadline (2 s here) and several restarted idle timers
-            fresh = socket.create_connection((host, int(port)), timeout=5)
-            fresh.sendall(head)
-            status = _read_reply(fresh)
-            fresh.close()
-        finally:
-            stop.set()
-            th.join(timeout=5)
+    def trickle() -> None:
+        i = 0
+        while not stop.wait(1.0):
             for s in socks:
-                s.close()
-        assert status == 0, f"a fresh read was answered {status} (4 = BUSY: all slots held by tricklers)"
+                try:
+                    s.send(head[i % len(head):i % len(head) + 1])
+                except OSError:
+                    pass
+            i += 1
+
+    th = threading.Thread(target=trickle, daemon=True)
+    th.start()
+    try:
+        time.sleep(6.0)  # past a whole-header deadline (2 s here) and several restarted idle timers
+        fresh = socket.create_connection((host, int(port)), timeout=5)
+        fresh.sendall(head)
+        status = _read_reply(fresh)
+        fresh.close()
+    finally:
+        stop.set()
+        th.join(timeout=5)
+        for s in socks:
+            s.close()
+    assert status == 0, f"a fresh read was answered {status} (4 = BUSY: all slots held by tricklers)"
 
 
-def test_bounds_one_address_holds_at_most_half_the_data_plane_slots(tmp_path: Path) -> None:
+def test_bounds_one_address_holds_at_most_half_the_data_plane_slots(make_cluster: Callable[..., LocalCluster]) -> None:
     """A worker with 8 data-plane slots; 8 connections from one address each make a valid read and stay
     open: the 5th and later are answered BUSY (half the slots per peer address), and a client at another
     address is served meanwhile (before: every slot held by the first address, the client answered BUSY)."""
-    with LocalCluster(tmp_path / "c", workers=1, capacity="64M", worker_args=["--data-max-conns", "8"]) as c:
-        with c.client(timeout=T) as cl:
-            assert cl.put("/half/a", b"h" * 10_000) is True
-        time.sleep(0.3)  # the client's pooled connection is closed
-        loc = _master(c).Stat(pb.PathRequest(path="/half/a"), timeout=T).locations[0]
-        host, port = loc.data_address.rsplit(":", 1)
-        head = _read_header(loc.capability, loc.block_id)
-        socks, statuses = [], []
-        try:
-            for _ in range(8):
-                s = socket.create_connection((host, int(port)), timeout=5, source_address=("127.0.0.1", 0))
-                s.sendall(head)
-                statuses.append(_read_reply(s))
-                socks.append(s)
-            other = socket.create_connection((host, int(port)), timeout=5, source_address=("127.0.0.2", 0))
-            other.sendall(head)
-            status = _read_reply(other)
-            other.close()
-        finally:
-            for s in socks:
-                s.close()
-        assert statuses[:4] == [0] * 4 and statuses[4:] == [4] * 4, statuses
-        assert status == 0, f"a client at another address was answered {status} (4 = BUSY)"
+    c = make_cluster(1, capacity="64M", worker_args=["--data-max-conns", "8"])
+    with c.client(timeout=T) as cl:
+        assert cl.put("/half/a", b"h" * 10_000) is True
+    time.sleep(0.3)  # the client's pooled connection is closed
+    loc = _master(c).Stat(pb.PathRequest(path="/half/a"), timeout=T).locations[0]
+    host, port = loc.data_address.rsplit(":", 1)
+    head = _read_header(loc.capability, loc.block_id)
+    socks, statuses = [], []
+    try:
+        for _ in range(8):
+            s = socket.create_connection((host, int(port)), timeout=5, source_address=("127.0.0.1", 0))
+            s.sendall(head)
+            statuses.append(_read_reply(s))
+            socks.append(s)
+        other = socket.create_connection((host, int(port)), timeout=5, source_address=("127.0.0.2", 0))
+        other.sendall(head)
+        status = _read_reply(other)
+        other.close()
+    finally:
+        for s in socks:
+            s.close()
+    assert statuses[:4] == [0] * 4 and statuses[4:] == [4] * 4, statuses
+    assert status == 0, f"a client at another address was answered {status} (4 = BUSY)"
 
 
-def test_bounds_unread_grpc_read_streams_leave_the_masters_calls_served(tmp_path: Path) -> None:
+def test_bounds_unread_grpc_read_streams_leave_the_masters_calls_served(
+        make_cluster: Callable[..., LocalCluster]) -> None:
     """48 ReadBlock streams of a 16 MiB block, one connection each, that the caller never reads (the worker
     has 32 gRPC threads): a same-node put (its reserve/adopt calls) still succeeds, and a delete reaches the
     worker (the master's DeleteBlocks call), within seconds."""
-    with LocalCluster(tmp_path / "c", workers=1, capacity="256M", heartbeat_interval=0.5) as c:
-        with c.client(timeout=T) as cl:
-            assert cl.put("/big/a", os.urandom(16 << 20)) is True
-            assert cl.put("/big/gone", b"z" * 30_000) is True
-        st = _master(c).Stat(pb.PathRequest(path="/big/a"), timeout=T)
-        loc = st.locations[0]
-        gone_bid = _master(c).Stat(pb.PathRequest(path="/big/gone"), timeout=T).locations[0].block_id
-        # one connection each (a shared one would be throttled as a whole by HTTP/2 flow control)
-        chans = [grpc.insecure_channel(loc.address, options=[("grpc.use_local_subchannel_pool", 1)])
-                 for _ in range(48)]
-        streams = [pbg.WorkerStub(ch).ReadBlock(pb.ReadRequest(block_id=loc.block_id, capability=loc.capability),
-                                                timeout=60) for ch in chans]
-        try:
-            time.sleep(1.5)  # the worker has started them all (or refused the excess)
-            t0 = time.monotonic()
-            with c.client(node_id="node-1", timeout=T) as local:
-                ok = local.put("/big/local", b"l" * 100_000)
-                local.rm("/big/gone")
-            took = time.monotonic() - t0
-            assert ok is True, "same-node put failed while unread streams held the worker"
-            data_dir = c.workers[0].data_dir
-            deadline = time.monotonic() + 10
-            while any(gone_bid in p.name for p in data_dir.rglob("*")):
-                assert time.monotonic() < deadline, "the master's DeleteBlocks never reached the worker"
-                time.sleep(0.2)
-            assert took < T
-        finally:
-            for s in streams:
-                s.cancel()
-            for ch in chans:
-                ch.close()
+    c = make_cluster(1, capacity="256M", heartbeat_interval=0.5)
+    with c.client(timeout=T) as cl:
+        assert cl.put("/big/a", os.urandom(16 << 20)) is True
+        assert cl.put("/big/gone", b"z" * 30_000) is True
+    st = _master(c).Stat(pb.PathRequest(path="/big/a"), timeout=T)
+    loc = st.locations[0]
+    gone_bid = _master(c).Stat(pb.PathRequest(path="/big/gone"), timeout=T).locations[0].block_id
+    # one connection each (a shared one would be throttled as a whole by HTTP/2 flow control)
+    chans = [grpc.insecure_channel(loc.address, options=[("grpc.use_local_subchannel_pool", 1)])
+             for _ in range(48)]
+    streams = [pbg.WorkerStub(ch).ReadBlock(pb.ReadRequest(block_id=loc.block_id, capability=loc.capability),
+                                            timeout=60) for ch in chans]
+    try:
+        time.sleep(1.5)  # the worker has started them all (or refused the excess)
+        t0 = time.monotonic()
+        with c.client(node_id="node-1", timeout=T) as local:
+            ok = local.put("/big/local", b"l" * 100_000)
+            local.rm("/big/gone")
+        took = time.monotonic() - t0
+        assert ok is True, "same-node put failed while unread streams held the worker"
+        data_dir = c.workers[0].data_dir
+        deadline = time.monotonic() + 10
+        while any(gone_bid in p.name for p in data_dir.rglob("*")):
+            assert time.monotonic() < deadline, "the master's DeleteBlocks never reached the worker"
+            time.sleep(0.2)
+        assert took < T
+    finally:
+        for s in streams:
+            s.cancel()
+        for ch in chans:
+            ch.close()
 
 
-def test_bounds_half_sent_metrics_requests_hold_no_threads(tmp_path: Path) -> None:
+def test_bounds_half_sent_metrics_requests_hold_no_threads(make_cluster: Callable[..., LocalCluster]) -> None:
     """150 connections to a worker's /metrics port that send half a request line and stop: the worker does
     not keep a thread per connection, and /metrics still answers a scraper at another address."""
-    with LocalCluster(tmp_path / "c", workers=1, capacity="64M") as c:
-        w = c.workers[0]
-        assert w.proc is not None and w.metrics_port
-        base = _threads(w.proc.pid)
-        socks = []
-        try:
-            for _ in range(150):
-                s = socket.create_connection(("127.0.0.1", w.metrics_port), timeout=5)
-                s.sendall(b"GET /metr")
-                socks.append(s)
-            time.sleep(1.0)
-            grew = _threads(w.proc.pid) - base
-            t0 = time.monotonic()
-            scrape = http.client.HTTPConnection("127.0.0.1", w.metrics_port, timeout=10,
-                                                source_address=("127.0.0.2", 0))
-            scrape.request("GET", "/metrics")
-            body = scrape.getresponse().read()
-            scrape.close()
-            assert b"l2fs_" in body and time.monotonic() - t0 < 5
-        finally:
-            for s in socks:
-                s.close()
-        assert grew < 40, f"{grew} threads held by 150 half-sent requests"
+    c = make_cluster(1, capacity="64M")
+    w = c.workers[0]
+    assert w.proc is not None and w.metrics_port
+    base = _threads(w.proc.pid)
+    socks = []
+    try:
+        for _ in range(150):
+            s = socket.create_connection(("127.0.0.1", w.metrics_port), timeout=5)
+            s.sendall(b"GET /metr")
+            socks.append(s)
+        time.sleep(1.0)
+        grew = _threads(w.proc.pid) - base
+        t0 = time.monotonic()
+        scrape = http.client.HTTPConnection("127.0.0.1", w.metrics_port, timeout=10,
+                                            source_address=("127.0.0.2", 0))
+        scrape.request("GET", "/metrics")
+        body = scrape.getresponse().read()
+        scrape.close()
+        assert b"l2fs_" in body and time.monotonic() - t0 < 5
+    finally:
+        for s in socks:
+            s.close()
+    assert grew < 40, f"{grew} threads held by 150 half-sent requests"
 
 
 # ---------- node-local exposure ----------
 
-def test_bounds_worker_manifest_is_private_also_when_made_before(tmp_path: Path) -> None:
+def test_bounds_worker_manifest_is_private_also_when_made_before(tmp_path: Path,
+                                                                 make_cluster: Callable[..., LocalCluster]) -> None:
     """The worker's data dir is 0700 and its manifest, WAL and worker id 0600; a data dir made world
     readable before (an older worker, a hand-made dir) is tightened when the worker starts."""
     d = tmp_path / "c" / "worker-1"
@@ -409,12 +402,12 @@ def test_bounds_worker_manifest_is_private_also_when_made_before(tmp_path: Path)
     d.chmod(0o755)
     (d / "manifest.sqlite3").touch(mode=0o644)
     (d / "manifest.sqlite3").chmod(0o644)
-    with LocalCluster(tmp_path / "c", workers=1, capacity="64M") as c:
-        assert c.workers[0].data_dir == d
-        with c.client(timeout=T) as cl:
-            assert cl.put("/priv/a", b"p" * 10_000) is True
-        assert stat.S_IMODE(d.stat().st_mode) == 0o700, oct(d.stat().st_mode)
-        files = [p for p in d.iterdir() if p.name.startswith("manifest") or p.name == "worker_id"]
-        assert any(p.name.endswith("-wal") for p in files), [p.name for p in files]
-        for p in files:
-            assert stat.S_IMODE(p.stat().st_mode) & 0o077 == 0, (p.name, oct(p.stat().st_mode))
+    c = make_cluster(1, name="c", capacity="64M")
+    assert c.workers[0].data_dir == d
+    with c.client(timeout=T) as cl:
+        assert cl.put("/priv/a", b"p" * 10_000) is True
+    assert stat.S_IMODE(d.stat().st_mode) == 0o700, oct(d.stat().st_mode)
+    files = [p for p in d.iterdir() if p.name.startswith("manifest") or p.name == "worker_id"]
+    assert any(p.name.endswith("-wal") for p in files), [p.name for p in files]
+    for p in files:
+        assert stat.S_IMODE(p.stat().st_mode) & 0o077 == 0, (p.name, oct(p.stat().st_mode))

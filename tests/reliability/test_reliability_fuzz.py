@@ -243,19 +243,17 @@ def _still_healthy(cluster: Any) -> None:
     assert dir_bytes(cluster.workers[0].data_dir) <= CAPACITY + (1 << 20)
 
 
-def test_register_rejects_malformed_addresses(tmp_path_factory: pytest.TempPathFactory) -> None:
+def test_register_rejects_malformed_addresses(make_cluster: Any) -> None:
     """A registration whose address is not host:port must be refused with INVALID_ARGUMENT; otherwise
     the master hands clients an unusable worker (found by the garbage-bytes fuzzer)."""
-    from l2fs.testing.cluster import LocalCluster
-
-    with LocalCluster(tmp_path_factory.mktemp("badreg"), workers=0) as cluster:
-        ch = grpc.insecure_channel(cluster.master)
-        for addr, data_addr in (("/b/./\x00/a", ""), ("127.0.0.1:1", "not-an-address"), ("host:port", ""),
-                                ("127.0.0.1:99999", "")):
-            req = pb.RegisterRequest(worker_id=f"w-{len(addr)}-{len(data_addr)}", node_id="n", address=addr,
-                                     capacity=1 << 30)
-            if data_addr:
-                req.data_address = data_addr
-            code, details = _status(lambda req=req: _call(ch, "Master", "RegisterWorker", req, False, False))
-            assert code == grpc.StatusCode.INVALID_ARGUMENT, (addr, data_addr, code, details)
-        ch.close()
+    cluster = make_cluster(0)
+    ch = grpc.insecure_channel(cluster.master)
+    for addr, data_addr in (("/b/./\x00/a", ""), ("127.0.0.1:1", "not-an-address"), ("host:port", ""),
+                            ("127.0.0.1:99999", "")):
+        req = pb.RegisterRequest(worker_id=f"w-{len(addr)}-{len(data_addr)}", node_id="n", address=addr,
+                                 capacity=1 << 30)
+        if data_addr:
+            req.data_address = data_addr
+        code, details = _status(lambda req=req: _call(ch, "Master", "RegisterWorker", req, False, False))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT, (addr, data_addr, code, details)
+    ch.close()

@@ -74,13 +74,13 @@ def _forwarder(target: str, source: str) -> Iterator[str]:
 
 
 @pytest.mark.k8s
-def test_one_source_flooding_made_up_tokens_leaves_other_sources_reviewed(tmp_path: Path) -> None:
+def test_one_source_flooding_made_up_tokens_leaves_other_sources_reviewed(tmp_path: Path, make_cluster: Any) -> None:
     """4 threads of made-up-token Heartbeats from 127.0.0.2 (through a forwarder) on a `--worker-identity k8s`
     master (kmock TokenReview); after 1.5 s of it, 8 new nodes' workers each present a real projected token
     from 127.0.0.1. Each is reviewed and accepted (its Heartbeat is answered, not UNAUTHENTICATED), within 3
     tries 0.3 s apart; the flood's reviews that reached the API server stay within that source's share (burst
     20 + 5/s). Before: the flood kept the one shared budget empty, 0 of the 8 got through."""
-    with review_api(tmp_path) as api, k8s_local_cluster(api, tmp_path) as cl:
+    with review_api(tmp_path) as api, k8s_local_cluster(make_cluster, api, tmp_path) as cl:
         new = {f"node-new-{i}": jwt(f"node-new-{i}") for i in range(8)}
         for node, tok in new.items():
             api.emu.table[tok] = (SA, node, ["l2fs"])

@@ -102,14 +102,13 @@ def _k8s_router(cluster, url: str, *args: str) -> Proc:
     return rt
 
 
-def test_l2_hit_is_credited_only_to_the_revision_whose_prefix_holds_it(k8s, cluster, tmp_path):
+def test_l2_hit_is_credited_only_to_the_revision_whose_prefix_holds_it(k8s, cluster, make_cluster):
     """Two endpoint revisions announce different kv-prefix annotations; chunks exist under one of them."""
     from operator_patch.patch import KV_PREFIX_KEY
     from router.discovery import KV_PREFIX_ANNOTATION
     from router.l2 import L2Lookup
 
     assert KV_PREFIX_ANNOTATION == KV_PREFIX_KEY  # the router reads what the operator patch writes
-    local = pytest.importorskip("l2fs.testing.cluster")
     from l2fs.client import Client
 
     url, api = k8s
@@ -120,7 +119,8 @@ def test_l2_hit_is_credited_only_to_the_revision_whose_prefix_holds_it(k8s, clus
     api.create_namespaced_pod("serving", pod("new", _port(new), ready=True,
                                              annotations={KV_PREFIX_KEY: pre[new.url]}))
     prompts = ["".join(chr(65 + (i * k) % 26) for i in range(600)) for k in (3, 5, 7, 11)]
-    with local.LocalCluster(tmp_path / "l2", workers=1) as l2, Client(l2.master) as c:
+    l2 = make_cluster(1)
+    with Client(l2.master) as c:
         names = L2Lookup(l2.master, model_name="tiny-model")  # the router's own naming, in this process
         home = {prompts[0]: new.url, prompts[1]: old.url, prompts[2]: new.url}  # prompts[3]: nowhere
         for prompt, where in home.items():

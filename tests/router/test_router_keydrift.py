@@ -13,7 +13,9 @@ import importlib.util
 import os
 import re
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -23,7 +25,6 @@ from router_helpers import PY, ROOT, Proc
 from kvtier import contract
 from l2fs import procs
 
-LocalCluster = pytest.importorskip("l2fs.testing.cluster").LocalCluster
 if importlib.util.find_spec("lmcache") is None:
     pytest.skip("lmcache not installed", allow_module_level=True)
 
@@ -50,7 +51,8 @@ def _state(rt: Proc) -> str | None:
     return on[0] if on else None
 
 
-def test_router_drops_l2_credit_when_installed_lmcache_keys_drift(cluster, tmp_path: Path) -> None:
+def test_router_drops_l2_credit_when_installed_lmcache_keys_drift(cluster, tmp_path: Path,
+                                                                  make_cluster: Callable[..., Any]) -> None:
     from l2fs.client import Client
 
     prompt = "".join(chr(65 + (i * 7) % 26) for i in range(600))  # bytes tokenizer: 2 full chunks
@@ -58,28 +60,28 @@ def test_router_drops_l2_credit_when_installed_lmcache_keys_drift(cluster, tmp_p
     patched = tmp_path / "next-lmcache"
     patched.mkdir()
     (patched / "sitecustomize.py").write_text(SITECUSTOMIZE)
-    with LocalCluster(tmp_path / "l2", workers=1) as l2:
-        c = Client(l2.master)
-        for h in contract.chunk_hashes(tokens):  # the chunks replicas of today's LMCache wrote
-            c.put(contract.plugin_path(contract.KV_PREFIX, "tiny-model", 1, 0, h, "float"), b"kv-bytes")
-        rep = cluster.replica(kv=False)
-        args = ["--port", "0", "--replicas", rep.url, "--strategy", "kvaware", "--l2fs-master", l2.master,
-                "--l2fs-model-name", "tiny-model"]
-        bad = _router(args, tmp_path / "router-drift.log", f"{patched}{os.pathsep}{ROOT}")
-        good = _router(args, tmp_path / "router-ok.log", str(ROOT))
-        cluster.procs += [bad, good]
-        t0 = time.monotonic()
-        while _state(bad) == contract.KEY_PENDING or _state(good) == contract.KEY_PENDING:
-            assert time.monotonic() - t0 < 300, "the key check never answered"
-            time.sleep(1)
-        assert _state(good) == contract.KEY_OK, good.log.read_text()[-2000:]
-        assert _state(bad) == contract.KEY_DRIFT, bad.log.read_text()[-2000:]
-        drift_lines = [ln for ln in bad.log.read_text().splitlines() if "KVTIER KEY DRIFT" in ln]
-        assert len(drift_lines) == 1 and "no L2 credit" in drift_lines[0]
-        body = {"model": "tiny", "prompt": prompt, "max_tokens": 1}
-        r = good.post("/v1/completions", json=body)
-        assert r.status_code == 200 and r.headers.get("x-kvtier-l2-tokens") == str(2 * 256)
-        r = bad.post("/v1/completions", json=body)
-        assert r.status_code == 200, r.text  # still routes (load balancing), with no L2 credit
-        assert "x-kvtier-l2-tokens" not in r.headers
-        c.close()
+    l2 = make_cluster(1)
+    c = Client(l2.master)
+    for h in contract.chunk_hashes(tokens):  # the chunks replicas of today's LMCache wrote
+        c.put(contract.plugin_path(contract.KV_PREFIX, "tiny-model", 1, 0, h, "float"), b"kv-bytes")
+    rep = cluster.replica(kv=False)
+    args = ["--port", "0", "--replicas", rep.url, "--strategy", "kvaware", "--l2fs-master", l2.master,
+            "--l2fs-model-name", "tiny-model"]
+    bad = _router(args, tmp_path / "router-drift.log", f"{patched}{os.pathsep}{ROOT}")
+    good = _router(args, tmp_path / "router-ok.log", str(ROOT))
+    cluster.procs += [bad, good]
+    t0 = time.monotonic()
+    while _state(bad) == contract.KEY_PENDING or _state(good) == contract.KEY_PENDING:
+        assert time.monotonic() - t0 < 300, "the key check never answered"
+        time.sleep(1)
+    assert _state(good) == contract.KEY_OK, good.log.read_text()[-2000:]
+    assert _state(bad) == contract.KEY_DRIFT, bad.log.read_text()[-2000:]
+    drift_lines = [ln for ln in bad.log.read_text().splitlines() if "KVTIER KEY DRIFT" in ln]
+    assert len(drift_lines) == 1 and "no L2 credit" in drift_lines[0]
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 1}
+    r = good.post("/v1/completions", json=body)
+    assert r.status_code == 200 and r.headers.get("x-kvtier-l2-tokens") == str(2 * 256)
+    r = bad.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text  # still routes (load balancing), with no L2 credit
+    assert "x-kvtier-l2-tokens" not in r.headers
+    c.close()

@@ -7,12 +7,13 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 from router_helpers import PY, ROOT, Proc, _spawn
 
-LocalCluster = pytest.importorskip("l2fs.testing.cluster").LocalCluster
 if importlib.util.find_spec("lmcache") is None:  # the reference side needs it; this process never imports it
     pytest.skip("lmcache not installed", allow_module_level=True)
 
@@ -45,14 +46,15 @@ def connector_paths(tokens: list[int], mode: str = "plugin", model: str = "tiny-
 
 
 @pytest.mark.parametrize("mode", ["plugin", "mount"])
-def test_l2_lookup_finds_chunks_as_each_mode_writes_them(mode: str, tmp_path: Path) -> None:
+def test_l2_lookup_finds_chunks_as_each_mode_writes_them(mode: str, make_cluster: Callable[..., Any]) -> None:
     """In-process L2Lookup (no LMCache in this process) against a real l2fs holding a chunk gap."""
     from l2fs.client import Client
     from router.l2 import L2Lookup
 
     tokens = [(i * 37) % 32000 for i in range(5 * 256 + 10)]
     paths = connector_paths(tokens, mode, "org/Model-7B")[:5]
-    with LocalCluster(tmp_path / "l2", workers=1) as l2, Client(l2.master) as c:
+    l2 = make_cluster(1)
+    with Client(l2.master) as c:
         for p in paths[:3] + paths[4:]:  # chunk 3 missing: only the first three count
             c.put(p, b"kv-bytes")
         lk = L2Lookup(l2.master, mode=mode, model_name="org/Model-7B")
@@ -63,7 +65,7 @@ def test_l2_lookup_finds_chunks_as_each_mode_writes_them(mode: str, tmp_path: Pa
         assert L2Lookup(l2.master, mode=other, model_name="org/Model-7B").lookup(tokens, "x") == 0
 
 
-def test_router_sees_l2_prefix_and_treats_l2_failure_as_miss(cluster, tmp_path: Path):
+def test_router_sees_l2_prefix_and_treats_l2_failure_as_miss(cluster, tmp_path: Path, make_cluster):
     from l2fs.client import Client
 
     prompt = "".join(chr(65 + (i * 7) % 26) for i in range(1100))  # bytes tokenizer: 1100 tokens, 4 chunks
@@ -71,29 +73,29 @@ def test_router_sees_l2_prefix_and_treats_l2_failure_as_miss(cluster, tmp_path: 
     paths = connector_paths(tokens)
     assert len(paths) == 5  # 4 full chunks + the partial tail, which the connector never stores
     paths = paths[:4]
-    with LocalCluster(tmp_path / "l2", workers=1) as l2:
-        c = Client(l2.master)
-        for p in (paths[0], paths[1], paths[3]):  # chunk 2 missing: only the first two count
-            c.put(p, b"kv-bytes")
-        rep = cluster.replica(kv=False)
-        cluster.n += 1
-        log = tmp_path / "router-l2.log"
-        p, url = _spawn([PY, "-m", "router.cli", "--port", "0", "--replicas", rep.url, "--strategy", "kvaware",
-                         "--l2fs-master", l2.master, "--l2fs-model-name", "tiny-model"], log,
-                        r"listening on (http://\S+)", timeout=120)
-        rt = Proc(p, url, log)
-        cluster.procs.append(rt)
-        import httpx
+    l2 = make_cluster(1)
+    c = Client(l2.master)
+    for p in (paths[0], paths[1], paths[3]):  # chunk 2 missing: only the first two count
+        c.put(p, b"kv-bytes")
+    rep = cluster.replica(kv=False)
+    cluster.n += 1
+    log = tmp_path / "router-l2.log"
+    p, url = _spawn([PY, "-m", "router.cli", "--port", "0", "--replicas", rep.url, "--strategy", "kvaware",
+                     "--l2fs-master", l2.master, "--l2fs-model-name", "tiny-model"], log,
+                    r"listening on (http://\S+)", timeout=120)
+    rt = Proc(p, url, log)
+    cluster.procs.append(rt)
+    import httpx
 
-        assert httpx.get(url + "/health", timeout=300).status_code == 200  # serves once LMCache is imported
-        r = rt.post("/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 1})
-        assert r.status_code == 200, r.text
-        assert r.headers.get("x-kvtier-l2-tokens") == str(2 * 256)
-        # the router forgets nothing wrong when L2 goes away: lookups become misses, requests still work
-        l2.kill_master()
-        r = rt.post("/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 1})
-        assert r.status_code == 200 and "x-kvtier-l2-tokens" not in r.headers
-        c.close()
+    assert httpx.get(url + "/health", timeout=300).status_code == 200  # serves once LMCache is imported
+    r = rt.post("/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 1})
+    assert r.status_code == 200, r.text
+    assert r.headers.get("x-kvtier-l2-tokens") == str(2 * 256)
+    # the router forgets nothing wrong when L2 goes away: lookups become misses, requests still work
+    l2.kill_master()
+    r = rt.post("/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 1})
+    assert r.status_code == 200 and "x-kvtier-l2-tokens" not in r.headers
+    c.close()
 
 
 @pytest.mark.unit
@@ -117,7 +119,8 @@ def test_cli_l2fs_flags_are_checked_before_serving(capsys: pytest.CaptureFixture
         build_parser().parse_args(["--l2fs-mode", "s3"])
 
 
-def test_router_l2_flags_are_the_shared_l2fs_client_group(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_router_l2_flags_are_the_shared_l2fs_client_group(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                          make_cluster: Callable[..., Any]) -> None:
     """The router's own parser takes l2fs's client group as --l2fs-* (token file, TLS CA, node id, $L2FS_* defaults)
     and its L2 lookup uses them: against a token cluster it finds a stored chunk with --l2fs-token-file and
     misses (an error, not a failure) without it."""
@@ -128,18 +131,18 @@ def test_router_l2_flags_are_the_shared_l2fs_client_group(tmp_path: Path, monkey
         monkeypatch.delenv(var, raising=False)
     (tmp_path / "tok").write_text("router-test-token\n")
     tokens = [(i * 11) % 32000 for i in range(2 * 256)]
-    with LocalCluster(tmp_path / "l2", workers=1, token="router-test-token") as l2:
-        flags = ["--l2fs-master", l2.master, "--l2fs-model-name", "m"]
-        ns = build_parser().parse_args([*flags, "--l2fs-token-file", str(tmp_path / "tok"), "--l2fs-node-id", "n-3"])
-        lk = l2_lookup_from_args(ns)
-        assert lk is not None and lk.client_options.node_id == "n-3"
-        with Client(l2.master, token="router-test-token") as c:
-            for p in lk.paths(tokens, "m"):
-                c.put(p, b"kv-bytes")
-        assert lk.lookup(tokens, "m") == 2 * 256
-        bare = l2_lookup_from_args(build_parser().parse_args(flags))
-        assert bare is not None and bare.lookup(tokens, "m") == 0 and bare.errors == 1
-        monkeypatch.setenv("L2FS_TOKEN", "router-test-token")  # the environment default, as every l2fs command
-        assert l2_lookup_from_args(build_parser().parse_args(flags)).lookup(tokens, "m") == 2 * 256
+    l2 = make_cluster(1, token="router-test-token")
+    flags = ["--l2fs-master", l2.master, "--l2fs-model-name", "m"]
+    ns = build_parser().parse_args([*flags, "--l2fs-token-file", str(tmp_path / "tok"), "--l2fs-node-id", "n-3"])
+    lk = l2_lookup_from_args(ns)
+    assert lk is not None and lk.client_options.node_id == "n-3"
+    with Client(l2.master, token="router-test-token") as c:
+        for p in lk.paths(tokens, "m"):
+            c.put(p, b"kv-bytes")
+    assert lk.lookup(tokens, "m") == 2 * 256
+    bare = l2_lookup_from_args(build_parser().parse_args(flags))
+    assert bare is not None and bare.lookup(tokens, "m") == 0 and bare.errors == 1
+    monkeypatch.setenv("L2FS_TOKEN", "router-test-token")  # the environment default, as every l2fs command
+    assert l2_lookup_from_args(build_parser().parse_args(flags)).lookup(tokens, "m") == 2 * 256
     monkeypatch.setenv("L2FS_MASTER", "h:1")
     assert build_parser().parse_args([]).l2fs_master == "h:1"

@@ -7,15 +7,15 @@ them; one without it, or with another tenant's salt, computes other paths and se
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
 from router_helpers import PY, Proc, _spawn
 
 from kvtier import contract
-
-LocalCluster = pytest.importorskip("l2fs.testing.cluster").LocalCluster
 
 SALT_A = "tenant-a-0123456789abcdef"
 SALT_B = "tenant-b-0123456789abcdef"
@@ -32,13 +32,15 @@ def _router(cluster, l2_master: str, replica: str, log: Path) -> Proc:
     return rt
 
 
-def test_router_needs_the_endpoint_salt(cluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_router_needs_the_endpoint_salt(cluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                        make_cluster: Callable[..., Any]) -> None:
     from l2fs.client import Client
 
     prompt = "".join(chr(65 + (i * 11) % 26) for i in range(800))  # bytes tokenizer: 800 tokens, 3 chunks
     hashes = contract.chunk_hashes(list(prompt.encode()))
     salted = contract.salted_prefix(contract.KV_PREFIX, SALT_A)
-    with LocalCluster(tmp_path / "l2", workers=1) as l2, Client(l2.master) as c:
+    l2 = make_cluster(1)
+    with Client(l2.master) as c:
         for h in hashes:  # what endpoint A's replicas (plugin mode, salt A) wrote for this prompt
             c.put(contract.plugin_path(salted, MODEL, 1, 0, h, "float"), b"kv-bytes")
         rep = cluster.replica(kv=False)
