@@ -2,7 +2,7 @@
 
 Why one place: the same variable was read in several modules with different defaults (L2FS_MASTER in 8 places,
 L2FS_NODE_ID defaulting to "", None or the hostname). Code asks `envs.get(NAME)` (or `envs.NAME`); a name
-missing from VARS is a KeyError, and tests/l2fs/test_l2fs_unit_envs.py fails on any other read of an L2FS_* or
+missing from VARS is a KeyError, and tests/kvtier/test_kvtier_envs.py fails on any other read of an L2FS_* or
 KVTIER_* variable in the product packages. KVTIER_* variables live in kvtier/envs.py (l2fs imports nothing of
 kvtier). `python -m l2fs.envs` prints the table.
 

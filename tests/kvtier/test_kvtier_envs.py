@@ -146,3 +146,65 @@ def test_operator_flags_keep_an_empty_value(monkeypatch: pytest.MonkeyPatch) -> 
     assert parse().token_secret == ""
     monkeypatch.setenv("KVTIER_MASTER", "m:1")
     assert parse().master == "m:1"
+
+
+def _patch_flag_vars() -> set[str]:
+    """KVTIER_<FLAG> of every `kvtier webhook` / `operator-patch` flag: kvtier/envs.py's PATCH_FLAG family row."""
+    from operator_patch.options import add_config_args
+
+    p = argparse.ArgumentParser()
+    add_config_args(p)
+    return {"KVTIER_" + a.option_strings[0].lstrip("-").replace("-", "_").upper()
+            for a in p._actions if a.option_strings and a.dest != "help"}
+
+
+def _deploy_config() -> tuple[dict[str, str], dict[str, set[str]]]:
+    """deploy/'s kvtier-config ConfigMap: the keys and values of deploy/base/config.env, and every key of it
+    that deploy/ sets (config.env, the overlays' and components' merges) -> the files that set it."""
+    import yaml
+
+    base = {}
+    for line in (ROOT / "deploy/base/config.env").read_text().splitlines():
+        if line.strip() and not line.lstrip().startswith("#"):
+            key, _, value = line.partition("=")
+            base[key.strip()] = value.strip()
+    where: dict[str, set[str]] = {}
+    for kust in sorted((ROOT / "deploy").rglob("kustomization.yaml")):
+        for gen in yaml.safe_load(kust.read_text()).get("configMapGenerator") or []:
+            if gen.get("name") != "kvtier-config":
+                continue
+            for lit in gen.get("literals") or []:
+                where.setdefault(lit.split("=", 1)[0], set()).add(kust.relative_to(ROOT).as_posix())
+            for env in gen.get("envs") or []:
+                assert (kust.parent / env).resolve() == ROOT / "deploy/base/config.env", (kust, env)
+                for key in base:
+                    where.setdefault(key, set()).add("deploy/base/config.env")
+    return base, where
+
+
+def test_every_deploy_config_key_has_one_home() -> None:
+    """Each key deploy/ puts in kvtier-config is documented in exactly one table: l2fs/envs.py's (a program reads
+    it), kvtier/envs.py's VARS or its KVTIER_<FLAG> family (the webhook reads it), or kvtier/envs.py's DEPLOY (only
+    the manifests expand it)."""
+    base, where = _deploy_config()
+    assert "L2FS_DATA_CAPACITY" in base and "deploy/overlays/dev/kustomization.yaml" in where["L2FS_DATA_CAPACITY"]
+    assert set(base) <= set(where)  # config.env is the generator's file
+    flags = _patch_flag_vars()
+    assert {"KVTIER_MODE", "KVTIER_TOKEN_SECRET"} <= flags
+    tables = {"l2fs/envs.py VARS": set(l2fs_envs.VARS), "kvtier/envs.py VARS": set(kvtier_envs.VARS),
+              "kvtier/envs.py PATCH_FLAG": flags, "kvtier/envs.py DEPLOY": set(kvtier_envs.DEPLOY)}
+    bad = []
+    for key in sorted(where):
+        homes = [t for t, names in tables.items() if key in names]
+        if len(homes) != 1:
+            bad.append(f"{key} (set in {', '.join(sorted(where[key]))}): in {homes or 'no table'}")
+    assert not bad, "each kvtier-config key needs exactly one row (a DEPLOY row if only manifests read it):\n" + \
+        "\n".join(bad)
+
+
+def test_deploy_table_has_no_stale_rows() -> None:
+    """Every DEPLOY row is a key of deploy/base/config.env with the value config.env gives it, and has a meaning."""
+    base, _ = _deploy_config()
+    assert set(kvtier_envs.DEPLOY) - set(base) == set(), "DEPLOY rows no longer in deploy/base/config.env"
+    assert {k: v.default for k, v in kvtier_envs.DEPLOY.items()} == {k: base[k] for k in kvtier_envs.DEPLOY}
+    assert all(v.meaning for v in kvtier_envs.DEPLOY.values())
