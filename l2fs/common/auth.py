@@ -9,7 +9,7 @@ import logging
 import re
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +28,24 @@ READERS = frozenset({"admin", "engine", "router", "mount"})
 WRITERS = frozenset({"admin", "engine", "mount"})
 REMOVERS = frozenset({"admin", "mount"})  # Delete/Rename: a mount only of files it wrote (may_replace)
 ADMINS = frozenset({"admin"})
+# Read scopes: engine and mount credentials read, list and look up only under their read prefixes (and see the
+# directories on the way to them); the other roles read everywhere (a router looks up every endpoint).
+SCOPED_READERS = frozenset({"engine", "mount"})
+# What an engine or mount entry reads when its tokens-file entry names no "read_prefixes": its own prefixes and
+# the shared key-compatibility records (kvtier.contract.META_PREFIX, which every replica's connector lists and
+# reads: connector.fingerprint; l2fs imports nothing of kvtier, tests/kvtier/test_kvtier_tokens.py ties the two)
+SHARED_READ_PREFIXES = ("/kvtier/meta",)
+
+
+def read_scope(roles: frozenset[str], prefixes: tuple[str, ...],
+               read_prefixes: tuple[str, ...] | None = None) -> tuple[str, ...] | None:
+    """The prefixes a credential may read under, None = everywhere. Admin, router (and worker, which has no
+    read calls) read everywhere; an engine or mount reads its write prefixes (what it may write it may look
+    up: put-if-absent answers "exists" anyway) plus `read_prefixes`, by default SHARED_READ_PREFIXES."""
+    if not roles & SCOPED_READERS or roles & {"admin", "router"}:
+        return None
+    out = tuple(sorted({*prefixes, *(SHARED_READ_PREFIXES if read_prefixes is None else read_prefixes)}))
+    return None if "/" in out else out
 
 
 class TokensFileError(ValueError):
@@ -51,8 +69,10 @@ def new_worker_id(node_id: str) -> str:
 
 @dataclass(frozen=True)
 class Credential:
-    """Who a bearer token is: its name (for logs), roles, the path prefixes an engine may write under, and the
-    node a worker credential is bound to ("" = any node: the weaker, in-memory-only binding)."""
+    """Who a bearer token is: its name (for logs), roles, the path prefixes an engine may write under, the node
+    a worker credential is bound to ("" = any node: the weaker, in-memory-only binding) and the extra prefixes
+    an engine or mount reads under (`read_prefixes`, None = SHARED_READ_PREFIXES; `reads` is the whole scope,
+    read_scope)."""
 
     name: str
     roles: frozenset[str]
@@ -61,6 +81,35 @@ class Credential:
     # a mount's: prefixes served by an engine credential (an endpoint of its own, plugin mode), which no mount
     # may write under (Credentials sets them from the tokens file: Credentials.bounded)
     excluded: tuple[str, ...] = ()
+    read_prefixes: tuple[str, ...] | None = None
+    # derived (read_scope): every prefix it reads under, None = everywhere; and those + "/" for one startswith
+    reads: tuple[str, ...] | None = field(init=False, repr=False, compare=False)
+    _read_dirs: tuple[str, ...] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        reads = read_scope(self.roles, self.prefixes, self.read_prefixes)
+        object.__setattr__(self, "reads", reads)
+        object.__setattr__(self, "_read_dirs", tuple(p + "/" for p in reads or ()))
+
+    def may_read(self, path: str) -> bool:
+        """Whether this credential may look `path` up (Stat, StatMany, PrefixLookup, List) and so get a read
+        capability for its block: at or under one of its read prefixes (`reads`), or anywhere when unscoped."""
+        return self.reads is None or path in self.reads or path.startswith(self._read_dirs)
+
+    def leads_to(self, path: str) -> bool:
+        """Whether `path` is a directory on the way to a read prefix (a strict ancestor of one): it may see that
+        such a directory exists, and in a listing of it only the entries on the way (visible_names)."""
+        if self.reads is None:
+            return True
+        return path == "/" or any(p.startswith(path + "/") for p in self.reads)
+
+    def visible_names(self, path: str) -> set[str] | None:
+        """The child names of directory `path` this credential may see in a listing: None = all of them (it may
+        read `path`), else the next components towards its read prefixes (empty: none)."""
+        if self.may_read(path):
+            return None
+        base = "" if path == "/" else path
+        return {p[len(base) + 1:].split("/", 1)[0] for p in self.reads or () if p.startswith(base + "/")}
 
     def may_be_worker(self, worker_id: str, node_id: str | None = None) -> bool:
         """A node-bound worker credential may only act as a worker of its node: node_id (when given) equal to
@@ -105,9 +154,11 @@ def token_digest(token: str | bytes) -> str:
 
 def load_token_entries(path: str) -> list[tuple[str, str, Credential]]:
     """[(token or "", sha256 hex of the token, credential)] from a JSON list of {"name", "token" | "sha256",
-    "role", "prefixes", "node"}; TokensFileError says what is wrong (a typo must stop the process, not silently
-    open or close the cluster). "node" (worker role only) binds a worker credential to one node's worker ids
-    (Credential.may_be_worker). An entry with "sha256" instead of "token" is a verifier: the server accepts the
+    "role", "prefixes", "read_prefixes", "node"}; TokensFileError says what is wrong (a typo must stop the
+    process, not silently open or close the cluster). "node" (worker role only) binds a worker credential to one
+    node's worker ids (Credential.may_be_worker). "read_prefixes" (engine and mount roles only; default
+    SHARED_READ_PREFIXES) is what it reads besides its own prefixes (read_scope): a file without it keeps working
+    with that default. An entry with "sha256" instead of "token" is a verifier: the server accepts the
     token whose digest it is but cannot present it (a verifier file lets workers check tokens they do not hold)."""
     try:
         entries = json.loads(Path(path).read_text())
@@ -120,8 +171,10 @@ def load_token_entries(path: str) -> list[tuple[str, str, Credential]]:
     names: set[str] = set()
     for i, entry in enumerate(entries):
         where = f"tokens file {path} entry {i}"
-        if not isinstance(entry, dict) or set(entry) - {"name", "token", "sha256", "role", "prefixes", "node"}:
-            raise TokensFileError(f"{where}: want an object with keys name, token (or sha256), role, prefixes, node")
+        if not isinstance(entry, dict) or set(entry) - {"name", "token", "sha256", "role", "prefixes",
+                                                         "read_prefixes", "node"}:
+            raise TokensFileError(f"{where}: want an object with keys name, token (or sha256), role, prefixes, "
+                                  f"read_prefixes, node")
         token, role, prefixes = entry.get("token"), entry.get("role"), entry.get("prefixes", [])
         node = entry.get("node", "")
         if ("token" in entry) == ("sha256" in entry):
@@ -148,8 +201,14 @@ def load_token_entries(path: str) -> list[tuple[str, str, Credential]]:
                                 or any(ord(ch) < 33 for ch in node) or WORKER_ID_SEP in node):
             raise TokensFileError(f"{where}: node must be a node name (1-253 printable characters, no spaces, "
                                   f"no {WORKER_ID_SEP!r}) on a worker-role entry")
+        reads = entry.get("read_prefixes")
+        if "read_prefixes" in entry and (role not in SCOPED_READERS or not isinstance(reads, list)
+                                         or not all(isinstance(p, str) for p in reads)):
+            raise TokensFileError(f"{where}: read_prefixes must be a list of paths, on an engine or mount entry "
+                                  f"(admin and router entries read everything)")
         try:
             norm = tuple(norm_path(p) for p in prefixes)
+            read_norm = tuple(norm_path(p) for p in reads) if reads is not None else None
         except PathError as err:
             raise TokensFileError(f"{where}: {err}") from None
         name = str(entry.get("name") or f"entry{i}")
@@ -157,7 +216,7 @@ def load_token_entries(path: str) -> list[tuple[str, str, Credential]]:
             raise TokensFileError(f"{where}: duplicate name {name!r}")
         seen.add(digest)
         names.add(name)
-        out.append((token, digest, Credential(name, frozenset({role}), norm, node)))
+        out.append((token, digest, Credential(name, frozenset({role}), norm, node, read_prefixes=read_norm)))
     return out
 
 

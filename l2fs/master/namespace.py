@@ -18,7 +18,16 @@ from l2fs.common import (
     shard_of,
 )
 from l2fs.master.quotas import QuotaOps
-from l2fs.master.state import DUPLICATES, FILES, LOOKUP_HITS, LOOKUP_MISSES, FileEntry, WorkerEntry, _rpc
+from l2fs.master.state import (
+    DUPLICATES,
+    FILES,
+    LOOKUP_HITS,
+    LOOKUP_MISSES,
+    READ_SCOPE_MISSES,
+    FileEntry,
+    WorkerEntry,
+    _rpc,
+)
 from l2fs.proto import l2fs_pb2 as pb
 
 # Directories are metadata nobody's byte quota saw: one Mkdir(parents) of a 4 KiB path of one-letter names made
@@ -198,13 +207,36 @@ class NamespaceOps(QuotaOps):
         return pb.FileStat(path=path, exists=False)
 
 
+    @staticmethod
+    def _scoped(cred: Credential | None) -> Credential | None:
+        """The caller when its reads are scoped (an engine or mount credential: Credential.reads), else None."""
+        return cred if cred is not None and cred.reads is not None else None
+
+    def _hidden(self, scoped: Credential | None, path: str) -> bool:
+        """Whether `path` lies outside a scoped caller's reads: neither under its read prefixes nor an existing
+        directory on the way to one (lock held). Such a path gets the answer a missing path gets, whether or
+        not it exists, and before any check that depends on what is there (a shard's directory test), so
+        nothing tells another endpoint's names, directories or blocks from nothing."""
+        return scoped is not None and not scoped.may_read(path) and not (path in self.children
+                                                                         and scoped.leads_to(path))
+
+    @staticmethod
+    def _count_hidden(scoped: Credential | None, n: int = 1) -> None:
+        if scoped is not None and n:
+            READ_SCOPE_MISSES.labels(scoped.name).inc(n)
+
     @_rpc
     def Stat(self, request: pb.PathRequest, context: Any) -> pb.FileStat:  # noqa: N802
         path = norm_path(request.path)
-        holder = self._holder(self.creds.caller(context))
+        cred = self.creds.caller(context)
+        holder, scoped = self._holder(cred), self._scoped(cred)
         with self.lock:
-            self._own_or_dir(path)
-            st = self._stat(path, holder=holder)
+            hidden = self._hidden(scoped, path)
+            if not hidden:
+                self._own_or_dir(path)
+            st = pb.FileStat(path=path, exists=False) if hidden else self._stat(path, holder=holder)
+        if hidden:
+            self._count_hidden(scoped)
         (LOOKUP_HITS if st.exists else LOOKUP_MISSES).inc()
         return st
 
@@ -215,14 +247,25 @@ class NamespaceOps(QuotaOps):
         the entries are looked up under it), so a batch of lookups holds the namespace for microseconds."""
         check_batch(len(request.paths), "StatMany")
         paths = [norm_path(p) for p in request.paths]
+        cred = self.creds.caller(context)
+        holder, scoped = self._holder(cred), self._scoped(cred)
+        hidden = 0
         with self.lock:
-            for p in paths if self.shards > 1 else ():
-                self._own_or_dir(p)
-            found = []
-            for p in paths:
+            # a path outside a scoped caller's reads is answered in its own slot as missing (the others answered
+            # as usual): a batch of lookups is a batch of misses at worst, as every fault is
+            shown = [not self._hidden(scoped, p) for p in paths] if scoped is not None else None
+            for i, p in enumerate(paths) if self.shards > 1 else ():
+                if shown is None or shown[i]:
+                    self._own_or_dir(p)
+            found: list[tuple[str, FileEntry | None, WorkerEntry | None, bool]] = []
+            for i, p in enumerate(paths):
+                if shown is not None and not shown[i]:
+                    hidden += 1
+                    found.append((p, None, None, False))
+                    continue
                 e = self.files.get(p)
                 found.append((p, e, self.workers[e.worker_id] if e is not None else None, p in self.children))
-        holder = self._holder(self.creds.caller(context))
+        self._count_hidden(scoped, hidden)
         stats = [self._stat_found(p, e, w, is_dir, holder) for p, e, w, is_dir in found]
         hits = sum(s.exists for s in stats)
         LOOKUP_HITS.inc(hits)
@@ -245,9 +288,13 @@ class NamespaceOps(QuotaOps):
         paths = [norm_path(p) for p in request.paths]
         for p in paths if self.shards > 1 else ():
             self._own(p)
+        scoped = self._scoped(self.creds.caller(context))
         n = 0
         with self.lock:
             for p in paths:
+                if scoped is not None and not scoped.may_read(p):  # the chain's first miss, existing or not
+                    self._count_hidden(scoped)
+                    break
                 if p not in self.files:
                     break
                 n += 1
@@ -265,19 +312,27 @@ class NamespaceOps(QuotaOps):
         INVALID_ARGUMENT (a listing is complete or an error)."""
         path = norm_path(request.path)
         limit = min(request.limit or MAX_BATCH_ITEMS, MAX_BATCH_ITEMS)
+        scoped = self._scoped(self.creds.caller(context))
         with self.lock:
+            if self._hidden(scoped, path):
+                self._count_hidden(scoped)
+                raise RpcError(grpc.StatusCode.NOT_FOUND, f"{path}: no such file or directory")
             if path in self.files:
                 return pb.ListResponse(entries=[self._stat(path, caps=False)])
             kids = self.children.get(path)
             if kids is None:
                 raise RpcError(grpc.StatusCode.NOT_FOUND, f"{path}: no such file or directory")
+            base = "" if path == "/" else path
+            if scoped is not None and (way := scoped.visible_names(path)) is not None:
+                # a directory on the way to its read prefixes (/, /kvtier/kv): only the entries on that way,
+                # never another endpoint's (salted) directory names; a file there only when it may read it
+                kids = {n for n in way & kids if f"{base}/{n}" not in self.files or scoped.may_read(f"{base}/{n}")}
             if not request.limit and len(kids) > limit:
                 raise RpcError(grpc.StatusCode.INVALID_ARGUMENT,
                                f"{path} has {len(kids)} entries: list it in pages of at most {limit} "
                                f"(ListRequest.limit, start_after)")
             after = request.start_after
             names = heapq.nsmallest(limit + 1, (n for n in kids if n > after) if after else kids)
-            base = "" if path == "/" else path
             entries = [self._stat(f"{base}/{name}", caps=False) for name in names[:limit]]
         return pb.ListResponse(entries=entries, next_after=names[limit - 1] if len(names) > limit else "")
 

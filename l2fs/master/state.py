@@ -61,6 +61,11 @@ REPORT_REJECTS = Counter("l2fs_master_report_rejects_total",
                          "unsealed: no seal, deleted: committed just before a master restart, or from before "
                          "seals)", ["reason"])
 _MAC_REJECT, _SEAL_REJECT, _UNSEALED = (REPORT_REJECTS.labels(r) for r in ("mac", "seal", "unsealed"))
+READ_SCOPE_MISSES = Counter("l2fs_master_read_scope_misses_total",
+                            "Paths answered as missing (Stat, StatMany, PrefixLookup, List, Delete, Rename) because "
+                            "they lie outside the caller's read scope (an engine or mount credential's prefixes "
+                            "and read_prefixes): a steady rate means a client configured with a prefix its token "
+                            "does not cover", ["credential"])
 PENDING = Gauge("l2fs_master_pending_namespace_ops",
                 "Deletes/renames acknowledged to clients that their worker has not confirmed yet")
 

@@ -249,7 +249,11 @@ class WriteOps(PusherOps):
     def Delete(self, request: pb.PathRequest, context: Any) -> pb.DeleteResponse:  # noqa: N802
         path = norm_path(request.path)
         cred = self.creds.caller(context)
+        scoped = self._scoped(cred)
         with self.lock:
+            if self._hidden(scoped, path):  # outside its reads: the missing path's answer, whatever is there
+                self._count_hidden(scoped)
+                return pb.DeleteResponse(removed=False)
             if path in self.children:
                 self._may_replace(cred, path, "")
                 self._rmdir(path)
@@ -270,6 +274,14 @@ class WriteOps(PusherOps):
         src, dst = norm_path(request.src), norm_path(request.dst)
         if src == "/" or dst == "/":
             raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, "cannot rename '/'")
+        cred = self.creds.caller(context)
+        scoped = self._scoped(cred)
+        if scoped is not None:
+            with self.lock:
+                hidden = self._hidden(scoped, src)
+            if hidden:  # before any answer that depends on what src is (a directory, missing, another's)
+                self._count_hidden(scoped)
+                raise RpcError(grpc.StatusCode.NOT_FOUND, f"{src}: no such file or directory")
         if src == dst:
             with self.lock:
                 if src not in self.files and src not in self.children:
@@ -289,7 +301,6 @@ class WriteOps(PusherOps):
                                f"cannot rename {src} to {dst}: they belong to different l2fs shards "
                                f"(copy and delete instead)", "EXDEV")
         changes: list[tuple[str, str, str | None]] = []  # (worker, block, new path | None = deleted)
-        cred = self.creds.caller(context)
         with self.lock:
             if cred is not None and "admin" not in cred.roles:  # a mount: its own file, to a free path of its own
                 self._may_replace(cred, src, self.files[src].writer if src in self.files else "")

@@ -2,7 +2,8 @@
 worker and mount processes on loopback with a scoped tokens file and a block key (what `kvtier tokens generate`
 and deploy/ give every cluster).
 
-- A commit is bound to its allocation: an engine of endpoint A that learned B's block ids from `Stat` cannot
+- A commit is bound to its allocation: an engine of endpoint A that learned B's block ids (once from its own
+  `Stat`; since read scopes from a wider view only) cannot
   commit them, neither onto a path A owns (the master took them for A's lost-race orphans and deleted B's
   blocks) nor under a fresh path (B's block re-sealed for A's path: B's file gone after a master restart).
 - The writer's checksum, not the worker's: a compromised worker that stores altered bytes and answers with
@@ -85,9 +86,10 @@ def _wait(cond: Any, timeout: float = 15.0, what: str = "condition") -> Any:
 # ---------- 1. a commit is bound to its allocation ----------
 
 def test_trust_commit_of_another_endpoints_blocks_is_refused(make_cluster: Any, tmp_path: Path) -> None:
-    """Engine A learns B's 8 block ids, worker and sizes from Stat (A may look B up) and commits them: onto a
-    path A owns (put-if-absent: before, the master took them as A's orphans and had the worker delete them),
-    under fresh paths of A's with B's CRC (before: re-sealed for A's path, so B's file was gone after a master
+    """Engine A learns B's 8 block ids, worker and sizes (not from its own Stat any more: read scopes answer B's
+    paths to A as missing, test_reliability_read_scopes.py; here from a wider view, the admin's, as a leaked
+    router or node-mount answer would give them) and commits them: onto a path A owns (put-if-absent: before,
+    the master took them as A's orphans and had the worker delete them), under fresh paths of A's with B's CRC (before: re-sealed for A's path, so B's file was gone after a master
     restart) and with a wrong CRC (before: dropped by the worker as corrupt). Now every such commit is refused
     and B's 8 chunks read back byte-exact, before and after a master restart; A's own puts still work."""
     cl = _scoped(make_cluster, tmp_path)
@@ -97,7 +99,8 @@ def test_trust_commit_of_another_endpoints_blocks_is_refused(make_cluster: Any, 
     with cl.client(token=ENGINE_A, timeout=DEADLINE) as a:
         assert a.put(f"{A}/mine", b"a" * 1000) is True
     m = pbg.MasterStub(make_channel(cl.master, None))
-    stats = [m.Stat(pb.PathRequest(path=p), timeout=5, metadata=_md(ENGINE_A)) for p in chunks]
+    assert not any(m.Stat(pb.PathRequest(path=p), timeout=5, metadata=_md(ENGINE_A)).exists for p in chunks)
+    stats = [m.Stat(pb.PathRequest(path=p), timeout=5, metadata=_md(ADMIN)) for p in chunks]
     assert all(st.exists and st.locations for st in stats)
     onto_mine = [pb.CommitRequest(path=f"{A}/mine", block_id=st.locations[0].block_id,
                                   worker_id=st.locations[0].worker_id, size=st.size, crc32c=st.crc32c,
