@@ -8,8 +8,10 @@ holds what (deploy/base):
   pod's projected ServiceAccount token, which the master checks with a TokenReview and binds to the node the
   review names (`l2fs master --worker-identity k8s`, l2fs/master/identity.py);
 - clients never see either file: engines and the router get one token each, in their own Secrets;
-- the FUSE mount DaemonSet of deploy/base holds one mount-role token per endpoint (`mount-<endpoint>`, prefixes:
-  that endpoint's prefix only; Secret l2fs-endpoint-mounts) and serves each endpoint at
+- engine tokens read only their own prefix and the key-compat records (`read_prefixes`, docs/l2fs.md "Read
+  scopes"): an endpoint cannot list, look up or read another's KV; router and admin tokens read everything;
+- the FUSE mount DaemonSet of deploy/base holds one mount-role token per endpoint (`mount-<endpoint>`, prefixes
+  and read_prefixes: that endpoint's prefix only; Secret l2fs-endpoint-mounts) and serves each endpoint at
   <mount path>/<endpoint> with `--root` its prefix; the webhook gives an endpoint's vLLM pods only their own
   endpoint's directory. Why per endpoint: one node-wide mount credential covered every endpoint's KV, so a pod
   of endpoint A planted chunks under B's prefix that B's engine then loaded. Every --engine gets one (unused
@@ -94,12 +96,15 @@ def generate(workers: list[str], engines: list[tuple[str, str, str]], routers: l
     old = {(e.get("name"), e.get("role")): e.get("token") for e in keep or []}
     entries: list[dict[str, Any]] = []
 
-    def add(name: str, role: str, prefixes: list[str] | None = None, node: str = "") -> None:
+    def add(name: str, role: str, prefixes: list[str] | None = None, node: str = "",
+            reads: list[str] | None = None) -> None:
         if any(e["name"] == name for e in entries):
             raise ValueError(f"entry {name!r} asked for twice")
         entry: dict[str, Any] = {"name": name, "token": old.get((name, role)) or _token(), "role": role}
         if prefixes:
             entry["prefixes"] = prefixes
+        if reads is not None:
+            entry["read_prefixes"] = reads
         if node:
             entry["node"] = node
         entries.append(entry)
@@ -107,14 +112,17 @@ def generate(workers: list[str], engines: list[tuple[str, str, str]], routers: l
     add(MASTER_ENTRY, "worker")
     for node in workers:
         add(f"worker-{_node(node)}", "worker", node=_node(node))
+    # Read scopes, written out (l2fs's default for an entry without them is the same for engines): an engine
+    # reads its own prefix and every replica's key-compat record (connector.fingerprint), no other endpoint's KV
     for endpoint, prefix, _ in engines:
-        add(f"engine-{endpoint}", "engine", [prefix])
+        add(f"engine-{endpoint}", "engine", [prefix], reads=[prefix, contract.META_PREFIX])
     for endpoint, prefix, _ in engines:  # the endpoint's mount (mount mode): its prefix, nothing else
-        add(f"{MOUNT_ENTRY}{endpoint}", "mount", [prefix])
-    for ns in routers:
+        add(f"{MOUNT_ENTRY}{endpoint}", "mount", [prefix], reads=[prefix])
+    for ns in routers:  # reads everything: it looks every endpoint's chunks up
         add(f"router-{ns}", "router")
     if mount:  # creates under kvtier's prefixes; replaces, renames and deletes only files it wrote itself
-        add("mount", "mount", [contract.KV_PREFIX, contract.MP_PREFIX, contract.META_PREFIX])
+        every = [contract.KV_PREFIX, contract.MP_PREFIX, contract.META_PREFIX]
+        add("mount", "mount", every, reads=every)
     if admin:
         add("admin", "admin")
     return entries

@@ -79,6 +79,37 @@ def test_generate_is_what_l2fs_loads(tmp_path: Path) -> None:
                                          "ep-b": ("/kvtier/kv/custom", loaded["mount-ep-b"][0])}, [])
 
 
+def test_generate_writes_read_scopes(tmp_path: Path) -> None:
+    """Each engine entry names what it reads (`read_prefixes`: its prefix and the key-compat records), each
+    endpoint's mount its prefix only; router and admin entries none (they read everything). l2fs's default
+    for an entry without read_prefixes (an older file) is the engine's scope here: SHARED_READ_PREFIXES is
+    kvtier.contract's META_PREFIX (l2fs imports nothing of kvtier, so this test ties the two)."""
+    from kvtier import contract
+    from l2fs.common.auth import SHARED_READ_PREFIXES
+
+    assert SHARED_READ_PREFIXES == (contract.META_PREFIX,)
+    out = tmp_path / "tokens.json"
+    r = kvtier("generate", "--engine", "ep-a@team-a", "--router", "team-a", "--mount", "--admin", "-o", str(out))
+    assert r.returncode == 0, r.stderr
+    raw = {e["name"]: e for e in json.loads(out.read_text())}
+    assert raw["engine-ep-a"]["read_prefixes"] == ["/kvtier/kv/ep-a", "/kvtier/meta"]
+    assert raw["mount-ep-a"]["read_prefixes"] == ["/kvtier/kv/ep-a"]
+    assert raw["mount"]["read_prefixes"] == ["/kvtier/kv", "/kvtier/mp", "/kvtier/meta"]
+    assert "read_prefixes" not in raw["router-team-a"] and "read_prefixes" not in raw["admin"]
+    loaded = {c.name: c for _, c in load_tokens_file(str(out))}
+    assert loaded["engine-ep-a"].reads == ("/kvtier/kv/ep-a", "/kvtier/meta")
+    assert loaded["mount-ep-a"].reads == ("/kvtier/kv/ep-a",)
+    assert loaded["router-team-a"].reads is None and loaded["admin"].reads is None
+    # the workers' verifier file carries the same scopes (they load it with the same parser)
+    ver = {c.name: c for _, c in load_tokens_file(str(tmp_path / "token-verifiers.json"))}
+    assert ver["engine-ep-a"].reads == loaded["engine-ep-a"].reads
+    # an older file without read_prefixes: the same engine scope by default
+    old = [{k: v for k, v in e.items() if k != "read_prefixes"} for e in raw.values()]
+    (tmp_path / "old.json").write_text(json.dumps(old))
+    assert {c.name: c for _, c in load_tokens_file(str(tmp_path / "old.json"))}["engine-ep-a"].reads == \
+        loaded["engine-ep-a"].reads
+
+
 def test_keep_reuses_tokens_and_drops_the_rest() -> None:
     first = tokens.generate(["a", "b"], [("ep", "/kvtier/kv/ep", "ns")], [], mount=True, admin=False)
     second = tokens.generate(["a", "c"], [("ep", "/kvtier/kv/ep", "ns")], [], mount=True, admin=False, keep=first)
