@@ -24,6 +24,7 @@ from lmcache.v1.multiprocess.session import Session
 from lmcache.v1.multiprocess.token_hasher import TokenHasher
 from lmcache.v1.storage_backend.storage_manager import StorageManager
 from lmcache.v1.token_database import ChunkedTokenDatabase
+from polling import wait_until
 from prometheus_client import REGISTRY
 from test_connector_l2fs_plugin import PREFIX, SHAPE, _conn, _manager, _metadata, _remote, _wait_exists
 from test_connector_mp_adapter import _adapter, _key, _objs, _poll
@@ -287,10 +288,8 @@ def test_stops_claiming_when_l2_is_slower_than_recompute_and_resumes(make_cluste
             assert REGISTRY.get_sample_value("kvtier_l2_claims_open") == 0
             assert REGISTRY.get_sample_value("kvtier_l2_load_bytes_per_second") < conn.gate.needed_rate
         # recovered: the background probe measures L2 fast again and claims resume
-        deadline = time.monotonic() + 60
-        while _remote(b).batched_contains(keys) != 8:
-            assert time.monotonic() < deadline, f"never resumed: {conn.gate.rate} B/s, {conn.stats}"
-            time.sleep(0.2)
+        wait_until(lambda: _remote(b).batched_contains(keys) == 8, 60, 0.2,
+                   message=lambda: f"never resumed: {conn.gate.rate} B/s, {conn.stats}")
         assert conn.gate.probes >= 1
         assert REGISTRY.get_sample_value("kvtier_l2_claims_open") == 1
     finally:
@@ -365,10 +364,7 @@ def test_mp_adapter_stops_finding_when_l2_is_slower_than_recompute_and_resumes(m
                 assert time.monotonic() < deadline, f"still finding at {b.gate.rate} B/s"
                 load()
                 time.sleep(0.3)
-        deadline = time.monotonic() + 60
-        while found() != 8:
-            assert time.monotonic() < deadline, f"never resumed: {b.gate.rate} B/s"
-            time.sleep(0.2)
+        wait_until(lambda: found() == 8, 60, 0.2, message=lambda: f"never resumed: {b.gate.rate} B/s")
         assert b.gate.probes >= 1
     finally:
         a.close()

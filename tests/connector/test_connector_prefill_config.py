@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import yaml
+from polling import wait_until
 
 from connector.config import PREFILL_ENV, lmcache_config, main, read_prefill_file, watch_prefill_file
 from kvtier.up import build_parser, check_args, prefill_env
@@ -47,14 +48,10 @@ def test_prefill_file_is_followed(tmp_path: Path) -> None:
     watch_prefill_file(f, seen.append, interval=0.05, stop=stop)
     try:
         f.write_text("4300.5\n")
-        deadline = time.monotonic() + 10
-        while seen[-1] != 4300.5:
-            assert time.monotonic() < deadline, seen
-            time.sleep(0.02)
+        deadline = time.monotonic() + 10  # for both waits
+        wait_until(lambda: seen[-1] == 4300.5, 10, 0.02, message=lambda: str(seen))
         f.write_text("not a number")
-        while seen[-1] != 0.0:
-            assert time.monotonic() < deadline, seen
-            time.sleep(0.02)
+        wait_until(lambda: seen[-1] == 0.0, deadline - time.monotonic(), 0.02, message=lambda: str(seen))
     finally:
         stop.set()
     assert seen[0] == 0.0
@@ -83,13 +80,10 @@ def test_plugin_follows_the_prefill_file(tmp_path: Path, make_cluster: Callable[
         gate = _conn(sm).gate
         assert gate.prefill_tps == 1000.0
         f.write_text("4300")
-        deadline = time.monotonic() + 15
-        while gate.prefill_tps != 4300.0:
-            assert time.monotonic() < deadline, gate.prefill_tps
-            time.sleep(0.1)
+        deadline = time.monotonic() + 15  # for both waits
+        wait_until(lambda: gate.prefill_tps == 4300.0, 15, 0.1, message=lambda: str(gate.prefill_tps))
         f.unlink()
-        while gate.prefill_tps != 1000.0:
-            assert time.monotonic() < deadline, gate.prefill_tps
-            time.sleep(0.1)
+        wait_until(lambda: gate.prefill_tps == 1000.0, deadline - time.monotonic(), 0.1,
+                   message=lambda: str(gate.prefill_tps))
     finally:
         sm.close()

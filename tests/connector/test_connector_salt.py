@@ -12,7 +12,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -204,14 +203,13 @@ def test_mount_mode_salted_names_match_the_router(tmp_path: Path) -> None:
             _put(sm, seed=1)
             want = set(L2Lookup("unused:1", mode="mount", model_name=MODEL, dtype="float",
                                 salts={"/kvtier/kv/ep/rev1": salt}).paths(TOKENS, MODEL, "/kvtier/kv/ep/rev1"))
-            t0 = time.monotonic()
-            while time.monotonic() - t0 < 20:
+
+            def written(salt: str = salt, want: set[str] = want) -> bool:
                 names[salt] = {"/" + str(p.relative_to(mount)) for p in mount.rglob("*.data")} - set().union(
                     *(v for k, v in names.items() if k != salt))
-                if names[salt] == want:
-                    break
-                time.sleep(0.1)
-            assert names[salt] == want
+                return names[salt] == want
+
+            wait_until(written, 20, 0.1)
         finally:
             sm.close()
     assert not names[SALT_A] & names[SALT_B]

@@ -5,10 +5,10 @@ from __future__ import annotations
 import os
 import signal
 import sys
-import time
 from pathlib import Path
 
 import pytest
+from polling import wait_until
 
 from l2fs import procs
 
@@ -36,10 +36,7 @@ def test_ready_by_log_line_then_stop_reaches_grandchildren(tmp_path: Path) -> No
     assert _alive(pid)
     rc = procs.stop(proc, grace=1)
     assert rc == -signal.SIGKILL  # SIGTERM ignored, so SIGKILL after the grace period
-    deadline = time.monotonic() + 5
-    while _alive(pid) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not _alive(pid)
+    wait_until(lambda: not _alive(pid), 5)
     assert log.read_text().startswith("\n=== test start\n")
     assert procs.stop(proc) == rc  # idempotent
 

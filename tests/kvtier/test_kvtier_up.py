@@ -23,6 +23,7 @@ from typing import Any
 import httpx
 import psutil
 import pytest
+from polling import wait_until
 from upstack import Up, up_stack
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -201,14 +202,13 @@ def test_engine_stores_prompt_positions_across_an_extension(up: Up) -> None:
         assert r.status_code == 200, r.text
 
     complete(ids[: 4 * chunk + 40])  # stores chunks 0-3
-    deadline = time.monotonic() + 180
-    while not set(hashes[:4]) <= set(_hints_by_hash(up.dir)):
-        assert time.monotonic() < deadline, "first 4 chunks never reached l2fs"
-        time.sleep(0.3)
+    deadline = time.monotonic() + 180  # for both waits
+    wait_until(lambda: set(hashes[:4]) <= set(_hints_by_hash(up.dir)), 180, 0.3,
+               message="first 4 chunks never reached l2fs")
     complete(ids)  # hits 0-3, stores only 4-7
-    while not set(hashes) <= set(got := _hints_by_hash(up.dir)):
-        assert time.monotonic() < deadline, f"chunks 4-7 never reached l2fs: {len(got)} stored"
-        time.sleep(0.3)
+    got = wait_until(lambda: h if set(hashes) <= set(h := _hints_by_hash(up.dir)) else None,
+                     deadline - time.monotonic(), 0.3,
+                     message=lambda: f"chunks 4-7 never reached l2fs: {len(_hints_by_hash(up.dir))} stored")
     assert [got[h] for h in hashes] == list(range(8))
 
 

@@ -6,12 +6,12 @@ import json
 import shutil
 import subprocess
 import sys
-import time
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from polling import wait_until
 
 from l2fs.client import PermissionDenied
 from l2fs.testing.cluster import LocalCluster
@@ -109,19 +109,14 @@ def test_proto_regenerates_identically(tmp_path: Path) -> None:
 def test_worker_not_ready_without_master(make_cluster: Callable[..., LocalCluster]) -> None:
     cl = make_cluster(1, heartbeat_interval=0.2)
     w = cl.workers[0]
-    deadline = time.monotonic() + 10  # the master lists the worker a moment before the worker's
-    while _http(w.metrics_port, "/readyz")[0] != 200:  # registration call returns and marks it ready
-        assert time.monotonic() < deadline, "worker never ready with its master up"
-        time.sleep(0.1)
+    # the master lists the worker a moment before the worker's registration call returns and marks it ready
+    wait_until(lambda: _http(w.metrics_port, "/readyz")[0] == 200, 10, 0.1,
+               message="worker never ready with its master up")
     cl.kill_master()
-    deadline = time.monotonic() + 10
-    while _http(w.metrics_port, "/readyz")[0] != 503:
-        assert time.monotonic() < deadline, "worker still ready with its master gone"
-        time.sleep(0.1)
+    wait_until(lambda: _http(w.metrics_port, "/readyz")[0] == 503, 10, 0.1,
+               message="worker still ready with its master gone")
     assert _http(w.metrics_port, "/healthz")[0] == 200  # alive, just not ready
     cl.start_master()
     cl.wait_workers(1)
-    deadline = time.monotonic() + 10
-    while _http(w.metrics_port, "/readyz")[0] != 200:
-        assert time.monotonic() < deadline, "worker not ready again after the master came back"
-        time.sleep(0.1)
+    wait_until(lambda: _http(w.metrics_port, "/readyz")[0] == 200, 10, 0.1,
+               message="worker not ready again after the master came back")

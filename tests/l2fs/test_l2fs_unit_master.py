@@ -4,7 +4,6 @@ master makes to workers. The test plays the worker's registration and the client
 
 from __future__ import annotations
 
-import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -12,6 +11,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from polling import wait_until
 
 from l2fs.common import grpc_server, make_channel
 from l2fs.master import MasterService, serve
@@ -93,10 +93,7 @@ def test_overwrite_deletes_the_old_block_on_its_worker(setup: Setup) -> None:
     put(setup, "/f", b"old")
     old = setup.master.Stat(pb.PathRequest(path="/f")).locations[0].block_id
     put(setup, "/f", b"new!")
-    deadline = time.monotonic() + 10
-    while old in setup.store.blocks and time.monotonic() < deadline:  # told in the background
-        time.sleep(0.01)
-    assert old not in setup.store.blocks
+    wait_until(lambda: old not in setup.store.blocks, 10, 0.01)  # told in the background
     assert setup.master.Stat(pb.PathRequest(path="/f")).size == 4
 
 

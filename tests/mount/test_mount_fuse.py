@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 from mount_helpers import Mount, metric, start_mount
+from polling import wait_until
 
 from l2fs.fuse import is_mounted, mount_type
 from l2fs.testing.cluster import LocalCluster
@@ -254,10 +255,7 @@ def test_dead_master_fails_fast_and_recovers(mount_factory: Callable[..., Mount]
     assert ei.value.errno == errno.EFBIG
     # the refused new file is dropped; the kernel forgets its dentry through an asynchronous
     # invalidation, so allow the attribute-cache bound (1 s) for the name to vanish
-    deadline = time.monotonic() + 2.0
-    while (m / "big").exists() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not (m / "big").exists()
+    wait_until(lambda: not (m / "big").exists(), 2.0)
     c.kill_master(signal.SIGKILL)
     for op in (lambda: os.stat(m / "new-name"), lambda: (m / "f2").write_bytes(b"x"),
                lambda: os.listdir(m), lambda: open(m / "f", "rb").read()):
@@ -270,14 +268,8 @@ def test_dead_master_fails_fast_and_recovers(mount_factory: Callable[..., Mount]
     assert m.proc.poll() is None and os.path.ismount(m.path)
     c.start_master()
     c.wait_workers(1)
-    deadline = time.monotonic() + 15
-    while True:
-        try:
-            (m / "after").write_bytes(b"after")
-            break
-        except OSError:
-            assert time.monotonic() < deadline, "mount did not recover after the master came back"
-            time.sleep(0.2)
+    wait_until(lambda: (m / "after").write_bytes(b"after"), 15, 0.2,
+               message="mount did not recover after the master came back")
     assert (m / "after").read_bytes() == b"after"
 
 

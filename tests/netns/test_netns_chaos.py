@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 from netns_helpers import ROOT, echo_server, launch_local, reaches, require_host, wait_line, wait_reaches
+from polling import wait_until
 
 from l2fs.testing.netns import NETNS_DIR, NetnsCluster
 
@@ -120,10 +121,7 @@ def test_signal_pids_with_group_takes_the_leaders_whole_group(netns_cluster: Net
     c = netns_cluster
     leader = c.spawn(1, ["sh", "-c", "sleep 300 & sleep 300; : chaos-group-probe"], tmp_path / "g.log")
     other = c.popen(1, ["sleep", "301"])
-    deadline = time.monotonic() + 10
-    while len(c.pids(1, "sleep 300")) < 2:
-        assert time.monotonic() < deadline, "the group's children did not start"
-        time.sleep(0.05)
+    wait_until(lambda: len(c.pids(1, "sleep 300")) >= 2, 10, message="the group's children did not start")
     assert c.signal_pids(1, signal.SIGSTOP, "chaos-group-probe") == [leader.pid]
     stopped = c.signal_pids(1, signal.SIGSTOP, "chaos-group-probe", group=True)
     assert len(stopped) == 3 and leader.pid in stopped and other.pid not in stopped

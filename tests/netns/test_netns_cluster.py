@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 from netns_helpers import echo_server, host_net, reaches, wait_reaches
+from polling import wait_until
 
 from l2fs.testing.netns import (
     NETNS_DIR,
@@ -184,10 +185,7 @@ def test_cleanup_removes_crashed_launcher_only(netns_cluster: NetnsCluster, tmp_
     assert not os.path.ismount(mnt)
     assert not any(n.startswith(prefix) for n in os.listdir(NETNS_DIR))
     assert not (STATE_DIR / f"{prefix}.json").exists()
-    deadline = time.monotonic() + 5
-    while Path(f"/proc/{pid}").exists() and _proc_state(int(pid)) != "Z" and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not Path(f"/proc/{pid}").exists() or _proc_state(int(pid)) == "Z"
+    wait_until(lambda: not Path(f"/proc/{pid}").exists() or _proc_state(int(pid)) == "Z", 5)
     # the live cluster of this process was left alone
     assert all((NETNS_DIR / ns.netns).exists() for ns in netns_cluster.namespaces)
     assert reaches(netns_cluster, 1, echo_server(netns_cluster, 2))

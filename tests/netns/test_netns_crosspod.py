@@ -29,6 +29,7 @@ from pathlib import Path
 
 import pytest
 from netns_helpers import require_host
+from polling import wait_until
 
 from kvtier.up import Stack
 
@@ -115,19 +116,18 @@ def test_cross_pod_hit_crosses_the_link(stack: Stack, tiny_model: Path) -> None:
         before = set(c.walk(state["kv_prefix"])) if mode == "plugin" else set()
         _, cold_tokens, cold_lp = a.stream_greedy(ids, max_tokens=MAX_NEW)
         assert a.lmcache_hits()[-1][1:] == (N_TOKENS, 0)
-        deadline = time.monotonic() + 60
         if mode == "mount":
             m1, m2 = Path(state["mounts"]["node-1"]), Path(state["mounts"]["node-2"])
-            while len(_chunk_files(m1)) < n_chunks:
-                assert time.monotonic() < deadline, f"only {len(_chunk_files(m1))} chunks reached node-1's mount"
-                time.sleep(0.2)
+            wait_until(lambda: len(_chunk_files(m1)) >= n_chunks, 60, 0.2,
+                       message=lambda: f"only {len(_chunk_files(m1))} chunks reached node-1's mount")
             sizes = [f.stat().st_size for f in _chunk_files(m1)]
             infos = [c.stat("/" + str(_chunk_files(m1)[0].relative_to(m1)))]
         else:
-            while len(new := {p: i for p, i in c.walk(state["kv_prefix"]).items() if p not in before}) \
-                    < n_chunks:
-                assert time.monotonic() < deadline, f"only {len(new)} chunks written by A's connector"
-                time.sleep(0.2)
+            def written() -> dict:
+                return {p: i for p, i in c.walk(state["kv_prefix"]).items() if p not in before}
+
+            new = wait_until(lambda: got if len(got := written()) >= n_chunks else None, 60, 0.2,
+                             message=lambda: f"only {len(written())} chunks written by A's connector")
             sizes, infos = [i.size for i in new.values()], list(new.values())
     # they are l2fs files on node-1 (the writer's node): B must fetch them over its link
     assert all(i is not None and i.nodes == ["node-1"] for i in infos), infos
@@ -158,10 +158,8 @@ def test_corrupted_l2_chunk_is_a_miss_and_output_stays_correct(stack: Stack, tin
                        if f.is_file() and f.stat().st_mtime >= t_before and f.stat().st_size == CHUNK_FILE_BYTES),
                       key=lambda f: f.stat().st_mtime)
 
-    deadline = time.monotonic() + 60
-    while len(fresh_blocks()) < full // CHUNK:
-        assert time.monotonic() < deadline, f"only {len(fresh_blocks())} chunk blocks reached the workers"
-        time.sleep(0.2)
+    wait_until(lambda: len(fresh_blocks()) >= full // CHUNK, 60, 0.2,
+               message=lambda: f"only {len(fresh_blocks())} chunk blocks reached the workers")
     victims = fresh_blocks()
     victim = victims[len(victims) // 2]
     data = bytearray(victim.read_bytes())

@@ -9,7 +9,6 @@ import os
 import re
 import signal
 import sys
-import time
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -17,6 +16,7 @@ from pathlib import Path
 
 import pytest
 from netns_helpers import require_host
+from polling import wait_until
 
 from l2fs import procs
 from l2fs.client import Client
@@ -57,10 +57,8 @@ def l2fs_netns(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
                    for k, n in enumerate(c.nodes, start=1)]
         host_master = c.forward(m["port"]).address
         with Client(host_master) as cl:
-            deadline = time.monotonic() + 20
-            while sum(w.alive for w in cl.report().workers) < 2:
-                assert time.monotonic() < deadline, "workers did not register across namespaces"
-                time.sleep(0.1)
+            wait_until(lambda: sum(w.alive for w in cl.report().workers) >= 2, 20, 0.1,
+                       message="workers did not register across namespaces")
         yield Cluster(c, master, host_master, workers)
 
 

@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 from operator_helpers import Cluster, load_yaml
+from polling import wait_until
 
 from operator_patch.cli import PAUSED_KEY, REPLICAS_KEY, main
 from operator_patch.patch import SNAPSHOT_KEY, PatchConfig, check
@@ -74,11 +75,8 @@ def setup(cluster: Cluster, shape: str = "rendered-v3.2-stripped.yaml", crd: boo
 
 
 def wait_ready(cluster: Cluster, ns: str, name: str) -> None:
-    deadline = time.monotonic() + 10
-    while (cluster.deployment(ns, name).get("status") or {}).get("readyReplicas") != \
-            cluster.deployment(ns, name)["spec"].get("replicas", 1):
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
+    wait_until(lambda: (cluster.deployment(ns, name).get("status") or {}).get("readyReplicas") ==
+               cluster.deployment(ns, name)["spec"].get("replicas", 1), 10)
 
 
 def run(cluster: Cluster, action: str, ns: str = "team-a", endpoint: str = "qwen2-7b", *extra: str) -> int:

@@ -22,6 +22,7 @@ import jsonpatch
 import pytest
 from kubelet_env import container_argv, container_env, expand
 from operator_helpers import configmap, load_yaml, render
+from polling import wait_until
 
 from operator_patch import webhook
 from operator_patch.options import add_config_args, config_from_args
@@ -148,11 +149,7 @@ def test_webhook_plugin_env_loads_the_l2fs_plugin(lmcache_env: Any, make_cluster
         client = cluster.client()
         path = inner.path(key)
         assert path.startswith(kv_prefix + "/")
-        import time
-        deadline = time.monotonic() + 20
-        while not client.exists(path) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert client.exists(path), f"the chunk did not reach l2fs at {path}"
+        wait_until(lambda: client.exists(path), 20, 0.1, message=f"the chunk did not reach l2fs at {path}")
         client.close()
     finally:
         sm.close()
@@ -385,11 +382,8 @@ def test_lmcache_config_pod_and_webhook_pod_share_chunks(tmp_path: Path, lmcache
         obj = managers[0].allocate(torch.Size([2, 2, 256, 16]), torch.bfloat16, MemoryFormat.KV_2LTD)
         obj.tensor.fill_(5)
         managers[0].batched_put([key], [obj])
-        import time
-        deadline = time.monotonic() + 20
-        while not conns[1].batched_contains([key]) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert conns[1].batched_contains([key]) == 1, "the webhook pod does not see the lmcache-config pod's chunk"
+        wait_until(lambda: conns[1].batched_contains([key]) == 1, 20, 0.1,
+                   message="the webhook pod does not see the lmcache-config pod's chunk")
     finally:
         for sm in managers:
             sm.close()
@@ -399,7 +393,6 @@ def test_webhook_mount_env_writes_where_the_router_looks(tmp_path: Path, lmcache
     """Mount mode as deployed (overlay hyperpod-g6e): the patched pod's env, read by LMCache's from_env() and
     StorageManager, gives LMCache's own fs connector on the mount path (a local directory standing in for
     the FUSE mount), and the file a put writes is the l2fs path the router's mount-mode lookup builds."""
-    import time
 
     import torch
     from lmcache.utils import CacheEngineKey
@@ -432,9 +425,7 @@ def test_webhook_mount_env_writes_where_the_router_looks(tmp_path: Path, lmcache
         sm.batched_put([key], [obj])
         prefix = out["spec"]["template"]["metadata"]["annotations"]["kvtier.io/kv-prefix"]
         want = mnt / contract.mount_path(prefix, "/opt/ml/model", 1, 0, 0xABC, "bfloat16").lstrip("/")
-        deadline = time.monotonic() + 20
-        while not want.exists() and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert want.exists(), f"LMCache wrote {sorted(str(p) for p in mnt.rglob('*') if p.is_file())}, not {want}"
+        wait_until(want.exists, 20, 0.1,
+                   message=lambda: f"LMCache wrote {sorted(str(p) for p in mnt.rglob('*') if p.is_file())}, not {want}")
     finally:
         sm.close()

@@ -26,6 +26,7 @@ from typing import Any
 import pytest
 import yaml
 from operator_helpers import MOUNT_SA, SA, ReviewApi, free_port, jwt, review_api
+from polling import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -576,14 +577,13 @@ def test_router_command_discovers_the_pods_the_webhook_labels(cluster: Any, tmp_
                                      headers={"Authorization": "Bearer router-key", "Content-Type": "application/json"})
         with urllib.request.urlopen(req, timeout=30) as r:
             assert r.status == 200
-        deadline = time.monotonic() + 30
-        while True:
+        def indexed() -> bool:
             with urllib.request.urlopen(f"http://127.0.0.1:{router_port}/metrics", timeout=5) as r:
                 text = r.read().decode()
             blocks = re.search(r"^kvtier_router_kv_index_blocks (\S+)$", text, re.M)
-            if blocks and float(blocks.group(1)) > 0:
-                break
-            assert time.monotonic() < deadline, "no KV event indexed:\n" + (tmp_path / "router.log").read_text()[-2000:]
-            time.sleep(0.5)
+            return bool(blocks and float(blocks.group(1)) > 0)
+
+        wait_until(indexed, 30, 0.5,
+                   message=lambda: "no KV event indexed:\n" + (tmp_path / "router.log").read_text()[-2000:])
     finally:
         env.stop()

@@ -10,13 +10,13 @@ import errno
 import os
 import signal
 import subprocess
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 from kubelet_env import container_argv, container_env
 from operator_helpers import load_yaml
+from polling import wait_until
 from test_operator_deploy_run import Env, base, container, env, hostpath, start_worker  # noqa: F401 (fixtures)
 
 from operator_patch.patch import WAIT_INIT, PatchConfig, mutate
@@ -70,16 +70,16 @@ def test_killed_mount_holds_vllm_pods_back_and_its_restart_recovers(base: list[d
 
     proc.send_signal(signal.SIGKILL)  # the mount daemon OOM-killed / killed: its FUSE mount stays, dead
     proc.wait(10)
-    seen = None
-    for _ in range(100):  # its endpoint mount is killed with it (PR_SET_PDEATHSIG): ECONNABORTED, then dead
+
+    def listdir_errno() -> int | None:
         try:
             os.listdir(own)
         except OSError as e:
-            seen = e.errno
-            if seen == errno.ENOTCONN:
-                break
-        time.sleep(0.1)
-    assert seen == errno.ENOTCONN, seen
+            return e.errno
+        return None
+
+    # its endpoint mount is killed with it (PR_SET_PDEATHSIG): ECONNABORTED, then dead
+    wait_until(lambda: listdir_errno() == errno.ENOTCONN, 10, 0.1, message=lambda: f"errno {listdir_errno()}")
     assert _waits(init), "a pod started on a dead mount"
 
     again = env.start(mount, "mount-again.log")  # the DaemonSet restarts the pod: same command

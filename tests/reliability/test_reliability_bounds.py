@@ -20,6 +20,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from polling import wait_until
 from test_reliability_security import _code
 
 from l2fs.proto import l2fs_pb2 as pb
@@ -124,14 +125,12 @@ def test_bounds_dead_worker_entries_are_forgotten(make_cluster: Callable[..., Lo
                      master_args=["--forget-dead-after", "2"])
     ids = _ids(c)
     c.kill_worker(1)
-    deadline = time.monotonic() + 20
-    while True:
+    def listed_without_node_2() -> set[str] | None:
         with c.client() as cl:
             listed = {w.worker_id for w in cl.report().workers}
-        if ids["node-2"] not in listed:
-            break
-        assert time.monotonic() < deadline, "the dead worker's entry was never dropped"
-        time.sleep(0.3)
+        return listed if ids["node-2"] not in listed else None
+
+    listed = wait_until(listed_without_node_2, 20, 0.3, message="the dead worker's entry was never dropped")
     assert ids["node-1"] in listed
 
 
@@ -351,10 +350,8 @@ def test_bounds_unread_grpc_read_streams_leave_the_masters_calls_served(
         took = time.monotonic() - t0
         assert ok is True, "same-node put failed while unread streams held the worker"
         data_dir = c.workers[0].data_dir
-        deadline = time.monotonic() + 10
-        while any(gone_bid in p.name for p in data_dir.rglob("*")):
-            assert time.monotonic() < deadline, "the master's DeleteBlocks never reached the worker"
-            time.sleep(0.2)
+        wait_until(lambda: not any(gone_bid in p.name for p in data_dir.rglob("*")), 10, 0.2,
+                   message="the master's DeleteBlocks never reached the worker")
         assert took < T
     finally:
         for s in streams:

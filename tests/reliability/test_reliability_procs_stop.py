@@ -8,7 +8,7 @@ import sys
 import time
 
 import pytest
-from reliability_faults import alive
+from reliability_faults import alive, wait_until
 
 from l2fs import procs
 
@@ -30,9 +30,7 @@ time.sleep(600)
 def test_stop_kills_children_that_outlive_the_leader(tmp_path) -> None:
     log = tmp_path / "leader.log"
     proc = procs.spawn([sys.executable, "-c", _LEADER], log)
-    deadline = time.monotonic() + 30
-    while not log.read_text().strip() and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_until(lambda: log.read_text().strip(), 30)
     child = int(log.read_text().split()[0])
     assert alive(child)
     t0 = time.monotonic()

@@ -19,7 +19,7 @@ from typing import Any
 
 import grpc
 import pytest
-from reliability_faults import DEADLINE, files_under, payload, proc_pid, rss_bytes
+from reliability_faults import DEADLINE, files_under, payload, proc_pid, rss_bytes, wait_until
 
 from l2fs.client import InvalidPath, L2fsError, PermissionDenied
 from l2fs.proto import l2fs_pb2 as pb
@@ -330,15 +330,8 @@ def test_reservations_without_data_do_not_evict_live_blocks(make_cluster: Any) -
     assert c.get("/resv/late") is None
     # The abandoned reservation expires (2 s here, 30 s by default); writes work again and evict only
     # as sealed bytes cross the high watermark: the oldest objects go, the newest are kept.
-    deadline = time.monotonic() + 10
-    while True:
-        try:
-            if c.put("/resv/late", payload(99, 256 * 1024, "/resv/late")) is True:
-                break
-        except L2fsError:
-            pass
-        assert time.monotonic() < deadline, "the abandoned reservation was never released"
-        time.sleep(0.3)
+    wait_until(lambda: c.put("/resv/late", payload(99, 256 * 1024, "/resv/late")) is True, 10, 0.3,
+               message="the abandoned reservation was never released")
     assert c.get("/resv/late") == payload(99, 256 * 1024, "/resv/late")
     assert sum(d is not None for d in c.get_many(keys)) == len(keys), "live objects evicted under the watermark"
     # A reservation that is adopted with data evicts only when sealed bytes pass the watermark.
