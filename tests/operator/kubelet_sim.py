@@ -21,9 +21,14 @@ semantics:
   command/args $(VAR)-expanded, the image's entrypoint where the container has no command;
 - securityContext: runAsUser/runAsGroup (pod and container), fsGroup as supplemental group and volume owner,
   capabilities drop/add, allowPrivilegeEscalation false (no_new_privs) via setpriv;
-- init containers in order to completion, then the containers; readiness probes (httpGet, tcpSocket, exec in
-  the container's namespaces) reported as the Pod's Ready condition to the API emulator (what the router
-  lists); restartPolicy Always: a container that exits is started again (back-off 1 s doubling to 8 s).
+- init containers in order to completion, then the containers; native sidecars (Kubernetes >= 1.29: an init
+  container with restartPolicy Always) started in their place in that order, the next container only once the
+  sidecar has started (its startupProbe passed, or running without one), restarted whenever they exit, part of
+  the Ready condition, stopped after the containers (one by one, in reverse order; also when a Job's containers
+  are done); startup probes (periodSeconds, failureThreshold: then killed and restarted) before readiness
+  probes (httpGet, tcpSocket, exec in the container's namespaces) reported as the Pod's Ready condition to the
+  API emulator (what the router lists); restartPolicy Always: a container that exits is started again (back-off
+  1 s doubling to 8 s).
 
 Containers run the venv's code on the machine's root filesystem (the images need a registry-less build of
 ~10 min, deploy/build-images.sh; CI cannot afford it). What else differs from a real cluster is listed in
@@ -307,6 +312,14 @@ class Container:
     ready: bool = False
     exits: list[int] = field(default_factory=list)
     held: bool = False  # OneBox.kill(hold=True): not restarted until OneBox.release (a CrashLoopBackOff)
+    started: bool = False  # the kubelet's "started": its startupProbe passed (running, when it has none)
+    startup_failures: int = 0
+    next_startup_probe: float = 0.0
+
+    @property
+    def sidecar(self) -> bool:
+        """A native sidecar (Kubernetes >= 1.29): an init container with restartPolicy Always."""
+        return self.init and self.spec.get("restartPolicy") == "Always"
 
 
 @dataclass
@@ -334,7 +347,8 @@ class Pod:
 
     @property
     def ready(self) -> bool:
-        return all(c.ready for c in self.containers if not c.init)
+        """The Ready condition: every container and every native sidecar ready."""
+        return all(c.ready for c in self.containers if not c.init or c.sidecar)
 
 
 class OneBox:
@@ -714,11 +728,8 @@ class OneBox:
                 "spec": {**pod.spec, "nodeName": pod.node.name},
                 "status": {"phase": "Running", "podIP": pod.ip, "hostIP": pod.node.ns.addr,
                            "conditions": [{"type": "Ready", "status": "True" if pod.ready else "False"}],
-                           "containerStatuses": [{"name": c.spec["name"], "ready": c.ready, "restartCount": c.restarts,
-                                                  "image": c.spec.get("image", ""), "imageID": "",
-                                                  "state": {"running": {}} if c.proc and c.proc.poll() is None
-                                                  else {"waiting": {"reason": "ContainerCreating"}}}
-                                                 for c in pod.containers if not c.init]}}
+                           "containerStatuses": [_status(c) for c in pod.containers if not c.init],
+                           "initContainerStatuses": [_status(c) for c in pod.containers if c.init]}}
         if pod.stopping:
             body["status"]["phase"] = "Terminating"
         try:
@@ -753,6 +764,8 @@ class OneBox:
 
     def _run_pod(self, pod: Pod, meta: dict[str, Any], tpl: dict[str, Any]) -> None:
         log = (pod.dir / "kubelet.log").open("a")
+        backoff: dict[str, float] = {}  # container name -> when its restart back-off ends
+        sidecars: list[Container] = []  # native sidecars started so far (kept running from then on)
         try:
             while not pod.stopping:  # ContainerCreating until every Secret/ConfigMap the volumes need exists
                 try:
@@ -765,9 +778,29 @@ class OneBox:
             for c in pod.containers:
                 if not c.init:
                     continue
+                if c.sidecar:
+                    # a native sidecar: started in its place in the order; the next init container (or the
+                    # containers) only once it has started (startupProbe passed, or running without one);
+                    # restarted whenever it exits, from now until the pod stops
+                    self._start(pod, c)
+                    sidecars.append(c)
+                    while not pod.stopping and not c.started:
+                        if self._supervise(pod, sidecars, "Always", backoff, log):
+                            self._publish(pod)
+                        time.sleep(0.2)
+                    log.write(f"{time.time():.1f} sidecar {c.spec['name']} started\n")
+                    log.flush()
+                    continue
                 while not pod.stopping:  # an init container is retried until it succeeds
-                    rc = self._s3_copy(pod, c) if _image_kind(c.spec.get("image", "")) == "aws-cli" else \
-                        self._start(pod, c).wait()
+                    if _image_kind(c.spec.get("image", "")) == "aws-cli":
+                        rc = self._s3_copy(pod, c)
+                    else:
+                        proc = self._start(pod, c)
+                        while proc.poll() is None and not pod.stopping:  # the sidecars before it keep running
+                            if self._supervise(pod, sidecars, "Always", backoff, log):
+                                self._publish(pod)
+                            time.sleep(0.2)
+                        rc = proc.wait()
                     c.exits.append(rc)
                     log.write(f"init {c.spec['name']} exited {rc}\n")
                     log.flush()
@@ -778,34 +811,18 @@ class OneBox:
             mains = [c for c in pod.containers if not c.init]
             for c in mains:
                 self._start(pod, c)
-            backoff: dict[str, float] = {}
             policy = pod.spec.get("restartPolicy", "Always")
             while not pod.stopping:
-                changed = False
-                for c in mains:
-                    if c.proc is not None and c.proc.poll() is not None and not pod.stopping:
-                        if len(c.exits) < c.restarts + 1:
-                            c.exits.append(c.proc.returncode)
-                            log.write(f"{time.time():.1f} {c.spec['name']} exited {c.proc.returncode}\n")
-                            log.flush()
-                            c.ready, changed = False, True
-                        if policy == "Never" or (policy == "OnFailure" and c.proc.returncode == 0):
-                            continue
-                        when = backoff.setdefault(c.spec["name"], time.monotonic()
-                                                  + min(self.max_backoff, 2 ** min(c.restarts, 3)))
-                        if time.monotonic() >= when and not c.held:
-                            c.restarts += 1
-                            backoff.pop(c.spec["name"])
-                            self._start(pod, c)
-                        continue
-                    r = self._probe(pod, c, "readinessProbe")
-                    if r != c.ready:
-                        c.ready, changed = r, True
+                changed = self._supervise(pod, mains, policy, backoff, log)
+                changed = self._supervise(pod, sidecars, "Always", backoff, log) or changed
                 if changed:
                     self._publish(pod)
                 if policy != "Always" and all(c.proc is not None and c.proc.poll() is not None
                                               and (policy == "Never" or c.proc.returncode == 0) for c in mains):
                     pod.phase = "Succeeded" if all(c.proc.returncode == 0 for c in mains if c.proc) else "Failed"
+                    # the pod's work is done: its sidecars are stopped (reverse order), as after a deletion
+                    self._terminate(pod, list(reversed(sidecars)), float(pod.spec.get(
+                        "terminationGracePeriodSeconds", 30)), one_by_one=True)
                     with self._lock:
                         self.pods.remove(pod)
                         self.finished.append(pod)
@@ -816,6 +833,64 @@ class OneBox:
             log.write(f"kubelet: {type(e).__name__}: {e}\n")
         finally:
             log.close()
+
+    def _supervise(self, pod: Pod, cs: list[Container], policy: str, backoff: dict[str, float], log: Any) -> bool:
+        """One kubelet sync of running containers: an exited one is recorded and, as `policy` says, started again
+        after its back-off; a running one is startup-probed until started, then readiness-probed. True when a
+        status the API shows changed."""
+        changed = False
+        for c in cs:
+            if pod.stopping:
+                break
+            if c.proc is None:
+                continue
+            if c.proc.poll() is not None:
+                if len(c.exits) < c.restarts + 1:
+                    c.exits.append(c.proc.returncode)
+                    log.write(f"{time.time():.1f} {c.spec['name']} exited {c.proc.returncode}\n")
+                    log.flush()
+                    c.ready, c.started, changed = False, False, True
+                if policy == "Never" or (policy == "OnFailure" and c.proc.returncode == 0):
+                    continue
+                when = backoff.setdefault(c.spec["name"], time.monotonic()
+                                          + min(self.max_backoff, 2 ** min(c.restarts, 3)))
+                if time.monotonic() >= when and not c.held:
+                    c.restarts += 1
+                    backoff.pop(c.spec["name"])
+                    self._start(pod, c)
+                continue
+            if not c.started:
+                changed = self._startup_probe(pod, c, log) or changed
+                if not c.started:
+                    continue  # no readiness probe before the startup probe has passed
+            r = self._probe(pod, c, "readinessProbe")
+            if r != c.ready:
+                c.ready, changed = r, True
+        return changed
+
+    def _startup_probe(self, pod: Pod, c: Container, log: Any) -> bool:
+        """The startupProbe, every periodSeconds after initialDelaySeconds: passed, the container is started (True);
+        failureThreshold failures in a row, it is killed (restarted by its restart policy)."""
+        p = c.spec.get("startupProbe")
+        if p is None:
+            c.started = True
+            return True
+        now = time.monotonic()
+        if now < c.next_startup_probe:
+            return False
+        c.next_startup_probe = now + float(p.get("periodSeconds", 10))
+        if self._probe(pod, c, "startupProbe"):
+            c.started = True
+            return True
+        c.startup_failures += 1
+        if c.startup_failures >= int(p.get("failureThreshold", 3)) and c.proc is not None:
+            log.write(f"{time.time():.1f} {c.spec['name']}: startup probe failed {c.startup_failures} times: killed\n")
+            log.flush()
+            try:
+                os.killpg(c.proc.pid, signal.SIGKILL)
+            except OSError:
+                pass
+        return False
 
     def _s3_copy(self, pod: Pod, c: Container) -> int:
         """The aws-cli image's `aws s3 cp s3://URI <dir>/ --recursive`: S3 is not reachable here, so the files
@@ -844,27 +919,11 @@ class OneBox:
         if pod.stopping and pod not in self.pods:
             return
         pod.stopping = True
-        for c in pod.containers:
-            pre = ((c.spec.get("lifecycle") or {}).get("preStop") or {}).get("exec")
-            if pre and c.proc is not None and c.proc.poll() is None:
-                self._exec_in(pod, c, pre["command"], timeout=30)
-        for c in pod.containers:
-            if c.proc is not None and c.proc.poll() is None:
-                try:
-                    os.killpg(c.proc.pid, signal.SIGTERM)
-                except ProcessLookupError:
-                    pass
         grace = float(pod.spec.get("terminationGracePeriodSeconds", 30))
-        for c in pod.containers:
-            if c.proc is not None:
-                try:
-                    c.proc.wait(min(grace, 20))
-                except subprocess.TimeoutExpired:
-                    try:
-                        os.killpg(c.proc.pid, signal.SIGKILL)
-                        c.proc.wait(10)
-                    except (OSError, subprocess.TimeoutExpired):
-                        pass
+        # the containers (and a running init container) first; native sidecars once those are gone, one by one
+        # in reverse order (Kubernetes >= 1.29), so a container's sidecar outlives it
+        self._terminate(pod, [c for c in pod.containers if not c.sidecar], grace)
+        self._terminate(pod, list(reversed([c for c in pod.containers if c.sidecar])), grace, one_by_one=True)
         if pod.thread is not None:
             pod.thread.join(10)
         if self.cgroup is not None:  # what the containers left behind (children in other process groups)
@@ -881,6 +940,31 @@ class OneBox:
         except OSError:
             pass
         self._write_hosts()
+
+    def _terminate(self, pod: Pod, cs: list[Container], grace: float, one_by_one: bool = False) -> None:
+        """preStop hooks, SIGTERM, up to the grace period (at most 20 s here), SIGKILL: all of `cs` together, or
+        each in turn (`one_by_one`: the next only once the one before has exited)."""
+        for group in ([[c] for c in cs] if one_by_one else [cs]):
+            for c in group:
+                pre = ((c.spec.get("lifecycle") or {}).get("preStop") or {}).get("exec")
+                if pre and c.proc is not None and c.proc.poll() is None:
+                    self._exec_in(pod, c, pre["command"], timeout=30)
+            for c in group:
+                if c.proc is not None and c.proc.poll() is None:
+                    try:
+                        os.killpg(c.proc.pid, signal.SIGTERM)
+                    except ProcessLookupError:
+                        pass
+            for c in group:
+                if c.proc is not None:
+                    try:
+                        c.proc.wait(min(grace, 20))
+                    except subprocess.TimeoutExpired:
+                        try:
+                            os.killpg(c.proc.pid, signal.SIGKILL)
+                            c.proc.wait(10)
+                        except (OSError, subprocess.TimeoutExpired):
+                            pass
 
     def kill(self, pod: Pod, container: str, sig: int = signal.SIGKILL, hold: bool = False) -> int:
         """A container's process dies (OOM kill, crash): the kubelet will start it again; with `hold` only after
@@ -1113,7 +1197,9 @@ class OneBox:
                                   stdin=subprocess.DEVNULL, cwd="/")
         out.close()
         self._report_group(c.proc.pid)
-        c.ready = False
+        c.ready = c.started = False
+        c.startup_failures = 0
+        c.next_startup_probe = time.monotonic() + float((c.spec.get("startupProbe") or {}).get("initialDelaySeconds", 0))
         return c.proc
 
     def _argv(self, pod: Pod, c: dict[str, Any], env: dict[str, str]) -> list[str]:
@@ -1124,6 +1210,8 @@ class OneBox:
         argv = [expand(w, env) for w in [*cmd, *args]]
         if _image_kind(c.get("image", "")) == "vllm" and self.cpu and c.get("command") is None:
             argv = cpu_overlay(argv)  # the vLLM server (the image's entrypoint), not a helper run from that image
+        elif _image_kind(c.get("image", "")) == "vllm" and self.cpu and argv[:2] == ["lmcache", "server"]:
+            argv = cpu_overlay(argv, CPU_OVERLAY_LMCACHE_SERVER_SET, [])  # mp mode's sidecar
         if argv and (VENV_BIN / argv[0]).exists():
             argv[0] = str(VENV_BIN / argv[0])
         elif argv and argv[0] in ("python", "python3"):
@@ -1636,24 +1724,44 @@ CPU_OVERLAY_ADD = ["--enforce-eager"]
 CPU_OVERLAY_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "1", "VLLM_NO_USAGE_STATS": "1",
                    "DO_NOT_TRACK": "1", "LMCACHE_TRACK_USAGE": "false", "HF_HUB_OFFLINE": "1",
                    "TRANSFORMERS_OFFLINE": "1"}
+# The `lmcache server` sidecar of mp mode (a command run from the vLLM image): its L1 is allocated (and touched)
+# at start, 4 GB by default (the webhook's --mp-l1-gb); two pods' worth of that does not fit next to two vLLM
+# engines in this machine's memory, so the box gives it what `kvtier up --lmcache-mode mp` does.
+CPU_OVERLAY_LMCACHE_SERVER_SET: dict[str, str | None] = {"--l1-size-gb": "0.5"}
 
 
-def cpu_overlay(argv: list[str]) -> list[str]:
-    """CPU_OVERLAY_SET/ADD applied to a vLLM argv (flag values replaced or dropped, CPU flags appended)."""
+def cpu_overlay(argv: list[str], set_: dict[str, str | None] | None = None,
+                add: list[str] | None = None) -> list[str]:
+    """CPU_OVERLAY_SET/ADD (or the given ones) applied to an argv (flag values replaced or dropped, CPU flags
+    appended)."""
+    set_ = CPU_OVERLAY_SET if set_ is None else set_
+    add = CPU_OVERLAY_ADD if add is None else add
     out: list[str] = []
     i = 0
     while i < len(argv):
         a = argv[i]
         flag, eq, val = a.partition("=")
-        if flag in CPU_OVERLAY_SET:
+        if flag in set_:
             i += 1 if eq else 2
             continue
         out.append(a)
         i += 1
-    for flag, val in CPU_OVERLAY_SET.items():
+    for flag, val in set_.items():
         if val is not None:
             out += [flag, val]
-    return out + [a for a in CPU_OVERLAY_ADD if a not in out]
+    return out + [a for a in add if a not in out]
+
+
+def _status(c: Container) -> dict[str, Any]:
+    """A container's entry in the Pod's status (containerStatuses / initContainerStatuses)."""
+    if c.proc is not None and c.proc.poll() is None:
+        state: dict[str, Any] = {"running": {}}
+    elif c.exits:
+        state = {"terminated": {"exitCode": c.exits[-1]}}
+    else:
+        state = {"waiting": {"reason": "PodInitializing" if c.init else "ContainerCreating"}}
+    return {"name": c.spec["name"], "ready": c.ready, "started": c.started, "restartCount": c.restarts,
+            "image": c.spec.get("image", ""), "imageID": "", "state": state}
 
 
 def _strip_start(log: str) -> str:
