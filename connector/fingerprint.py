@@ -7,6 +7,11 @@ and nothing in LMCache says so. Each replica's L2 connector writes its fingerpri
 the same model that differs is reported LOUDLY: an ERROR log line starting with "KVTIER KEY MISMATCH" and the
 Prometheus counter `kvtier_key_mismatch_total`. `kvtier lmcache-config check` lists the records.
 
+The LMCache plugin adds its start-up key check (connector.keycheck: the keys its installed LMCache computed for
+kvtier.contract.KAT_TOKENS, field kvtier.contract.KAT_RECORD_FIELD) and rewrites the record every
+kvtier.contract.KEY_RECORD_REFRESH_S; the router reads these (router.l2) to notice engines whose LMCache hashes
+otherwise than its contract. Older records without the field are no evidence to it.
+
 The record also holds the model revision (connector.revision: weights identity). Replicas of different
 revisions write under different prefixes, so they never load each other's chunks (a mismatch is a miss);
 two replicas of the same model name with different revisions are still reported loudly, because outside a
@@ -61,18 +66,28 @@ def diff(a: dict[str, Any], b: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
     return {k: (a.get(k), b.get(k)) for k in KEY_FIELDS if a.get(k) != b.get(k)}
 
 
-def record_and_check(client: Any, cfg: Any, meta: Any, *, node_id: str = "",
-                     revision: str = "") -> list[dict[str, Any]]:
-    """Publish our record, compare with the others of the same model; returns the mismatching records."""
+def publish(client: Any, cfg: Any, meta: Any, *, node_id: str = "", revision: str = "",
+            extra: dict[str, Any] | None = None) -> tuple[dict[str, Any], str]:
+    """Write (or rewrite) our record; returns (fingerprint, replica id). `extra`: more fields, e.g. the key
+    check's known-answer result (kvtier.contract.KAT_RECORD_FIELD), which readers without it take as no evidence."""
     fp = fingerprint(cfg, meta, revision)
     rid = replica_id(node_id)
-    if fp["hash_algorithm"] == "builtin" and fp["python_hash_seed"] in ("", "random"):
-        _loud(f"PYTHONHASHSEED is not fixed in replica {rid}: LMCache's builtin chunk hash differs per process, "
-              "so no other process (not even this replica's scheduler) can hit its chunks. Set PYTHONHASHSEED=0.")
     d = f"{META_PREFIX}/{esc(fp['model_name'])}"
     client.mkdir(d, parents=True, exist_ok=True)
-    rec = {**fp, "replica": rid, "node_id": node_id, "time": time.time()}
+    rec = {**(extra or {}), **fp, "replica": rid, "node_id": node_id, "time": time.time()}
     client.put(f"{d}/{esc(rid)}.json", json.dumps(rec).encode(), if_absent=False)
+    return fp, rid
+
+
+def record_and_check(client: Any, cfg: Any, meta: Any, *, node_id: str = "", revision: str = "",
+                     extra: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    """Publish our record, compare with the others of the same model; returns the mismatching records."""
+    fp = fingerprint(cfg, meta, revision)
+    if fp["hash_algorithm"] == "builtin" and fp["python_hash_seed"] in ("", "random"):
+        _loud(f"PYTHONHASHSEED is not fixed in replica {replica_id(node_id)}: LMCache's builtin chunk hash "
+              "differs per process, so no other process (not even this replica's scheduler) can hit its chunks. "
+              "Set PYTHONHASHSEED=0.")
+    fp, rid = publish(client, cfg, meta, node_id=node_id, revision=revision, extra=extra)
     return check(client, fp, rid)
 
 

@@ -16,6 +16,10 @@ What is compared, per hash algorithm:
 * vLLM native `sha256` (vLLM's default): hash_block_tokens with vLLM's own sha256 and NONE_HASH ==
   contract.vllm_block_hashes.
 Anything else has no reference here: KEY_UNVERIFIED, a warning, writes continue.
+
+The LMCache plugin also publishes its verdict and the keys it computed (Verdict.record) in its key-compat record
+(connector.fingerprint), so the router, whose image has no LMCache, checks the engines' keys against its own
+contract (router.l2).
 """
 
 from __future__ import annotations
@@ -42,10 +46,18 @@ except Exception:  # noqa: BLE001 - duplicate registration or no prometheus_clie
 class Verdict:
     state: str  # contract.KEY_OK | KEY_DRIFT | KEY_UNVERIFIED
     detail: str
+    keys: tuple[int, ...] = ()  # what the installed library computed for KAT_TOKENS (builtin checks only)
+    chunk_size: int = 0
+    seed: str = ""  # the PYTHONHASHSEED this process's string hash is keyed by ("" = not known to be)
 
     @property
     def writes_allowed(self) -> bool:
         return self.state != contract.KEY_DRIFT
+
+    def record(self) -> dict[str, Any]:
+        """This verdict as the engine publishes it in its key-compat record (contract.KAT_RECORD_FIELD), so a
+        router without LMCache can check the engine's keys against its own contract."""
+        return contract.kat_record(self.state, self.chunk_size, self.seed, self.keys, self.detail)
 
 
 def lmcache_builtin(cfg: Any, meta: Any) -> Verdict:
@@ -59,22 +71,29 @@ def lmcache_builtin(cfg: Any, meta: Any) -> Verdict:
 
     db = tdb.ChunkedTokenDatabase(cfg, meta)
     got = [int(h) for _s, _e, h in db.process_tokens(tokens=list(contract.KAT_TOKENS), make_key=False)]
-    none = int(tdb.NONE_HASH)
-    if got != contract.builtin_chain(contract.KAT_TOKENS, chunk, none):
-        return Verdict(contract.KEY_DRIFT, "the installed LMCache chains chunk hashes differently from "
-                                           f"kvtier.contract (chunk {chunk}): first {got[:1]}")
     env_seed = os.environ.get("PYTHONHASHSEED")
-    seed_text = env_seed if env_seed is not None else contract.VLLM_DEFAULT_NONE_HASH_SEED
-    if none != hash(seed_text):
-        return Verdict(contract.KEY_DRIFT, f"the installed LMCache/vLLM derive NONE_HASH otherwise than "
-                                           f"hash({seed_text!r}) (kvtier.contract.none_hash)")
+    keyed = ""  # the seed this process's string hash is keyed by, when the environment's is (a router recomputes)
     if env_seed is not None and env_seed.isdigit() and int(env_seed) <= 0xFFFFFFFF:
         probe = "kvtier-probe"
-        if hash(probe) == contract.str_hash(probe, int(env_seed)):  # this process's str hash has that seed
-            if got != contract.chunk_hashes(contract.KAT_TOKENS, chunk, env_seed):
-                return Verdict(contract.KEY_DRIFT, f"chunk keys differ from kvtier.contract's (seed {env_seed})")
-            return Verdict(contract.KEY_OK, f"LMCache builtin keys match kvtier.contract (seed {env_seed})")
-    return Verdict(contract.KEY_OK, "LMCache builtin chaining matches kvtier.contract (this process's string "
+        if hash(probe) == contract.str_hash(probe, int(env_seed)):
+            keyed = env_seed
+
+    def verdict(state: str, detail: str) -> Verdict:  # with the keys, for the engine's published record
+        return Verdict(state, detail, tuple(got), chunk, keyed)
+
+    none = int(tdb.NONE_HASH)
+    if got != contract.builtin_chain(contract.KAT_TOKENS, chunk, none):
+        return verdict(contract.KEY_DRIFT, "the installed LMCache chains chunk hashes differently from "
+                                           f"kvtier.contract (chunk {chunk}): first {got[:1]}")
+    seed_text = env_seed if env_seed is not None else contract.VLLM_DEFAULT_NONE_HASH_SEED
+    if none != hash(seed_text):
+        return verdict(contract.KEY_DRIFT, f"the installed LMCache/vLLM derive NONE_HASH otherwise than "
+                                           f"hash({seed_text!r}) (kvtier.contract.none_hash)")
+    if keyed:
+        if got != contract.chunk_hashes(contract.KAT_TOKENS, chunk, keyed):
+            return verdict(contract.KEY_DRIFT, f"chunk keys differ from kvtier.contract's (seed {keyed})")
+        return verdict(contract.KEY_OK, f"LMCache builtin keys match kvtier.contract (seed {keyed})")
+    return verdict(contract.KEY_OK, "LMCache builtin chaining matches kvtier.contract (this process's string "
                                     "hash is not keyed by a PYTHONHASHSEED: seed agreement not checked here)")
 
 

@@ -38,7 +38,9 @@ Design (why):
   l2fs evicts the deepest chunks of a prefix chain first and a cached prefix stays whole.
 * L2 hits are claimed only while loading them beats recomputing them (connector.loadgate).
 * At start-up the installed LMCache's chunk keys are checked against kvtier.contract (connector.keycheck);
-  on a drift nothing is written (keys no router or other replica would find), reads continue.
+  on a drift nothing is written (keys no router or other replica would find), reads continue. The verdict and
+  the keys computed go into this replica's key-compat record (connector.fingerprint), rewritten every
+  kvtier.contract.KEY_RECORD_REFRESH_S, where routers read them (router.l2).
 """
 
 from __future__ import annotations
@@ -60,7 +62,7 @@ from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
 from connector import keycheck, positions
 from connector import keys as ckeys
 from connector.config import PREFILL_ENV, PREFILL_FILE_ENV, PREFILL_FILE_KEY, PREFILL_KEY, watch_prefill_file
-from connector.fingerprint import record_and_check
+from connector.fingerprint import publish, record_and_check
 from connector.loadgate import LoadGate
 from connector.logs import ensure_log_handler
 from kvtier import contract
@@ -177,20 +179,38 @@ class L2fsConnector(RemoteConnector):
         self._prechecked: OrderedDict[str, tuple[bytearray, int]] = OrderedDict()  # read before their claim
         self._pre_lock = threading.Lock()
         self._closed = False
+        self._stop = threading.Event()  # ends the record refresh
         log.info("kvtier l2fs connector: master=%s node=%s prefix=%s", self.master, self.node_id, self.prefix)
         # Start-up probe + key-compat fingerprint, off the caller's thread: never delays engine start.
         self.pool.submit(self._startup, cfg)
 
     # ---- plumbing ------------------------------------------------------------------------------------
     def _startup(self, cfg: Any) -> None:
+        # the record carries our key check (the keys this LMCache computed): a router without LMCache checks them
+        extra = {contract.KAT_RECORD_FIELD: self.key_check.record()}
         try:
             self._guard(lambda: self.client.mkdir(self.prefix, parents=True, exist_ok=True))
-            record_and_check(self.client, cfg, self._meta, node_id=self.node_id, revision=self.revision)
+            record_and_check(self.client, cfg, self._meta, node_id=self.node_id, revision=self.revision,
+                             extra=extra)
         except L2Down:
             pass
         except Exception as e:  # noqa: BLE001 - start-up must never fail because of L2
             if not self._closed:  # closed before the check ran: its channel is gone, nothing to report
                 log.warning("kvtier: l2fs start-up check failed: %s", e)
+        if not self._closed:
+            threading.Thread(target=self._refresh_record, args=(cfg, extra), name="kvtier-l2fs-record",
+                             daemon=True).start()
+
+    def _refresh_record(self, cfg: Any, extra: dict[str, Any]) -> None:
+        """Rewrite our record every KEY_RECORD_REFRESH_S: routers ignore records not rewritten for
+        KEY_RECORD_MAX_AGE_S (a gone engine's), so a replaced drifted engine stops counting against L2 credit."""
+        while not self._stop.wait(contract.KEY_RECORD_REFRESH_S):
+            if self._closed or self.breaker.down:
+                continue
+            try:  # not through the breaker: requests, not this thread, decide when L2 is down
+                publish(self.client, cfg, self._meta, node_id=self.node_id, revision=self.revision, extra=extra)
+            except Exception as e:  # noqa: BLE001 - the next period tries again
+                log.debug("kvtier: key-compat record refresh failed: %s", e)
 
     def _guard(self, fn: Callable[[], T]) -> T:
         """Run a metadata call through the breaker; Unavailable opens it. Other errors propagate."""
@@ -465,6 +485,7 @@ class L2fsConnector(RemoteConnector):
 
     async def close(self) -> None:
         self._closed = True
+        self._stop.set()
         self.breaker.close()
         self.client.close()
         self.pool.shutdown(wait=False, cancel_futures=True)

@@ -373,6 +373,50 @@ def vllm_block_hashes(tokens: Sequence[int], block_size: int, seed: str | None =
     return out
 
 
+# -- the engines' known-answer results, published for the router (connector.fingerprint writes, router.l2 reads)
+# An engine-side component adds KAT_RECORD_FIELD to its key-compat record (/kvtier/meta/<model>/<replica>.json):
+# the chunk keys ITS installed LMCache computed for KAT_TOKENS, with the chunk size and seed it used and its own
+# verdict. The router (whose image has no LMCache) recomputes them here: a record that disagrees, or whose engine
+# found drift itself, turns the router's L2 credit off. Records without the field (older engines) are no evidence.
+KAT_RECORD_FIELD = "key_check"  # {"state", "detail", "chunk_size", "seed", "keys"}
+KEY_RECORD_REFRESH_S = 300.0  # an engine rewrites its record this often (its l2fs mtime is the freshness)
+KEY_RECORD_MAX_AGE_S = 3 * KEY_RECORD_REFRESH_S  # older records are a gone engine's: the router ignores them
+
+
+def kat_record(state: str, chunk_size: int, seed: str, keys: Sequence[int], detail: str = "") -> dict[str, object]:
+    """The KAT_RECORD_FIELD value an engine publishes: its verdict and the keys its library computed."""
+    return {"state": state, "detail": detail[:300], "chunk_size": int(chunk_size), "seed": str(seed),
+            "keys": [int(k) for k in keys]}
+
+
+def kat_record_verdict(record: object) -> tuple[str, str] | None:
+    """What one engine record says about its keys: (KEY_DRIFT | KEY_OK, detail), or None for no evidence (no
+    KAT_RECORD_FIELD, no keys, a seed that is not fixed). ValueError for a malformed record (garbage).
+    The keys are compared with chunk_hashes(KAT_TOKENS) for the record's own chunk size and seed: whether
+    the engines' library hashes as this contract does; seed agreement is connector.fingerprint's check."""
+    if not isinstance(record, dict):
+        raise ValueError("a record is a JSON object")
+    kc = record.get(KAT_RECORD_FIELD)
+    if kc is None:
+        return None
+    if not isinstance(kc, dict) or kc.get("state") not in (KEY_OK, KEY_DRIFT, KEY_UNVERIFIED):
+        raise ValueError(f"{KAT_RECORD_FIELD} is not an object with a known state")
+    if kc["state"] == KEY_DRIFT:
+        return KEY_DRIFT, f"its own key check found drift ({str(kc.get('detail') or '')[:200]})"
+    keys, chunk, seed = kc.get("keys"), kc.get("chunk_size"), kc.get("seed")
+    if not isinstance(keys, list) or not all(isinstance(k, int) and not isinstance(k, bool) for k in keys):
+        raise ValueError(f"{KAT_RECORD_FIELD}.keys is not a list of integers")
+    if not isinstance(chunk, int) or isinstance(chunk, bool) or not 0 < chunk <= len(KAT_TOKENS):
+        raise ValueError(f"{KAT_RECORD_FIELD}.chunk_size {chunk!r} is not a chunk size of KAT_TOKENS")
+    if not keys or not isinstance(seed, str) or not seed.isdigit() or int(seed) > 0xFFFFFFFF:
+        return None  # nothing computed, or a process whose string hash is not keyed by a fixed PYTHONHASHSEED
+    want = chunk_hashes(KAT_TOKENS, chunk, seed)
+    if keys != want:
+        return KEY_DRIFT, (f"its installed LMCache computes other chunk keys for KAT_TOKENS than kvtier.contract "
+                           f"(seed {seed}, chunk {chunk}): first {keys[:1]} != {want[:1]}")
+    return KEY_OK, f"its chunk keys match kvtier.contract (seed {seed}, chunk {chunk})"
+
+
 _LMCACHE_REFERENCE = r"""
 import json, sys, types
 from lmcache.v1.token_database import ChunkedTokenDatabase

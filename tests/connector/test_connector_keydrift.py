@@ -82,11 +82,23 @@ def _files(client, prefix: str) -> int:
         return 0
 
 
+def _record(client, replica: str) -> dict:
+    """A replica's key-compat record (connector.fingerprint), once the plugin's start-up has written it."""
+    path = f"{contract.META_PREFIX}/{contract.esc(MODEL)}/{replica}.json"
+    t0 = time.monotonic()
+    while (raw := client.get(path)) is None:
+        assert time.monotonic() - t0 < 20, "the plugin never wrote its record"
+        time.sleep(0.1)
+    return json.loads(raw)
+
+
 def test_plugin_stops_writing_when_installed_lmcache_hashes_differently(
         cluster: LocalCluster, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     client = cluster.client()
     caplog.set_level(logging.INFO, logger="kvtier.connector.keycheck")
     try:
+        monkeypatch.setenv("KVTIER_REPLICA_ID", "keydrift-ok")
+        monkeypatch.setenv("PYTHONHASHSEED", "12345")  # not what this process's string hash is keyed by
         good = _manager(cluster.master, "/drift/ok")  # the installed LMCache as it is: keys match, writes land
         assert _conn(good).key_check.state == contract.KEY_OK
         assert _gauge("lmcache_l2fs", "ok") == 1
@@ -95,11 +107,20 @@ def test_plugin_stops_writing_when_installed_lmcache_hashes_differently(
         while _files(client, "/drift/ok") < 3:
             assert time.monotonic() - t0 < 20, "control: chunks never reached l2fs"
             time.sleep(0.1)
+        # its key-compat record carries the keys its LMCache computed (what a router without LMCache checks), but
+        # no seed: this process's string hash is not keyed by the PYTHONHASHSEED set here, so a router cannot
+        # recompute them and takes the record as no evidence (tests/router/test_router_engine_keydrift.py runs an
+        # engine started with its seed)
+        rec = _record(client, "keydrift-ok")
+        assert rec[contract.KAT_RECORD_FIELD]["keys"] == contract.builtin_chain(contract.KAT_TOKENS, 256,
+                                                                                int(tdb.NONE_HASH))
+        assert rec[contract.KAT_RECORD_FIELD]["seed"] == "" and contract.kat_record_verdict(rec) is None
         good.close()
 
         # "the next LMCache": same tokens, other chunk hashes
         monkeypatch.setattr(tdb.TokenDatabase, "_get_vllm_hash_func",
                             lambda self, algo: (lambda x: hash(("lmcache-next", x))))
+        monkeypatch.setenv("KVTIER_REPLICA_ID", "keydrift-next")
         bad = _manager(cluster.master, "/drift/bad")
         conn = _conn(bad)
         assert conn.key_check.state == contract.KEY_DRIFT
@@ -111,6 +132,10 @@ def test_plugin_stops_writing_when_installed_lmcache_hashes_differently(
             assert time.monotonic() - t0 < 20, conn.stats
             time.sleep(0.1)
         assert _files(client, "/drift/bad") == 0 and conn.stats["put"] == 0
+        rec = _record(client, "keydrift-next")
+        assert rec[contract.KAT_RECORD_FIELD]["keys"] == list(conn.key_check.keys)  # the next LMCache's keys
+        state, detail = contract.kat_record_verdict(rec)  # its own verdict counts, whatever the seed
+        assert state == contract.KEY_DRIFT and "its own key check found drift" in detail
         bad.close()
     finally:
         client.close()
