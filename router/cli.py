@@ -131,6 +131,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--l2fs-dtype", default="float", help="LMCache dtype string of the KV (float, half, bfloat16)")
     p.add_argument("--l2fs-hash-seed", default=contract.HASH_SEED,
                    help="the replicas' PYTHONHASHSEED (LMCache's builtin chunk hash depends on it)")
+    p.add_argument("--l2fs-key-records-interval", type=float, default=60.0,
+                   help="seconds between reads of the engines' key-check records in l2fs (an engine whose "
+                        "LMCache hashes otherwise turns L2 credit off; 0: not read)")
     p.add_argument("--workers", type=int, default=int(kvtier_envs.get("KVTIER_ROUTER_WORKERS") or 1),
                    help="router processes sharing the port (SO_REUSEPORT; the kernel spreads connections); each "
                         "is a full router with its own state: use --prefix-affinity and --load-scrape-interval so "
@@ -234,7 +237,8 @@ def l2_lookup_from_args(args: argparse.Namespace) -> L2Lookup | None:
 
     return L2Lookup(args.l2fs_master, mode=args.l2fs_mode, prefix=args.l2fs_prefix, chunk_size=args.l2fs_chunk_size,
                     hash_seed=args.l2fs_hash_seed, model_name=args.l2fs_model_name, dtype=args.l2fs_dtype,
-                    client_options=ClientOptions.from_args(args, prefix="l2fs-"))
+                    client_options=ClientOptions.from_args(args, prefix="l2fs-"),
+                    key_records_interval=args.l2fs_key_records_interval)
 
 
 def main(argv: list[str] | None = None) -> int:

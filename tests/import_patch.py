@@ -1,4 +1,5 @@
-"""A `sitecustomize.py` that patches one module of an installed package as it is imported, in a child process.
+"""A `sitecustomize.py` that patches one module of an installed package as it is imported, in a child process
+(`sitecustomize`), or makes packages unimportable there (`hidden`: an image without LMCache).
 
 Why: the key-drift tests play "the next LMCache" (a hash that changed) inside real processes (a router's key
 check child, an `lmcache server`) without touching the installed package: the child gets a PYTHONPATH dir
@@ -35,3 +36,21 @@ def sitecustomize(module: str, patch: str) -> str:
     """The source: `patch` is the body run after `module` executed, with the fresh module bound to `module`."""
     return _TEMPLATE.format(module=module, patch=textwrap.indent(textwrap.dedent(patch).strip("\n"), " " * 12))
 
+
+
+_HIDDEN = r'''
+import importlib.abc, sys
+
+class _NotInstalled(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name.split(".")[0] in {modules!r}:
+            raise ModuleNotFoundError(f"No module named {{name!r}}", name=name)
+        return None
+
+sys.meta_path.insert(0, _NotInstalled())
+'''
+
+
+def hidden(*modules: str) -> str:
+    """A sitecustomize under which `modules` (top-level packages) are not importable: an image without them."""
+    return _HIDDEN.format(modules=set(modules))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -37,9 +38,10 @@ class Proc:
         return httpx.post(self.url + path, timeout=30, **kw)
 
 
-def _spawn(args: list[str], log: Path, pattern: str, timeout: float = 60.0) -> tuple[subprocess.Popen, str]:
+def _spawn(args: list[str], log: Path, pattern: str, timeout: float = 60.0,
+           pythonpath: str = str(ROOT)) -> tuple[subprocess.Popen, str]:
     """Start a replica or router and return it with the URL it prints once it listens."""
-    p = procs.spawn(args, log, env=dict(os.environ, PYTHONPATH=str(ROOT)), cwd=ROOT, append=False)
+    p = procs.spawn(args, log, env=dict(os.environ, PYTHONPATH=pythonpath), cwd=ROOT, append=False)
     try:
         return p, procs.wait_ready(p, procs.log_match(log, pattern), timeout=timeout, what=" ".join(args[:4]),
                                    log_path=log)
@@ -107,3 +109,17 @@ def metric(router: Proc, name: str, **labels: str) -> float:
     return total
 
 
+
+
+def spawn_router(args: list[str], log: Path, pythonpath: str = str(ROOT)) -> Proc:
+    """A router process (`router.cli` + args) on its own PYTHONPATH (a sitecustomize dir first: an image with
+    another or no LMCache, tests/import_patch.py); the caller stops it."""
+    p, url = _spawn([PY, "-m", "router.cli", *args], log, r"listening on (http://\S+)", timeout=120,
+                    pythonpath=pythonpath)
+    return Proc(p, url, log)
+
+
+def l2_key_state(router: Proc) -> str | None:
+    """The state the router's kvtier_router_l2_key_check gauge shows (the one at 1)."""
+    on = re.findall(r'^kvtier_router_l2_key_check\{state="(\w+)"\} 1\.0$', router.get("/metrics").text, re.M)
+    return on[0] if on else None
