@@ -59,10 +59,21 @@ def test_cli_without_fuse(fresh_venv: Path, tmp_path: Path, cluster: Cluster) ->
     tok = run("tokens", "generate", "--engine", "qwen2-7b@team-a", "--router", "team-a", "-o", "tokens.json",
               "--secret-yaml", "-")
     assert tok.returncode == 0, tok.stderr
-    assert "kind: Secret" in tok.stdout and (tmp_path / "tokens.json").exists()
+    assert "kind: Secret" in tok.stdout
+    # what the workstation wrote, read by its consumers: the master's own tokens-file loader, LMCache's from_file
+    from l2fs.common.auth import load_token_entries
+
+    roles = set().union(*(cred.roles for _name, _token, cred in load_token_entries(str(tmp_path / "tokens.json"))))
+    assert {"engine", "router"} <= roles, roles
     cfg = run("lmcache-config", "--model", "org/model", "--l2fs-master", "m:8995", "--format", "json")
     assert cfg.returncode == 0, cfg.stderr
-    assert json.loads(cfg.stdout)["lmcache"]["remote_storage_plugins"] == ["l2fs"]
+    import yaml
+    from lmcache.v1.config import LMCacheEngineConfig
+
+    (tmp_path / "lmcache.yaml").write_text(yaml.safe_dump(json.loads(cfg.stdout)["lmcache"]))
+    lmc = LMCacheEngineConfig.from_file(str(tmp_path / "lmcache.yaml"))
+    assert lmc.remote_storage_plugins == ["l2fs"], lmc.remote_storage_plugins
+    assert lmc.extra_config["remote_storage_plugin.l2fs.master"] == "m:8995", lmc.extra_config
     setup(cluster)
     verify = run("operator-patch", "verify", "--namespace", "team-a", "--endpoint", "qwen2-7b",
                  "--kubeconfig", str(cluster.kubeconfig), "--timeout", "5")
