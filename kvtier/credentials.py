@@ -52,7 +52,7 @@ VERIFIERS_SECRET = "l2fs-token-verifiers"  # namespace kvtier: every token's SHA
 VERIFIERS_KEY = "verifiers.json"
 MOUNT_SECRET = "l2fs-mount-token"  # namespace kvtier: the FUSE mount's mount-role token
 # namespace kvtier: one key per endpoint, {"root": its prefix, "token": its mount-role token}, read by the mount
-# DaemonSet (l2fs mount --endpoints), which serves each endpoint's prefix alone at <mount path>/<endpoint>
+# DaemonSet (l2fs mount --endpoints), which serves each endpoint's prefix alone at <mount path>/<endpoint>/<endpoint>
 ENDPOINT_MOUNTS_SECRET = "l2fs-endpoint-mounts"
 ROUTER_SECRET = "kvtier-router-l2fs-token"  # the router's namespace: its router-role token
 ENGINE_SECRET = "{endpoint}-l2fs-token"  # the endpoint's namespace: its engine-role token (webhook default)

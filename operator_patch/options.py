@@ -21,7 +21,7 @@ _FLAGS: dict[str, tuple[str, str]] = {
                        "mp: an `lmcache server` sidecar with kvtier's L2 adapter (LMCache multiprocess mode)"),
     "--mount-path": ("mount_path", "path of the l2fs mount inside vLLM pods"),
     "--prefix": ("prefix", "l2fs directory of the KV chunks (both modes; = the router's --l2fs-prefix)"),
-    "--host-path": ("host_path", "node path where the l2fs-mount DaemonSet mounts l2fs"),
+    "--host-path": ("host_path", "node path under which the l2fs-mount DaemonSet mounts each endpoint (<path>/E/E)"),
     "--pvc": ("pvc_name", "mount this PVC instead of the hostPath"),
     "--volume-name": ("volume_name", "name of the injected volume"),
     "--serde": ("serde", "LMCACHE_REMOTE_SERDE value"),

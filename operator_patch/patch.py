@@ -71,7 +71,9 @@ class PatchConfig:
     # l2fs directory of the KV chunks, shared by both modes (= connector.config.DEFAULT_PREFIX and the
     # router's --l2fs-prefix), so mount-mode and plugin-mode pods and the router see the same chunks
     prefix: str = contract.KV_PREFIX
-    host_path: str = "/mnt/l2fs"  # the node path the l2fs-mount DaemonSet mounts on
+    # the node path the l2fs-mount DaemonSet mounts under: endpoint E's FUSE mount at <host_path>/E/E, the pods of
+    # E given the plain directory <host_path>/E (endpoint_mount)
+    host_path: str = "/mnt/l2fs"
     pvc_name: str = ""  # use a PVC instead of the hostPath (e.g. a CSI RWX volume)
     volume_name: str = "kvtier-l2fs"
     serde: str = "naive"  # cachegen serde breaks under fs (zip bug); naive is safe
@@ -564,25 +566,46 @@ def kv_layout(dep: dict[str, Any], c: dict[str, Any], cfg: PatchConfig,
     return dtype or cfg.kv_dtype, world
 
 
-def endpoint_mount(dep: dict[str, Any], cfg: PatchConfig) -> tuple[str, str]:
-    """(node path, path in the pod) of this endpoint's own l2fs mount (mount mode, hostPath): the mount
-    DaemonSet serves each endpoint's prefix alone, with that endpoint's mount credential, at
-    <host_path>/<endpoint> (l2fs mount --endpoints); the pod sees it where the whole tree would put that prefix
-    (<mount_path><prefix>/<endpoint>), so LMCache's fs:// URL and the l2fs paths are those of before.
+def endpoint_mount(dep: dict[str, Any], cfg: PatchConfig) -> tuple[str, str, str]:
+    """(node directory, its path in the pod, the FUSE mount's path in the pod) of this endpoint's own l2fs mount
+    (mount mode, hostPath). The mount DaemonSet serves each endpoint's prefix alone, with that endpoint's mount
+    credential, at <host_path>/<endpoint>/<endpoint> (l2fs mount --endpoints), inside the plain directory
+    <host_path>/<endpoint>. The pod's volume is that directory, mounted at <mount_path><prefix>, so the pod sees
+    the FUSE mount where the whole tree would put that prefix (<mount_path><prefix>/<endpoint>): LMCache's fs://
+    URL and the l2fs paths are those of before.
 
-    Why: with the node's one mount at <host_path> every vLLM pod on the node could write every endpoint's
-    directory through it (a pod of A planted B's chunks, which B's engine then loaded)."""
+    Why the endpoint's own mount: with the node's one mount at <host_path> every vLLM pod on the node could write
+    every endpoint's directory through it (a pod of A planted B's chunks, which B's engine then loaded). Why
+    its parent directory, not the mount itself: a bind of the FUSE mount is a copy of it, dead with its daemon,
+    and the restarted daemon's unmount and new mount propagate only to copies of the mount's PARENT
+    (HostToContainer): the running pod kept ENOTCONN until it was restarted. With the parent bound, the remount
+    reaches the running pod."""
     endpoint = contract.esc(owner_endpoint(dep) or _meta(dep).get("name") or "deployment")  # as endpoint_prefix
-    return f"{cfg.host_path.rstrip('/')}/{endpoint}", f"{cfg.mount_path.rstrip('/')}{cfg.prefix.rstrip('/')}/{endpoint}"
+    at = f"{cfg.mount_path.rstrip('/')}{cfg.prefix.rstrip('/')}"
+    return f"{cfg.host_path.rstrip('/')}/{endpoint}", at, f"{at}/{endpoint}"
 
 
-def wait_init(cfg: PatchConfig, image: str, mount_path: str | None = None) -> dict[str, Any]:
-    """The init container that waits for the node's live l2fs mount (WAIT_INIT) at `mount_path` (default the
-    config's), in the vLLM image (python3)."""
-    mount_path = mount_path or cfg.mount_path
-    return {"name": WAIT_INIT, "image": image, "command": ["python3", "-c", WAIT_SCRIPT, mount_path],
-            "volumeMounts": [{"name": cfg.volume_name, "mountPath": mount_path,
-                              "mountPropagation": "HostToContainer"}],
+def hostpath_mount(cfg: PatchConfig, at: str) -> dict[str, Any]:
+    """The volumeMount of the endpoint's node directory (mount mode, hostPath) in the vLLM container and the
+    init container: HostToContainer, so the mount DaemonSet's (re)mount inside it reaches the running pod;
+    read-only, so nothing the pod does lands on the node's disk: the FUSE mount inside is a mount of its own
+    (writable: a volume's readOnly does not reach the mounts below it; recursiveReadOnly, which would, is not
+    allowed with propagation), and the directory around it and the bare mount point while nothing is mounted
+    there refuse every write (EROFS), for a root container too."""
+    return {"name": cfg.volume_name, "mountPath": at, "mountPropagation": "HostToContainer", "readOnly": True}
+
+
+def _mounts_as(have: dict[str, Any], want: dict[str, Any]) -> bool:
+    """Whether volumeMount `have` has every field of `want` (the API server may add others)."""
+    return all(have.get(k) == v for k, v in want.items())
+
+
+def wait_init(cfg: PatchConfig, image: str, at: str | None = None, wait_for: str | None = None) -> dict[str, Any]:
+    """The init container that waits for the node's live l2fs mount (WAIT_INIT) at `wait_for` (default `at`),
+    with the volume at `at` (default the config's mount path), in the vLLM image (python3)."""
+    at = at or cfg.mount_path
+    return {"name": WAIT_INIT, "image": image, "command": ["python3", "-c", WAIT_SCRIPT, wait_for or at],
+            "volumeMounts": [hostpath_mount(cfg, at)],
             "resources": {"requests": {"cpu": "10m", "memory": "32Mi"}, "limits": {"memory": "128Mi"}},
             "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}}
 
@@ -631,13 +654,12 @@ def _patch_worker(dep: dict[str, Any], cfg: PatchConfig, iec: dict[str, Any] | N
             volume: dict[str, Any] = {"name": cfg.volume_name,
                                       "persistentVolumeClaim": {"claimName": cfg.pvc_name}}
         else:
-            # only this endpoint's mount, never the node's whole tree (endpoint_mount); HostToContainer: a FUSE
-            # remount by the l2fs-mount DaemonSet becomes visible in the pod
-            host, mount["mountPath"] = endpoint_mount(dep, cfg)
-            mount["mountPropagation"] = "HostToContainer"
+            # only this endpoint's mount, never the node's whole tree, and through its parent directory, so that a
+            # FUSE remount by the l2fs-mount DaemonSet reaches the running pod (endpoint_mount, hostpath_mount)
+            host, at, fuse = endpoint_mount(dep, cfg)
+            mount = hostpath_mount(cfg, at)
             volume = {"name": cfg.volume_name, "hostPath": {"path": host, "type": "DirectoryOrCreate"}}
-            _upsert(pod["spec"].setdefault("initContainers", []),
-                    wait_init(cfg, str(c.get("image") or ""), mount["mountPath"]),
+            _upsert(pod["spec"].setdefault("initContainers", []), wait_init(cfg, str(c.get("image") or ""), at, fuse),
                     lambda x: x.get("name") == WAIT_INIT)
     elif cfg.mode == "plugin" and cfg.data_path:
         # Same-node short-circuit: the co-located worker hands block fds over its Unix socket (l2fs/common/fdpass.py,
@@ -677,9 +699,10 @@ def _patch_worker(dep: dict[str, Any], cfg: PatchConfig, iec: dict[str, Any] | N
 
 
 MP_SIDECAR = "lmcache-server"
-# mount mode: an init container that holds the vLLM container back until the node's l2fs FUSE mount is live at
-# the pod's mount path (a FUSE mount that answers): without it a pod that starts before its node's mount (or
-# while a killed one is stale) would write its L2 chunks onto the node's disk under the mount point
+# mount mode: an init container that holds the vLLM container back until its endpoint's l2fs FUSE mount is live
+# at <mount_path><prefix>/<endpoint> in the pod (a FUSE mount that answers, inside the read-only volume): without
+# it a pod that starts before its node's mount (or while a killed one is stale) would start without its L2 (and
+# before the volume was read-only it wrote its chunks onto the node's disk under the mount point)
 WAIT_INIT = "kvtier-wait-l2fs"
 WAIT_SCRIPT = """import os, sys, time
 p, n = os.path.abspath(sys.argv[1]), 0
@@ -955,10 +978,14 @@ def check(dep: dict[str, Any], cfg: PatchConfig) -> list[str]:
     elif cfg.mode == "mount":
         if len(urls) != 1 or urls[0].get("value") != cfg.url_for(kv_dir):
             problems.append(f"env {URL_VAR}: want exactly one entry = {cfg.url_for(kv_dir)!r}, have {urls}")
-        host, at = endpoint_mount(dep, cfg) if not cfg.pvc_name else ("", cfg.mount_path)
+        host, at, fuse = endpoint_mount(dep, cfg) if not cfg.pvc_name else ("", cfg.mount_path, "")
         mounts = [m for m in c.get("volumeMounts") or [] if m.get("name") == cfg.volume_name]
         if len(mounts) != 1 or mounts[0].get("mountPath") != at:
             problems.append(f"container {c.get('name')!r}: want one volumeMount {cfg.volume_name} at {at}")
+        elif host and not _mounts_as(mounts[0], hostpath_mount(cfg, at)):
+            problems.append(f"container {c.get('name')!r}: want volumeMount {hostpath_mount(cfg, at)} (a remount of "
+                            f"the node's FUSE mount reaches a running pod; nothing lands on the node's disk), "
+                            f"have {mounts[0]}")
         vols = [v for v in dep["spec"]["template"]["spec"].get("volumes") or [] if v.get("name") == cfg.volume_name]
         if len(vols) != 1:
             problems.append(f"pod spec: want one volume named {cfg.volume_name}, have {len(vols)}")
@@ -967,9 +994,11 @@ def check(dep: dict[str, Any], cfg: PatchConfig) -> list[str]:
                             f"node's whole {cfg.host_path} lets its pods write every endpoint's KV), have "
                             f"{vols[0].get('hostPath')}")
         waits = [x for x in dep["spec"]["template"]["spec"].get("initContainers") or [] if x.get("name") == WAIT_INIT]
-        if not cfg.pvc_name and len(waits) != 1:
-            problems.append(f"pod spec: want init container {WAIT_INIT} (no L2 writes onto the node's disk "
-                            "before its l2fs mount is live)")
+        wait_mounts = waits[0].get("volumeMounts") or [] if len(waits) == 1 else []
+        if not cfg.pvc_name and (len(waits) != 1 or (waits[0].get("command") or [""])[-1] != fuse or len(wait_mounts) != 1
+                                 or not _mounts_as(wait_mounts[0], hostpath_mount(cfg, at))):
+            problems.append(f"pod spec: want init container {WAIT_INIT} waiting for the l2fs mount at {fuse} (no "
+                            "L2 writes onto the node's disk before its l2fs mount is live)")
     else:
         if urls:
             problems.append(f"env {URL_VAR}: plugin mode wants none, have {urls}")

@@ -4,16 +4,26 @@ Why: one node-wide mount held one credential whose prefixes covered every endpoi
 the node used it, so a pod of endpoint A could write /kvtier/kv/<B>/<key> (keys are deterministic): B's put
 then answered "exists" and B's engine loaded the planted bytes. Here each endpoint has a mount-role token whose
 only prefix is its own (`kvtier tokens generate`: entry mount-<endpoint>, Secret l2fs-endpoint-mounts), and
-its mount at BASE/<endpoint> shows only that prefix (`--root`); the webhook gives the endpoint's pods that
-directory alone. The master refuses the token anything outside the prefix, so neither the pod nor the mount
-process can reach another endpoint's directory. The node stays the unit of trust for this daemon: it holds
-the tokens of every endpoint in DIR.
+its mount shows only that prefix (`--root`); the webhook gives the endpoint's pods that mount alone. The master
+refuses the token anything outside the prefix, so neither the pod nor the mount process can reach another
+endpoint's directory. The node stays the unit of trust for this daemon: it holds the tokens of every endpoint
+in DIR.
+
+Layout: BASE/<endpoint> is a plain directory (root, 0755) and the endpoint's FUSE mount is at
+BASE/<endpoint>/<endpoint>. A pod's volume is the plain directory (hostPath, mountPropagation HostToContainer,
+read-only), never the FUSE mount itself: a bind of the mount would be a copy of it, dead with its daemon, and
+neither the lazy unmount of the dead mount nor the new mount of a restarted daemon would reach that copy
+(mounts propagate to copies of their parent), so a running pod got ENOTCONN until it was restarted. With
+the parent bound, both propagate into the running pod (the known FUSE-CSI "mount pod restart" fix). Before a
+(re)mount the bare mount point is emptied of whatever was left in it while nothing was mounted (never through
+a symlink) and made root's, 0755.
 
 DIR holds one file per endpoint, named by the endpoint, each `{"root": "<l2fs prefix>", "token": "<token>"}`
 (a Secret volume: the kubelet updates it in place, dot-names are its bookkeeping). DIR is re-read every
 `--endpoints-poll` seconds: a new endpoint gets its mount, a removed one is unmounted, a changed one (token
 rotated) remounted, a crashed one restarted after a backoff; the others are left alone. Each mount is a child
-`l2fs mount BASE/<endpoint> --root <root>` with the token in its environment (not on its command line)."""
+`l2fs mount BASE/<endpoint>/<endpoint> --root <root>` with the token in its environment (not on its command
+line)."""
 
 from __future__ import annotations
 
@@ -21,7 +31,9 @@ import json
 import logging
 import os
 import re
+import shutil
 import signal
+import stat
 import subprocess
 import sys
 import threading
@@ -105,8 +117,13 @@ class EndpointMounts:
         self.stopping = threading.Event()
         self._problems: set[str] = set()
 
-    def path(self, name: str) -> str:
+    def node_dir(self, name: str) -> str:
+        """The endpoint's node directory, a plain one: what its pods' hostPath volume binds."""
         return os.path.join(self.base, name)
+
+    def path(self, name: str) -> str:
+        """The endpoint's FUSE mount point, inside its node directory (see the module docstring)."""
+        return os.path.join(self.base, name, name)
 
     def _peel(self, mp: str) -> None:
         """Lazily unmount a dead FUSE mount a crashed child (or predecessor) left at mp."""
@@ -115,10 +132,42 @@ class EndpointMounts:
                 return
             subprocess.run(["fusermount3", "-u", "-z", mp], capture_output=True)
 
+    def _prepare(self, name: str) -> None:
+        """The endpoint's node directory and its mount point as plain directories of root's, 0755, the mount
+        point empty. Dead FUSE mounts at either (a killed child's, or a node directory that was the mount point
+        itself before) are peeled first; a mount point that is still a mount of any kind is left as it is.
+        Nothing is followed: a symlink or a file where a directory belongs is removed, and the mount point's
+        contents (what reached the node's disk while nothing was mounted there) are removed without following
+        symlinks; owner and mode are set on descriptors opened with O_NOFOLLOW."""
+        home, mp = self.node_dir(name), self.path(name)
+        self._peel(home)
+        self._peel(mp)
+        flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+        fd = _plain_dir(self.base, name, flags)
+        try:
+            _own(fd)
+            if mount_type(mp) is not None:
+                return  # live (not ours to touch), or a volume someone mounted there
+            sub = _plain_dir(fd, name, flags)
+            try:
+                with os.scandir(sub) as entries:
+                    for entry in entries:
+                        if entry.is_dir(follow_symlinks=False):
+                            shutil.rmtree(entry.name, dir_fd=sub)  # fd-based: never follows a symlink
+                        else:
+                            os.unlink(entry.name, dir_fd=sub)
+                _own(sub)
+            finally:
+                os.close(sub)
+        finally:
+            os.close(fd)
+
     def _start(self, name: str, root: str, token: str) -> subprocess.Popen[bytes]:
         mp = self.path(name)
-        self._peel(mp)
-        os.makedirs(mp, exist_ok=True)
+        try:
+            self._prepare(name)
+        except OSError as e:  # mounted anyway: a child that cannot mount there exits and is retried
+            log.error("endpoint %s: cannot prepare %s: %s", name, mp, e)
         env = {k: v for k, v in os.environ.items() if k not in ("L2FS_TOKEN_FILE", "L2FS_TOKEN")}
         env["L2FS_TOKEN"] = token  # a worker knows it (verifier file): same-node writes stay local
         cmd = [sys.executable, "-m", "l2fs.cli", "mount", mp, "--root", root, *self.child_args]
@@ -181,7 +230,8 @@ class EndpointMounts:
     def run(self) -> int:
         """Serve until SIGTERM/SIGINT/SIGHUP, then unmount every endpoint."""
         os.makedirs(self.base, exist_ok=True)
-        for name in os.listdir(self.base):  # dead mounts a killed predecessor left
+        for name in os.listdir(self.base):  # dead mounts a killed predecessor left (also of the older layout)
+            self._peel(self.node_dir(name))
             self._peel(self.path(name))
 
         def on_signal(signum: int, _frame: Any) -> None:
@@ -203,6 +253,34 @@ class EndpointMounts:
                 except FileNotFoundError:
                     pass
         return 0
+
+
+def _plain_dir(parent: str | int, name: str, flags: int) -> int:
+    """An fd of the directory `name` in `parent` (a path or a directory fd), made if missing; a symlink or any
+    other non-directory there is removed first (never followed)."""
+    at = parent if isinstance(parent, int) else os.open(parent, flags & ~os.O_NOFOLLOW)  # BASE: the operator's
+    try:
+        for _ in range(3):
+            try:
+                st = os.stat(name, dir_fd=at, follow_symlinks=False)
+            except FileNotFoundError:
+                os.mkdir(name, 0o755, dir_fd=at)
+                continue
+            if not stat.S_ISDIR(st.st_mode):
+                os.unlink(name, dir_fd=at)
+                continue
+            return os.open(name, flags, dir_fd=at)
+        raise OSError(f"{name}: not a directory after 3 tries")
+    finally:
+        if not isinstance(parent, int):
+            os.close(at)
+
+
+def _own(fd: int) -> None:
+    """root:root (when we are root) and 0755: only root writes there, e.g. no non-root pod."""
+    if os.geteuid() == 0:
+        os.fchown(fd, 0, 0)
+    os.fchmod(fd, 0o755)
 
 
 def child_args(a: Any) -> list[str]:

@@ -138,7 +138,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--endpoints", metavar="DIR",
                    help="serve one mount per endpoint instead: DIR holds a file per endpoint ({\"root\": its "
                         "prefix, \"token\": its mount-role token}; Secret l2fs-endpoint-mounts of `kvtier tokens "
-                        "generate`), each mounted at MOUNTPOINT/<endpoint> showing only its root, with only its "
+                        "generate`), each mounted at MOUNTPOINT/<endpoint>/<endpoint> (inside the plain directory "
+                        "MOUNTPOINT/<endpoint>: give pods that, not the mount) showing only its root, with only its "
                         "token; DIR is re-read (new endpoints mounted, removed ones unmounted, others untouched)")
     p.add_argument("--endpoints-poll", type=float, default=5.0, metavar="SECONDS",
                    help="with --endpoints: seconds between re-reads of DIR (default 5)")

@@ -24,6 +24,7 @@ import json
 import os
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
@@ -137,7 +138,8 @@ A_KEY = "vllm@%2Fopt%2Fml%2Fmodel@1@0@0a0a0a0a0a0a0a0a@bfloat16.data"
 
 def _patched_pod(endpoint: str, host_path: Path, pod_mnt: Path) -> tuple[str, str, str]:
     """(hostPath, mountPath, LMCache's remote dir) of the l2fs volume of a pod of `endpoint`, patched by the
-    webhook configured from the rendered kvtier-config (its own flag parser), node and pod paths redirected."""
+    webhook configured from the rendered kvtier-config (its own flag parser), node and pod paths redirected. The
+    volume is the endpoint's node directory, read-only, HostToContainer (what _in_pod binds)."""
     from operator_helpers import load_yaml, render
 
     from operator_patch.options import add_config_args, config_from_args
@@ -164,14 +166,16 @@ def _patched_pod(endpoint: str, host_path: Path, pod_mnt: Path) -> tuple[str, st
     (vol,) = [v for v in spec["volumes"] if v["name"] == cfg.volume_name]
     (url,) = [e["value"] for e in c["env"] if e["name"] == "LMCACHE_REMOTE_URL"]
     assert url.startswith("fs://localhost:0/"), url
+    assert vm.get("readOnly") is True and vm.get("mountPropagation") == "HostToContainer", vm
     return vol["hostPath"]["path"], vm["mountPath"], url.removeprefix("fs://localhost:0")
 
 
 def _in_pod(host: str, mount_path: str, node: Path, script: str, *args: str) -> subprocess.CompletedProcess[str]:
     """`script` (sh, $1...) as a container given only this volume sees the node: the hostPath bound at its
-    mountPath, the rest of the node's paths (`node`: mounts, data, tokens) hidden under an empty tmpfs."""
+    mountPath, read-only (the mount in it is a mount of its own: writable), the rest of the node's paths (`node`:
+    mounts, data, tokens) hidden under an empty tmpfs."""
     setup = ('mkdir -p "$MP" && mount --rbind "$HOST" "$MP" && mount --make-rslave "$MP" && '
-             'mount -t tmpfs none "$NODE" && exec sh -c "$SCRIPT" sh "$@"')
+             'mount -o remount,bind,ro "$MP" && mount -t tmpfs none "$NODE" && exec sh -c "$SCRIPT" sh "$@"')
     return subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c", setup, "sh", *args],
                           env={**os.environ, "MP": mount_path, "HOST": host, "NODE": str(node), "SCRIPT": script},
                           capture_output=True, text=True, timeout=60)
@@ -207,8 +211,11 @@ def test_pod_of_one_endpoint_cannot_plant_anothers_chunk(tmp_path: Path) -> None
                 _plant_and_hit(docs, env, node, tmp_path, container, start_worker)
             finally:
                 env.stop()
-                for m in sorted({str(p) for d in node.glob("mnt*") for p in [d, *d.iterdir()]}, reverse=True):
-                    if os.path.ismount(m):
+                from l2fs.fuse.main import mount_type
+
+                for m in sorted({str(p) for d in node.glob("mnt*") for p in [d, *d.glob("*"), *d.glob("*/*")]},
+                                key=len, reverse=True):  # <mnt>/<endpoint>/<endpoint>: deepest first
+                    if (mount_type(m) or "").startswith("fuse"):
                         subprocess.run(["fusermount3", "-u", "-z", m], timeout=20)
     finally:
         shutil.rmtree(node, ignore_errors=True)
@@ -233,9 +240,12 @@ def _plant_and_hit(docs: list[dict[str, Any]], env: Any, node: Path, tmp: Path, 
 
     b_l2fs = f"{KV}/ep-b/unversioned/{B_KEY}"
     assert b_dir.removeprefix(str(pod_mnt)) + B_KEY == b_l2fs  # the pod's URL names the l2fs path
-    # A's pod: B's chunk at B's URL path, and one `..` out of its own mount's view
-    for target in (f"{b_dir}{B_KEY}", f"{a_path}/../ep-b/unversioned/{B_KEY}"):
-        _in_pod(a_host, a_path, node, PUT, target, "planted-by-A")
+    # A's pod: B's chunk at B's URL path, and `..` out of its own mount's view (its chunk dir's grandparent): both
+    # in A's own volume, the node directory around A's mount, which is read-only (nothing onto the node's disk)
+    for target in (f"{b_dir}{B_KEY}", f"{a_dir}../../ep-b/unversioned/{B_KEY}"):
+        tried = _in_pod(a_host, a_path, node, PUT, target, "planted-by-A")
+        assert tried.returncode != 0 and "Read-only file system" in tried.stderr, (target, tried)
+    assert sorted(os.listdir(a_host)) == ["ep-a"], os.listdir(a_host)
     planted = cli(env.tokens["admin"], "cat", b_l2fs)
     assert planted.returncode != 0, f"A's pod planted B's chunk: {planted.stdout!r}"
     # the mount daemon's credential for A: nothing outside A's prefix either (the master refuses it)
@@ -289,7 +299,7 @@ def test_endpoint_mounts_follow_the_secret(tmp_path: Path, make_cluster: Callabl
                 if len(p.cmdline()) > 4 and p.cmdline()[3] == "mount"}
 
     def live(e: str) -> bool:
-        return fuse_type(base / e) == "fuse.l2fs" and e in children()
+        return fuse_type(base / e / e) == "fuse.l2fs" and e in children()
 
     from l2fs.fuse.main import mount_type as fuse_type
 
@@ -302,24 +312,72 @@ def test_endpoint_mounts_follow_the_secret(tmp_path: Path, make_cluster: Callabl
                  "--node-id", "node-1"], tmp_path / "sup.log")
     try:
         wait_until(lambda: live("ep-a") and status.read_text().startswith("ready"), 30)
-        (base / "ep-a" / "rev").mkdir()
-        (base / "ep-a" / "rev" / "k.data").write_bytes(b"a" * 1000)
+        home = (base / "ep-a").stat()  # the plain node directory the pods bind, the mount inside it
+        assert (home.st_uid, home.st_mode & 0o7777) == (0, 0o755) and not os.path.ismount(base / "ep-a")
+        (base / "ep-a" / "ep-a" / "rev").mkdir()
+        (base / "ep-a" / "ep-a" / "rev" / "k.data").write_bytes(b"a" * 1000)
         with c.client(token=ADMIN) as admin:
             assert admin.get(f"{KV}/ep-a/rev/k.data") == b"a" * 1000  # under its prefix, only there
         a_pid = children()["ep-a"]
         add("ep-b")
         wait_until(lambda: live("ep-b"), 30)
         assert children()["ep-a"] == a_pid  # ep-a's mount untouched
-        assert os.listdir(base / "ep-b") == []  # ep-b's mount shows ep-b's prefix, not ep-a's files
+        assert os.listdir(base / "ep-b" / "ep-b") == []  # ep-b's mount shows ep-b's prefix, not ep-a's files
         b_pid = children()["ep-b"]
         os.kill(b_pid, signal.SIGKILL)  # crashed: restarted after its backoff
-        wait_until(lambda: live("ep-b") and children()["ep-b"] != b_pid and os.listdir(base / "ep-b") == [], 30)
+        wait_until(lambda: live("ep-b") and children()["ep-b"] != b_pid and os.listdir(base / "ep-b" / "ep-b") == [], 30)
         (src / "ep-a").unlink()
-        wait_until(lambda: fuse_type(base / "ep-a") is None and "ep-a" not in children(), 30)
+        wait_until(lambda: fuse_type(base / "ep-a" / "ep-a") is None and "ep-a" not in children(), 30)
         assert live("ep-b")
     finally:
         stop(sup)
-    assert fuse_type(base / "ep-b") is None  # SIGTERM unmounted every endpoint
+    assert fuse_type(base / "ep-b" / "ep-b") is None  # SIGTERM unmounted every endpoint
+
+
+@pytest.mark.unit
+def test_a_mount_point_is_emptied_and_owned_without_following_symlinks(tmp_path: Path) -> None:
+    """What `l2fs mount --endpoints` does to an endpoint's node directory and mount point before it mounts there
+    (EndpointMounts._prepare): both plain directories (a symlink or a file in their place removed, never
+    followed), root's (when root) and 0755; whatever the bare mount point holds removed, without following a
+    symlink into what it points at; nothing outside them touched."""
+    from l2fs.fuse.endpoints import EndpointMounts
+
+    base, decoy = tmp_path / "mnt", tmp_path / "decoy"
+    base.mkdir()
+    decoy.mkdir()
+    (decoy / "keep.data").write_bytes(b"not the mount's")
+    (decoy / "sub").mkdir()
+    sup = EndpointMounts(str(base), str(tmp_path / "none"), [])
+
+    def prepared(name: str) -> list[str]:
+        sup._prepare(name)
+        for d in (base / name, base / name / name):
+            st = os.lstat(d)
+            assert stat.S_ISDIR(st.st_mode) and st.st_mode & 0o7777 == 0o755, (d, oct(st.st_mode))
+            assert os.geteuid() != 0 or st.st_uid == 0
+        return os.listdir(base / name / name)
+
+    assert prepared("ep-new") == []  # made
+    (base / "ep-a").mkdir()
+    (base / "ep-a").chmod(0o777)  # a node directory of the older layout (or the kubelet's), too open
+    mp = base / "ep-a" / "ep-a"
+    mp.mkdir()
+    mp.chmod(0o777)
+    (mp / "rev").mkdir()
+    (mp / "rev" / "chunk.data").write_bytes(b"onto the node's disk")
+    (mp / "rev" / "out").symlink_to(decoy)
+    (mp / "link").symlink_to(decoy / "sub")
+    (mp / "top.data").write_bytes(b"x")
+    assert prepared("ep-a") == []
+    (base / "ep-a").chmod(0o777)
+    mp.rmdir()
+    mp.symlink_to(decoy)  # the mount point replaced by a symlink: a mount there would land on the decoy
+    assert prepared("ep-a") == [] and not mp.is_symlink()
+    (base / "ep-b").symlink_to(decoy)  # the node directory a symlink
+    assert prepared("ep-b") == [] and not (base / "ep-b").is_symlink()
+    (base / "ep-c").write_bytes(b"a file")
+    assert prepared("ep-c") == []
+    assert sorted(os.listdir(decoy)) == ["keep.data", "sub"] and (decoy / "keep.data").read_bytes() == b"not the mount's"
 
 
 @pytest.mark.unit

@@ -323,14 +323,18 @@ def test_endpoint_mounts_with_passthrough(tmp_path: Path, make_cluster: Callable
                                 str(tmp_path / f"cache-{node}"), "--endpoints-poll", "0.3", "--master",
                                 c.master, "--node-id", node], tmp_path / f"sup-{node}.log")
         mnt = {n: tmp_path / f"mnt-{n}" for n in sups}
-        wait_until(lambda: all(mount_type(mnt[n] / e) == "fuse.l2fs" for n in sups for e in eps), 30)
+
+        def at(n: str, e: str) -> Path:  # endpoint e's mount on node n: inside its plain node directory
+            return mnt[n] / e / e
+
+        wait_until(lambda: all(mount_type(at(n, e)) == "fuse.l2fs" for n in sups for e in eps), 30)
         logs = {n: (tmp_path / f"sup-{n}.log") for n in sups}
         wait_until(lambda: all(logs[n].read_text().count("passthrough ") >= 2 for n in sups), 15)
         if any("passthrough off" in logs[n].read_text() for n in sups):
             pytest.skip("the kernel grants no FUSE passthrough (needs Linux >= 6.9, CONFIG_FUSE_PASSTHROUGH)")
         data = os.urandom(3 * MIB + 5)
         cache = tmp_path / "cache-node-1"
-        with open(mnt["node-1"] / "ep-a" / "chunk.data", "wb") as f:
+        with open(at("node-1", "ep-a") / "chunk.data", "wb") as f:
             f.write(data)
             f.flush()
             backing = [link for p in psutil.Process(sups["node-1"].pid).children()
@@ -340,19 +344,19 @@ def test_endpoint_mounts_with_passthrough(tmp_path: Path, make_cluster: Callable
         # (each endpoint's passthrough server has its own)
         assert len(list(cache.glob("l2fs-pt-*"))) == 2, list(cache.iterdir())
         assert [b for b in backing if b.endswith(" (deleted)")], backing
-        assert (mnt["node-2"] / "ep-a" / "chunk.data").read_bytes() == data  # the other node, same endpoint
+        assert (at("node-2", "ep-a") / "chunk.data").read_bytes() == data  # the other node, same endpoint
         with c.client(token=admin) as a:
             info = a.stat(f"{kv}/ep-a/chunk.data")
             assert info.size == len(data) and info.crc32c == crc32c_fast(data) and info.nodes == ["node-1"]
             assert a.ls(f"{kv}/ep-b") == []
-        assert os.listdir(mnt["node-1"] / "ep-b") == [] and os.listdir(mnt["node-2"] / "ep-b") == []
-        (mnt["node-2"] / "ep-b" / "b.data").write_bytes(b"b" * 1000)
+        assert os.listdir(at("node-1", "ep-b")) == [] and os.listdir(at("node-2", "ep-b")) == []
+        (at("node-2", "ep-b") / "b.data").write_bytes(b"b" * 1000)
         with c.client(token=admin) as a:
             assert a.get(f"{kv}/ep-b/b.data") == b"b" * 1000 and a.stat(f"{kv}/ep-a/b.data") is None
     finally:
         for p in sups.values():
             stop(p)
-    assert all(mount_type(tmp_path / f"mnt-{n}" / e) is None for n in sups for e in eps)
+    assert all(mount_type(tmp_path / f"mnt-{n}" / e / e) is None for n in sups for e in eps)
 
 
 def _readlink(p: str) -> str:

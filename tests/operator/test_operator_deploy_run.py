@@ -8,6 +8,7 @@ manifest whose command line does not start, or whose probe never passes, without
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import re
@@ -263,8 +264,13 @@ def env(base: list[dict[str, Any]], tmp_path: Path, hostpath: Path) -> Iterator[
         yield e
         mnt = e.vars["L2FS_MOUNT_PATH"]
         e.stop()
-        for m in [mnt] + ([str(p) for p in Path(mnt).iterdir()] if os.path.isdir(mnt) else []):
-            if os.path.ismount(m):  # the endpoints' mounts (l2fs mount --endpoints) and any at the base
+        # the endpoints' mounts (l2fs mount --endpoints: <mnt>/<endpoint>/<endpoint>), deepest first, and any at
+        # the base; mount_type also sees a dead one (os.path.ismount does not: stat fails with ENOTCONN)
+        from l2fs.fuse.main import mount_type
+
+        for m in sorted({mnt, *glob.glob(f"{glob.escape(mnt)}/*"), *glob.glob(f"{glob.escape(mnt)}/*/*")},
+                        key=len, reverse=True):
+            if (mount_type(m) or "").startswith("fuse"):
                 subprocess.run(["fusermount3", "-u", "-z", m], timeout=20)
 
 
@@ -391,8 +397,9 @@ def _fds_passed(env: Env) -> float:
 @pytest.mark.skipif(os.geteuid() != 0 or not os.path.exists("/dev/fuse") or not shutil.which("fusermount3"),
                     reason="needs root, /dev/fuse and fusermount3")
 def test_mount_command_probes_and_sigterm(base: list[dict[str, Any]], env: Env) -> None:
-    """The rendered mount command serves each endpoint of Secret l2fs-endpoint-mounts at <mount path>/<endpoint>
-    (its prefix only, its own token); readiness waits for every endpoint's mount; SIGTERM unmounts them all."""
+    """The rendered mount command serves each endpoint of Secret l2fs-endpoint-mounts at
+    <mount path>/<endpoint>/<endpoint> (its prefix only, its own token) in a root-owned 0755 directory; readiness
+    waits for every endpoint's mount; SIGTERM unmounts them all."""
     master = container(base, "StatefulSet", "l2fs-master")
     mount = container(base, "DaemonSet", "l2fs-mount")
     env.wait_probe(master, "readinessProbe", env.start(master, "master.log"), "master.log")
@@ -403,10 +410,13 @@ def test_mount_command_probes_and_sigterm(base: list[dict[str, Any]], env: Env) 
     proc = env.start(mount, "mount.log")
     env.wait_probe(mount, "readinessProbe", proc, "mount.log")
     assert env.probe(mount, "livenessProbe")
-    assert os.path.ismount(mnt / "ep-a") and not os.path.ismount(mnt)  # the endpoint's mount, no node-wide one
+    # the endpoint's mount, in its plain node directory (what its pods bind), no node-wide one
+    assert os.path.ismount(mnt / "ep-a" / "ep-a") and not os.path.ismount(mnt / "ep-a") and not os.path.ismount(mnt)
+    home = (mnt / "ep-a").stat()
+    assert (home.st_uid, home.st_mode & 0o7777) == (0, 0o755), home  # only root writes there, no non-root pod
     # what vLLM's LMCache fs connector will do through it: mkdir, write tmp, rename, read; it lands under the
     # endpoint's prefix
-    chunk = mnt / "ep-a" / "rev1"
+    chunk = mnt / "ep-a" / "ep-a" / "rev1"
     chunk.mkdir(parents=True, exist_ok=True)
     (chunk / "k.data.tmp").write_bytes(b"x" * 4096)
     os.replace(chunk / "k.data.tmp", chunk / "k.data")
@@ -425,7 +435,7 @@ def test_mount_command_probes_and_sigterm(base: list[dict[str, Any]], env: Env) 
     # SIGTERM (what the kubelet sends; no preStop): every endpoint unmounted, the daemon exits, liveness fails
     proc.terminate()
     assert proc.wait(30) == 0
-    assert not os.path.ismount(mnt / "ep-a")
+    assert not os.path.ismount(mnt / "ep-a" / "ep-a")
     assert not env.probe(mount, "livenessProbe")
     # why the mount has a role of its own (mount: renames of its own files onto free paths), not an engine token:
     # with one, even inside that engine's own prefix, what LMCache's fs:// connector does through a mount (write
@@ -435,7 +445,7 @@ def test_mount_command_probes_and_sigterm(base: list[dict[str, Any]], env: Env) 
     env.vars["L2FS_MOUNT_PATH"] = str(mnt) + "-engine"
     eproc = env.start(mount, "mount-engine.log")
     env.wait_probe(mount, "readinessProbe", eproc, "mount-engine.log")
-    own = Path(env.vars["L2FS_MOUNT_PATH"]) / "ep-a" / "rev2"
+    own = Path(env.vars["L2FS_MOUNT_PATH"]) / "ep-a" / "ep-a" / "rev2"
     own.mkdir(parents=True, exist_ok=True)  # mkdir under its own prefix is allowed
     try:
         (own / "k.data.tmp").write_bytes(b"x" * 4096)
@@ -479,7 +489,7 @@ def test_mount_command_with_passthrough(base: list[dict[str, Any]], env: Env) ->
         pytest.skip("the kernel grants no FUSE passthrough (needs Linux >= 6.9, CONFIG_FUSE_PASSTHROUGH)")
     (child,) = psutil.Process(proc.pid).children()
     assert "--passthrough" in child.cmdline() and len(list(cache.glob("l2fs-pt-*"))) == 1
-    chunk = Path(env.vars["L2FS_MOUNT_PATH"]) / "ep-a" / "rev1"
+    chunk = Path(env.vars["L2FS_MOUNT_PATH"]) / "ep-a" / "ep-a" / "rev1"
     chunk.mkdir(parents=True, exist_ok=True)
     data = os.urandom(2 << 20)
     (chunk / "k.data.tmp").write_bytes(data)
@@ -489,7 +499,7 @@ def test_mount_command_with_passthrough(base: list[dict[str, Any]], env: Env) ->
                          capture_output=True, timeout=60, env={**os.environ, "L2FS_TOKEN": env.tokens["admin"]})
     assert got.returncode == 0 and got.stdout == data, got.stderr
     proc.terminate()
-    assert proc.wait(30) == 0 and not os.path.ismount(Path(env.vars["L2FS_MOUNT_PATH"]) / "ep-a")
+    assert proc.wait(30) == 0 and not os.path.ismount(Path(env.vars["L2FS_MOUNT_PATH"]) / "ep-a" / "ep-a")
     assert list(cache.iterdir()) == []  # its private directory removed at exit
 
 

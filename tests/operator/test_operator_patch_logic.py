@@ -20,6 +20,7 @@ from operator_patch.patch import (
     PATCHED_KEY,
     SNAPSHOT_KEY,
     STRATEGY_KEY,
+    WAIT_INIT,
     PatchConfig,
     PatchError,
     check,
@@ -87,18 +88,38 @@ def test_mount_mode_gives_exactly_one_l2_setting(shape: str, monkeypatch: pytest
     assert lmc.remote_url == f"fs://localhost:0/mnt/l2fs/kvtier/kv/{endpoint}/unversioned/" and \
         lmc.remote_serde == "naive", (lmc.remote_url, lmc.remote_serde)
     assert env["PYTHONHASHSEED"] == "0"  # read by CPython itself: LMCache's builtin keys need it fixed
-    # only this endpoint's own mount (the node's mount DaemonSet serves it at /mnt/l2fs/<endpoint>), seen where
-    # the URL's prefix is; never the node's whole /mnt/l2fs
+    # only this endpoint's own mount (the node's mount DaemonSet serves it at /mnt/l2fs/<endpoint>/<endpoint>),
+    # through its plain parent directory /mnt/l2fs/<endpoint> (HostToContainer: a remount reaches the running pod;
+    # read-only: nothing lands on the node's disk), seen where the URL's prefix is; never the node's whole
+    # /mnt/l2fs
     mounts = [m for m in vllm(out)["volumeMounts"] if m["name"] == "kvtier-l2fs"]
-    assert mounts == [{"name": "kvtier-l2fs", "mountPath": f"/mnt/l2fs/kvtier/kv/{endpoint}",
-                       "mountPropagation": "HostToContainer"}]
-    assert lmc.remote_url.split("localhost:0", 1)[1].startswith(mounts[0]["mountPath"] + "/")  # LMCache's dir
+    assert mounts == [{"name": "kvtier-l2fs", "mountPath": "/mnt/l2fs/kvtier/kv", "mountPropagation": "HostToContainer",
+                       "readOnly": True}]
+    # LMCache's dir: in the endpoint's FUSE mount, the volume's entry named after the endpoint
+    assert lmc.remote_url.split("localhost:0", 1)[1].startswith(f"/mnt/l2fs/kvtier/kv/{endpoint}/")
     vols = [v for v in out["spec"]["template"]["spec"]["volumes"] if v["name"] == "kvtier-l2fs"]
     assert vols == [{"name": "kvtier-l2fs", "hostPath": {"path": f"/mnt/l2fs/{endpoint}", "type": "DirectoryOrCreate"}}]
+    (wait,) = [x for x in out["spec"]["template"]["spec"]["initContainers"] if x["name"] == WAIT_INIT]
+    assert wait["command"][-1] == f"/mnt/l2fs/kvtier/kv/{endpoint}" and wait["volumeMounts"] == mounts  # the child
     # verify flags a pod given the node's whole mount tree (as patched before per-endpoint mounts)
     wide = copy.deepcopy(out)
     [v for v in wide["spec"]["template"]["spec"]["volumes"] if v["name"] == "kvtier-l2fs"][0]["hostPath"]["path"] = "/mnt/l2fs"
     assert any("this endpoint's own mount" in p for p in check(wide, cfg)), check(wide, cfg)
+    # and one patched before the parent-directory layout (its volume the FUSE mount itself, at the endpoint's path,
+    # the init container waiting there): verify flags it, a second pass gives the layout above
+    old = copy.deepcopy(out)
+    (vm,) = [m for m in vllm(old)["volumeMounts"] if m["name"] == "kvtier-l2fs"]
+    vm.pop("readOnly")
+    vm["mountPath"] = f"/mnt/l2fs/kvtier/kv/{endpoint}"
+    (owait,) = [x for x in old["spec"]["template"]["spec"]["initContainers"] if x["name"] == WAIT_INIT]
+    owait["volumeMounts"] = [dict(vm)]
+    problems = check(old, cfg)
+    assert any("want one volumeMount kvtier-l2fs at /mnt/l2fs/kvtier/kv" in p for p in problems) and \
+        any(f"{WAIT_INIT} waiting for the l2fs mount at /mnt/l2fs/kvtier/kv/{endpoint}" in p for p in problems), problems
+    assert mutate(old, cfg) == out
+    vm["mountPath"] = "/mnt/l2fs/kvtier/kv"  # right path, neither read-only nor HostToContainer
+    vm.pop("mountPropagation")
+    assert any("want volumeMount" in p and "readOnly" in p for p in check(old, cfg)), check(old, cfg)
     pod_meta = out["spec"]["template"]["metadata"]
     assert pod_meta["labels"][ENDPOINT_LABEL] == dep["metadata"]["ownerReferences"][0]["name"]
     assert pod_meta["annotations"][STRATEGY_KEY] == "prefixaware"
