@@ -35,6 +35,10 @@ SCOPED_READERS = frozenset({"engine", "mount"})
 # the shared key-compatibility records (kvtier.contract.META_PREFIX, which every replica's connector lists and
 # reads: connector.fingerprint; l2fs imports nothing of kvtier, tests/kvtier/test_kvtier_tokens.py ties the two)
 SHARED_READ_PREFIXES = ("/kvtier/meta",)
+# Where an engine may also write, and overwrite what it wrote itself: its replicas' records there (key-compat
+# fingerprints and the installed LMCache's known-answer keys, rewritten while the engine runs), which routers
+# and the other replicas read. Only its own files: another engine's record answers EACCES.
+SHARED_RECORD_PREFIXES = SHARED_READ_PREFIXES
 
 
 def read_scope(roles: frozenset[str], prefixes: tuple[str, ...],
@@ -124,9 +128,13 @@ class Credential:
 
     def may_write(self, path: str, if_absent: bool, mkdir: bool = False) -> bool:
         """admin: anything; engine: put-if-absent under one of its prefixes (and mkdir of the prefixes'
-        ancestors, which the connector creates); mount: puts under its prefixes, an overwrite only of a file
-        it wrote itself (the master checks that against the file: may_replace); everyone else: nothing."""
+        ancestors, which the connector creates), and puts under SHARED_RECORD_PREFIXES, an overwrite there only
+        of its own file; mount: puts under its prefixes, an overwrite only of a file it wrote itself (the master
+        checks that against the file: may_replace); everyone else: nothing."""
         if "admin" in self.roles:
+            return True
+        if "engine" in self.roles and any(path == r or path.startswith(r + "/") or (mkdir and r.startswith(path + "/"))
+                                          for r in SHARED_RECORD_PREFIXES):
             return True
         if not (("engine" in self.roles and if_absent) or "mount" in self.roles):
             return False
@@ -139,8 +147,10 @@ class Credential:
         """Whether this credential may overwrite, delete or rename away a file that credential `writer` wrote
         ("" = unknown: reported by a worker after a master restart): admin any; mount only its own (a FUSE
         publish after more writes, LMCache's temp file renamed into place or unlinked after a failed write);
-        never another's."""
-        return "admin" in self.roles or ("mount" in self.roles and bool(writer) and writer == self.name)
+        engine only its own (its record under SHARED_RECORD_PREFIXES: elsewhere may_write lets it only
+        put-if-absent, and it may not call Delete or Rename); never another's."""
+        return "admin" in self.roles or (bool(self.roles & {"mount", "engine"}) and bool(writer)
+                                         and writer == self.name)
 
 
 SHA256_HEX = re.compile(r"[0-9a-f]{64}")

@@ -256,3 +256,36 @@ def test_read_prefixes_in_the_tokens_file(tmp_path: Path) -> None:
         f.write_text(json.dumps([{"name": "x", "token": "x-token-0123456789abc", **bad}]))
         with pytest.raises(TokensFileError, match=what):
             load_tokens_file(str(f))
+
+
+def test_engine_writes_and_rewrites_only_its_own_record(scoped: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A deployed (scoped) engine token publishes its replica's record under /kvtier/meta with the connector's own
+    code (connector.fingerprint.publish: mkdir, then an overwrite) and rewrites it while it runs (the key check's
+    known answer, which routers read); before, every such put was EACCES, so deployed engines published nothing.
+    It may not overwrite another replica's record, nor overwrite anything under its own KV prefix (put-if-absent
+    there), nor write outside both."""
+    from types import SimpleNamespace
+
+    from connector.fingerprint import load_records, publish
+    from l2fs.client import PermissionDenied
+
+    cfg = SimpleNamespace(pre_caching_hash_algorithm="builtin", chunk_size=256)
+    meta = SimpleNamespace(model_name=MODEL, kv_dtype="torch.float32", chunk_size=256, world_size=1)
+    monkeypatch.setenv("KVTIER_REPLICA_ID", "replica-a2")
+    monkeypatch.setenv("PYTHONHASHSEED", "0")
+    with scoped.client(token=ENGINE_A, timeout=DEADLINE) as a, scoped.client(token=ENGINE_B, timeout=DEADLINE) as b:
+        publish(a, cfg, meta, node_id="node-1", extra={"n": 1})
+        publish(a, cfg, meta, node_id="node-1", extra={"n": 2})  # the periodic rewrite of its own record
+        mine = [r for r in load_records(a, MODEL) if r["replica"] == "replica-a2"]
+        assert [r["n"] for r in mine] == [2], mine
+        with pytest.raises(PermissionDenied):  # B may not replace A's record
+            publish(b, cfg, meta, node_id="node-2", extra={"n": 3})
+        with pytest.raises(PermissionDenied):  # nor the admin-written records of other replicas
+            b.put(f"{META_DIR}/replica-a.json", b"{}", if_absent=False)
+        assert [r["n"] for r in load_records(a, MODEL) if r["replica"] == "replica-a2"] == [2]
+        with pytest.raises(PermissionDenied):  # its own chunks stay put-if-absent
+            a.put(A_CHUNKS[0], b"other bytes", if_absent=False)
+        with pytest.raises(PermissionDenied):
+            a.put(f"{SHARED}/x", b"x")
+    with scoped.client(token=ROUTER, timeout=DEADLINE) as r:
+        assert [x["n"] for x in load_records(r, MODEL) if x["replica"] == "replica-a2"] == [2]
