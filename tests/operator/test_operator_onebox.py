@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import sys
 import time
@@ -29,12 +30,10 @@ pytestmark = [
     pytest.mark.skipif(os.environ.get("KVTIER_ONEBOX_TESTS") == "0", reason="KVTIER_ONEBOX_TESTS=0"),
 ]
 CORE = ("l2fs-master", "l2fs-worker", "l2fs-mount", "kvtier-webhook")
-# Which overlay runs: mount mode (hyperpod-g6e: LMCache's fs:// on each node's FUSE mount) or plugin mode
-# (hyperpod-p5: connector.lmcache_l2fs over gRPC and the worker's socket). One per run, to keep the suite's
-# time: mount by default (its pods use more of the kubelet: mount propagation between pods, the FUSE daemon's
-# restart on a node path), KVTIER_ONEBOX_MODE=plugin for the other; both are run before a change to deploy/ lands.
-MODE = os.environ.get("KVTIER_ONEBOX_MODE", "mount")
-OVERLAY = {"mount": "hyperpod-g6e", "plugin": "hyperpod-p5"}[MODE]
+# This module runs mount mode (hyperpod-g6e: LMCache's fs:// on each node's per-endpoint FUSE mount); plugin mode
+# (hyperpod-p5: connector.lmcache_l2fs over gRPC and the worker's socket) is test_operator_onebox_plugin.py, on
+# its own box. Both run in every suite run.
+OVERLAY = "hyperpod-g6e"
 
 
 def namespace(name: str) -> dict[str, Any]:
@@ -148,17 +147,24 @@ def test_the_operators_deployment_is_patched_by_the_running_webhook(g6e: OneBox)
         assert time.monotonic() < deadline, g6e.describe()
         time.sleep(0.5)
     assert dep["spec"]["template"]["metadata"]["labels"].get("kvtier.io/endpoint") == g6e.endpoint, g6e.api.admitted
-    env = {e["name"]: e.get("value") for e in dep["spec"]["template"]["spec"]["containers"][0]["env"]}
-    if MODE == "mount":
-        assert env.get("LMCACHE_REMOTE_URL", "").startswith("fs://"), env
-    else:
-        assert env.get("LMCACHE_REMOTE_STORAGE_PLUGINS") == "l2fs", env
     assert any(r.get("patch") for r in g6e.api.admitted)
+    # what the patch gave the pods, as their consumer read it: LMCache in each vLLM pod built its fs connector on
+    # the endpoint's own mount (the webhook's env, expanded by the kubelet; no config file)
+    cm = g6e.configmap_data("kvtier", next(d["metadata"]["name"] for d in g6e.api.all_of("v1/configmaps")
+                                           if d["metadata"]["name"].startswith("kvtier-config")))
+    assert cm is not None
+    for pod in vllm_pods(g6e):
+        (c,) = [c for c in pod.containers if not c.init]
+        log = g6e.logs(pod, c.spec["name"])
+        m = re.search(r"Connected to remote storage at fs://[^/\s]*(/\S+?),", log)  # LMCache's RemoteBackend
+        assert m and m.group(1).startswith(cm["L2FS_MOUNT_PATH"].rstrip("/") + "/"), \
+            [ln for ln in log.splitlines() if "LMCache" in ln][:40]
+        assert f"/{g6e.endpoint}/" in m.group(1), m.group(1)
 
 
 # ---------------------------------------------------------------- as deployed: hits, routing, a node's fault
 
-def _vllm_pods(box: OneBox) -> tuple[Any, Any]:
+def vllm_pods(box: OneBox) -> tuple[Any, Any]:
     """The endpoint's two vLLM pods, the one on node-1 first (the Deployment spreads them over the nodes)."""
     box.wait_ready(box.endpoint, timeout=300)
     pods = sorted(box.pods_of(box.endpoint, "team-a"), key=lambda p: p.node.name)
@@ -166,14 +172,70 @@ def _vllm_pods(box: OneBox) -> tuple[Any, Any]:
     return pods[0], pods[1]
 
 
-@pytest.mark.skipif(MODE != "mount", reason="mount mode's hits through the FUSE mounts (plugin: its own module)")
+def port_of(pod: Any) -> int:
+    return int(pod.spec["containers"][0]["ports"][0]["containerPort"])
+
+
+def external_hits(box: OneBox, pod: Any) -> float:
+    """vLLM's vllm:external_prefix_cache_hits_total on the pod: tokens loaded through the KV connector."""
+    status, body = box.http(pod, port_of(pod), path="/metrics", timeout=30)
+    assert status == 200, body[:300]
+    return sum(float(line.rsplit(" ", 1)[1]) for line in body.decode().splitlines()
+               if line.startswith("vllm:external_prefix_cache_hits_total"))
+
+
+def complete(box: OneBox, pod: Any, port: int, prompt: str, headers: dict[str, str] | None = None,
+              got: dict[str, str] | None = None, timeout: float = 120) -> tuple[int, str]:
+    model = "/opt/ml/model"  # HyperPod serves the model at its modelVolumeMount, which is vLLM's served name
+    body = json.dumps({"model": model, "prompt": prompt, "max_tokens": 4, "temperature": 0}).encode()
+    status, out = box.http(pod, port, "POST", "/v1/completions", body,
+                           {"Content-Type": "application/json", **(headers or {})}, timeout=timeout, got_headers=got)
+    text = json.loads(out)["choices"][0]["text"] if status == 200 else out.decode(errors="replace")[:500]
+    return status, text
+
+
+def l2_files(box: OneBox) -> int:
+    """Files l2fs holds (`l2fs report --json` with the admin token, from the master's node)."""
+    (master,) = box.pods_of("l2fs-master")
+    out = box.run_in_node(master.node, [str(Path(sys.executable).with_name("l2fs")), "report", "--json",
+                                        "--master", f"{master.ip}:8995"],
+                          env={**os.environ, "L2FS_TOKEN": box.tokens["admin"]}, timeout=60)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return int(json.loads(out.stdout)["files"])
+
+
+def stored_by(box: OneBox, pod: Any, prompt: str) -> str:
+    """`prompt` completed on `pod` (new to it), then waited for until its chunks are published in l2fs (LMCache
+    stores after the request, asynchronously; in mount mode under a .tmp name first, then renamed: the count
+    must hold still for a second); returns the greedy text."""
+    before = l2_files(box)
+    status, text = complete(box, pod, port_of(pod), prompt)
+    assert status == 200, text
+    deadline, last = time.monotonic() + 60, -1
+    while (files := l2_files(box)) <= before or files != last:
+        c = [x for x in pod.containers if not x.init][0]
+        assert time.monotonic() < deadline, (f"no chunk of {pod.name}'s prompt in l2fs after 60 s",
+                                             box.logs(pod, c.spec["name"])[-3000:])
+        last = files
+        time.sleep(1)
+    return text
+
+
+def prompt_of(seed: int, words: int = 200) -> str:
+    import random
+
+    rng = random.Random(seed)
+    return " ".join(rng.choice(("alpha", "bravo", "delta", "kilo", "lima", "oscar", "tango", "zulu", "echo"))
+                    for _ in range(words))
+
+
 def test_the_bench_job_gets_cross_pod_hits_of_every_full_chunk(g6e: OneBox) -> None:
     """docs/bench-cluster.md steps 3 and 5 as written (the two pods' IPs from the API, the bench overlay next to
     deploy/, `kubectl apply -k`, wait for the Job, its logs): deploy/bench's own command in a Job pod on a node
     gets, for every length, B's hit = every full chunk (B never saw the prompt: only L2 has it), no cold hit,
     and outputs identical to the cold run. Lengths and reps go into the same `literals:` list (the doc says so):
     the CPU overlay's max-model-len is 2048."""
-    _vllm_pods(g6e)
+    vllm_pods(g6e)
     steps = docs_block("bench-cluster.md", "**3. Two pods on two nodes, patched.**") + "\n" + docs_block(
         "bench-cluster.md", "**5. The Job.**")
     steps = steps.replace("literals: [REPLICA_A=http://$A_IP:8080, REPLICA_B=http://$B_IP:8080]",
@@ -189,3 +251,88 @@ def test_the_bench_job_gets_cross_pod_hits_of_every_full_chunk(g6e: OneBox) -> N
         assert r["b_hit_pct_full_chunks"] == 100.0, r
         assert r["b_hit_tokens_min"] >= r["full_chunk_tokens"] - 1 and r["cold_hit_tokens_max"] == 0, r
         assert r["same_output_all"], r
+
+
+def test_the_router_sends_a_repeated_prefix_to_the_replica_holding_it(g6e: OneBox) -> None:
+    """Through a pod of the router Service (what the Service sends a client to), with the router's API key: a new prompt
+    goes somewhere; the same prefix again goes to that replica with reason cache_hit. The router tokenized with
+    the tokenizer its init container fetched (no tokenizer fallback) and applied the replicas' KV events."""
+    vllm_pods(g6e)
+    g6e.wait_ready("kvtier-router", timeout=120)
+    (router, *_) = g6e.service_pods("team-a", "kvtier-router")
+    key = (g6e.secret_data("team-a", "kvtier-router-api-key") or {})["api-key"].decode()
+    auth = {"Authorization": f"Bearer {key}"}
+    first: dict[str, str] = {}
+    status, text = complete(g6e, router, 8080, prompt_of(11), auth, first)
+    assert status == 200, (status, text, g6e.describe("kvtier-router"))
+    again: dict[str, str] = {}
+    time.sleep(2)  # the KV events of the first request reach the router
+    status, _ = complete(g6e, router, 8080, prompt_of(11) + " and a new question", auth, again)
+    assert status == 200
+    assert again["x-kvtier-replica"] == first["x-kvtier-replica"], (first, again)
+    assert again["x-kvtier-route"] == "cache_hit", (first, again)
+    status, body = g6e.http(router, 8080, path="/metrics", headers=auth)
+    metrics = body.decode()
+    assert status == 200
+    assert not any(line.startswith("kvtier_router_tokenize_fallback_total") and not line.endswith(" 0.0")
+                   for line in metrics.splitlines()), metrics
+    # the tokenizer its init container copied from the model's S3 source loaded (no fallback to the replicas'
+    # /tokenize, which logs "cannot be loaded")
+    (rc,) = [c for c in router.containers if not c.init]
+    rlog = g6e.logs(router, rc.spec["name"])
+    assert "cannot be loaded" not in rlog, rlog[-2000:]
+    events = sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+                 if line.startswith("kvtier_router_kv_events_total"))
+    assert events > 0, [line for line in metrics.splitlines() if "kv_" in line]
+
+
+def test_a_killed_mount_daemon_gives_misses_then_hits_once_it_is_back(g6e: OneBox) -> None:
+    """SIGKILL node-2's FUSE daemon (an OOM kill) and keep it down (a back-off): node-2's vLLM pod answers a prompt
+    node-1's pod stored in L2, with the same greedy output and no L2 hit (a miss, no error, no hang, the engine
+    not restarted); once the kubelet has started the daemon again, a prompt node-1's pod stores is a hit on
+    node-2's pod, which kept running all along."""
+    a, b = vllm_pods(g6e)
+    (mount,) = [p for p in g6e.pods_of("l2fs-mount") if p.node is b.node]
+    miss_while_down_then_hit(g6e, [(mount, "mount")], a, b, seed=21)
+
+
+def miss_while_down_then_hit(box: OneBox, daemons: list[tuple[Any, str]], a: Any, b: Any, seed: int) -> None:
+    """A node daemon's fault as the engines see it (shared with test_operator_onebox_plugin.py): A stores a
+    prompt; the daemons (pod, container) are SIGKILLed and held down; B answers that prompt
+    with A's greedy text and no external hit, and A answers a new prompt, both within a minute; the daemons are
+    released and come back ready; a prompt A stores then is a hit on B; no engine restarted."""
+    engines = [[e for e in p.containers if not e.init][0] for p in (a, b)]
+    engine_restarts = [e.restarts for e in engines]
+    cold = stored_by(box, a, prompt_of(seed))
+    down = [(pod, pod.container(name), pod.container(name).restarts) for pod, name in daemons]
+    for pod, c, _ in down:
+        box.kill(pod, c.spec["name"], hold=True)
+    try:
+        log, t0 = len(box.logs(b, engines[1].spec["name"])), time.monotonic()
+        status, text = complete(box, b, port_of(b), prompt_of(seed), timeout=60)
+        assert status == 200 and text == cold and time.monotonic() - t0 < 60, (status, text, cold)
+        # LMCache's own account of the request: nothing retrieved from L2 (vLLM's external-hit counter may still
+        # count a claim the master's listing made before the load failed: plugin mode's lookup asks the master)
+        got = [int(m.group(1)) for m in re.finditer(r"Retrieved (\d+) out of \d+ required tokens",
+                                                      box.logs(b, engines[1].spec["name"])[log:])]
+        assert not any(got), f"L2 loads {got} while {[p.name for p, _, _ in down]} were down"
+        status, _ = complete(box, a, port_of(a), prompt_of(seed + 1), timeout=60)
+        assert status == 200, f"{a.name} stopped answering while {[p.name for p, _, _ in down]} were down"
+        assert all(c.restarts == r and c.proc is not None and c.proc.poll() is not None for _, c, r in down)
+    finally:
+        for pod, c, _ in down:
+            box.release(pod, c.spec["name"])
+    owners = sorted({pod.owner.split("/")[2] for pod, _, _ in down})
+    deadline = time.monotonic() + 120
+    while not all(c.restarts > r and c.ready for _, c, r in down):
+        box.check()
+        assert time.monotonic() < deadline, box.describe(*owners)
+        time.sleep(1)
+    cold = stored_by(box, a, prompt_of(seed + 2))
+    before, log = external_hits(box, b), len(box.logs(b, engines[1].spec["name"]))
+    status, warm = complete(box, b, port_of(b), prompt_of(seed + 2))
+    assert status == 200 and warm == cold
+    assert external_hits(box, b) - before >= 256, box.describe(*owners, box.endpoint)
+    assert any(int(m.group(1)) for m in re.finditer(r"Retrieved (\d+) out of \d+ required tokens",
+                                                     box.logs(b, engines[1].spec["name"])[log:])), "no L2 load"
+    assert [e.restarts for e in engines] == engine_restarts, box.describe(box.endpoint)

@@ -5,8 +5,8 @@ loader builds it from the webhook's env (no config file), reaching their node's 
 socket only (no data dir in the pod); then docs/bench-cluster.md's steps 3 and 5 as written (the bench Job's own
 command, in a node) get cross-pod hits of every full chunk with identical outputs, and the router routes.
 
-Which mode runs: one per run (each starts two vLLM engines), chosen by test_operator_onebox.MODE; this module
-runs when that is "plugin" and skips otherwise (see there for the alternation).
+A node's worker killed and kept down: the engines keep answering (misses), and hit again once it is back.
+Mount mode is test_operator_onebox.py, on a box of its own; both run in every suite run.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import test_operator_onebox as onebox
 from kubelet_sim import ROOT, OneBox, Pod
-from test_operator_onebox import MODE, docs_block, install_box
+from test_operator_onebox import docs_block, install_box, miss_while_down_then_hit
 
 pytestmark = [
     pytest.mark.k8s,
@@ -29,7 +29,6 @@ pytestmark = [
     pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("nsenter") or not shutil.which("setpriv"),
                        reason="needs root, nsenter, setpriv (network and mount namespaces)"),
     pytest.mark.skipif(os.environ.get("KVTIER_ONEBOX_TESTS") == "0", reason="KVTIER_ONEBOX_TESTS=0"),
-    pytest.mark.skipif(MODE != "plugin", reason=f"one-box mode of this run is {MODE!r} (test_operator_onebox.MODE)"),
 ]
 OVERLAY = "hyperpod-p5"
 NS = "team-a"
@@ -149,3 +148,18 @@ def test_router_routes_to_the_engine_pods(p5: OneBox) -> None:
         seen.append((headers.get("x-kvtier-replica", ""), headers.get("x-kvtier-route", "")))
     urls = {f"http://{p.ip}:8080" for p in pods}
     assert seen[0][0] in urls and seen[1] == (seen[0][0], "cache_hit"), (seen, urls)
+
+
+def test_killed_workers_give_misses_then_hits_once_they_are_back(p5: OneBox) -> None:
+    """SIGKILL the l2fs worker of every node (where a prompt's chunks are is the master's choice: local-first
+    placement falls back to the roomiest worker) and keep them down (a back-off): both engines keep answering,
+    node-2's pod answers the prompt node-1's pod stored with the same greedy output and no L2 hit (a miss, no
+    error, no hang); once the kubelet has started the workers again (they register anew with their projected
+    ServiceAccount tokens, their data dirs are the nodes'), a prompt node-1's pod stores is a hit on node-2's
+    pod again, and no engine was restarted."""
+    a, b = sorted(engine_pods(p5), key=lambda p: p.node.name)
+
+    workers = [(w, next(c.spec["name"] for c in w.containers if not c.init))
+               for w in p5.pods_of("l2fs-worker", "kvtier")]
+    assert len(workers) == 2, p5.describe("l2fs-worker")
+    miss_while_down_then_hit(p5, workers, a, b, seed=31)
