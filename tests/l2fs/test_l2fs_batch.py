@@ -211,3 +211,19 @@ def test_worker_reports_blocks_in_parts(tmp_path: Path) -> None:
     finally:
         service.close()
         server.stop(0)
+
+
+def test_a_kv8b_sized_same_node_batch_publishes_within_the_plugins_timeout(
+        make_cluster: Callable[..., LocalCluster]) -> None:
+    """LMCache's batched put at Llama-3.1-8B's KV geometry: 8 chunks of 32 MiB in one put_many, same node (the fd
+    socket: sealed memfds the worker copies and checks at adoption), with the LMCache plugin's default 1 s
+    timeout. The deadline is that timeout plus the bytes at 200 MB/s; before, it was the larger of the two, and
+    on a busy 2-core box the batch took 1.3-1.4 s: every item failed `Deadline Exceeded`, so an engine at kv8b
+    geometry stored nothing and its peers never hit. Bytes read back intact."""
+    cl = make_cluster(workers=1, capacity="2G")
+    data = [os.urandom(32 << 20) for _ in range(8)]
+    with cl.client(node_id=cl.workers[0].node_id, timeout=1.0) as c:
+        c.put("/warm", b"x")
+        got = c.put_many([(f"/kv8b/{i}", b) for i, b in enumerate(data)], return_exceptions=True)
+        assert got == [True] * 8, got
+        assert c.get("/kv8b/5") == data[5]
