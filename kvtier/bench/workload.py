@@ -756,7 +756,9 @@ def main(argv: list[str] | None = None) -> int:
             for m in [m for m in mrqa_arms if ARMS[m][0] == ARMS[arm][0]]:
                 mrqa_arms.remove(m)
                 try:
-                    h = run_mrqa(m, fleet, args, contexts[0], args.seed * 1000 + n, tok)
+                    # its users' ids (their contexts) differ per harness run: two arms of one tier run back to
+                    # back on the same replicas and the same L2, and the second must not find the first's users
+                    h = run_mrqa(m, fleet, args, contexts[0], args.seed * 1000 + len(harnesses), tok)
                 except Exception as e:  # noqa: BLE001 - reported, the sweep goes on
                     h = {"harness": "LMCache multi_round_qa", "arm": m, "error": repr(e)}
                 harnesses.append(h)
