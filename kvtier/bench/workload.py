@@ -32,6 +32,7 @@ import json
 import math
 import os
 import random
+import shutil
 import sys
 import threading
 import time
@@ -291,6 +292,9 @@ class Fleet(Stack):
         self.routers = {}
 
     def start_l2fs(self) -> None:
+        # an empty L2 per run, as every tier's L0/L1 are (fresh replicas): the workers' data under --dir outlives
+        # the run, and a rerun with the same --dir and --seed sends the same documents, which would be L2 hits
+        shutil.rmtree(self.base / "l2fs", ignore_errors=True)
         self.base.mkdir(parents=True, exist_ok=True)
         (self.base / "logs").mkdir(exist_ok=True)
         self.model = self.model_arg or ""
