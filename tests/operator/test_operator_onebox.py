@@ -24,15 +24,44 @@ pytestmark = [
     pytest.mark.vllm,
     pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("nsenter") or not shutil.which("setpriv"),
                        reason="needs root, nsenter, setpriv (network and mount namespaces)"),
-    # In the default suite (CI runs it); KVTIER_ONEBOX_TESTS=0 leaves it out of a local run. Its mounts live in
-    # the box's own namespaces and its processes in its cgroup (kubelet_sim.OneBox.close), its mount guard
-    # turns a propagation loop into a failure within seconds, and every wait has a timeout.
-    pytest.mark.skipif(os.environ.get("KVTIER_ONEBOX_TESTS") == "0", reason="KVTIER_ONEBOX_TESTS=0"),
+    # In the default suite (CI runs it) on the days it is chosen (onebox_mode). Its mounts live in the box's own
+    # namespaces and its processes in its cgroup (kubelet_sim.OneBox.close), its mount guard turns a propagation
+    # loop into a failure within seconds, and every wait has a timeout.
 ]
+ONEBOX_MODES = ("mount", "plugin", "mp")
+
+
+def onebox_modes(env: str | None, day: int) -> tuple[str, ...]:
+    """The one-box modules a suite run takes. A box costs 5-7 min of the suite's 40-minute budget (the whole
+    install and two vLLM engines on two cores), so by default a run takes one mode, rotating by UTC day (days
+    since the epoch mod 3 picks mount, plugin, mp): CI on three consecutive days covers all three.
+    KVTIER_ONEBOX=all takes all three, a comma list (`plugin,mp`) those, `0` none."""
+    if env is None or env.strip() in ("", "day"):
+        return (ONEBOX_MODES[day % len(ONEBOX_MODES)],)
+    if env.strip() in ("0", "none"):
+        return ()
+    if env.strip() == "all":
+        return ONEBOX_MODES
+    modes = tuple(m.strip() for m in env.split(",") if m.strip())
+    unknown = [m for m in modes if m not in ONEBOX_MODES]
+    if unknown:
+        raise ValueError(f"KVTIER_ONEBOX={env!r}: unknown mode(s) {unknown}; want all, 0, day or a list of "
+                         f"{', '.join(ONEBOX_MODES)}")
+    return modes
+
+
+def onebox_mode(mode: str) -> pytest.MarkDecorator:
+    """Skip a one-box module whose mode this run does not take (onebox_modes), saying which ones it takes."""
+    taken = onebox_modes(os.environ.get("KVTIER_ONEBOX"), int(time.time() // 86400))
+    why = f"one-box {mode} mode not in this run ({', '.join(taken) or 'none'} today; KVTIER_ONEBOX=all takes every mode)"
+    return pytest.mark.skipif(mode not in taken, reason=why)
+
+
+pytestmark.append(onebox_mode("mount"))
 CORE = ("l2fs-master", "l2fs-worker", "l2fs-mount", "kvtier-webhook")
 # This module runs mount mode (hyperpod-g6e: LMCache's fs:// on each node's per-endpoint FUSE mount); plugin mode
 # (hyperpod-p5: connector.lmcache_l2fs over gRPC and the worker's socket) is test_operator_onebox_plugin.py, on
-# its own box. Both run in every suite run.
+# its own box, mp mode (hyperpod-p5-mp) test_operator_onebox_mp.py: a suite run takes one of them (onebox_modes).
 OVERLAY = "hyperpod-g6e"
 
 

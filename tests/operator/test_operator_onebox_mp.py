@@ -6,8 +6,8 @@ endpoint's engine token), vLLM on LMCache's own MP connector (engine_driven, loo
 steps 3 and 5 as written: pod B (its sidecar's L1 empty) gets every full chunk of A's prompt from L2 through its
 sidecar, with identical greedy outputs; and the router routes by KV events without an L2 lookup.
 
-On a box of its own (two engines), in every suite run as the mount and plugin modules: one hyperpod-p5 box with
-both endpoints would start four engines on two cores at once.
+On a box of its own (two engines; one hyperpod-p5 box with both endpoints would start four engines on two cores
+at once). A suite run takes one of the three one-box modes (test_operator_onebox.onebox_modes).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import test_operator_onebox as onebox
 from kubelet_sim import ROOT, OneBox, Pod
-from test_operator_onebox import docs_block, install_box
+from test_operator_onebox import docs_block, install_box, onebox_mode
 
 from l2fs.testing.netns import socket_in
 from operator_patch.patch import MP_SIDECAR, PatchConfig
@@ -32,7 +32,7 @@ pytestmark = [
     pytest.mark.vllm,
     pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("nsenter") or not shutil.which("setpriv"),
                        reason="needs root, nsenter, setpriv (network and mount namespaces)"),
-    pytest.mark.skipif(os.environ.get("KVTIER_ONEBOX_TESTS") == "0", reason="KVTIER_ONEBOX_TESTS=0"),
+    onebox_mode("mp"),
 ]
 OVERLAY = "hyperpod-p5-mp"
 NS = "team-a"

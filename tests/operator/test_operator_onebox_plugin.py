@@ -6,7 +6,8 @@ socket only (no data dir in the pod); then docs/bench-cluster.md's steps 3 and 5
 command, in a node) get cross-pod hits of every full chunk with identical outputs, and the router routes.
 
 A node's worker killed and kept down: the engines keep answering (misses), and hit again once it is back.
-Mount mode is test_operator_onebox.py, on a box of its own; both run in every suite run.
+Mount mode is test_operator_onebox.py, on a box of its own; a suite run takes one of the three one-box modes
+(test_operator_onebox.onebox_modes).
 """
 
 from __future__ import annotations
@@ -21,14 +22,14 @@ from pathlib import Path
 import pytest
 import test_operator_onebox as onebox
 from kubelet_sim import ROOT, OneBox, Pod
-from test_operator_onebox import docs_block, install_box, miss_while_down_then_hit
+from test_operator_onebox import docs_block, install_box, miss_while_down_then_hit, onebox_mode
 
 pytestmark = [
     pytest.mark.k8s,
     pytest.mark.vllm,
     pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("nsenter") or not shutil.which("setpriv"),
                        reason="needs root, nsenter, setpriv (network and mount namespaces)"),
-    pytest.mark.skipif(os.environ.get("KVTIER_ONEBOX_TESTS") == "0", reason="KVTIER_ONEBOX_TESTS=0"),
+    onebox_mode("plugin"),
 ]
 OVERLAY = "hyperpod-p5"
 NS = "team-a"
