@@ -22,6 +22,7 @@ import pytest
 
 pytest.importorskip("lmcache")
 from import_patch import sitecustomize
+from rotation import of_the_day
 
 from connector import keys as ckeys
 from kvtier.devstack.mp_server import MPServer, start_mp_server
@@ -64,7 +65,7 @@ def _checksum(lines: list[str]) -> str:
     return _first(lines, "CHECKSUM").split()[0]
 
 
-@pytest.mark.parametrize("mode", ["engine_driven", "lmcache_driven"])
+@pytest.mark.parametrize("mode", of_the_day(["engine_driven", "lmcache_driven"], ids=["engine_driven", "lmcache_driven"]))
 def test_lmcache_server_shares_kv_across_nodes_through_l2fs(tmp_path: Path, mode: str,
                                                             make_cluster: Callable[..., LocalCluster]) -> None:
     c = make_cluster(2)

@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from rotation import of_the_day
 
 from kvtier import contract
 
@@ -67,7 +68,7 @@ def make_cases() -> list[dict]:
     ]
 
 
-@pytest.mark.parametrize("seed", ["0", "42", "4294967295"])
+@pytest.mark.parametrize("seed", of_the_day(["0", "42", "4294967295"], ids=["0", "42", "4294967295"]))
 def test_chunk_hashes_and_names_match_real_lmcache(seed: str) -> None:
     cases = make_cases()
     ref = reference(seed, cases)

@@ -30,6 +30,7 @@ from pathlib import Path
 import pytest
 from netns_helpers import require_host
 from polling import wait_until
+from rotation import of_the_day
 
 from kvtier.up import Stack
 
@@ -62,7 +63,8 @@ def _bytes_read(stack: Stack, i: int) -> float:
     return float(m.group(1))
 
 
-@pytest.fixture(scope="module", params=[pytest.param("mount", marks=pytest.mark.fuse), "plugin"])
+@pytest.fixture(scope="module", params=of_the_day([pytest.param("mount", marks=pytest.mark.fuse, id="mount"),
+                                                  pytest.param("plugin", id="plugin")]))
 def stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
           tiny_model: Path) -> Iterator[Stack]:
     """The two-replica --netns stack in that mode (one mode at a time: module scope, parametrized)."""

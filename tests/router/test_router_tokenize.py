@@ -11,6 +11,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from rotation import of_the_day
 from router_helpers import complete, metric
 
 DOC = "The quarterly report covers revenue, costs and the outlook for the next two quarters in detail. " * 6
@@ -61,7 +62,8 @@ def test_local_tokenizer_matches_replica_tokenize(cluster, tok_dir: Path):
     assert _stats(rep)["tokenize"] == asked  # a local tokenizer never asks the replica
 
 
-@pytest.mark.parametrize("flag", [[], ["--tokenizer", "/nonexistent/tokenizer-dir"], ["--tokenizer", "replica"]])
+@pytest.mark.parametrize("flag", of_the_day([[], ["--tokenizer", "/nonexistent/tokenizer-dir"], ["--tokenizer", "replica"]],
+                                             ids=["flag0", "flag1", "flag2"]))
 def test_without_local_tokenizer_router_uses_replica_tokenize(cluster, tok_dir: Path, flag: list[str]):
     reps = [cluster.replica("--tokenizer", str(tok_dir), kv=False) for _ in range(2)]
     rt = cluster.router(reps, "--strategy", "prefixaware", *flag)
