@@ -200,15 +200,18 @@ def scrape(url: str) -> dict[str, float]:
     return {k: got[m] for k, m in COUNTERS.items() if m in got}
 
 
-def settled(urls: list[str], timeout: float = 15.0) -> list[dict[str, float]]:
-    """Counters once two scrapes 1 s apart agree (vLLM updates /metrics a moment after the response)."""
+def settled(urls: list[str], quiet: float = 11.0, timeout: float = 40.0) -> list[dict[str, float]]:
+    """Counters once no scrape has changed for `quiet` seconds. vLLM updates /metrics a moment after the
+    response, but LMCache publishes its counters (the L2 read bytes among them) from a logger thread every 10 s
+    (LMCacheStatsLogger's log_interval): two scrapes 1 s apart could agree before the last interval was
+    published, and an arm's L2 reads then counted in no arm."""
     cur, end = [scrape(u) for u in urls], time.monotonic() + timeout
-    while time.monotonic() < end:
+    changed = time.monotonic()
+    while time.monotonic() < end and time.monotonic() - changed < quiet:
         time.sleep(1.0)
         nxt = [scrape(u) for u in urls]
-        if nxt == cur:
-            break
-        cur = nxt
+        if nxt != cur:
+            cur, changed = nxt, time.monotonic()
     return cur
 
 
