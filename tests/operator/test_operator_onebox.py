@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import rotation
 from kubelet_sim import ROOT, OneBox, _mount_count, _mounts_under, box_root, render
 
 pytestmark = [
@@ -52,7 +53,7 @@ def onebox_modes(env: str | None, day: int) -> tuple[str, ...]:
 
 def onebox_mode(mode: str) -> pytest.MarkDecorator:
     """Skip a one-box module whose mode this run does not take (onebox_modes), saying which ones it takes."""
-    taken = onebox_modes(os.environ.get("KVTIER_ONEBOX"), int(time.time() // 86400))
+    taken = onebox_modes(os.environ.get("KVTIER_ONEBOX"), rotation.day())
     why = f"one-box {mode} mode not in this run ({', '.join(taken) or 'none'} today; KVTIER_ONEBOX=all takes every mode)"
     return pytest.mark.skipif(mode not in taken, reason=why)
 
