@@ -40,10 +40,12 @@ def _metadata() -> LMCacheMetadata:
                            kv_dtype=torch.float32, kv_shape=(4, 2, 256, 2, 64))
 
 
-def _manager(master: str, node: str, extra: dict | None = None, **over) -> StorageManager:
-    """A real LMCache StorageManager whose L2 is our plugin; `extra`: more extra_config keys."""
+def _manager(master: str, node: str, extra: dict | None = None, l2_timeout: float = 5.0, **over) -> StorageManager:
+    """A real LMCache StorageManager whose L2 is our plugin; `extra`: more extra_config keys. l2_timeout: 5 s, not
+    the deployed 1 s: these tests are about what is stored and found, and a put that misses its deadline on a
+    loaded box is (rightly) dropped, which would fail them for the wrong reason."""
     d = lmcache_config(chunk_size=256, l1_gb=0.1, l2fs_master=master, node_id=node, prefix=PREFIX,
-                       l2_timeout=1.0)
+                       l2_timeout=l2_timeout)
     d.pop("remote_serde")
     d["extra_config"] = {**d["extra_config"], **(extra or {})}
     d.update(over)

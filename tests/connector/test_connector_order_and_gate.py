@@ -318,8 +318,13 @@ def test_claims_are_decided_before_the_load_when_a_worker_stalls(make_cluster) -
             assert _load(b, keys) == 8
         assert conn.gate.allow() and conn.stats["prechecked_reused"] >= 3
         budget = conn.gate.precheck_budget(8 * conn.full_chunk_size_bytes)
-        pid = cluster.workers[0].proc.pid
-        os.kill(pid, signal.SIGSTOP)
+        # every worker that holds a chunk stalls (A's puts go to node-1's worker, or to the other one when a
+        # loaded box made node-1's miss its deadline)
+        holders = {n for p in _paths(keys) for n in client.stat(p).nodes}
+        pids = [w.proc.pid for w in cluster.workers if w.node_id in holders]
+        assert pids, holders
+        for pid in pids:
+            os.kill(pid, signal.SIGSTOP)
         try:
             for _ in range(2):  # the first claim after the stall and the next one
                 t0 = time.monotonic()
@@ -329,7 +334,8 @@ def test_claims_are_decided_before_the_load_when_a_worker_stalls(make_cluster) -
                 assert took < budget + 0.5, f"the check took {took:.3f} s, budget {budget:.3f} s"
                 assert not conn.gate.allow()  # the missed check closes the gate for the claims that follow
         finally:
-            os.kill(pid, signal.SIGCONT)
+            for pid in pids:
+                os.kill(pid, signal.SIGCONT)
         assert client.prefix_lookup(_paths(keys)) == 8  # present, just not worth waiting for
         assert conn.stats["gated"] >= 16
     finally:

@@ -81,7 +81,7 @@ def test_router_sees_l2_prefix_and_treats_l2_failure_as_miss(cluster, tmp_path: 
     cluster.n += 1
     log = tmp_path / "router-l2.log"
     p, url = _spawn([PY, "-m", "router.cli", "--port", "0", "--replicas", rep.url, "--strategy", "kvaware",
-                     "--l2fs-master", l2.master, "--l2fs-model-name", "tiny-model"], log,
+                     "--l2fs-master", l2.master, "--l2fs-model-name", "tiny-model", "--l2fs-timeout", "5"], log,
                     r"listening on (http://\S+)", timeout=120)
     rt = Proc(p, url, log)
     cluster.procs.append(rt)
