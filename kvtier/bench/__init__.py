@@ -20,6 +20,7 @@ BENCHES: dict[str, tuple[str, str]] = {
                 "one kv8b L2 load batch step by step: raw read, plugin, LMCache's layers, the paged-KV copy"),
     "gpu-path": ("kvtier.bench.gpu_path", "l2fs chunk reads into pinned host memory and on to the GPU"),
     "l2fs": ("kvtier.bench.l2fs_read", "l2fs client reads/writes vs hot local file and raw loopback TCP"),
+    "local-put": ("kvtier.bench.local_put", "same-node puts by block size: sealed memfd vs loopback data plane vs a file"),
     "load": ("kvtier.bench.l2fs_load", "sustained mixed put/get/lookup load: latency, errors, memory growth"),
     "mount": ("kvtier.bench.mount", "FUSE mount vs native l2fs client vs local file, same bytes"),
     "native-tier": ("kvtier.bench.native_tier",
