@@ -132,8 +132,8 @@ def test_sealed_block_republished_under_another_path_is_not_served(make_cluster:
 def test_commit_sealed_only_after_delivery_master_restart_drops_it(make_cluster: Callable[..., LocalCluster]) -> None:
     """A block written and committed while its worker is stopped (the master cannot deliver the seal), then the
     master restarts before the worker wakes: the restarted master does not publish it (no seal) and tells the
-    worker to delete it (its own allocation: the id verifies); a file sealed before is served as before. The
-    first commit waits at most SEAL_WAIT (1 s) for the stopped worker, the next one not at all."""
+    worker to delete it (its own allocation: the id verifies); a file sealed before is served as before. One
+    commit waits at most SEAL_WAIT (1 s) for the stopped worker, the next one not at all."""
     c = make_cluster(1, capacity="256M", heartbeat_timeout=20)
     cl = c.client(timeout=T)
     old = secrets.token_bytes(40_000)
@@ -158,7 +158,10 @@ def test_commit_sealed_only_after_delivery_master_restart_drops_it(make_cluster:
             assert m.Commit(pb.CommitRequest(path=path, block_id=a.block_id, worker_id=a.worker.worker_id,
                                              size=len(data), crc32c=r.crc32c), timeout=T).published
             took.append(time.monotonic() - t0)
-        assert took[0] < 3.0 and took[1] < 0.9, took  # the second does not wait SEAL_WAIT (1 s) again
+        # one of the two waits SEAL_WAIT (1 s) at most, the other not at all: the worker missed a deadline and gets
+        # its seals from the pusher for a while. Usually the first waits; on a loaded box the seal of /s/old may
+        # already have missed its deadline, and then the first goes to the pusher at once and the second waits.
+        assert max(took) < 3.0 and min(took) < 0.9, took
         c.kill_master()
         c.start_master()
     finally:
