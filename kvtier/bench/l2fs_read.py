@@ -178,7 +178,7 @@ def result_rows(t: dict[str, list[float]], size: int, batch: int) -> list[tuple[
         io("cross-node get (gRPC stream)", "grpc_r", f"{of('grpc_r', 'tcp', 'TCP')}; {net('grpc_r')}"),
         io("cross-node get_into (gRPC stream)", "grpc_into", of("grpc_into", "tcp", "TCP")),
         io("plain local file write", "plain_w", "1.00x"),
-        io("same-node put (short-circuit)", "sc_w", of("sc_w", "plain_w", "plain")),
+        io("same-node put (data plane: the default)", "sc_w", of("sc_w", "plain_w", "plain")),
         io("remote put (TCP data plane)", "tcp_w", of("tcp_w", "plain_w", "plain")),
         io("remote put (gRPC stream)", "grpc_w", of("grpc_w", "plain_w", "plain")),
     ]

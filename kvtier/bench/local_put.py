@@ -3,10 +3,10 @@ worker's TCP data plane on loopback, next to a plain write of the same bytes int
 
     .venv/bin/kvtier bench local-put [--sizes 64K,1M,4M,8M] [--blocks 64] [--reps 5]
 
-Why: a same-node put can go either way; the client sends blocks up to l2fs.client.write.LOCAL_WRITE_MAX
-through memfds. Since write capabilities carry the allocated size, the worker copies each memfd into its
-store at adoption (a writer cannot grow a sealed file it was given), and the question is at which sizes that
-path is still worth having. Each rep writes one batch of --blocks fresh paths with put_many (as LMCache's
+Why: a same-node put can go either way. Since write capabilities carry the allocated size, the worker copies
+each memfd into its store at adoption (a writer cannot grow a sealed file it was given), and this measured at
+which sizes that path was still worth having: at none (2026-12-04), so the client now writes same-node blocks
+over the data plane unless told otherwise (l2fs.client.Client's local_writes). Each rep writes one batch of --blocks fresh paths with put_many (as LMCache's
 batched put does) per arm; arms alternate within a rep, and their order turns each rep, so load on a shared
 box hits both alike. Every arm reads one block back and compares it, and the worker's own counter of fds
 passed for writes says which path a batch really took.
@@ -81,7 +81,7 @@ def run(args: argparse.Namespace, scratch: Path) -> tuple[dict[str, Any], list[d
     with LocalCluster(scratch / "l2fs", workers=1, capacity=str(cap),
                       worker_args=["--domain-socket", str(sock_dir / "w.sock")]) as cluster:
         worker = cluster.workers[0]
-        clients = {"memfd": cluster.client(worker.node_id, timeout=args.timeout),
+        clients = {"memfd": cluster.client(worker.node_id, timeout=args.timeout, local_writes=True),
                    "data plane": cluster.client(worker.node_id, timeout=args.timeout, local_writes=False)}
         files = scratch / "files"
         try:
@@ -143,10 +143,11 @@ def summarize(args: argparse.Namespace, raw: list[dict[str, Any]]) -> dict[str, 
 
 
 def print_table(summary: dict[str, Any]) -> None:
-    print(table(["block", "memfd s", "data plane s", "file s", "memfd GB/s", "data plane GB/s", "file GB/s",
+    print(table(["block", "memfd ms", "data plane ms", "file ms", "memfd GB/s", "data plane GB/s", "file GB/s",
                  "memfd speed / data plane", "memfd / file", "data plane / file"],
-                [[f"{r['size'] / 1024:.0f} KiB", r["memfd_s_p50"], r["data plane_s_p50"], r["local file_s_p50"],
-                  r["memfd_gbps_p50"], r["data plane_gbps_p50"], r["local file_gbps_p50"],
+                [[f"{r['size'] / 1024:.0f} KiB", f"{r['memfd_s_p50'] * 1e3:.1f}", f"{r['data plane_s_p50'] * 1e3:.1f}",
+                  f"{r['local file_s_p50'] * 1e3:.1f}", f"{r['memfd_gbps_p50']:.2f}", f"{r['data plane_gbps_p50']:.2f}",
+                  f"{r['local file_gbps_p50']:.2f}",
                   f"{r['memfd_vs_data_plane']:.2f}x", f"{r['memfd_vs_file']:.2f}x",
                   f"{r['data_plane_vs_file']:.2f}x"] for r in summary["rows"]],
                 title=f"same-node put_many of {summary['blocks']} blocks, p50 of {summary['reps']} reps "

@@ -69,7 +69,7 @@ class ClientCore:
         short_circuit: bool = True,
         data_plane: bool | None = None,
         fd_passing: bool = True,
-        local_writes: bool = True,
+        local_writes: bool | None = None,
     ) -> None:
         master = master or envs.get("L2FS_MASTER")
         if not master:
@@ -86,7 +86,7 @@ class ClientCore:
         self.timeout = timeout
         self.short_circuit = short_circuit
         self.fd_passing = fd_passing
-        self.local_writes = local_writes
+        self._local_writes = local_writes  # None: decided by the transport (the local_writes property)
         self._static_md = auth_metadata(self.token)
         self._lock = threading.Lock()
         self._channels: list[grpc.Channel] = []
@@ -244,6 +244,16 @@ class ClientCore:
                 except PathError:
                     pass  # an invalid path was never remembered
 
+
+    @property
+    def local_writes(self) -> bool:
+        """Whether same-node blocks are written through sealed memfds (Client's docstring says why: by default
+        only when there is no data plane to write them over)."""
+        return (not self.data_plane) if self._local_writes is None else self._local_writes
+
+    @local_writes.setter
+    def local_writes(self, value: bool | None) -> None:
+        self._local_writes = value
 
     def close(self) -> None:
         self._closed = True

@@ -65,7 +65,9 @@ def _write_fd(fd: int, mv: memoryview) -> bool:
         os.close(fd)
 
 
-# Blocks larger than this go to a same-node worker over its data plane (loopback), not through a sealed memfd:
+# Where same-node writes go through sealed memfds at all (Client's local_writes: by default only without a data
+# plane, since the data plane was faster at every size, `kvtier bench local-put`), blocks larger than this still
+# go over the data plane (loopback), not through a sealed memfd:
 # the worker copies a memfd at adoption, one block after another, and at 32 MiB (kv8b chunks) a batch of 8 took
 # 2.6-3.4 s that way against 1.0-1.3 s over the data plane (parallel streams) with both cores busy (2026-12-03).
 LOCAL_WRITE_MAX = 8 << 20

@@ -237,7 +237,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # only): writes then move with the master's per-block capabilities over the data plane (same-node
     # ReserveLocal/AdoptLocal need a token the worker knows); same-node reads still take fds from the worker's
     # socket, which checks capabilities only.
-    client = Client(a.master, **copts.client_kwargs(), local_writes=not copts.token_file)
+    client = Client(a.master, **copts.client_kwargs(), local_writes=False if copts.token_file else None)
     root = a.root.rstrip("/") or "/"
     if root != "/" and not a.read_only:
         try:

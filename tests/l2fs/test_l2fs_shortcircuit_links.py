@@ -27,7 +27,8 @@ def test_planted_symlink_at_reserved_temp_path_is_not_written_through(
         return real(tmp, mv)
 
     monkeypatch.setattr(client_mod, "_write_file", attacker_first)
-    c = cluster.client(node_id=cluster.workers[0].node_id, fd_passing=False)  # the path-based short-circuit
+    c = cluster.client(node_id=cluster.workers[0].node_id, fd_passing=False,  # the path-based short-circuit
+                       local_writes=True)
     data = os.urandom(100_000)
     assert c.put("/sc/links/a", data) is True  # fell back to the data plane with a fresh block id
     assert planted and all(Path(p).is_relative_to(cluster.workers[0].data_dir) for p in planted)

@@ -353,7 +353,8 @@ def test_scoped_tokens_from_the_generated_file(base: list[dict[str, Any]], env: 
     assert engine == env.tokens["engine-ep-a"] and router == env.tokens["router-team-a"]
     own = "/kvtier/kv/ep-a/rev1/salt/c0.data"
     # as a plugin-mode pod on this node sees it (the webhook's mount): the worker's socket dir read-only and no
-    # data dir at all (an empty tmpfs over it); the same-node put and get short-circuit through passed fds
+    # data dir at all (an empty tmpfs over it); the same-node put goes over the data plane (faster than a memfd
+    # at every size: `kvtier bench local-put`) and the get short-circuits through a passed fd
     sock = Path(env.vars["L2FS_SOCKET_DIR"]) / "worker.sock"
     assert sock.is_socket()
     pod_view = ("unshare", "--mount", "sh", "-c",
@@ -368,8 +369,8 @@ def test_scoped_tokens_from_the_generated_file(base: list[dict[str, Any]], env: 
     assert put.returncode == 0, put.stderr
     got = cli(engine, "get", own, str(env.tmp / "ro-back"), wrap=pod_view)
     assert got.returncode == 0 and (env.tmp / "ro-back").read_bytes() == src.read_bytes(), got.stderr
-    if pod_view:  # one write fd and one read fd went through the socket
-        assert _fds_passed(env) >= fds + 2
+    if pod_view:  # a read fd went through the socket
+        assert _fds_passed(env) >= fds + 1
     for denied in (cli(engine, "put", str(src), "/kvtier/kv/ep-b/rev1/c0.data"),
                    cli(engine, "put", str(src), own, "--overwrite"), cli(engine, "rm", own),
                    cli(router, "put", str(src), "/kvtier/kv/ep-a/rev1/c1.data"), cli(router, "rm", own)):
