@@ -6,9 +6,9 @@ worker's TCP data plane on loopback, next to a plain write of the same bytes int
 Why: a same-node put can go either way. Since write capabilities carry the allocated size, the worker copies
 each memfd into its store at adoption (a writer cannot grow a sealed file it was given), and this measured at
 which sizes that path was still worth having: at none (2026-12-04), so the client now writes same-node blocks
-over the data plane unless told otherwise (l2fs.client.Client's local_writes). Each rep writes one batch of --blocks fresh paths with put_many (as LMCache's
-batched put does) per arm; arms alternate within a rep, and their order turns each rep, so load on a shared
-box hits both alike. Every arm reads one block back and compares it, and the worker's own counter of fds
+over the data plane unless told otherwise (l2fs.client.Client's local_writes). Each rep writes one batch of
+--blocks fresh paths with put_many (as LMCache's batched put does) per arm; arms alternate within a rep, and
+their order turns each rep, so load on a shared box hits both alike. Every arm reads one block back and compares it, and the worker's own counter of fds
 passed for writes says which path a batch really took.
 """
 
@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import os
 import re
-import shutil
 import statistics
 import sys
 import tempfile
@@ -27,22 +26,17 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.bench.common import table, write_results
+from l2fs.common import parse_size
 
 ARMS = ("memfd", "data plane")
 _FD_WRITES = re.compile(r'^l2fs_worker_fdpass_fds_total\{op="write"\} ([0-9.e+]+)$', re.M)
 
 
-def _size(text: str) -> int:
-    units = {"K": 1 << 10, "M": 1 << 20}
-    t = text.strip().upper()
-    try:
-        return int(float(t[:-1]) * units[t[-1]]) if t[-1] in units else int(t)
-    except (ValueError, IndexError):
-        raise argparse.ArgumentTypeError(f"bad size {text!r} (e.g. 64K, 1M)") from None
-
-
 def _sizes(text: str) -> list[int]:
-    out = [_size(s) for s in text.split(",") if s.strip()]
+    try:
+        out = [parse_size(s.strip()) for s in text.split(",") if s.strip()]
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
     if not out or min(out) <= 0:
         raise argparse.ArgumentTypeError("--sizes needs positive sizes, e.g. 64K,1M")
     return out
@@ -77,9 +71,9 @@ def run(args: argparse.Namespace, scratch: Path) -> tuple[dict[str, Any], list[d
     cap = max(args.sizes) * args.blocks * 4 + (256 << 20)
     # a short socket path of our own: the default sits next to the data dir, and a deep scratch dir would make it
     # longer than a Unix socket's 108 bytes (the worker then passes no fds and the client falls back to files)
-    sock_dir = Path(tempfile.mkdtemp(prefix="kvt-lp-", dir="/tmp"))
-    with LocalCluster(scratch / "l2fs", workers=1, capacity=str(cap),
-                      worker_args=["--domain-socket", str(sock_dir / "w.sock")]) as cluster:
+    with (tempfile.TemporaryDirectory(prefix="kvt-lp-", dir="/tmp") as sock_dir,
+          LocalCluster(scratch / "l2fs", workers=1, capacity=str(cap),
+                       worker_args=["--domain-socket", f"{sock_dir}/w.sock"]) as cluster):
         worker = cluster.workers[0]
         clients = {"memfd": cluster.client(worker.node_id, timeout=args.timeout, local_writes=True),
                    "data plane": cluster.client(worker.node_id, timeout=args.timeout, local_writes=False)}
@@ -117,7 +111,6 @@ def run(args: argparse.Namespace, scratch: Path) -> tuple[dict[str, Any], list[d
         finally:
             for c in clients.values():
                 c.close()
-    shutil.rmtree(sock_dir, ignore_errors=True)
     return summarize(args, raw), raw
 
 

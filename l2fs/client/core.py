@@ -251,10 +251,6 @@ class ClientCore:
         only when there is no data plane to write them over)."""
         return (not self.data_plane) if self._local_writes is None else self._local_writes
 
-    @local_writes.setter
-    def local_writes(self, value: bool | None) -> None:
-        self._local_writes = value
-
     def close(self) -> None:
         self._closed = True
         with self._lock:

@@ -29,8 +29,8 @@ class Client(ReadOps, WriteOps, NamespaceOps):
     local_writes: write same-node blocks through the worker's ReserveLocal/AdoptLocal calls (short-circuit:
         sealed memfds the worker copies at adoption). None (default): only when bytes move over gRPC (no data
         plane), because over the loopback data plane a same-node put is faster at every block size measured
-        (`kvtier bench local-put`, 2026-12-04: the memfd path 0.69-0.85x at 64 KiB-1 MiB, 0.25-0.29x at 4-8 MiB).
-        True forces it. Off for a caller whose token the workers do not know (a pod ServiceAccount token only the master
-        reviews): its writes go over the data plane with capabilities, while same-node reads still take fds
+        (`kvtier bench local-put`, 2026-12-04: the memfd path 0.66-0.96x at 64 KiB-1 MiB, 0.25-0.32x at 4-8 MiB).
+        True forces it. Off for a caller whose token the workers do not know (a pod ServiceAccount token only the
+        master reviews): its writes go over the data plane with capabilities, while same-node reads still take fds
         from the worker's socket, which checks capabilities, not tokens.
     """
