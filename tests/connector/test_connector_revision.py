@@ -110,7 +110,8 @@ def test_cuda_args_and_env_have_nothing_cpu_only(monkeypatch: pytest.MonkeyPatch
     assert "LMCacheConnectorV1" in args[args.index("--kv-transfer-config") + 1]
     assert vllm_args("m", device="cuda", dtype="bfloat16")[6:8] == ["--dtype", "bfloat16"]
     env = replica_env("/c.yaml", device="cuda", gpu=GpuSlot((2, 3), 0.9))
-    assert not [k for k in env if k.startswith("VLLM_CPU_")]
+    assert not [k for k in env if k.startswith("VLLM_CPU_")] and "VLLM_ENABLE_V1_MULTIPROCESSING" not in env
+    assert "--distributed-executor-backend" not in args  # a GPU replica keeps vLLM's own choice
     assert env["KVTIER_CPU_CONNECTOR"] == "0"  # connector.cpu_kv stays out: LMCache's CUDA connector
     assert env["CUDA_VISIBLE_DEVICES"] == "2,3" and env["PYTHONHASHSEED"] == contract.HASH_SEED
     from connector import cpu_kv

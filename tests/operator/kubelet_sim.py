@@ -1719,9 +1719,11 @@ def _duration(text: str | None, default: float) -> float:
 # Everything else (the model path, --kv-transfer-config, --kv-events-config, ports, LMCACHE_* env) is the pod's.
 # vLLM's prefix caching stays on, as on a GPU (vLLM's default): it is what publishes the KV events the router
 # routes by.
-CPU_OVERLAY_SET = {"--max-model-len": "2048", "--dtype": "float32", "--seed": "0", "--tensor-parallel-size": None}
+CPU_OVERLAY_SET = {"--max-model-len": "2048", "--dtype": "float32", "--seed": "0", "--tensor-parallel-size": None,
+                   "--distributed-executor-backend": "uni"}
 CPU_OVERLAY_ADD = ["--enforce-eager"]
 CPU_OVERLAY_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "1", "VLLM_NO_USAGE_STATS": "1",
+                   "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
                    "DO_NOT_TRACK": "1", "LMCACHE_TRACK_USAGE": "false", "HF_HUB_OFFLINE": "1",
                    "TRANSFORMERS_OFFLINE": "1"}
 # The `lmcache server` sidecar of mp mode (a command run from the vLLM image): its L1 is allocated (and touched)
