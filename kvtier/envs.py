@@ -77,8 +77,9 @@ DEPLOY: dict[str, Var] = {v.name: v for v in (
     Var("L2FS_MOUNT_UID", "0", "mount.yaml: l2fs mount --uid, owner of the mount's files (the vLLM uid)"),
     Var("L2FS_MOUNT_GID", "0", "mount.yaml: l2fs mount --gid"),
     Var("L2FS_MOUNT_UMASK", "022", "mount.yaml: l2fs mount --umask"),
-    Var("L2FS_MOUNT_SERVER", "pyfuse3", "mount.yaml: which mount runs: pyfuse3 or passthrough (read-write "
-                                        "FUSE passthrough, Linux >= 6.9)"),
+    Var("L2FS_MOUNT_SERVER", "auto", "mount.yaml: which mount runs: auto (passthrough where the kernel offers "
+                                     "it, probed, else pyfuse3), pyfuse3 or passthrough (read-write FUSE "
+                                     "passthrough, Linux >= 6.9)"),
     Var("L2FS_MOUNT_CACHE_DIR", "/var/cache/l2fs-mount", "mount.yaml, passthrough: --cache-dir (an emptyDir)"),
     Var("L2FS_MOUNT_CACHE_SIZE", "4G", "mount.yaml, passthrough: --cache-size, cross-node copies kept per "
                                        "endpoint mount"),

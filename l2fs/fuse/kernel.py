@@ -138,3 +138,27 @@ def umount(target: str) -> None:
     if _libc.umount2(target.encode(), MNT_DETACH) != 0:
         e = ctypes.get_errno()
         raise OSError(e, f"umount {target}: {os.strerror(e)}")
+
+
+def passthrough_offered(scratch: str) -> bool:
+    """Whether this kernel offers FUSE_PASSTHROUGH (Linux >= 6.9 with CONFIG_FUSE_PASSTHROUGH), read from the
+    INIT request of a throwaway mount at scratch (an empty directory; needs the right to mount FUSE). A probe,
+    not a version check: distribution kernels back- or leave out the feature. The INIT is refused (ENOSYS), so
+    the throwaway connection serves nothing and is unmounted at once. Raises OSError when no FUSE mount can
+    be made at all."""
+    devfd = os.open("/dev/fuse", os.O_RDWR | os.O_CLOEXEC)
+    try:
+        mount(devfd, scratch, "l2fs-probe", allow_other=False, max_read=4096)
+        try:
+            raw = os.read(devfd, 1 << 20)  # the kernel queues INIT at mount time
+            _, opcode, unique, *_ = IN_HEADER.unpack_from(raw)
+            if opcode != INIT:
+                raise OSError(0, f"FUSE probe: first request was opcode {opcode}, not INIT")
+            _, _, _, flags, flags2 = INIT_IN.unpack_from(raw, IN_HEADER.size)
+            offered = flags | (flags2 << 32 if flags & INIT_EXT else 0)
+            os.write(devfd, OUT_HEADER.pack(OUT_HEADER.size, -38, unique))  # -ENOSYS: no session
+        finally:
+            umount(scratch)
+    finally:
+        os.close(devfd)
+    return bool(offered & PASSTHROUGH)

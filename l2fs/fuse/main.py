@@ -146,9 +146,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--status-file", metavar="PATH",
                    help="with --endpoints: rewritten every pass, first line 'ready' once every endpoint's mount "
                         "is live (else 'waiting'): for the probes")
-    p.add_argument("--passthrough", action="store_true",
+    p.add_argument("--passthrough", nargs="?", const="on", choices=("on", "auto"), default=None,
                    help="with --endpoints: each endpoint's mount is the passthrough server (`l2fs mount --passthrough "
-                        "--help`; Linux >= 6.9), its temp and cross-node files under --cache-dir")
+                        "--help`; Linux >= 6.9), its temp and cross-node files under --cache-dir; "
+                        "--passthrough=auto: where a probe at start finds the kernel offering FUSE passthrough, "
+                        "else the pyfuse3 mount (older kernels keep it)")
     p.add_argument("--cache-dir", default=None,
                    help="with --passthrough: where each endpoint's mount keeps its files being written and its "
                         "cross-node copies, each in its own private subdirectory (default: $TMPDIR or /tmp); "
@@ -222,6 +224,29 @@ async def _serve() -> None:
         nursery.cancel_scope.cancel()
 
 
+def resolve_auto_passthrough(a: argparse.Namespace) -> None:
+    """--passthrough=auto: "on" where this kernel offers FUSE passthrough (a throwaway mount's INIT, in a
+    scratch directory under $TMPDIR), else None, the pyfuse3 mount, without the passthrough-only cache flags.
+    Decided once, before any endpoint is mounted, so every endpoint's mount is of the same kind."""
+    import tempfile
+
+    from l2fs.fuse.kernel import passthrough_offered
+
+    scratch = tempfile.mkdtemp(prefix="l2fs-probe-")
+    try:
+        offered, why = passthrough_offered(scratch), "the kernel does not offer FUSE passthrough"
+    except OSError as e:
+        offered, why = False, f"the probe mount failed ({e})"
+    finally:
+        os.rmdir(scratch)
+    if offered:
+        log.info("--passthrough=auto: kernel %s offers FUSE passthrough: passthrough mounts", os.uname().release)
+        a.passthrough = "on"
+    else:
+        log.warning("--passthrough=auto: %s (kernel %s): pyfuse3 mounts", why, os.uname().release)
+        a.passthrough = a.cache_dir = a.cache_size = None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """`l2fs mount MOUNTPOINT --master HOST:PORT [...]`; returns the exit status."""
     a = parse_args(argv)
@@ -229,6 +254,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                         format="%(asctime)s l2fs-mount %(levelname)s %(message)s")
     if a.endpoints:
         from l2fs.fuse.endpoints import EndpointMounts, child_args
+
+        if a.passthrough == "auto":
+            resolve_auto_passthrough(a)
 
         return EndpointMounts(a.mountpoint, a.endpoints, child_args(a), poll=a.endpoints_poll,
                               status_file=a.status_file).run()

@@ -290,6 +290,37 @@ def test_one_argument_list_starts_either_mount(tmp_path: Path) -> None:
     assert passthrough.parse_args([*argv, "--read-only"]).read_only
 
 
+@pytest.mark.fuse
+@pytest.mark.skipif(os.geteuid() != 0 or not os.path.exists("/dev/fuse"), reason="needs root and /dev/fuse")
+def test_passthrough_auto_probes_the_kernel_and_falls_back_to_pyfuse3(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--endpoints --passthrough=auto` (the mount DaemonSet's default): the kernel's own INIT offer decides,
+    read from a throwaway mount that is gone afterwards; where it is not offered (or no FUSE mount can be made)
+    the children are pyfuse3 mounts and the passthrough-only cache flags are dropped, with the reason logged."""
+    import importlib
+
+    from l2fs.fuse import endpoints, kernel
+
+    main = importlib.import_module("l2fs.fuse.main")
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where the probe's scratch directory goes
+    (tmp_path / "eps").mkdir()
+    argv = [str(tmp_path), "--master", "10.0.0.5:8995", "--endpoints", str(tmp_path / "eps"),
+            "--passthrough=auto", "--cache-dir", str(tmp_path), "--cache-size", "1G"]
+    offered = kernel.passthrough_offered(str(tmp_path))  # this kernel, for real (needs root and /dev/fuse)
+    assert "l2fs-probe" not in Path("/proc/self/mounts").read_text()
+    a = main.parse_args(argv)
+    main.resolve_auto_passthrough(a)
+    assert ("--passthrough" in endpoints.child_args(a)) == offered
+    for probe in (lambda _: False, lambda _: (_ for _ in ()).throw(PermissionError(1, "mount: not permitted"))):
+        monkeypatch.setattr(kernel, "passthrough_offered", probe)
+        a = main.parse_args(argv)
+        main.resolve_auto_passthrough(a)
+        child = endpoints.child_args(a)
+        assert a.passthrough is None and "--passthrough" not in child and "--cache-dir" not in child, child
+        main.parse_args(child + [str(tmp_path)])  # what the pyfuse3 child gets, its own parser takes
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith("l2fs-probe-")]
+
+
 def test_endpoint_mounts_with_passthrough(tmp_path: Path, make_cluster: Callable[..., LocalCluster]) -> None:
     """`l2fs mount --endpoints DIR --passthrough --cache-dir D` (the mount DaemonSet's per-endpoint command with
     the passthrough server) on two nodes of a real cluster: each endpoint's mount is a passthrough server (its

@@ -161,6 +161,8 @@ class Env:
         self.vars["L2FS_MOUNT_TOKEN_FILE"] = str(mount_identity)
         self.vars["L2FS_MOUNT_ENDPOINTS_DIR"] = str(self.endpoint_mounts)
         self.vars["L2FS_MOUNT_STATUS_FILE"] = str(tmp / "l2fs-mounts.status")
+        (tmp / "mount-cache-volume").mkdir()  # the mount-cache emptyDir (passthrough mounts' files), this node's
+        self.vars["L2FS_MOUNT_CACHE_DIR"] = str(tmp / "mount-cache-volume")
         self.vars["KUBECONFIG"] = str(api.kubeconfig)
         self.vars["L2FS_BLOCK_KEY_FILE"] = str(key)
 
@@ -463,31 +465,37 @@ def test_mount_command_probes_and_sigterm(base: list[dict[str, Any]], env: Env) 
 @pytest.mark.skipif(os.geteuid() != 0 or not os.path.exists("/dev/fuse") or not shutil.which("fusermount3"),
                     reason="needs root, /dev/fuse and fusermount3")
 def test_mount_command_with_passthrough(base: list[dict[str, Any]], env: Env) -> None:
-    """The rendered mount command with kvtier-config's L2FS_MOUNT_SERVER=passthrough: each endpoint's mount is
-    the read-write passthrough server keeping its files in the mount-cache emptyDir (L2FS_MOUNT_CACHE_DIR is that
-    volume's mountPath, the volume sized); LMCache's write pattern through it lands under the endpoint's prefix;
-    SIGTERM unmounts. A value other than pyfuse3|passthrough stops the container with the reason."""
+    """The rendered mount command with kvtier-config's default L2FS_MOUNT_SERVER=auto: on a kernel that offers
+    FUSE passthrough (its probe mount says so) each endpoint's mount is the read-write passthrough server keeping
+    its files in the mount-cache emptyDir (L2FS_MOUNT_CACHE_DIR is that volume's mountPath, the volume sized);
+    LMCache's write pattern through it lands under the endpoint's prefix; SIGTERM unmounts. A value other than
+    auto|pyfuse3|passthrough stops the container with the reason."""
     import psutil
 
     (ds,) = [d for d in base if d["kind"] == "DaemonSet" and d["metadata"]["name"] == "l2fs-mount"]
     spec = ds["spec"]["template"]["spec"]
     mount = container(base, "DaemonSet", "l2fs-mount")
-    (vm,) = [m for m in mount["volumeMounts"] if m["mountPath"] == env.vars["L2FS_MOUNT_CACHE_DIR"]]
+    (cfg,) = [d for d in base if d["kind"] == "ConfigMap" and d["metadata"]["name"].startswith("kvtier-config")]
+    (vm,) = [m for m in mount["volumeMounts"] if m["mountPath"] == cfg["data"]["L2FS_MOUNT_CACHE_DIR"]]
     (vol,) = [v for v in spec["volumes"] if v["name"] == vm["name"]]
-    assert vol["emptyDir"]["sizeLimit"] and env.vars["L2FS_MOUNT_SERVER"] == "pyfuse3"  # the default stays
+    assert vol["emptyDir"]["sizeLimit"] and cfg["data"]["L2FS_MOUNT_SERVER"] == "auto"  # the default
     bad = env.start(mount, "mount-bad.log") if not env.vars.update(L2FS_MOUNT_SERVER="fast") else None
-    assert bad is not None and bad.wait(30) == 2 and "want pyfuse3 or passthrough" in (env.tmp / "mount-bad.log").read_text()
+    assert bad is not None and bad.wait(30) == 2
+    assert "want auto, pyfuse3 or passthrough" in (env.tmp / "mount-bad.log").read_text()
     master = container(base, "StatefulSet", "l2fs-master")
     env.wait_probe(master, "readinessProbe", env.start(master, "master.log"), "master.log")
     start_worker(base, env)
     cache = env.tmp / "mount-cache"  # the emptyDir, where this test's node has it
     cache.mkdir()
-    env.vars.update(L2FS_MOUNT_SERVER="passthrough", L2FS_MOUNT_CACHE_DIR=str(cache))
+    env.vars.update(L2FS_MOUNT_SERVER="auto", L2FS_MOUNT_CACHE_DIR=str(cache))
     proc = env.start(mount, "mount.log")
     env.wait_probe(mount, "readinessProbe", proc, "mount.log")
     text = (env.tmp / "mount.log").read_text()
     if "passthrough on" not in text:
+        assert "pyfuse3 mounts" in text, text  # auto fell back, with its reason
         pytest.skip("the kernel grants no FUSE passthrough (needs Linux >= 6.9, CONFIG_FUSE_PASSTHROUGH)")
+    assert "offers FUSE passthrough: passthrough mounts" in text, text
+    assert "l2fs-probe" not in Path("/proc/self/mounts").read_text()  # the probe's throwaway mount is gone
     (child,) = psutil.Process(proc.pid).children()
     assert "--passthrough" in child.cmdline() and len(list(cache.glob("l2fs-pt-*"))) == 1
     chunk = Path(env.vars["L2FS_MOUNT_PATH"]) / "ep-a" / "ep-a" / "rev1"
