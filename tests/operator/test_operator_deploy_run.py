@@ -568,7 +568,7 @@ def test_router_command_discovers_the_pods_the_webhook_labels(cluster: Any, tmp_
     try:
         router = {**router, "args": router["args"] + ["--k8s-api", cluster.url]}
         proc = env.start(router, "router.log")
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 180  # start-up imports + first discovery; a parallel suite took > 60 s once
         while True:
             try:
                 with urllib.request.urlopen(f"http://127.0.0.1:{router_port}/health", timeout=2) as r:
