@@ -160,6 +160,16 @@ def test_core_pods_come_up_from_the_rendered_overlay(g6e: OneBox) -> None:
     assert cm is not None
     for node in g6e.nodes:
         assert g6e.node_mounted(node, cm["L2FS_MOUNT_PATH"]), node.name  # the mount, or per-endpoint ones under it
+    # the mount DaemonSet's default server (L2FS_MOUNT_SERVER=auto): passthrough where this kernel offers it
+    import tempfile
+
+    from l2fs.fuse.kernel import passthrough_offered
+
+    with tempfile.TemporaryDirectory() as scratch:
+        offered = passthrough_offered(scratch)
+    for p in g6e.pods_of("l2fs-mount"):
+        text = g6e.logs(p)
+        assert ("offers FUSE passthrough: passthrough mounts" if offered else "pyfuse3 mounts") in text, text[-2000:]
     # what the API serves of those pods (the router reads it): Ready, with the pod's address
     for p in g6e.pods_of("l2fs-worker"):
         got = g6e.get("Pod", "kvtier", p.name)
