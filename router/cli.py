@@ -8,7 +8,7 @@ import logging
 import os
 import socket
 import sys
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvtier import contract
 from kvtier import envs as kvtier_envs
@@ -140,6 +140,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "they agree; admission bounds are per process; /metrics merges all workers (label worker). "
                         "Env KVTIER_ROUTER_WORKERS")
     p.add_argument("--worker-of", default=None, help=argparse.SUPPRESS)  # internal: "<peers dir>:<worker id>"
+    p.add_argument("--loop", choices=("asyncio", "uvloop", "auto"), default="asyncio",
+                   help="event loop: asyncio's own (default: what the kvtier image has; uvloop measured no faster "
+                        "here once connections had TCP_NODELAY), uvloop, or auto (uvloop where installed)")
     p.add_argument("--log-level", default="info")
     return p
 
@@ -165,7 +168,7 @@ def _supervise(args: argparse.Namespace, argv: list[str]) -> int:
     # preexec_fn: a worker gets SIGTERM if this supervisor dies without stopping it
     from l2fs.procs import _die_with_parent
 
-    hold = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
+    hold = _tcp_socket(args.host)
     hold.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     hold.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     hold.bind((args.host, args.port))
@@ -313,13 +316,13 @@ def main(argv: list[str] | None = None) -> int:
         admission=AdmissionConfig(max_inflight=args.max_inflight, max_inflight_per_replica=args.max_inflight_per_replica,
                                   max_queue=args.max_queue, queue_timeout=args.queue_timeout,
                                   retry_after=args.retry_after))
-    sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
+    sock = _tcp_socket(args.host)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sockets = [sock]
     if args.worker_of is not None:  # one of --workers N: share the port; a private loopback port for /metrics
         peers_dir, _, wid = args.worker_of.rpartition(":")
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-        priv = socket.socket(socket.AF_INET)
+        priv = _tcp_socket("127.0.0.1")
         priv.bind(("127.0.0.1", 0))
         priv.listen(64)
         sockets.append(priv)
@@ -347,8 +350,31 @@ def main(argv: list[str] | None = None) -> int:
     host = f"[{args.host}]" if ":" in args.host else args.host
     print(f"kvtier router listening on {scheme}://{host}:{port} strategy={args.strategy}", flush=True)
     server = uvicorn.Server(config)
-    asyncio.run(server.serve(sockets=sockets))
+    run_loop(server.serve(sockets=sockets), args.loop)
     return 0
+
+
+def _tcp_socket(host: str) -> socket.socket:
+    """A listening socket whose accepted connections get TCP_NODELAY. asyncio sets it only on sockets whose
+    proto is IPPROTO_TCP, and socket.socket() leaves proto 0: without it a response written as headers, then
+    body waited for the client's delayed ACK (Nagle), ~40 ms p50 at 200 req/s in a quiet-box run
+    (docs/results/2026-12-04-router-nodelay.md); uvloop sets it on every TCP connection."""
+    return socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+
+
+def run_loop(coro: Any, loop: str = "asyncio") -> None:
+    """Run the server on asyncio's own loop, or on uvloop (--loop uvloop, or auto where it is installed): uvicorn
+    picks uvloop only in Server.run(), not for serve() on our pre-bound sockets."""
+    if loop != "asyncio":
+        try:
+            import uvloop
+        except ImportError:
+            if loop == "uvloop":
+                raise SystemExit("kvtier router: --loop uvloop, but uvloop is not installed") from None
+        else:
+            uvloop.run(coro)
+            return
+    asyncio.run(coro)
 
 
 if __name__ == "__main__":

@@ -387,7 +387,9 @@ def main(argv: list[str] | None = None) -> int:
 
     args = build_parser().parse_args(argv)
     app = create_app(args)
-    sock = socket.socket()
+    # proto IPPROTO_TCP: asyncio then sets TCP_NODELAY on each accepted connection (with proto 0 it does not, and
+    # a response's body waited ~40 ms for the client's delayed ACK; router.cli._tcp_socket)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((args.host, args.port))
     sock.listen(2048)
