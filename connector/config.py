@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
 import shlex
 import sys
 import threading
@@ -240,11 +241,11 @@ def vllm_args(model: str, *, port: int = 8000, host: str = "127.0.0.1", max_mode
     """Arguments after `python -m vllm.entrypoints.openai.api_server`.
 
     cpu: float32, eager, one engine process (the worker inside the engine core: vLLM CPU's multiprocess
-    executor adds a third process, ~30 s of a ~65 s start on 2 cores, and binds compute to one core; with
-    VLLM_ENABLE_V1_MULTIPROCESSING=0 from replica_env, vLLM's own `uni` backend: starts in ~31 s, cold
-    prefill 0.58-0.70x the time on the tiny model), vLLM prefix caching off (every repeat then exercises
-    LMCache, which is what we measure). cuda: the model's dtype, CUDA graphs, vLLM prefix caching on (what a GPU deployment runs),
-    tensor parallelism. Both report usage.prompt_tokens_details.cached_tokens (the HTTP cross-pod bench)."""
+    executor adds a third process, ~30 s of a ~65 s start on 2 cores; with VLLM_ENABLE_V1_MULTIPROCESSING=0 from
+    replica_env, vLLM's own `uni` backend starts in ~31 s; replica_env's OMP_NUM_THREADS keeps compute off the
+    core reserved for LMCache and l2fs, as the multiprocess executor's binding did), vLLM prefix caching off
+    (every repeat then exercises LMCache, which is what we measure). cuda: the model's dtype, CUDA graphs, vLLM
+    prefix caching on (what a GPU deployment runs), tensor parallelism. Both report usage.prompt_tokens_details.cached_tokens (the HTTP cross-pod bench)."""
     if device not in DEVICES:
         raise ValueError(f"device must be one of {DEVICES}, not {device!r}")
     if tensor_parallel_size < 1:
@@ -290,9 +291,14 @@ def replica_env(config_path: str | Path | None, *, node_id: str | None = None, l
     if device == "cpu":
         env["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, round(kv_cache_gb)))
         # vLLM reserves 1 core per KV connector on top of the scheduler's; on a 2-core box keep 1 for compute
-        env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "1" if lmcache else "0"
+        reserved = 1 if lmcache else 0
+        env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = str(reserved)
         # without it vLLM CPU turns `uni` back into its multiprocess executor (vllm_args' docstring says why not)
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        # `uni` does no OpenMP binding, so compute would take every core; the multiprocess executor left the
+        # reserved ones to LMCache and l2fs. Without this, kv8b's 11 s prefill on 2 cores starved the l2fs puts
+        # past their deadline and the cross-pod bench's B hit nothing (docs/results/2026-12-04-l2-load-quiet.md)
+        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) - reserved))
     else:
         env["KVTIER_CPU_CONNECTOR"] = "0"
         if gpu is not None:

@@ -14,6 +14,8 @@ calls, in one run on the same bytes (chunks stored by node-1 through the plugin,
   StorageManager get      StorageManager.batched_get(location=RemoteBackend) (adds the L1 write-back submit)
   to paged KV             the CPU connector's batched_to_gpu of the batch into a vLLM-CPU-layout paged cache
   retrieve total          StorageManager get + to paged KV, what LMCache's `Retrieved ... throughput` covers
+  retrieve pipelined      a prototype of overlapping the two (LMCache's retrieve does not): every chunk's
+                          StorageManager get in flight at once, each written to the paged cache as it arrives
 
 Prints raw ms per batch, GB/s and each step's ratio to the raw parallel read (median over --reps). The box is
 shared: quote the ratios, which are measured side by side.
@@ -188,9 +190,30 @@ def run(chunks: int, reps: int) -> list[dict]:
                 release(got)
 
             arms.append(("retrieve total (SM get + to paged KV)", retrieve))
+            fetch = ThreadPoolExecutor(chunks)
+
+            def retrieve_pipelined() -> None:
+                # a prototype of the upstream change (docs/results/2026-12-01-l2-load-profile.md, "Structure"):
+                # every chunk's get in flight at once, each written into the paged cache as soon as it arrives
+                futs = [fetch.submit(sm.batched_get, [k], location=name) for k in keys]
+                for i, f in enumerate(futs):
+                    got = f.result(60)
+                    pconn.batched_to_gpu(got, starts[i:i + 1], ends[i:i + 1], kvcaches=caches, slot_mapping=slots)
+                    release(got)
+
+            arms.append(("retrieve pipelined (per-chunk to paged KV)", retrieve_pipelined))
+            written = []
+            for fn in (retrieve, retrieve_pipelined):  # both must write the same cache, byte for byte
+                for c in caches:
+                    c.zero_()
+                fn()
+                written.append([c.clone() for c in caches])
+            assert all(torch.equal(a, b) for a, b in zip(*written, strict=True)), "pipelined retrieve wrote other KV"
+            assert any(bool(c.any()) for c in written[0]), "retrieve wrote nothing"
             rows = _interleaved(arms, reps)
             for o in objs:
                 o.ref_count_down()
+            fetch.shutdown()
         finally:
             pool.shutdown()
             sm.close()

@@ -8,6 +8,7 @@ tiny models on disk, all under one LMCache model name (/opt/ml/model, as on Hype
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -122,6 +123,10 @@ def test_cuda_args_and_env_have_nothing_cpu_only(monkeypatch: pytest.MonkeyPatch
     assert set(CPU_ONLY) <= set(cpu) and "--enable-prompt-tokens-details" in cpu
     assert cpu[cpu.index("--dtype") + 1] == "float32" and "--tensor-parallel-size" not in cpu
     assert "VLLM_CPU_KVCACHE_SPACE" in replica_env(None) and "KVTIER_CPU_CONNECTOR" not in replica_env(None)
+    # one engine process (vLLM's uni executor binds no threads): compute leaves the reserved core to LMCache/l2fs
+    cpu_env = replica_env(None)
+    assert cpu_env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0" and "uni" in cpu
+    assert int(cpu_env["OMP_NUM_THREADS"]) == max(1, (os.cpu_count() or 1) - int(cpu_env["VLLM_CPU_NUM_OF_RESERVED_CPU"]))
     for bad in ({"device": "tpu"}, {"dtype": "int8"}, {"tensor_parallel_size": 0}):
         with pytest.raises(ValueError):
             vllm_args("m", **bad)

@@ -1723,7 +1723,7 @@ CPU_OVERLAY_SET = {"--max-model-len": "2048", "--dtype": "float32", "--seed": "0
                    "--distributed-executor-backend": "uni"}
 CPU_OVERLAY_ADD = ["--enforce-eager"]
 CPU_OVERLAY_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "1", "VLLM_NO_USAGE_STATS": "1",
-                   "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+                   "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) - 1)),
                    "DO_NOT_TRACK": "1", "LMCACHE_TRACK_USAGE": "false", "HF_HUB_OFFLINE": "1",
                    "TRANSFORMERS_OFFLINE": "1"}
 # The `lmcache server` sidecar of mp mode (a command run from the vLLM image): its L1 is allocated (and touched)
