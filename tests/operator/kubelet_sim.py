@@ -54,6 +54,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -294,7 +295,7 @@ class Node:
     ns: Namespace  # its own network namespace: status.hostIP
     root: Path  # hostPath volumes live under it
     holder: subprocess.Popen[bytes] | None = None  # holds the node's mount namespace (see OneBox._node_mounts)
-    mount_base: int = 0  # mounts in that namespace when it was made
+    mount_base: int = 0  # mounts of that namespace's own (over the machine's) when it was made
 
     @property
     def mnt(self) -> str:
@@ -364,6 +365,9 @@ class OneBox:
         self.max_mounts = max_mounts
         self.max_backoff = max_backoff  # restart back-off cap (the kubelet's is 5 min; 8 s keeps tests short)
         self.fault: str | None = None
+        self.targets: set[str] = set()  # every path a container of the box bound a volume at
+        self.net_prefix = "\0"  # its network namespaces' name prefix, once made
+        self._machine_at_start: Counter[str] = Counter()  # this machine's mount points then, with repeats
         self.node_labels = nodes
         self.max_pods = max_pods
         self.s3 = s3 or {}  # S3 URI -> local dir (the aws-cli init containers' source)
@@ -399,7 +403,9 @@ class OneBox:
         self._watchdog = subprocess.Popen([sys.executable, "-c", WATCHDOG, str(self.cgroup or "")],
                                           stdin=subprocess.PIPE, start_new_session=True, text=True)
         self.net = NetnsCluster(nodes=len(self.node_labels) + self.max_pods).__enter__()
-        self.mount_base = _mount_count()
+        self.net_prefix = self.net.prefix
+        self._machine_at_start = Counter(line.split()[4] for line in
+                                         Path("/proc/self/mountinfo").read_text().splitlines())
         for (name, labels), ns in zip(self.node_labels.items(), self.net.nodes, strict=False):
             d = self.root / "nodes" / name
             d.mkdir(parents=True, exist_ok=True)
@@ -451,6 +457,22 @@ class OneBox:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    def leaked_mounts(self) -> list[str]:
+        """Mount points of the box's on this machine's own table (for after close: none should be left):
+        under the box's root, at a path a container of the box mounted a volume at, of the stale-FUSE type its
+        tests make, or a network namespace of its own. Other tests' mounts, made and dropped beside this box
+        on the same machine, are none of these, so no count of the whole table is compared."""
+        lines = [line.split() for line in Path("/proc/self/mountinfo").read_text().splitlines()]
+        now = Counter(f[4] for f in lines)
+        out = []
+        for f in lines:
+            mp, fstype = f[4], f[f.index("-") + 1]
+            if (mp == str(self.root) or mp.startswith(str(self.root) + "/") or fstype == "fuse.onebox"
+                    or (mp in self.targets and now[mp] > self._machine_at_start[mp])
+                    or os.path.basename(mp).startswith(self.net_prefix + "-")):
+                out.append(mp)
+        return sorted(set(out))
+
     def _node_mounts(self, node: Node) -> None:
         """The node's own mount namespace, held by a sleeping process: a copy of this machine's mounts as
         slaves (nothing done in a node or its containers ever propagates back to the machine), in which the
@@ -472,7 +494,7 @@ class OneBox:
             assert node.holder.poll() is None and time.monotonic() < deadline, \
                 f"node {node.name}: its mount namespace did not come up (rc {node.holder.poll()})"
             time.sleep(0.05)
-        node.mount_base = _mount_count(node.holder.pid)
+        node.mount_base = _own_mounts(node.holder.pid)
 
     def _cg_prefix(self, *parts: str) -> list[str]:
         """argv prefix that puts the command into the box's cgroup (`parts` below it) before it execs."""
@@ -500,17 +522,18 @@ class OneBox:
         return out
 
     def _mount_guard(self) -> None:
-        """Fail the box (kill everything, set `fault`) when any of its mount namespaces, or the machine's
-        table under the box's root, holds more than `max_mounts` mounts over the host's count at start."""
-        limit = self.mount_base + self.max_mounts
+        """Fail the box (kill everything, set `fault`) when any of its mount namespaces holds more than
+        `max_mounts` mounts of its own (over the machine's table now: the machine's mounts, other tests'
+        included, propagate into the nodes as slaves and are not the box's), or the machine's table holds more
+        than that under the box's root."""
         while not self._closing.wait(1):
-            bad = [f"{what}: {n} mounts" for what, pid in self._namespaces() if (n := _mount_count(pid)) > limit]
+            bad = [f"{what}: {n} mounts over the machine's" for what, pid in self._namespaces()
+                   if (n := _own_mounts(pid)) > self.max_mounts]
             here = len(_mounts_under(self.root))
             if here > self.max_mounts:
                 bad.append(f"this machine's table: {here} mounts under {self.root}")
             if bad:
-                self.fault = (f"mount guard: more than {limit} mounts (host had {self.mount_base} at start): "
-                              + "; ".join(bad))
+                self.fault = f"mount guard: more than {self.max_mounts} mounts of the box's own: " + "; ".join(bad)
                 (self.root / "controllers.log").open("a").write(self.fault + "\n")
                 self._kill_everything()
                 return
@@ -1243,6 +1266,7 @@ class OneBox:
         # is this namespace's copy of the machine's root, never shared, so no bind propagates anywhere else
         # (and nothing is ever bound onto a shared mount: that doubles the peer group per bind).
         for target, src, m in mounts:
+            self.targets.add(target)
             self._ensure_target(Path(target), src)
             prop = m.get("mountPropagation", "None")
             sub = src / m["subPath"] if m.get("subPath") else src
@@ -1860,6 +1884,14 @@ def _mount_count(pid: int | str = "self") -> int:
         return Path(f"/proc/{pid}/mountinfo").read_text().count("\n")
     except OSError:
         return 0
+
+
+def _own_mounts(pid: int | str) -> int:
+    """Mounts in pid's namespace over this machine's table, read back to back: what the box added there. The
+    machine's own mounts (other tests running beside this one make and drop theirs) reach a node's namespace
+    as slaves, so an absolute count would charge them to the box."""
+    n = _mount_count(pid)
+    return n - _mount_count() if n else 0
 
 
 def _cgroup2_root() -> Path | None:

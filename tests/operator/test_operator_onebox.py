@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 import rotation
-from kubelet_sim import ROOT, OneBox, _mount_count, _mounts_under, box_root, render
+from kubelet_sim import ROOT, OneBox, _mounts_under, box_root, render
 
 pytestmark = [
     pytest.mark.k8s,
@@ -109,7 +109,6 @@ def install_box(overlay: str, tiny: Path) -> Iterator[OneBox]:
     src, name = iec["spec"]["modelSourceConfig"], iec["metadata"]["name"]
     nodes = {f"node-{i}": {"node.kubernetes.io/instance-type": iec["spec"]["instanceType"]} for i in (1, 2)}
     uri = f"s3://{src['s3Storage']['bucketName']}/{src['modelLocation']}/"
-    before = _mount_count()
     for root in box_root():
         work = root / "work"
         work.mkdir()
@@ -126,10 +125,9 @@ def install_box(overlay: str, tiny: Path) -> Iterator[OneBox]:
             box.tokens = {e["name"]: e["token"] for e in json.loads(tokens.read_text())} if tokens.exists() else {}
             box.work = work
             yield box
-        # the box's mounts lived in its node and container namespaces: none is left on this machine (a few
-        # lines of slack: other tests on the machine mount too)
+        # the box's mounts lived in its node and container namespaces: none is left on this machine
         assert not _mounts_under(root), _mounts_under(root)[:5]
-        assert _mount_count() <= before + 4, (before, _mount_count())
+        assert not box.leaked_mounts(), box.leaked_mounts()[:5]
 
 
 def test_install_steps_of_the_docs_run_in_order(g6e: OneBox) -> None:
