@@ -293,6 +293,9 @@ class WriteOps(ClientCore):
             raise _error(e) from None
         except DataPlaneError as e:
             raise InvalidArgument(str(e)) if e.status == BAD else L2fsError(str(e)) from None
+        except BlockingIOError:  # the socket's kernel timeout (SO_SNDTIMEO/SO_RCVTIMEO): the deadline passed
+            raise Unavailable(f"worker {loc.address}: the write's deadline passed (client timeout "
+                              f"{self.timeout:g} s plus the bytes at 200 MB/s)") from None
         except OSError as e:
             raise Unavailable(f"worker {loc.address}: {e}") from None
 

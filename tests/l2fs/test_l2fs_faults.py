@@ -156,3 +156,23 @@ def test_stalled_master_keeps_workers_when_it_resumes(make_cluster: Callable[...
         assert c.stat("/stall/a") is not None
         time.sleep(0.05)
     assert c.get("/stall/a") == b"kept"
+
+
+def test_put_to_a_frozen_worker_ends_at_its_deadline_saying_so(make_cluster: Callable[..., LocalCluster]) -> None:
+    """A worker that accepts the connection and then reads nothing (SIGSTOP): the data plane's send blocks until
+    the socket's kernel timeout (EAGAIN), which the client reports as its deadline passing, not as a raw errno;
+    the call ends near that deadline and nothing is published."""
+    from l2fs.client import Unavailable
+
+    cl = make_cluster(1, capacity="256M")
+    c = cl.client(timeout=1.0)  # no node id: the TCP data plane, not the same-node short circuit
+    assert c.put("/frozen/warm", b"x")  # the connection exists and is pooled
+    cl.workers[0].proc.send_signal(signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(Unavailable, match="deadline passed"):
+            c.put("/frozen/big", os.urandom(32 << 20))
+        assert time.monotonic() - t0 < 1.0 + (32 << 20) / 200e6 + 3.0
+    finally:
+        cl.workers[0].proc.send_signal(signal.SIGCONT)
+    assert c.stat("/frozen/big") is None and c.get("/frozen/warm") == b"x"

@@ -26,7 +26,7 @@ def test_open_read_handles_do_not_pin_a_snapshot_each(cluster: LocalCluster,
     """40 files of 8 MiB opened read-only and held open (one read each) on a mount with --read-cache 64M:
     the daemon grows by far less than their 320 MiB, and every held handle still reads its whole file, byte
     for byte (an evicted snapshot is fetched again, the same version)."""
-    c = cluster.client(node_id="node-1")
+    c = cluster.client(node_id="node-1", timeout=30)  # seeding only: 320 MiB on a loaded 2-core box
     data = {i: os.urandom(SIZE) for i in range(FILES)}
     for i, d in data.items():
         assert c.put(f"/rc/f{i}", d, if_absent=False) is True
