@@ -273,9 +273,11 @@ def vllm_args(model: str, *, port: int = 8000, host: str = "127.0.0.1", max_mode
 
 def replica_env(config_path: str | Path | None, *, node_id: str | None = None, l2fs_master: str | None = None,
                 kv_cache_gb: float = 2.0, lmcache: bool = True, device: str = "cpu",
-                gpu: GpuSlot | None = None) -> dict[str, str]:
+                gpu: GpuSlot | None = None, host_share: int = 1) -> dict[str, str]:
     """Environment for one vLLM replica (merge over os.environ).
 
+    host_share (cpu): how many replicas share this machine's cores (a dev box or a benchmark runs several); each
+    gets that share of the compute threads.
     cuda: no VLLM_CPU_*; KVTIER_CPU_CONNECTOR=0 keeps connector.cpu_kv's hook out (it would defer to LMCache
     on a CUDA device anyway), so LMCache's own CUDA connector moves L0 <-> L1; `gpu` pins the replica."""
     if device not in DEVICES:
@@ -298,7 +300,10 @@ def replica_env(config_path: str | Path | None, *, node_id: str | None = None, l
         # `uni` does no OpenMP binding, so compute would take every core; the multiprocess executor left the
         # reserved ones to LMCache and l2fs. Without this, kv8b's 11 s prefill on 2 cores starved the l2fs puts
         # past their deadline and the cross-pod bench's B hit nothing (docs/results/2026-12-04-l2-load-quiet.md)
-        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) - reserved))
+        # Replicas sharing the cores split them: two replicas of 2 threads each on 2 cores (OpenMP threads
+        # unbound, spinning at every barrier) took the workload bench's baseline from ~100 ms TTFT P50 to
+        # 215-624 ms and its TPOT from ~7 to 74-92 ms (docs/results/2026-12-04-workload-500-threads.md).
+        env["OMP_NUM_THREADS"] = str(max(1, ((os.cpu_count() or 1) - reserved) // max(1, host_share)))
     else:
         env["KVTIER_CPU_CONNECTOR"] = "0"
         if gpu is not None:

@@ -209,6 +209,7 @@ class Stack(procs.Started):
         self.model = ""
         self._stopped = False
         self._launched: dict[int, Any] = {}  # replicas started so far (filled by launch threads)
+        self._host_share = 1  # replicas sharing this machine's cores, set when they are started
         self._threads: list[threading.Thread] = []
 
     @property
@@ -327,7 +328,8 @@ class Stack(procs.Started):
                 log_path=p.log_path, max_model_len=self.max_model_len, prefix_caching=self.prefix_caching,
                 kv_cache_gb=self.kv_cache_gb, extra_args=extra, config_dir=self.base / "config", progress=False,
                 extra_env=env,
-                device=self.device or "cpu", gpu=self.gpu_slots[i] if self.gpu_slots else None, **l2, **where)
+                device=self.device or "cpu", gpu=self.gpu_slots[i] if self.gpu_slots else None,
+                host_share=self._host_share, **l2, **where)
             log(f"{p.name} healthy at {self._launched[i].url}")
         except BaseException as e:  # noqa: BLE001 - reported after all launches returned
             errors.append(e)
@@ -335,6 +337,7 @@ class Stack(procs.Started):
     def _start_replicas(self, plan: list[_Planned]) -> None:
         """Launch every replica in its own thread and report progress until all are healthy (or one failed)."""
         errors: list[BaseException] = []
+        self._host_share = len(plan)  # every replica runs on this machine's cores (namespace nodes too)
         threads = [threading.Thread(target=self._launch, args=(i, p, errors), daemon=True)
                    for i, p in enumerate(plan)]
         self._threads = threads

@@ -51,9 +51,9 @@ def run(model: str, lengths: list[int], reps: int, base: Path) -> list[dict]:
         a = b = None
         try:
             a = start_replica(model, free_port(), l2fs_master=cluster.master, node_id="node-1", l1_gb=2,
-                              kv_cache_gb=2, log_path=base / "a.log")
+                              kv_cache_gb=2, log_path=base / "a.log", host_share=2)
             b = start_replica(model, free_port(), l2fs_master=cluster.master, node_id="node-2", l1_gb=2,
-                              kv_cache_gb=2, log_path=base / "b.log")
+                              kv_cache_gb=2, log_path=base / "b.log", host_share=2)
             rng = random.Random(0)
             vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"] - 1
             for r in (a, b):  # warm-up: first requests pay one-off costs

@@ -52,6 +52,7 @@ ARMS: dict[str, tuple[str, str, str]] = {
     "baseline": ("none", "vllm-router", "round_robin"),
     "+L1": ("l1", "vllm-router", "round_robin"),
     "+L2 plugin": ("plugin", "vllm-router", "round_robin"),
+    "L2 kvtier roundrobin": ("plugin", "kvtier", "roundrobin"),  # kvtier's router, cache-blind: its own cost
     "L2 prefixaware": ("plugin", "kvtier", "prefixaware"),
     "L2 kvaware": ("plugin", "kvtier", "kvaware"),
     "L2 session": ("plugin", "kvtier", "session"),
@@ -356,7 +357,7 @@ class Fleet(Stack):
                 self.model, p.port, node_id=p.node, l1_gb=self.l1_gb, log_path=p.log_path,
                 max_model_len=self.max_model_len, prefix_caching=True, lmcache=self.tier != "none",
                 extra_args=extra, config_dir=self.base / "config", progress=False, extra_env=env, wrap=wrap,
-                **l2)
+                host_share=self._host_share, **l2)
         except BaseException as e:  # noqa: BLE001 - reported after all launches returned
             errors.append(e)
 

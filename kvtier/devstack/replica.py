@@ -153,7 +153,7 @@ def start_replica(model: str | Path, port: int, *, l2fs_master: str | None = Non
                   progress: bool = True, replica_id: str | None = None, bind_host: str = "127.0.0.1",
                   wrap: Callable[[list[str]], list[str]] | None = None,
                   reach: tuple[str, int] | None = None, device: str = "cpu",
-                  gpu: GpuSlot | None = None) -> Replica:
+                  gpu: GpuSlot | None = None, host_share: int = 1) -> Replica:
     """Launch a vLLM CPU OpenAI server with LMCache (L1 + L2 on l2fs or a mount) and wait for /health.
 
     l2fs_master / mount_path: the L2 (at most one; neither = L1 only). node_id: this replica's node (for
@@ -164,6 +164,7 @@ def start_replica(model: str | Path, port: int, *, l2fs_master: str | None = Non
     wrap(argv) (`nsenter --net=...`), and this process reaches it at reach (host, port), e.g. a forwarder.
     device / gpu: "cuda" drops every CPU-only argument and env (connector.config), and `gpu` (a GpuSlot of
     connector.config.gpu_plan) pins the replica to its GPUs with its share of their memory.
+    host_share: replicas started on this machine's cores together (connector.config.replica_env).
     """
     model = str(model)
     served = served_model_name or model
@@ -178,7 +179,8 @@ def start_replica(model: str | Path, port: int, *, l2fs_master: str | None = Non
                              node_id=node_id)
         cfg_path.write_text(yaml.safe_dump(cfg, sort_keys=False))
     env = {**os.environ, **replica_env(cfg_path, node_id=node_id, l2fs_master=l2fs_master,
-                                       kv_cache_gb=kv_cache_gb, lmcache=lmcache, device=device, gpu=gpu)}
+                                       kv_cache_gb=kv_cache_gb, lmcache=lmcache, device=device, gpu=gpu,
+                                       host_share=host_share)}
     env["KVTIER_REPLICA_ID"] = replica_id or f"{node_id}-{port}"
     env.update(extra_env or {})
     args = vllm_args(model, port=port, host=bind_host, max_model_len=max_model_len, served_model_name=served_model_name,

@@ -290,3 +290,25 @@ def test_same_name_other_revision_is_reported_loudly(caplog: pytest.LogCaptureFi
         assert msgs and "model_revision: ours='bbb' theirs='aaa'" in msgs[0] and "never loaded" in msgs[0]
     finally:
         client.close()
+
+
+def test_replicas_sharing_the_cores_split_them_as_torch_reads_it() -> None:
+    """replica_env's thread count as torch (the engine's consumer of OMP_NUM_THREADS) reads it: one replica
+    without LMCache takes every core; two sharing the machine take half each; with LMCache one core stays
+    reserved first. Two replicas of all cores each (OpenMP threads spinning against each other) made the
+    workload bench's baseline 2-6x slower (docs/results/2026-12-04-workload-500-threads.md)."""
+    import subprocess
+    import sys
+
+    cores = os.cpu_count() or 1
+
+    def torch_threads(env: dict[str, str]) -> int:
+        r = subprocess.run([sys.executable, "-c", "import torch; print(torch.get_num_threads())"],
+                           env={**os.environ, **env}, capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr[-2000:]
+        return int(r.stdout.split()[-1])
+
+    assert torch_threads(replica_env(None, lmcache=False)) == cores
+    assert torch_threads(replica_env(None, lmcache=False, host_share=2)) == max(1, cores // 2)
+    assert torch_threads(replica_env(None, host_share=2)) == max(1, (cores - 1) // 2)
+
