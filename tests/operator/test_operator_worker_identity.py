@@ -127,7 +127,9 @@ def test_node_token_registers_its_node_only(k8s_cluster: Any, api: ReviewApi) ->
         while True:
             codes = _attacks(k8s_cluster, node1, "node-2", ids["node-2"])
             assert grpc.StatusCode.OK not in codes, codes
-            if grpc.StatusCode.UNAUTHENTICATED not in codes or time.monotonic() > deadline:
+            # UNAVAILABLE: the restarted master not serving yet (a loaded box): asked again as well
+            if not {grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.UNAVAILABLE} & set(codes) \
+                    or time.monotonic() > deadline:
                 break
             time.sleep(0.5)
         assert all(c == grpc.StatusCode.PERMISSION_DENIED for c in codes), codes
