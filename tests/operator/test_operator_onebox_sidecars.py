@@ -131,13 +131,21 @@ def test_sidecars_stop_after_the_containers_in_reverse_order(box: OneBox) -> Non
     """A deleted pod: the main container gets SIGTERM first; each sidecar only once it has exited, the later
     sidecar before the earlier one."""
     box.apply([workload("Deployment", "stop", [
-        sh("side1", TERM_LOOP.format(w=WORK, n="side1").replace("exit 0", f"date +%s.%N > {WORK}/side1-at; exit 0"),
-           restartPolicy="Always"),
-        sh("side2", TERM_LOOP.format(w=WORK, n="side2").replace("exit 0", f"date +%s.%N > {WORK}/side2-at; exit 0"),
-           restartPolicy="Always")],
-        [sh("main", f"trap 'sleep 0.5; touch {WORK}/main-term; exit 0' TERM; while :; do sleep 0.1; done")])])
+        sh("side1", TERM_LOOP.format(w=WORK, n="side1").replace("exit 0", f"date +%s.%N > {WORK}/side1-at; exit 0")
+           .replace("while :;", f"touch {WORK}/side1-up; while :;"), restartPolicy="Always"),
+        sh("side2", TERM_LOOP.format(w=WORK, n="side2").replace("exit 0", f"date +%s.%N > {WORK}/side2-at; exit 0")
+           .replace("while :;", f"touch {WORK}/side2-up; while :;"), restartPolicy="Always")],
+        [sh("main", f"trap 'sleep 0.5; touch {WORK}/main-term; exit 0' TERM; touch {WORK}/main-up; "
+            "while :; do sleep 0.1; done")])])
     pod = the_pod(box, "stop")
     box.wait_ready("stop", timeout=60)
+    # ready is "running", not "its trap is set": a SIGTERM before main's shell reached `trap` killed it with no
+    # main-term left (a loaded CI run saw the sidecars answer "before"); the order is what is tested, so wait for
+    # main's trap (set before main-up) and for the sidecars' first loop turn (their traps come first too)
+    deadline = time.monotonic() + 30
+    while not ((work(pod) / "main-up").exists() and all((work(pod) / f"side{i}-up").exists() for i in (1, 2))):
+        assert time.monotonic() < deadline, box.describe()
+        time.sleep(0.1)
     # the workload goes first (else its controller starts a new pod), then the pod
     urllib.request.urlopen(urllib.request.Request(
         f"{box.api_url}/apis/apps/v1/namespaces/default/deployments/stop", method="DELETE"), timeout=10)
