@@ -311,4 +311,3 @@ def test_replicas_sharing_the_cores_split_them_as_torch_reads_it() -> None:
     assert torch_threads(replica_env(None, lmcache=False)) == cores
     assert torch_threads(replica_env(None, lmcache=False, host_share=2)) == max(1, cores // 2)
     assert torch_threads(replica_env(None, host_share=2)) == max(1, (cores - 1) // 2)
-
