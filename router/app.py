@@ -38,7 +38,7 @@ from router.kvevents import DROPPED, KVEventSubscriber
 from router.metrics import Metrics
 from router.policy import STRATEGIES, Decision, Policy, UnknownStrategy
 from router.replicas import Replica, ReplicaSet
-from router.tokens import RemoteTokenizeFailed, TokenizeError, Tokenizer
+from router.tokens import INLINE_BYTES, RemoteTokenizeFailed, TokenizeError, Tokenizer
 
 log = logging.getLogger("kvtier.router")
 
@@ -66,6 +66,7 @@ class RouterConfig:
     load_epsilon: float = 0.25
     prefix_affinity: bool = False  # several router processes: unseen prefixes go to a hash-chosen home
     decode_beta: float = 0.1
+    request_cost: float = 0.0  # Policy.request_cost
     # per-token cost of a cached token, relative to recomputing it (1.0): L0 (the replica's GPU cache) is free;
     # L1 = blocks its KV events place on CPU, L2 = chunks only in l2fs (any replica can load them)
     tier_cost: dict[str, float] = field(default_factory=lambda: dict(TIER_COST))
@@ -76,7 +77,9 @@ class RouterConfig:
     # (tokens, model, kv prefix or None for the default) -> L2 hit tokens
     l2_lookup: Callable[[list[int], str, str | None, tuple[str, int] | None], Awaitable[int]] | None = None
     l2_timeout: float = 0.05  # an L2 lookup slower than this counts as a miss
+    l2_min_tokens: int = 0  # prompts shorter than this get no L2 lookup (kvaware routes them by L0/L1 and load)
     tokenize_timeout: float = 2.0  # a replica /tokenize slower than this: route this request by bytes
+    tokenize_inline_bytes: int = INLINE_BYTES  # bodies up to this size are tokenized on the event loop (tokens.py)
     discovery: Any = None  # object with async start(replicas) / stop()
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
     # --workers N: this process is worker `worker_id`; every worker writes `<id>.port` (its private loopback
@@ -188,14 +191,16 @@ class Router:
         cost = {**TIER_COST, **cfg.tier_cost}
         if not all(0.0 <= v <= 1.0 for v in cost.values()) or set(cost) != set(TIER_COST):
             raise ValueError(f"tier costs are L1/L2 in [0, 1], got {cfg.tier_cost}")
+        if min(cfg.decode_beta, cfg.request_cost, cfg.load_epsilon) < 0:
+            raise ValueError("--decode-beta, --request-cost and --load-epsilon are >= 0")
         self.policy = Policy(block_size=cfg.block_size, load_epsilon=cfg.load_epsilon, decode_beta=cfg.decode_beta,
-                             affinity=cfg.prefix_affinity, l2_credit=1.0 - cost["L2"])
+                             request_cost=cfg.request_cost, affinity=cfg.prefix_affinity, l2_credit=1.0 - cost["L2"])
         # the event index weighs a block by its medium when it is stored (set before any event arrives)
         self.policy.kv.medium_weight["CPU"] = self.policy.kv.medium_weight["cpu"] = 1.0 - cost["L1"]
         for tier, v in (("L0", 0.0), *cost.items()):
             self.m.tier_cost.labels(tier).set(v)
         self.calibrator = TierCostCalibrator() if cfg.calibrate_l2 else None
-        self.tok = Tokenizer(cfg.tokenizer, fallback_replica=True)
+        self.tok = Tokenizer(cfg.tokenizer, fallback_replica=True, inline_bytes=cfg.tokenize_inline_bytes)
         self.tok.remote = self._remote_tokenize
         self._tok_next = 0  # round-robin over the replicas for /tokenize
         self._tok_headers = {"authorization": f"Bearer {cfg.upstream_api_key}"} if cfg.upstream_api_key else {}
@@ -433,7 +438,7 @@ class Router:
         if call.strategy != "roundrobin":
             t0 = time.perf_counter()
             try:
-                call.tokens = await self.tok.aencode(call.kind, call.payload)
+                call.tokens = await self.tok.aencode(call.kind, call.payload, len(call.body))
             except RemoteTokenizeFailed as e:  # routed by bytes this time; the request itself goes on
                 call.tokens = e.ids
                 self.m.tokenize_fallback.inc()
@@ -442,7 +447,8 @@ class Router:
                 return _err(400, str(e))
             call.clock.tok = time.perf_counter() - t0
             self.m.tokenize.observe(call.clock.tok)
-        if call.strategy == "kvaware" and self.cfg.l2_lookup is not None and call.tokens:
+        if (call.strategy == "kvaware" and self.cfg.l2_lookup is not None and call.tokens
+                and len(call.tokens) >= self.cfg.l2_min_tokens):
             # one lookup per distinct kv-prefix among the replicas (each revision's chunks are its own)
             # (an endpoint revision's replicas share one key layout: dtype, world size; the first one's is used)
             layouts: dict[str | None, tuple[str, int] | None] = {}

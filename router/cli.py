@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 from kvtier import contract
 from kvtier import envs as kvtier_envs
 from kvtier.contract import STRATEGIES
+from router.tokens import INLINE_BYTES
 
 if TYPE_CHECKING:
     from router.l2 import L2Lookup
@@ -60,6 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="model path / hub id for AutoTokenizer + chat template; 'replica' (default, and the "
                         "fallback when the path cannot be loaded) asks a replica's vLLM /tokenize; "
                         "'bytes' = UTF-8 bytes (tests only)")
+    p.add_argument("--tokenize-inline-bytes", type=int, default=INLINE_BYTES,
+                   help="request bodies up to this size are tokenized on the event loop, larger ones in a thread "
+                   "pool (0 = always the pool)")
     p.add_argument("--block-size", type=int, default=16, help="engine KV block size in tokens")
     p.add_argument("--kv-events", default="", help="comma-separated ZMQ PUB endpoints, one per replica "
                    "(tcp://host:5557); empty entries allowed")
@@ -84,6 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--retries", type=int, default=2, help="other replicas to try before the first byte")
     p.add_argument("--load-epsilon", type=float, default=0.25, help="no replica above (1+e) x mean in-flight")
     p.add_argument("--decode-beta", type=float, default=0.1, help="cost weight of active decode context tokens")
+    p.add_argument("--request-cost", type=float, default=0.0,
+                   help="cost of each request in flight on a replica, in prompt tokens (whatever its length)")
     p.add_argument("--tier-cost", default="L1=0.2,L2=0.5",
                    help="routing cost of one cached token by tier, relative to recomputing it (1); L0 is free. "
                         "L1 = blocks the replica's KV events place on CPU, L2 = chunks only in l2fs; L2=auto[:start] "
@@ -125,6 +131,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="l2fs directory the replicas write chunks under")
     p.add_argument("--l2fs-timeout", type=float, default=0.05,
                    help="seconds an L2 presence lookup may take before it counts as a miss")
+    p.add_argument("--l2fs-min-tokens", type=int, default=0,
+                   help="no L2 lookup for a prompt shorter than this many tokens (kvaware then routes it by L0/L1 "
+                   "and load); 0 = look up every prompt")
     p.add_argument("--l2fs-chunk-size", type=int, default=contract.CHUNK_SIZE, help="LMCache chunk size in tokens")
     p.add_argument("--l2fs-model-name", default=None,
                    help="model name in LMCache keys (the replicas' --model; default: the request's model)")
@@ -272,7 +281,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.workers > 1 and args.worker_of is None:
         return _supervise(args, list(sys.argv[1:] if argv is None else argv))
-    for flag in ("max_inflight", "max_inflight_per_replica", "max_queue", "queue_timeout", "load_scrape_interval"):
+    for flag in ("max_inflight", "max_inflight_per_replica", "max_queue", "queue_timeout", "load_scrape_interval",
+                 "load_epsilon", "decode_beta", "request_cost", "l2fs_min_tokens", "tokenize_inline_bytes"):
         if getattr(args, flag) < 0:
             print(f"kvtier router: --{flag.replace('_', '-')} must be >= 0", file=sys.stderr)
             return 2
@@ -309,10 +319,12 @@ def main(argv: list[str] | None = None) -> int:
         health_interval=args.health_interval, health_timeout=args.health_timeout,
         load_scrape_interval=args.load_scrape_interval,
         connect_timeout=args.connect_timeout, upstream_timeout=args.upstream_timeout, retries=args.retries,
-        load_epsilon=args.load_epsilon, decode_beta=args.decode_beta, tier_cost=tier_cost, calibrate_l2=calibrate_l2,
+        load_epsilon=args.load_epsilon, decode_beta=args.decode_beta,
+        request_cost=args.request_cost, tokenize_inline_bytes=args.tokenize_inline_bytes, tier_cost=tier_cost, calibrate_l2=calibrate_l2,
         prefix_affinity=args.prefix_affinity, session_header=args.session_header.lower(),
         kv_endpoints=[x or None for x in kv], kv_replay_endpoints=[x or None for x in _split(args.kv_replay)],
-        l2_lookup=l2_lookup, l2_timeout=args.l2fs_timeout, discovery=discovery,
+        l2_lookup=l2_lookup, l2_timeout=args.l2fs_timeout,
+        l2_min_tokens=args.l2fs_min_tokens, discovery=discovery,
         admission=AdmissionConfig(max_inflight=args.max_inflight, max_inflight_per_replica=args.max_inflight_per_replica,
                                   max_queue=args.max_queue, queue_timeout=args.queue_timeout,
                                   retry_after=args.retry_after))

@@ -1,7 +1,7 @@
 """Routing decisions: one cost for every cache-aware strategy, a bounded-load cap and random tie-break.
 
 cost(r) = uncached_prefill_tokens(r) + inflight_prefill_tokens(r) + beta * active_decode_tokens(r)
-          + n * (ext_waiting(r) + beta * ext_running(r)) - session_bonus(r)
+          + n * (ext_waiting(r) + beta * ext_running(r)) + request_cost * requests_in_flight(r) - session_bonus(r)
 
 The ext_* terms are other routers' requests on r (scraped from the replica's own metrics, see
 router/replicas.py); we do not know their sizes, so each counts as one request of this one's size n.
@@ -49,6 +49,7 @@ class Policy:
     block_size: int = 16
     load_epsilon: float = 0.25
     decode_beta: float = 0.1
+    request_cost: float = 0.0  # prompt tokens each request in flight on a replica costs, whatever its length
     l2_credit: float = 0.5
     session_bonus_frac: float = 1.0  # bonus = this fraction of the prompt length
     speculative_ttl: float = 5.0
@@ -101,7 +102,7 @@ class Policy:
         """The one cost every cache-aware strategy minimises (see the module docstring)."""
         uncached = n - hit - self.l2_credit * max(0.0, l2_tokens - hit)
         ext = n * (r.ext_waiting + self.decode_beta * r.ext_running)
-        return uncached + r.prefill_tokens + self.decode_beta * r.decode_tokens + ext
+        return uncached + r.prefill_tokens + self.decode_beta * r.decode_tokens + ext + self.request_cost * r.load
 
     def choose(self, strategy: str, cands: Sequence[Replica], tokens: Sequence[int] | None, *,
                session: str | None = None, model: str | None = None, cache_salt: str | None = None,

@@ -23,6 +23,9 @@ from typing import Any
 log = logging.getLogger("kvtier.router.tokens")
 
 REPLICA = "replica"  # --tokenizer value: ask a replica's /tokenize
+# A request body up to this size is rendered and encoded on the event loop (well under a millisecond for ~2k
+# tokens): on a box whose cores the engines keep busy, the pool's two thread hand-offs cost more than that.
+INLINE_BYTES = 8192
 # (kind, vLLM /tokenize request body) -> token ids; raises on any failure
 RemoteTokenize = Callable[[str, dict[str, Any]], Awaitable[list[int]]]
 
@@ -65,8 +68,9 @@ class Tokenizer:
     """
 
     def __init__(self, source: str = "bytes", *, cache_entries: int = 4096, workers: int = 2,
-                 fallback_replica: bool = False) -> None:
+                 fallback_replica: bool = False, inline_bytes: int = INLINE_BYTES) -> None:
         self.source = source
+        self.inline_bytes = inline_bytes
         self._hf: Any = None
         if source not in ("bytes", REPLICA):
             try:
@@ -205,10 +209,13 @@ class Tokenizer:
         self._cache_put(key, ids)
         return ids
 
-    async def aencode(self, kind: str, body: dict[str, Any]) -> list[int]:
-        """Encode in the worker pool so long prompts never stall other requests."""
+    async def aencode(self, kind: str, body: dict[str, Any], nbytes: int | None = None) -> list[int]:
+        """Encode in the worker pool so long prompts never stall other requests; a body of at most
+        `inline_bytes` (`nbytes`, its size on the wire) is encoded right here."""
         if self.source == REPLICA:
             return await self._aencode_remote(kind, body)
+        if nbytes is not None and nbytes <= self.inline_bytes:
+            return self.encode(kind, body)
         ids = self.cached(kind, body)
         if ids is not None:
             return ids

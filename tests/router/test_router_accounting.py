@@ -83,6 +83,11 @@ def test_tier_costs_are_configurable_and_checked():
         with pytest.raises(ValueError):
             parse_tier_cost(bad)
     assert main(["--replicas", "http://a:1", "--tier-cost", "L2=2"]) == 2
+    for flag in ("--request-cost", "--decode-beta", "--load-epsilon", "--l2fs-min-tokens", "--tokenize-inline-bytes"):
+        assert main(["--replicas", "http://a:1", flag, "-1"]) == 2, flag
+    with pytest.raises(ValueError, match="request-cost"):
+        Router(RouterConfig(replicas=["http://a:1"], request_cost=-1.0))
+    assert Router(RouterConfig(replicas=["http://a:1"], request_cost=64.0)).policy.request_cost == 64.0
     before = dict(MEDIUM_WEIGHT)
     rt = Router(RouterConfig(replicas=["http://a:1"], tier_cost={"L2": 0.25, "L1": 0.5}))
     assert rt.policy.l2_credit == 0.75 and rt.policy.kv.medium_weight["CPU"] == 0.5

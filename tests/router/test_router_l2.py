@@ -81,8 +81,8 @@ def test_router_sees_l2_prefix_and_treats_l2_failure_as_miss(cluster, tmp_path: 
     cluster.n += 1
     log = tmp_path / "router-l2.log"
     p, url = _spawn([PY, "-m", "router.cli", "--port", "0", "--replicas", rep.url, "--strategy", "kvaware",
-                     "--l2fs-master", l2.master, "--l2fs-model-name", "tiny-model", "--l2fs-timeout", "5"], log,
-                    r"listening on (http://\S+)", timeout=120)
+                     "--l2fs-master", l2.master, "--l2fs-model-name", "tiny-model", "--l2fs-timeout", "5",
+                     "--l2fs-min-tokens", "1024"], log, r"listening on (http://\S+)", timeout=120)
     rt = Proc(p, url, log)
     cluster.procs.append(rt)
     import httpx
@@ -91,6 +91,9 @@ def test_router_sees_l2_prefix_and_treats_l2_failure_as_miss(cluster, tmp_path: 
     r = rt.post("/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 1})
     assert r.status_code == 200, r.text
     assert r.headers.get("x-kvtier-l2-tokens") == str(2 * 256)
+    # the same two chunks under a prompt shorter than --l2fs-min-tokens: not looked up, routed by L0/L1 and load
+    r = rt.post("/v1/completions", json={"model": "tiny", "prompt": prompt[:1000], "max_tokens": 1})
+    assert r.status_code == 200 and "x-kvtier-l2-tokens" not in r.headers
     # the router forgets nothing wrong when L2 goes away: lookups become misses, requests still work
     l2.kill_master()
     r = rt.post("/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 1})

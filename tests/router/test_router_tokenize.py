@@ -94,3 +94,41 @@ def test_failing_replica_tokenize_falls_back_to_bytes_and_counts(cluster):
     assert metric(rt, "kvtier_router_tokenize_fallback_total") == 2
     # routed by bytes: the second prompt's shared prefix is predicted in bytes (the replica's own are bytes too)
     assert metric(rt, "kvtier_router_predicted_cached_tokens_total") > 0
+
+
+@pytest.mark.unit
+def test_small_bodies_encode_on_the_loop_large_ones_in_the_pool(tok_dir: Path):
+    """A short prompt skips the pool's two thread hand-offs (they cost more than its encode on a box the engines
+    keep busy); a long one still goes to the pool so it never stalls the event loop. The ids are the same."""
+    import asyncio
+    import json
+    import threading
+
+    from router.tokens import Tokenizer
+
+    tok = Tokenizer(str(tok_dir), inline_bytes=4096)
+    threads: list[str] = []
+    real = tok._encode_text
+
+    def spy(text: str, chat: bool) -> list[int]:
+        threads.append(threading.current_thread().name)
+        return real(text, chat)
+
+    tok._encode_text = spy  # type: ignore[method-assign]
+    short = {"model": "m", "messages": [{"role": "user", "content": DOC}]}
+    long = {"model": "m", "messages": [{"role": "user", "content": DOC * 20}]}
+
+    async def go() -> tuple[list[int], list[int], str]:
+        a = await tok.aencode("chat", short, len(json.dumps(short)))
+        b = await tok.aencode("chat", long, len(json.dumps(long)))
+        return a, b, threading.current_thread().name
+
+    try:
+        a, b, loop_thread = asyncio.run(go())
+        assert threads == [loop_thread, threads[1]] and threads[1].startswith("kvtier-tok"), threads
+        fresh = Tokenizer(str(tok_dir))
+        assert a == fresh.encode("chat", short) and b == fresh.encode("chat", long)
+        fresh.close()
+        assert asyncio.run(tok.aencode("chat", short, None)) == a  # size unknown: the cache, else the pool
+    finally:
+        tok.close()

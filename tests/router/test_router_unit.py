@@ -114,6 +114,19 @@ def test_cost_function() -> None:
     assert p.cost(r, n=64, hit=48, l2_tokens=16) == pytest.approx(16 + 200)  # L2 below the hit adds nothing
 
 
+def test_request_cost_lets_a_short_prompt_yield_to_load_and_a_long_one_keep_its_hit() -> None:
+    """Each request in flight costs the same whatever the new prompt's length, so the load it takes to outweigh
+    a hit grows with the prompt: a short prompt moves to the idle replica, a long one stays with its prefix."""
+    for request_cost, n, moves in ((0.0, 64, False), (32.0, 64, True), (32.0, 640, False)):
+        p, (held, idle) = Policy(block_size=16, load_epsilon=10.0, request_cost=request_cost), reps(2)
+        toks = list(range(1000, 1000 + n))
+        p.record("prefixaware", Decision(held, "least_cost", keys=block_keys(toks, 16, root_key())))
+        held.inflight = 3
+        d = p.choose("prefixaware", [held, idle], toks)
+        assert (d.replica is idle) == moves, (request_cost, n, d)
+        assert p.cost(held, n, n, 0) == pytest.approx(request_cost * 3)
+
+
 def test_roundrobin_rotates() -> None:
     p, rs = Policy(), reps(3)
     assert [p.choose("roundrobin", rs, None).replica.url for _ in range(4)] == [r.url for r in rs + rs[:1]]
