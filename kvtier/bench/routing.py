@@ -71,11 +71,14 @@ def counters(urls: list[str]) -> list[dict[str, float | None]]:
     return [{k: metric_sum(u, m) for k, m in COUNTERS.items()} for u in urls]
 
 
-def start_router(kind: str, policy: str, state: StackState, logdir: Path) -> tuple[subprocess.Popen[bytes], str]:
+def start_router(kind: str, policy: str, state: StackState, logdir: Path,
+                 extra: list[str] | None = None) -> tuple[subprocess.Popen[bytes], str]:
+    """One router over the stack's replicas; `extra` goes to kvtier's router only (its own parser reads it)."""
     port = free_port()
     urls = [r.url for r in state.replicas]
     if kind == "kvtier":
         cmd = router_command(",".join(urls), policy, port, state.model, state.l2fs_master, state.kv_events)
+        cmd += extra or []
     else:
         exe = Path(sys.executable).with_name("vllm-router")
         # its metrics listener defaults to port 29000: a second vllm-router on the host (another arm's, another

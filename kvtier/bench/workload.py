@@ -32,6 +32,7 @@ import json
 import math
 import os
 import random
+import shlex
 import shutil
 import sys
 import threading
@@ -192,6 +193,28 @@ def run_session(s: Session, plan: Plan, url: str, model: str, answer_tokens: int
     user.done.set()
 
 
+# kvtier's router's own series: its time per request, beside the engines' (is a slower arm the router or the policy?)
+ROUTER_SERIES = ("kvtier_router_overhead_seconds_sum", "kvtier_router_overhead_seconds_count",
+                 "kvtier_router_tokenize_seconds_sum", "kvtier_router_tokenize_seconds_count")
+
+
+def router_ms(before: dict[str, float], after: dict[str, float]) -> dict[str, float | None]:
+    """Mean routing overhead and tokenize time per request of kvtier's router over a step (None: not kvtier's)."""
+    out: dict[str, float | None] = {}
+    for what in ("overhead", "tokenize"):
+        n = after.get(f"kvtier_router_{what}_seconds_count", 0.0) - before.get(f"kvtier_router_{what}_seconds_count", 0.0)
+        t = after.get(f"kvtier_router_{what}_seconds_sum", 0.0) - before.get(f"kvtier_router_{what}_seconds_sum", 0.0)
+        out[f"router_{what}_ms"] = 1e3 * t / n if n > 0 else None
+    return out
+
+
+def scrape_router(url: str) -> dict[str, float]:
+    try:
+        return parse_counters(httpx.get(f"{url}/metrics", timeout=10).text, ROUTER_SERIES)
+    except httpx.HTTPError:
+        return {}
+
+
 def scrape(url: str) -> dict[str, float]:
     try:
         text = httpx.get(f"{url}/metrics", timeout=10).text
@@ -279,13 +302,15 @@ class Fleet(Stack):
         self.starts: list[dict[str, Any]] = []
         self.failed: set[str] = set()
         self.routers: dict[tuple[str, str], tuple[Any, str]] = {}  # (kind, policy) -> (process, url), this tier
+        self.router_args: list[str] = []  # extra `kvtier router` arguments (--router-args)
 
     def arm_router(self, kind: str, policy: str) -> str:
         """The URL of this tier's router of that kind/policy (started once per tier: kvaware's start is slow)."""
         from kvtier.bench.routing import start_router
 
         if (kind, policy) not in self.routers:
-            self.routers[kind, policy] = start_router(kind, policy, self.state(), self.base / "logs")
+            self.routers[kind, policy] = start_router(kind, policy, self.state(), self.base / "logs",
+                                                      self.router_args)
         return self.routers[kind, policy][1]
 
     def stop_routers(self) -> None:
@@ -398,6 +423,7 @@ def run_step(arm: str, step: Step, fleet: Fleet, args: argparse.Namespace, seed:
                      encode=lambda s: tok(s, add_special_tokens=False)["input_ids"], decode=tok.decode)
     url = fleet.arm_router(kind, policy)
     before, load0 = [scrape(u) for u in urls], os.getloadavg()[0]
+    rbefore = scrape_router(url) if kind == "kvtier" else {}
     results: list[dict[str, Any]] = []
     t_start = time.monotonic() + 0.5
     deadline = t_start + args.step_timeout
@@ -411,13 +437,18 @@ def run_step(arm: str, step: Step, fleet: Fleet, args: argparse.Namespace, seed:
     wall = time.monotonic() - t_start
     after, load1 = settled(urls), os.getloadavg()[0]
     summ = summarize_step(results, deltas(before, after), wall, kv_bpt, args.slo_ms)
+    # requests each replica served: how far a policy concentrates the load
+    summ["replica_requests"] = [a.get("requests", 0.0) - b.get("requests", 0.0) for a, b in zip(after, before, strict=True)]
+    if kind == "kvtier":
+        summ.update(router_ms(rbefore, scrape_router(url)))
     history: dict[int, int] = {}  # user -> longest prompt beyond the document (their conversation)
     for r in results:
         if r.get("ok"):
             history[r["user"]] = max(history.get(r["user"], 0), (r["prompt_tokens"] or 0) - step.context)
     used = {s.user.doc for s in plan.sessions}  # documents some user asked about
     distinct = step.context * len(used) + sum(history.values())
-    summ.update(arm=arm, tier=tier, router=f"{kind} {policy}", context=step.context, rate=step.rate,
+    router = " ".join([kind, policy, *(fleet.router_args if kind == "kvtier" else [])])
+    summ.update(arm=arm, tier=tier, router=router, context=step.context, rate=step.rate,
                 offered_req_per_s=step.rate * args.turns, seed=seed, load_before=load0, load_after=load1,
                 distinct_context_tokens=distinct)
     for r in results:
@@ -499,6 +530,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="order of the tiers (each a restart); put first what must run if --until cuts the run short")
     p.add_argument("--until", default=None, metavar="HH:MM",
                    help="UTC time after which no new step starts (the rest are reported as not run)")
+    p.add_argument("--router-args", default="", metavar="ARGS",
+                   help="extra arguments for kvtier's router in every kvtier arm, e.g. '--load-epsilon 0.1'")
     p.add_argument("--mrqa", type=Path, default=None, metavar="SCRIPT",
                    help="LMCache's benchmarks/multi_round_qa/multi-round-qa.py (from its sdist, unmodified; needs "
                    "openai + pandas): also run it through the router of each --mrqa-arms arm, first on its tier")
@@ -757,6 +790,7 @@ def main(argv: list[str] | None = None) -> int:
     started = environment()
     fleet = Fleet(args.dir, replicas=args.replicas, model=model, l0_bytes=l0_bytes, l1_gb=l1_gb,
                   max_model_len=max_model_len, mount=any(ARMS[a][0] == "mount" for a in arms))
+    fleet.router_args = shlex.split(args.router_args)
     try:
         fleet.start_l2fs()
         mrqa_arms = [a for a in args.mrqa_arms.split(",") if a in arms] if args.mrqa else []
@@ -796,7 +830,10 @@ def main(argv: list[str] | None = None) -> int:
                     f"{s['ok']}/{s['sent']} ok, TTFT p50/p90 {fmt(s['ttft_p50_ms'], 0)}/{fmt(s['ttft_p90_ms'], 0)} ms, "
                     f"{fmt(s['req_per_s'], 3)} req/s, hits L0/L1/L2 {fmt(s['l0_hit_tokens'], 0)}/"
                     f"{fmt(s['l1_hit_tokens'], 0)}/{fmt(s['l2_hit_tokens'], 0)} (L2 read) tokens of {fmt(s['prompt_tokens'], 0)}, "
-                    f"distinct context {s['distinct_context_tokens']} vs L0+L1 {cap}, load {fmt(s['load_after'], 1)}")
+                    f"distinct context {s['distinct_context_tokens']} vs L0+L1 {cap}, load {fmt(s['load_after'], 1)}, "
+                    f"requests per replica {'/'.join(fmt(x, 0) for x in s.get('replica_requests', []))}"
+                    + (f", router {fmt(s['router_overhead_ms'], 2)} ms + tokenize {fmt(s.get('router_tokenize_ms'), 2)} ms"
+                       if s.get("router_overhead_ms") is not None else ""))
     finally:
         fleet.stop_replicas()
         fleet.stop()
