@@ -194,34 +194,28 @@ def run_session(s: Session, plan: Plan, url: str, model: str, answer_tokens: int
 
 
 # kvtier's router's own series: its time per request, beside the engines' (is a slower arm the router or the policy?)
-ROUTER_SERIES = ("kvtier_router_overhead_seconds_sum", "kvtier_router_overhead_seconds_count",
-                 "kvtier_router_tokenize_seconds_sum", "kvtier_router_tokenize_seconds_count")
+ROUTER_SERIES = {f"{what}_{part}": f"kvtier_router_{what}_seconds_{part}"
+                 for what in ("overhead", "tokenize") for part in ("sum", "count")}
 
 
 def router_ms(before: dict[str, float], after: dict[str, float]) -> dict[str, float | None]:
-    """Mean routing overhead and tokenize time per request of kvtier's router over a step (None: not kvtier's)."""
+    """Mean routing overhead and tokenize time per request of kvtier's router over a step (None: no request)."""
     out: dict[str, float | None] = {}
     for what in ("overhead", "tokenize"):
-        n = after.get(f"kvtier_router_{what}_seconds_count", 0.0) - before.get(f"kvtier_router_{what}_seconds_count", 0.0)
-        t = after.get(f"kvtier_router_{what}_seconds_sum", 0.0) - before.get(f"kvtier_router_{what}_seconds_sum", 0.0)
+        n = after.get(f"{what}_count", 0.0) - before.get(f"{what}_count", 0.0)
+        t = after.get(f"{what}_sum", 0.0) - before.get(f"{what}_sum", 0.0)
         out[f"router_{what}_ms"] = 1e3 * t / n if n > 0 else None
     return out
 
 
-def scrape_router(url: str) -> dict[str, float]:
-    try:
-        return parse_counters(httpx.get(f"{url}/metrics", timeout=10).text, ROUTER_SERIES)
-    except httpx.HTTPError:
-        return {}
-
-
-def scrape(url: str) -> dict[str, float]:
+def scrape(url: str, series: dict[str, str] = COUNTERS) -> dict[str, float]:
+    """{key: value summed over label sets} of the given /metrics series; {} when the page cannot be read."""
     try:
         text = httpx.get(f"{url}/metrics", timeout=10).text
     except httpx.HTTPError:
         return {}
-    got = parse_counters(text, tuple(COUNTERS.values()))
-    return {k: got[m] for k, m in COUNTERS.items() if m in got}
+    got = parse_counters(text, tuple(series.values()))
+    return {k: got[m] for k, m in series.items() if m in got}
 
 
 def settled(urls: list[str], quiet: float = 11.0, timeout: float = 40.0) -> list[dict[str, float]]:
@@ -423,7 +417,7 @@ def run_step(arm: str, step: Step, fleet: Fleet, args: argparse.Namespace, seed:
                      encode=lambda s: tok(s, add_special_tokens=False)["input_ids"], decode=tok.decode)
     url = fleet.arm_router(kind, policy)
     before, load0 = [scrape(u) for u in urls], os.getloadavg()[0]
-    rbefore = scrape_router(url) if kind == "kvtier" else {}
+    rbefore = scrape(url, ROUTER_SERIES) if kind == "kvtier" else {}
     results: list[dict[str, Any]] = []
     t_start = time.monotonic() + 0.5
     deadline = t_start + args.step_timeout
@@ -440,7 +434,7 @@ def run_step(arm: str, step: Step, fleet: Fleet, args: argparse.Namespace, seed:
     # requests each replica served: how far a policy concentrates the load
     summ["replica_requests"] = [a.get("requests", 0.0) - b.get("requests", 0.0) for a, b in zip(after, before, strict=True)]
     if kind == "kvtier":
-        summ.update(router_ms(rbefore, scrape_router(url)))
+        summ.update(router_ms(rbefore, scrape(url, ROUTER_SERIES)))
     history: dict[int, int] = {}  # user -> longest prompt beyond the document (their conversation)
     for r in results:
         if r.get("ok"):
