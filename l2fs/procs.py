@@ -102,7 +102,17 @@ def tail(log_path: str | os.PathLike[str] | None, lines: int = 40) -> str:
             text = f.read().decode("utf-8", "replace")
     except OSError:
         return "(no log)"
-    return "\n".join(text.splitlines()[-lines:])
+    all_lines = text.splitlines()
+    out = all_lines[-lines:]
+    # a multiprocess server (vLLM) prints the root cause first and a generic error last: name the root cause
+    # too when the tail has scrolled past it
+    causes = list(dict.fromkeys(ln for ln in all_lines[:-lines] if _EXCEPTION_LINE.match(ln)))
+    if causes:
+        out = [f"(earlier in the log: {c})" for c in causes[:3]] + out
+    return "\n".join(out)
+
+
+_EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt)(: .*)?$")
 
 
 def wait_ready(proc: subprocess.Popen[Any], ready: Callable[[], T | None], *, timeout: float, what: str,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import re
 import socket
 from pathlib import Path
@@ -37,8 +38,43 @@ def valid_address(addr: str) -> bool:
     return m is not None and 0 < int(m.group(2)) < 65536
 
 
+_EPHEMERAL_RANGE = "/proc/sys/net/ipv4/ip_local_port_range"
+_NAMED_PORTS_FROM = 15000  # lowest port free_port hands out; below it sit well-known services' defaults
+_random = random.SystemRandom()
+
+
+def ephemeral_range() -> tuple[int, int] | None:
+    """The kernel's range for bind(0) and outgoing connections, (low, high), or None where it cannot be read."""
+    try:
+        lo, hi = (int(x) for x in Path(_EPHEMERAL_RANGE).read_text().split())
+    except (OSError, ValueError):
+        return None
+    return lo, hi
+
+
+def _bindable(host: str, port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago (for launchers and tests that must name a port up front)."""
+    """A TCP port that was free a moment ago (for launchers and tests that must name a port up front).
+
+    Drawn at random below the kernel's ephemeral range when there is room: a port from bind(0) is one the
+    kernel may also give any process's next outgoing connection before our server binds it (the likeliest
+    cause of a CI run's vLLM replica dying at engine start), and a random draw keeps parallel test workers
+    apart. Falls back to bind(0) where the range is unknown or leaves no room below it.
+    """
+    rng = ephemeral_range()
+    if rng and rng[0] - _NAMED_PORTS_FROM >= 1000:
+        for _ in range(64):
+            port = _random.randrange(_NAMED_PORTS_FROM, rng[0])
+            if _bindable(host, port):
+                return port
     with socket.socket() as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])

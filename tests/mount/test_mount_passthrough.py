@@ -7,7 +7,6 @@ from __future__ import annotations
 import errno
 import os
 import signal
-import socket
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -17,16 +16,11 @@ from mount_helpers import Mount, metric
 
 from l2fs import fuse
 from l2fs.client import Client
+from l2fs.common import free_port
 from l2fs.testing.cluster import LocalCluster
 
 MIB = 1 << 20
 SIZES = {"empty.bin": 0, "small.bin": 1000, "one.bin": MIB, "big.bin": 17 * MIB + 3}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class PtMount:
