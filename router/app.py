@@ -78,6 +78,9 @@ class RouterConfig:
     l2_lookup: Callable[[list[int], str, str | None, tuple[str, int] | None], Awaitable[int]] | None = None
     l2_timeout: float = 0.05  # an L2 lookup slower than this counts as a miss
     l2_min_tokens: int = 0  # prompts shorter than this get no L2 lookup (kvaware routes them by L0/L1 and load)
+    # "needed": look up L2 only when some answer could change kvaware's pick (Plan.l2_can_change); "always":
+    # every request (complete L2 accounting and headers, one master RPC per request). --tier-cost L2=auto looks always.
+    l2_lookup_when: str = "needed"
     tokenize_timeout: float = 2.0  # a replica /tokenize slower than this: route this request by bytes
     tokenize_inline_bytes: int = INLINE_BYTES  # bodies up to this size are tokenized on the event loop (tokens.py)
     discovery: Any = None  # object with async start(replicas) / stop()
@@ -163,6 +166,7 @@ class _Call:
     clock: _Clock
     tokens: list[int] = field(default_factory=list)
     l2: dict[str | None, int] = field(default_factory=dict)  # L2 hit per kv-prefix (None: --l2fs-prefix)
+    l2_due: bool = False  # kvaware with an L2 lookup configured and a prompt long enough: not yet looked up
 
 
 @dataclass
@@ -193,6 +197,8 @@ class Router:
             raise ValueError(f"tier costs are L1/L2 in [0, 1], got {cfg.tier_cost}")
         if min(cfg.decode_beta, cfg.request_cost, cfg.load_epsilon) < 0:
             raise ValueError("--decode-beta, --request-cost and --load-epsilon are >= 0")
+        if cfg.l2_lookup_when not in ("needed", "always"):
+            raise ValueError(f"L2 lookups are 'needed' or 'always', got {cfg.l2_lookup_when!r}")
         self.policy = Policy(block_size=cfg.block_size, load_epsilon=cfg.load_epsilon, decode_beta=cfg.decode_beta,
                              request_cost=cfg.request_cost, affinity=cfg.prefix_affinity, l2_credit=1.0 - cost["L2"])
         # the event index weighs a block by its medium when it is stored (set before any event arrives)
@@ -434,7 +440,8 @@ class Router:
         return got
 
     async def _route_inputs(self, call: _Call) -> Response | None:
-        """Token ids (all but roundrobin) and the L2 hit (kvaware); a 400 for a prompt we cannot tokenize."""
+        """Token ids (all but roundrobin) and whether kvaware may look up L2; a 400 for a prompt we cannot
+        tokenize. The lookup itself waits for the candidates (_forward): only then is it known to matter."""
         if call.strategy != "roundrobin":
             t0 = time.perf_counter()
             try:
@@ -447,26 +454,43 @@ class Router:
                 return _err(400, str(e))
             call.clock.tok = time.perf_counter() - t0
             self.m.tokenize.observe(call.clock.tok)
-        if (call.strategy == "kvaware" and self.cfg.l2_lookup is not None and call.tokens
-                and len(call.tokens) >= self.cfg.l2_min_tokens):
-            # one lookup per distinct kv-prefix among the replicas (each revision's chunks are its own)
-            # (an endpoint revision's replicas share one key layout: dtype, world size; the first one's is used)
-            layouts: dict[str | None, tuple[str, int] | None] = {}
-            for r in self.replicas.available():
-                layouts.setdefault(r.kv_prefix, r.kv_layout)
-            prefixes = sorted(layouts, key=lambda p: p or "")
-            got = await asyncio.gather(*(self._l2(call, p, layouts[p]) for p in prefixes))
-            call.l2 = dict(zip(prefixes, got, strict=True))
+        call.l2_due = (call.strategy == "kvaware" and self.cfg.l2_lookup is not None and bool(call.tokens)
+                       and len(call.tokens) >= self.cfg.l2_min_tokens)
         return None
+
+    async def _lookup_l2(self, call: _Call) -> None:
+        """call.l2: one lookup per distinct kv-prefix among the replicas (each revision's chunks are its own;
+        an endpoint revision's replicas share one key layout, dtype and world size: the first one's is used)."""
+        call.l2_due = False
+        layouts: dict[str | None, tuple[str, int] | None] = {}
+        for r in self.replicas.available():
+            layouts.setdefault(r.kv_prefix, r.kv_layout)
+        prefixes = sorted(layouts, key=lambda p: p or "")
+        got = await asyncio.gather(*(self._l2(call, p, layouts[p]) for p in prefixes))
+        call.l2 = dict(zip(prefixes, got, strict=True))
 
     async def _l2(self, call: _Call, prefix: str | None, layout: tuple[str, int] | None = None) -> int:
         """L2 hit under one kv-prefix; trouble or a slow answer is a miss, never an error."""
         assert self.cfg.l2_lookup is not None
         try:
-            return await asyncio.wait_for(self.cfg.l2_lookup(call.tokens, call.model, prefix, layout),
-                                          self.cfg.l2_timeout)
+            got = await asyncio.wait_for(self.cfg.l2_lookup(call.tokens, call.model, prefix, layout),
+                                         self.cfg.l2_timeout)
         except Exception:  # noqa: BLE001
+            self.m.l2_lookups.labels("failed").inc()
             return 0
+        self.m.l2_lookups.labels("hit" if got else "miss").inc()
+        return got
+
+    def _l2_worth_it(self, call: _Call, cands: list[Replica]) -> bool:
+        """Whether to wait for an L2 lookup before routing this request (counted as skipped when not)."""
+        if self.cfg.l2_lookup_when == "always" or self.calibrator is not None:
+            return True
+        if self.policy.plan(call.strategy, cands, call.tokens, session=call.session, model=call.model,
+                            cache_salt=call.salt).l2_can_change():
+            return True
+        call.l2_due = False
+        self.m.l2_lookups.labels("skipped").inc()
+        return False
 
     def _route(self, call: _Call, cands: list[Replica]) -> Decision:
         d = self.policy.choose(call.strategy, cands, call.tokens, session=call.session, model=call.model,
@@ -483,6 +507,10 @@ class Router:
         for attempt in range(self.cfg.retries + 1):
             avail = [r for r in self.replicas.available() if r.url not in tried]
             cands = [r for r in avail if r.inflight < cap]  # a replica at its bound is not a candidate
+            if call.l2_due and cands and self._l2_worth_it(call, cands):
+                await self._lookup_l2(call)  # then the candidates again: loads moved while we waited
+                avail = [r for r in self.replicas.available() if r.url not in tried]
+                cands = [r for r in avail if r.inflight < cap]
             if not cands:
                 if avail and last_err is None:
                     return self._reject(call.rid, call.strategy, 429, "replica_full",

@@ -134,6 +134,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--l2fs-min-tokens", type=int, default=0,
                    help="no L2 lookup for a prompt shorter than this many tokens (kvaware then routes it by L0/L1 "
                    "and load); 0 = look up every prompt")
+    p.add_argument("--l2fs-lookup", choices=("needed", "always"), default="needed",
+                   help="needed: look up L2 only when some answer could change kvaware's pick (no L0/L1 hit "
+                   "anywhere, or the cheapest replica ahead by more than any L2 hit could give another, is "
+                   "routed at once; such requests carry no L2 prediction in the accounting); always: every "
+                   "request. --tier-cost L2=auto always looks")
     p.add_argument("--l2fs-chunk-size", type=int, default=contract.CHUNK_SIZE, help="LMCache chunk size in tokens")
     p.add_argument("--l2fs-model-name", default=None,
                    help="model name in LMCache keys (the replicas' --model; default: the request's model)")
@@ -324,7 +329,7 @@ def main(argv: list[str] | None = None) -> int:
         prefix_affinity=args.prefix_affinity, session_header=args.session_header.lower(),
         kv_endpoints=[x or None for x in kv], kv_replay_endpoints=[x or None for x in _split(args.kv_replay)],
         l2_lookup=l2_lookup, l2_timeout=args.l2fs_timeout,
-        l2_min_tokens=args.l2fs_min_tokens, discovery=discovery,
+        l2_min_tokens=args.l2fs_min_tokens, l2_lookup_when=args.l2fs_lookup, discovery=discovery,
         admission=AdmissionConfig(max_inflight=args.max_inflight, max_inflight_per_replica=args.max_inflight_per_replica,
                                   max_queue=args.max_queue, queue_timeout=args.queue_timeout,
                                   retry_after=args.retry_after))

@@ -24,6 +24,10 @@ class Metrics:
                                   registry=r)
         self.tokenize = Histogram("kvtier_router_tokenize_seconds", "Prompt tokenization time", buckets=_FAST,
                                   registry=r)
+        self.l2_lookups = Counter("kvtier_router_l2_lookups",
+                                  "kvaware's L2 presence lookups by result (hit, miss, failed = error or past "
+                                  "--l2fs-timeout, skipped = no answer could change the pick)", ["result"],
+                                  registry=r)
         self.tokenize_fallback = Counter("kvtier_router_tokenize_fallback",
                                          "Requests routed by bytes because the replica /tokenize failed", registry=r)
         self.ttfb = Histogram("kvtier_router_upstream_first_byte_seconds", "Upstream time to first byte",

@@ -22,7 +22,7 @@ import hashlib
 import math
 import random
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from kvtier.contract import STRATEGIES  # re-exported: router.policy.STRATEGIES stays importable
@@ -107,13 +107,21 @@ class Policy:
     def choose(self, strategy: str, cands: Sequence[Replica], tokens: Sequence[int] | None, *,
                session: str | None = None, model: str | None = None, cache_salt: str | None = None,
                l2_tokens: int | Mapping[str | None, int] = 0) -> Decision:
+        return self.plan(strategy, cands, tokens, session=session, model=model,
+                         cache_salt=cache_salt).decide(l2_tokens)
+
+    def plan(self, strategy: str, cands: Sequence[Replica], tokens: Sequence[int] | None, *,
+             session: str | None = None, model: str | None = None, cache_salt: str | None = None) -> Plan:
+        """The choice up to the L2 hit: `Plan.l2_can_change()` says whether an L2 lookup is worth waiting
+        for, `Plan.decide(l2)` finishes it. Decide right away (no await in between): costs read live loads."""
         if not cands:
             raise LookupError("no replica available")
-        return REGISTRY[self.check_strategy(strategy)].choose(self, RouteRequest(
-            cands, tokens or (), session, model, cache_salt, l2_tokens))
+        return REGISTRY[self.check_strategy(strategy)].plan(self, RouteRequest(
+            cands, tokens or (), session, model, cache_salt))
 
-    def least_cost(self, strat: Strategy, req: RouteRequest) -> Decision:
-        """Shared by the cache-aware strategies: cheapest eligible replica by `cost`, given strat's hits."""
+    def least_cost(self, strat: Strategy, req: RouteRequest) -> Plan:
+        """Shared by the cache-aware strategies: cheapest eligible replica by `cost`, given strat's hits.
+        Scored here without L2 (cost(l2) = cost(0) - l2_credit * max(0, l2 - hit)); L2 enters in decide."""
         toks, n = req.tokens, len(req.tokens)
         root = root_key(req.model) if req.model and req.model in self.kv.loras else root_key()
         extra0 = ("salt", str(req.cache_salt)) if req.cache_salt else None
@@ -121,22 +129,31 @@ class Policy:
         hits = strat.hits(self, keys, toks, root, extra0)
         sticky = self._sessions.get(req.session) if req.session else None
         elig = self._eligible(req.cands)
-        scored = []
-        for r in elig:
-            cost = self.cost(r, n, min(hits.get(r.url, 0.0), n), req.l2_of(r))
+        held = [min(hits.get(r.url, 0.0), n) for r in elig]
+        base = []
+        for r, h in zip(elig, held, strict=True):
+            cost = self.cost(r, n, h, 0)
             if strat.sticky and r.url == sticky:
                 cost -= self.session_bonus_frac * max(n, 1) + 1
-            scored.append((cost, r))
-        home = None
-        if self.affinity and toks and not any(hits.get(e.url, 0) > 0 for e in elig) and (
-                not strat.sticky or sticky not in {e.url for e in elig}):
-            home = r = self._home(toks, elig)  # nobody holds it: the home all routers agree on
+            base.append(cost)
+        home = bool(self.affinity and toks and not any(h > 0 for h in held) and (
+            not strat.sticky or sticky not in {e.url for e in elig}))
+        return _CostPlan(self, strat, req, keys, hits, elig, held, base, sticky, home)
+
+    def _finish(self, plan: _CostPlan, l2_tokens: int | Mapping[str | None, int]) -> Decision:
+        """least_cost's second half: add the L2 credit, pick, name the reason, remember the session."""
+        strat, req, elig, sticky, hits = plan.strat, plan.req, plan.elig, plan.sticky, plan.hits
+        n = len(req.tokens)
+        req.l2_tokens = l2_tokens
+        if plan.home:
+            r = self._home(req.tokens, elig)  # nobody holds it: the home all routers agree on
         else:
-            r = self._pick_min(scored)
+            r = self._pick_min([(c - self.l2_credit * max(0.0, req.l2_of(e) - h), e)
+                                for c, e, h in zip(plan.base, elig, plan.held, strict=True)])
         h = int(min(hits.get(r.url, 0.0), n))
         if strat.sticky and sticky == r.url:
             reason = "session"
-        elif home is not None:
+        elif plan.home:
             reason = "affinity"
         elif h > 0:
             reason = "cache_hit"
@@ -149,7 +166,7 @@ class Policy:
             self._sessions.move_to_end(req.session)
             while len(self._sessions) > self.max_sessions:
                 self._sessions.popitem(last=False)
-        return Decision(r, reason, h, req.l2_of(r), int(n - h), keys)
+        return Decision(r, reason, h, req.l2_of(r), int(n - h), plan.keys)
 
     def record(self, strategy: str, d: Decision) -> None:
         """Remember where this prefix went (what that means is the strategy's)."""
@@ -174,6 +191,62 @@ class RouteRequest:
         return self.l2_tokens.get(r.kv_prefix, 0)
 
 
+class Plan:
+    """A routing choice up to the L2 hit (Policy.plan)."""
+
+    def l2_can_change(self) -> bool:
+        """Whether some L2 hit could pick another replica than none would (so the lookup is worth its wait)."""
+        return False
+
+    def decide(self, l2_tokens: int | Mapping[str | None, int] = 0) -> Decision:
+        raise NotImplementedError
+
+
+@dataclass
+class _Fixed(Plan):
+    """A strategy whose choice ignores L2 (roundrobin): decide just runs it."""
+
+    run: Callable[[], Decision]
+
+    def decide(self, l2_tokens: int | Mapping[str | None, int] = 0) -> Decision:
+        return self.run()
+
+
+@dataclass
+class _CostPlan(Plan):
+    """least_cost scored without L2: base[i] is elig[i]'s cost at an L2 hit of 0, held[i] its capped hit."""
+
+    policy: Policy
+    strat: Strategy
+    req: RouteRequest
+    keys: list[int]
+    hits: dict[str, float]
+    elig: list[Replica]
+    held: list[float]
+    base: list[float]
+    sticky: str | None
+    home: bool
+
+    def l2_can_change(self) -> bool:
+        """An L2 hit L lowers elig[i]'s cost by credit * max(0, L - held[i]), so replica j gains at most
+        credit * max(0, held[w] - held[j]) on the cheapest w, whatever L is: if every other replica's cost
+        gap to w exceeds that, no lookup answer changes the pick. Replicas with equal hits move together.
+        Nobody holding the prompt (the home hash decides) is the common case; one kv-prefix per fleet is
+        assumed (several: each gets its own L2 hit, so always look)."""
+        c = self.policy.l2_credit
+        if self.home or c <= 0 or len(self.elig) < 2:
+            return False
+        if len({r.kv_prefix for r in self.elig}) > 1:
+            return True
+        w = min(range(len(self.elig)), key=self.base.__getitem__)
+        return any(j != w and self.held[j] != self.held[w]
+                   and self.base[j] - self.base[w] <= c * max(0.0, self.held[w] - self.held[j]) + 1e-9
+                   for j in range(len(self.elig)))
+
+    def decide(self, l2_tokens: int | Mapping[str | None, int] = 0) -> Decision:
+        return self.policy._finish(self, l2_tokens)
+
+
 class Strategy:
     """One routing strategy. Cache-aware ones only say which replicas hold how much of the prompt (`hits`);
     the choice itself is Policy.least_cost, so every strategy trades cache against load the same way."""
@@ -181,7 +254,7 @@ class Strategy:
     name: str = ""
     sticky = False  # the session bonus applies
 
-    def choose(self, policy: Policy, req: RouteRequest) -> Decision:
+    def plan(self, policy: Policy, req: RouteRequest) -> Plan:
         return policy.least_cost(self, req)
 
     def hits(self, policy: Policy, keys: list[int], toks: Sequence[int], root: int,
@@ -209,10 +282,12 @@ class RoundRobin(Strategy):
 
     name = "roundrobin"
 
-    def choose(self, policy: Policy, req: RouteRequest) -> Decision:
-        r = req.cands[policy._rr % len(req.cands)]
-        policy._rr += 1
-        return Decision(r, "roundrobin", uncached=len(req.tokens))
+    def plan(self, policy: Policy, req: RouteRequest) -> Plan:
+        def run() -> Decision:
+            r = req.cands[policy._rr % len(req.cands)]
+            policy._rr += 1
+            return Decision(r, "roundrobin", uncached=len(req.tokens))
+        return _Fixed(run)
 
 
 @register

@@ -116,7 +116,8 @@ def test_drifted_engine_stops_writing_and_turns_the_router_to_drift(
     # the router as deployed: no LMCache importable, so its own check says "unverified" and it gives L2 credit
     rep = cluster.replica(kv=False)
     router = spawn_router(["--port", "0", "--replicas", rep.url, "--strategy", "kvaware", "--l2fs-master", l2.master,
-                           "--l2fs-model-name", MODEL, "--l2fs-key-records-interval", "0.5", "--l2fs-timeout", "5"],
+                           "--l2fs-model-name", MODEL, "--l2fs-key-records-interval", "0.5", "--l2fs-timeout", "5",
+                           "--l2fs-lookup", "always"],
                           tmp_path / "router.log", f"{dirs['no-lmcache']}{os.pathsep}{ROOT}")
     cluster.procs.append(router)
     assert wait_until(lambda: l2_key_state(router) == contract.KEY_UNVERIFIED, timeout=120), router.log.read_text()

@@ -129,7 +129,8 @@ def test_l2_hit_is_credited_only_to_the_revision_whose_prefix_holds_it(k8s, clus
         for path in names.paths(list(prompts[3].encode()), "tiny-model"):  # --l2fs-prefix, which no pod uses
             c.put(path, b"kv-bytes")
         rt = _k8s_router(cluster, url, "--strategy", "kvaware", "--tokenizer", "bytes", "--l2fs-master",
-                         l2.master, "--l2fs-model-name", "tiny-model", "--l2fs-timeout", "5")
+                         l2.master, "--l2fs-model-name", "tiny-model", "--l2fs-timeout", "5",
+                         "--l2fs-lookup", "always")
         wait_until(lambda: {x["url"] for x in rt.get("/health").json()["replicas"]} == {old.url, new.url}, timeout=60)
         for prompt, where in home.items():
             r = complete(rt, prompt)

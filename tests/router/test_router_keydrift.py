@@ -66,7 +66,7 @@ def test_router_drops_l2_credit_when_installed_lmcache_keys_drift(cluster, tmp_p
         c.put(contract.plugin_path(contract.KV_PREFIX, "tiny-model", 1, 0, h, "float"), b"kv-bytes")
     rep = cluster.replica(kv=False)
     args = ["--port", "0", "--replicas", rep.url, "--strategy", "kvaware", "--l2fs-master", l2.master,
-            "--l2fs-model-name", "tiny-model", "--l2fs-timeout", "5"]  # 5 s: a loaded box's lookups are no misses
+            "--l2fs-model-name", "tiny-model", "--l2fs-timeout", "5", "--l2fs-lookup", "always"]  # 5 s: a loaded box's lookups are no misses
     bad = _router(args, tmp_path / "router-drift.log", f"{patched}{os.pathsep}{ROOT}")
     good = _router(args, tmp_path / "router-ok.log", str(ROOT))
     cluster.procs += [bad, good]

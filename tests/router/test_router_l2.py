@@ -2,17 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from router_helpers import PY, ROOT, Proc, _spawn
+from router_helpers import PY, ROOT, Proc, _spawn, metric, wait_until
 
 if importlib.util.find_spec("lmcache") is None:  # the reference side needs it; this process never imports it
     pytest.skip("lmcache not installed", allow_module_level=True)
@@ -82,7 +83,7 @@ def test_router_sees_l2_prefix_and_treats_l2_failure_as_miss(cluster, tmp_path: 
     log = tmp_path / "router-l2.log"
     p, url = _spawn([PY, "-m", "router.cli", "--port", "0", "--replicas", rep.url, "--strategy", "kvaware",
                      "--l2fs-master", l2.master, "--l2fs-model-name", "tiny-model", "--l2fs-timeout", "5",
-                     "--l2fs-min-tokens", "1024"], log, r"listening on (http://\S+)", timeout=120)
+                     "--l2fs-min-tokens", "1024", "--l2fs-lookup", "always"], log, r"listening on (http://\S+)", timeout=120)
     rt = Proc(p, url, log)
     cluster.procs.append(rt)
     import httpx
@@ -99,6 +100,75 @@ def test_router_sees_l2_prefix_and_treats_l2_failure_as_miss(cluster, tmp_path: 
     r = rt.post("/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 1})
     assert r.status_code == 200 and "x-kvtier-l2-tokens" not in r.headers
     c.close()
+
+
+def _master_lookup_hits(l2) -> float:
+    """Paths the l2fs master itself counted as found by lookups (its /metrics): the RPCs it really answered."""
+    import httpx
+
+    text = httpx.get(f"http://127.0.0.1:{l2.master_metrics_port}/metrics", timeout=10).text
+    return sum(float(ln.rsplit(" ", 1)[1]) for ln in text.splitlines()
+               if ln.startswith("l2fs_master_lookup_hits_total "))
+
+
+def test_kvaware_waits_for_l2_only_when_an_answer_can_change_the_pick(cluster, tmp_path: Path, make_cluster):
+    """--l2fs-lookup needed (the default): a prompt nobody holds, or one whose holder is cheaper than any L2
+    hit could make another replica, is routed at once (no master RPC); when the holder is loaded so that
+    L2 could tip the choice, the router asks and L2 moves the request to the idle replica."""
+    from l2fs.client import Client
+
+    prompt = "".join(chr(65 + (i * 7) % 26) for i in range(1100))  # bytes tokenizer: 1100 tokens, 4 chunks
+    l2 = make_cluster(1)
+    with Client(l2.master) as c:
+        for path in connector_paths(list(prompt.encode()))[:4]:
+            c.put(path, b"kv-bytes")
+    reps = [cluster.replica("--decode-ms-per-token", "100") for _ in range(2)]
+    # --request-cost 800: one request in flight on the holder (1,088 tokens held) leaves it cheaper by 288
+    # tokens, less than the 544 an L2 hit at credit 0.5 can give the other replica, so L2 can tip it
+    rt = cluster.router(reps, "--strategy", "kvaware", "--l2fs-master", l2.master, "--l2fs-model-name", "tiny-model",
+                        "--l2fs-timeout", "5", "--request-cost", "800", kv=True)
+    assert httpx_get_ok(rt)
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 1}
+    base = _master_lookup_hits(l2)
+
+    r = rt.post("/v1/completions", json=body)  # held nowhere: the home replica, whatever L2 says
+    assert r.status_code == 200 and "x-kvtier-l2-tokens" not in r.headers, r.headers
+    holder = r.headers["x-kvtier-replica"]
+    other = next(x.url for x in reps if x.url != holder)
+    assert wait_until(lambda: metric(rt, "kvtier_router_kv_index_blocks") > 0, timeout=30)
+    r = rt.post("/v1/completions", json=body)  # the idle holder beats any L2 hit elsewhere: no lookup
+    assert r.status_code == 200 and r.headers["x-kvtier-replica"] == holder
+    assert metric(rt, "kvtier_router_l2_lookups_total", result="skipped") == 2
+    assert _master_lookup_hits(l2) == base  # the master was never asked
+
+    with rt_stream(rt, {**body, "max_tokens": 60, "stream": True}) as busy:  # 6 s in flight on the holder
+        assert busy.headers["x-kvtier-replica"] == holder
+        r = rt.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    assert r.headers.get("x-kvtier-l2-tokens") == str(4 * 256) and r.headers["x-kvtier-replica"] == other
+    assert metric(rt, "kvtier_router_l2_lookups_total", result="hit") == 1
+    assert metric(rt, "kvtier_router_l2_lookups_total", result="skipped") == 3  # the stream: holder idle
+    assert _master_lookup_hits(l2) == base + 4
+
+
+def httpx_get_ok(rt: Proc) -> bool:
+    import httpx
+
+    return httpx.get(rt.url + "/health", timeout=300).status_code == 200  # serves once LMCache is imported
+
+
+@contextlib.contextmanager
+def rt_stream(rt: Proc, body: dict) -> Iterator[Any]:
+    """A streamed completion through the router, held open (first chunk read) while the block runs."""
+    import httpx
+
+    with httpx.stream("POST", rt.url + "/v1/completions", json=body, timeout=60) as resp:
+        assert resp.status_code == 200
+        chunks = resp.iter_bytes()
+        next(chunks)
+        yield resp
+        for _ in chunks:
+            pass
 
 
 @pytest.mark.unit

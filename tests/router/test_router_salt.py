@@ -24,7 +24,7 @@ MODEL = "tiny-model"
 
 def _router(cluster, l2_master: str, replica: str, log: Path) -> Proc:
     p, url = _spawn([PY, "-m", "router.cli", "--port", "0", "--replicas", replica, "--strategy", "kvaware",
-                     "--l2fs-master", l2_master, "--l2fs-model-name", MODEL, "--l2fs-timeout", "5"], log,
+                     "--l2fs-master", l2_master, "--l2fs-model-name", MODEL, "--l2fs-timeout", "5", "--l2fs-lookup", "always"], log,
                     r"listening on (http://\S+)", timeout=120)
     rt = Proc(p, url, log)
     cluster.procs.append(rt)

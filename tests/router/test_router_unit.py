@@ -127,6 +127,53 @@ def test_request_cost_lets_a_short_prompt_yield_to_load_and_a_long_one_keep_its_
         assert p.cost(held, n, n, 0) == pytest.approx(request_cost * 3)
 
 
+def test_l2_can_change_is_exact_where_it_says_no_and_decide_matches_choose() -> None:
+    """Plan.l2_can_change() == False must mean no L2 hit of any length picks another replica (the router then
+    skips the lookup); decide(l2) must pick as choose(l2_tokens=l2) does. Random fleets of 2-4 replicas with
+    random holdings, loads and in-flight requests, every L2 length in whole chunks."""
+    rng = random.Random(7)
+    skipped = looked = 0
+    for trial in range(400):
+        k = rng.randint(2, 4)
+        n = rng.choice((64, 300, 1100))
+        toks = list(range(trial * 5000, trial * 5000 + n))
+        p, rs = Policy(block_size=16, load_epsilon=10.0, request_cost=rng.choice((0.0, 100.0, 800.0)),
+                       l2_credit=rng.choice((0.3, 0.5, 0.9))), reps(k)
+        for r in rs:
+            if rng.random() < 0.6:
+                p.record("prefixaware", Decision(r, "least_cost", keys=block_keys(toks[:rng.randint(16, n)], 16,
+                                                                                   root_key())))
+            r.inflight = rng.randint(0, 3)
+            r.prefill_tokens = rng.randint(0, 400)
+        plan = p.plan("prefixaware", rs, toks)
+        picks = set()
+        for l2 in range(0, n + 256, 256):
+            p._rng = random.Random(0)
+            d = p.plan("prefixaware", rs, toks).decide(l2)
+            p._rng = random.Random(0)
+            assert p.choose("prefixaware", rs, toks, l2_tokens=l2).replica is d.replica
+            picks.add(d.replica.url)
+        if plan.l2_can_change():
+            looked += 1
+        else:
+            skipped += 1
+            assert len(picks) == 1, (trial, picks)
+    assert skipped > 100 and looked > 20, (skipped, looked)  # both branches exercised
+
+
+def test_l2_can_change_only_when_the_holder_is_ahead_by_less_than_l2_could_give() -> None:
+    p, (held, idle) = Policy(block_size=16, load_epsilon=10.0, request_cost=800.0, l2_credit=0.5), reps(2)
+    toks = list(range(1000, 2100))  # 1,100 tokens, 1,088 in whole blocks
+    assert not p.plan("prefixaware", [held, idle], toks).l2_can_change()  # nobody holds it
+    p.record("prefixaware", Decision(held, "least_cost", keys=block_keys(toks, 16, root_key())))
+    assert not p.plan("prefixaware", [held, idle], toks).l2_can_change()  # idle holder: ahead by 1,088 > 544
+    held.inflight = 1  # ahead by 288 now, and L2 could give the other replica up to 544
+    plan = p.plan("prefixaware", [held, idle], toks)
+    assert plan.l2_can_change()
+    assert plan.decide(1024).replica is idle and p.plan("prefixaware", [held, idle], toks).decide(0).replica is held
+    assert not p.plan("roundrobin", [held, idle], toks).l2_can_change()
+
+
 def test_roundrobin_rotates() -> None:
     p, rs = Policy(), reps(3)
     assert [p.choose("roundrobin", rs, None).replica.url for _ in range(4)] == [r.url for r in rs + rs[:1]]
