@@ -84,17 +84,20 @@ class Target:
 # ---------- HTTP: metrics, tokenizer, streamed completion ----------
 
 def parse_counters(text: str, names: tuple[str, ...]) -> dict[str, float]:
-    """Prometheus text -> {name: sum over all label sets} for the given metric names (absent ones left out)."""
+    """Prometheus text -> {name: sum over all label sets} for the given metric names (absent ones left out).
+    A name with its labels as exposed (`x_total{result="hit"}`) selects that one series."""
     out: dict[str, float] = {}
     for line in text.splitlines():
         if not line or line[0] == "#":
             continue
-        name = line.split("{", 1)[0].split(" ", 1)[0]
-        if name in names:
-            try:
-                out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
-            except ValueError:
-                continue
+        series, _, value = line.rpartition(" ")
+        name = series.split("{", 1)[0]
+        for key in (name, series) if series != name else (name,):
+            if key in names:
+                try:
+                    out[key] = out.get(key, 0.0) + float(value)
+                except ValueError:
+                    continue
     return out
 
 

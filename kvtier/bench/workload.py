@@ -194,8 +194,10 @@ def run_session(s: Session, plan: Plan, url: str, model: str, answer_tokens: int
 
 
 # kvtier's router's own series: its time per request, beside the engines' (is a slower arm the router or the policy?)
-ROUTER_SERIES = {f"{what}_{part}": f"kvtier_router_{what}_seconds_{part}"
-                 for what in ("overhead", "tokenize") for part in ("sum", "count")}
+ROUTER_SERIES = {**{f"{what}_{part}": f"kvtier_router_{what}_seconds_{part}"
+                    for what in ("overhead", "tokenize") for part in ("sum", "count")},
+                 **{f"l2_{result}": f'kvtier_router_l2_lookups_total{{result="{result}"}}'
+                    for result in ("hit", "miss", "failed", "skipped")}}
 
 
 def router_ms(before: dict[str, float], after: dict[str, float]) -> dict[str, float | None]:
@@ -205,6 +207,9 @@ def router_ms(before: dict[str, float], after: dict[str, float]) -> dict[str, fl
         n = after.get(f"{what}_count", 0.0) - before.get(f"{what}_count", 0.0)
         t = after.get(f"{what}_sum", 0.0) - before.get(f"{what}_sum", 0.0)
         out[f"router_{what}_ms"] = 1e3 * t / n if n > 0 else None
+    if any(k.startswith("l2_") for k in after):  # kvaware with L2: lookups asked (by result) and skipped
+        for result in ("hit", "miss", "failed", "skipped"):
+            out[f"router_l2_{result}"] = after.get(f"l2_{result}", 0.0) - before.get(f"l2_{result}", 0.0)
     return out
 
 
@@ -827,7 +832,10 @@ def main(argv: list[str] | None = None) -> int:
                     f"distinct context {s['distinct_context_tokens']} vs L0+L1 {cap}, load {fmt(s['load_after'], 1)}, "
                     f"requests per replica {'/'.join(fmt(x, 0) for x in s.get('replica_requests', []))}"
                     + (f", router {fmt(s['router_overhead_ms'], 2)} ms + tokenize {fmt(s.get('router_tokenize_ms'), 2)} ms"
-                       if s.get("router_overhead_ms") is not None else ""))
+                       if s.get("router_overhead_ms") is not None else "")
+                    + (", L2 lookups hit/miss/failed/skipped "
+                       + "/".join(fmt(s[f"router_l2_{x}"], 0) for x in ("hit", "miss", "failed", "skipped"))
+                       if "router_l2_skipped" in s else ""))
     finally:
         fleet.stop_replicas()
         fleet.stop()
