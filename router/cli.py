@@ -85,6 +85,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--connect-timeout", type=float, default=2.0)
     p.add_argument("--upstream-timeout", type=float, default=600.0,
                    help="seconds to wait for a replica's first byte (and between bytes)")
+    p.add_argument("--keep-alive-timeout", type=float, default=75.0,
+                   help="seconds an idle client connection stays open. Longer than any client's or load "
+                        "balancer's own idle timeout (httpx 5 s, AWS ALB 60 s), so the client always closes "
+                        "first: a server closing at the moment the client reuses the connection loses that "
+                        "request ('Server disconnected without sending a response'); uvicorn's default is 5 s")
     p.add_argument("--retries", type=int, default=2, help="other replicas to try before the first byte")
     p.add_argument("--load-epsilon", type=float, default=0.25, help="no replica above (1+e) x mean in-flight")
     p.add_argument("--decode-beta", type=float, default=0.1, help="cost weight of active decode context tokens")
@@ -287,7 +292,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.workers > 1 and args.worker_of is None:
         return _supervise(args, list(sys.argv[1:] if argv is None else argv))
     for flag in ("max_inflight", "max_inflight_per_replica", "max_queue", "queue_timeout", "load_scrape_interval",
-                 "load_epsilon", "decode_beta", "request_cost", "l2fs_min_tokens", "tokenize_inline_bytes"):
+                 "load_epsilon", "decode_beta", "request_cost", "l2fs_min_tokens", "tokenize_inline_bytes",
+                 "keep_alive_timeout"):
         if getattr(args, flag) < 0:
             print(f"kvtier router: --{flag.replace('_', '-')} must be >= 0", file=sys.stderr)
             return 2
@@ -357,6 +363,7 @@ def main(argv: list[str] | None = None) -> int:
     scheme = "https" if args.tls_cert else "http"
     # uvicorn loads the certificate in Config.load() (inside serve), so a bad pair fails before we print
     config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=2,
+                            timeout_keep_alive=args.keep_alive_timeout,
                             ssl_certfile=args.tls_cert, ssl_keyfile=args.tls_key)
     if args.tls_cert:
         try:
