@@ -36,7 +36,7 @@ from router.accounting import CacheAccounting, TierCostCalibrator
 from router.admission import AdmissionConfig, Gate, Ticket
 from router.kvevents import DROPPED, KVEventSubscriber
 from router.metrics import Metrics
-from router.policy import STRATEGIES, Decision, Policy, UnknownStrategy
+from router.policy import STRATEGIES, Decision, Plan, Policy, UnknownStrategy
 from router.replicas import Replica, ReplicaSet
 from router.tokens import INLINE_BYTES, RemoteTokenizeFailed, TokenizeError, Tokenizer
 
@@ -481,20 +481,24 @@ class Router:
         self.m.l2_lookups.labels("hit" if got else "miss").inc()
         return got
 
-    def _l2_worth_it(self, call: _Call, cands: list[Replica]) -> bool:
-        """Whether to wait for an L2 lookup before routing this request (counted as skipped when not)."""
+    def _plan(self, call: _Call, cands: list[Replica]) -> Plan:
+        return self.policy.plan(call.strategy, cands, call.tokens, session=call.session, model=call.model,
+                                cache_salt=call.salt)
+
+    def _skip_l2(self, call: _Call, cands: list[Replica]) -> Plan | None:
+        """The plan to route by at once when no L2 answer could change it (counted as skipped); None when the
+        lookup is worth its wait (or configured for every request)."""
         if self.cfg.l2_lookup_when == "always" or self.calibrator is not None:
-            return True
-        if self.policy.plan(call.strategy, cands, call.tokens, session=call.session, model=call.model,
-                            cache_salt=call.salt).l2_can_change():
-            return True
+            return None
+        plan = self._plan(call, cands)
+        if plan.l2_can_change():
+            return None
         call.l2_due = False
         self.m.l2_lookups.labels("skipped").inc()
-        return False
+        return plan
 
-    def _route(self, call: _Call, cands: list[Replica]) -> Decision:
-        d = self.policy.choose(call.strategy, cands, call.tokens, session=call.session, model=call.model,
-                               cache_salt=call.salt, l2_tokens=call.l2)
+    def _route(self, call: _Call, cands: list[Replica], plan: Plan | None = None) -> Decision:
+        d = (plan or self._plan(call, cands)).decide(call.l2)
         self.policy.record(call.strategy, d)
         self.m.decisions.labels(call.strategy, d.reason).inc()
         return d
@@ -507,7 +511,8 @@ class Router:
         for attempt in range(self.cfg.retries + 1):
             avail = [r for r in self.replicas.available() if r.url not in tried]
             cands = [r for r in avail if r.inflight < cap]  # a replica at its bound is not a candidate
-            if call.l2_due and cands and self._l2_worth_it(call, cands):
+            plan = None
+            if call.l2_due and cands and (plan := self._skip_l2(call, cands)) is None:
                 await self._lookup_l2(call)  # then the candidates again: loads moved while we waited
                 avail = [r for r in self.replicas.available() if r.url not in tried]
                 cands = [r for r in avail if r.inflight < cap]
@@ -516,7 +521,7 @@ class Router:
                     return self._reject(call.rid, call.strategy, 429, "replica_full",
                                         "every replica is at its in-flight bound")
                 break
-            d = self._route(call, cands)
+            d = self._route(call, cands, plan)  # a skip's plan: nothing awaited since it read the loads
             tried.add(d.replica.url)
             adm = _Admission(d.replica, d, len(call.tokens), self.m)
             if attempt == 0:
