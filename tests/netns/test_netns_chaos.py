@@ -121,7 +121,10 @@ def test_signal_pids_with_group_takes_the_leaders_whole_group(netns_cluster: Net
     c = netns_cluster
     leader = c.spawn(1, ["sh", "-c", "sleep 300 & sleep 300; : chaos-group-probe"], tmp_path / "g.log")
     other = c.popen(1, ["sleep", "301"])
-    wait_until(lambda: len(c.pids(1, "sleep 300")) >= 2, 10, message="the group's children did not start")
+    # both children exec'ed: the leader's own command line says "sleep 300" too, and a child forked but not yet
+    # exec'ed still carries the leader's (probe included)
+    wait_until(lambda: len(c.pids(1, "sleep 300")) >= 3 and c.pids(1, "chaos-group-probe") == [leader.pid], 10,
+               message="the group's children did not start")
     assert c.signal_pids(1, signal.SIGSTOP, "chaos-group-probe") == [leader.pid]
     stopped = c.signal_pids(1, signal.SIGSTOP, "chaos-group-probe", group=True)
     assert len(stopped) == 3 and leader.pid in stopped and other.pid not in stopped
