@@ -25,6 +25,7 @@ import grpc
 import pytest
 from l2fs_helpers import wait_until
 
+from l2fs import procs
 from l2fs.common import BlockKey, capability
 from l2fs.master import MasterService, serve
 from l2fs.proto import l2fs_pb2 as pb
@@ -167,8 +168,11 @@ def test_commit_sealed_only_after_delivery_master_restart_drops_it(make_cluster:
     finally:
         os.kill(proc.pid, signal.SIGCONT)
     c.wait_workers(ids=[c.workers[0].worker_id])
-    for path, a, _ in written:
-        wait_until(lambda a=a: not _block_file(c, a.block_id).exists(), timeout=15)  # deleted on the worker
+    for path, a, _ in written:  # deleted on the worker once its re-registration got the master's answer (a CI
+        # run once missed 15 s here; the logs say where it stood if it happens again)
+        wait_until(lambda a=a: not _block_file(c, a.block_id).exists(), timeout=45,
+                   message=lambda: "\n".join(procs.tail(c.base / "logs" / f"{n}.log", 15)
+                                             for n in ("master", "worker-1")))
         assert cl.stat(path) is None and cl.get(path) is None
     assert _rejects(c, "unsealed") == 2
     assert cl.get("/s/old") == old
