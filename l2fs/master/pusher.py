@@ -94,6 +94,7 @@ class PusherOps(NamespaceOps):
                 return False
             address = w.address
             send_lock = self._send_locks.setdefault(wid, threading.Lock())
+        entry = w
         if not send_lock.acquire(timeout=lock_wait):
             return False
         try:
@@ -114,6 +115,15 @@ class PusherOps(NamespaceOps):
             except grpc.RpcError as e:
                 log.warning("worker %s: %d pending namespace change(s) not confirmed yet (%s)", wid, len(ops),
                             e.code())
+                return False
+            with self.lock:
+                same = self.workers.get(wid) is entry and entry.alive
+            if not same:
+                # declared dead (or re-registered) while this push was in flight: its re-registration report
+                # may have been read before the worker applied these changes, and only the pending changes
+                # keep that report from publishing a removed or renamed-away path again. Keep them; the next
+                # push sends them again (deletes and SetPaths are idempotent on the worker).
+                log.info("worker %s: %d change(s) applied across its re-registration; kept pending", wid, len(ops))
                 return False
             self.pending.acked(wid, ops)
             PENDING.set(len(self.pending))

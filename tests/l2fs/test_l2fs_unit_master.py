@@ -168,6 +168,37 @@ def test_rename_directory_moves_files_and_tells_the_worker(setup: Setup) -> None
     assert e.code() == grpc.StatusCode.INVALID_ARGUMENT and trailer(e, "l2fs-errno") == "EINVAL"
 
 
+def test_a_push_confirmed_across_a_reregistration_stays_pending(setup: Setup) -> None:
+    """The race a CI run caught (tests/reliability/test_reliability_durable_ns.py): a rename pushed to a worker
+    that was paused, declared dead while the push was in flight, then woke, applied it and answered; its
+    re-registration report, read before it applied the rename, still says the old path. The master must not
+    forget the change on that answer, or the report publishes the renamed-away path again."""
+    register(setup)
+    put(setup, "/ns/a", b"payload")
+    bid = setup.master.Stat(pb.PathRequest(path="/ns/a")).locations[0].block_id
+    stale = pb.BlockReport(block_id=bid, path="/ns/a", size=7, mtime=setup.store.blocks[bid].mtime,
+                           crc32c=setup.store.blocks[bid].crc32c)
+    real = setup.service._worker_stub(setup.worker_address)
+
+    class DiesDuringThePush:
+        def __getattr__(self, name: str) -> object:
+            return getattr(real, name)
+
+        def SetPaths(self, request: pb.SetPathsRequest, **kw: object) -> object:  # noqa: N802
+            with setup.service.lock:  # what the reaper does when the heartbeat is overdue
+                setup.service.workers["w1"].alive = False
+            return real.SetPaths(request, **kw)  # then the worker wakes, applies it and answers
+
+    setup.service._stubs[setup.worker_address] = DiesDuringThePush()
+    setup.master.Rename(pb.RenameRequest(src="/ns/a", dst="/ns/b"))
+    assert setup.store.blocks[bid].path == "/ns/b"  # the worker applied it
+    setup.service._stubs[setup.worker_address] = real
+    register(setup, blocks=[stale])  # the report it read before applying the rename
+    assert not setup.master.Stat(pb.PathRequest(path="/ns/a")).exists, "the renamed-away path came back"
+    assert setup.master.Stat(pb.PathRequest(path="/ns/b")).locations[0].block_id == bid
+    wait_until(lambda: len(setup.service.pending) == 0, 10)  # and the next push confirms it for good
+
+
 def test_errors_carry_structured_kinds(setup: Setup) -> None:
     register(setup)
     put(setup, "/dir/f", b"x")
