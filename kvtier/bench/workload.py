@@ -193,11 +193,12 @@ def run_session(s: Session, plan: Plan, url: str, model: str, answer_tokens: int
     user.done.set()
 
 
+# kvaware's L2 lookup results, as the router labels kvtier_router_l2_lookups_total
+L2_RESULTS = ("hit", "miss", "failed", "skipped")
 # kvtier's router's own series: its time per request, beside the engines' (is a slower arm the router or the policy?)
 ROUTER_SERIES = {**{f"{what}_{part}": f"kvtier_router_{what}_seconds_{part}"
                     for what in ("overhead", "tokenize") for part in ("sum", "count")},
-                 **{f"l2_{result}": f'kvtier_router_l2_lookups_total{{result="{result}"}}'
-                    for result in ("hit", "miss", "failed", "skipped")}}
+                 **{f"l2_{result}": f'kvtier_router_l2_lookups_total{{result="{result}"}}' for result in L2_RESULTS}}
 
 
 def router_ms(before: dict[str, float], after: dict[str, float]) -> dict[str, float | None]:
@@ -208,7 +209,7 @@ def router_ms(before: dict[str, float], after: dict[str, float]) -> dict[str, fl
         t = after.get(f"{what}_sum", 0.0) - before.get(f"{what}_sum", 0.0)
         out[f"router_{what}_ms"] = 1e3 * t / n if n > 0 else None
     if any(k.startswith("l2_") for k in after):  # kvaware with L2: lookups asked (by result) and skipped
-        for result in ("hit", "miss", "failed", "skipped"):
+        for result in L2_RESULTS:
             out[f"router_l2_{result}"] = after.get(f"l2_{result}", 0.0) - before.get(f"l2_{result}", 0.0)
     return out
 
@@ -834,7 +835,7 @@ def main(argv: list[str] | None = None) -> int:
                     + (f", router {fmt(s['router_overhead_ms'], 2)} ms + tokenize {fmt(s.get('router_tokenize_ms'), 2)} ms"
                        if s.get("router_overhead_ms") is not None else "")
                     + (", L2 lookups hit/miss/failed/skipped "
-                       + "/".join(fmt(s[f"router_l2_{x}"], 0) for x in ("hit", "miss", "failed", "skipped"))
+                       + "/".join(fmt(s[f"router_l2_{x}"], 0) for x in L2_RESULTS)
                        if "router_l2_skipped" in s else ""))
     finally:
         fleet.stop_replicas()

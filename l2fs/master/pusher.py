@@ -94,7 +94,6 @@ class PusherOps(NamespaceOps):
                 return False
             address = w.address
             send_lock = self._send_locks.setdefault(wid, threading.Lock())
-        entry = w
         if not send_lock.acquire(timeout=lock_wait):
             return False
         try:
@@ -117,7 +116,7 @@ class PusherOps(NamespaceOps):
                             e.code())
                 return False
             with self.lock:
-                same = self.workers.get(wid) is entry and entry.alive
+                same = self.workers.get(wid) is w and w.alive
             if not same:
                 # declared dead (or re-registered) while this push was in flight: its re-registration report
                 # may have been read before the worker applied these changes, and only the pending changes
