@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import mmap
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -89,6 +90,32 @@ class WriteOps(ClientCore):
             raise r
         return r
 
+
+    def put_file(self, path: str, fd: int, *, if_absent: bool = True, order_hint: int | None = None) -> bool:
+        """put() of a regular file's current bytes, sent from a mapping of the file (no copy into a buffer). The
+        file must not change until this returns (nor be truncated: that would fault the mapping).
+
+        Why MAP_POPULATE: a lazily faulted mapping takes a fault per 4 KiB page; a client's 32 MiB put from it ran
+        32.8 ms against 20.2 ms populated and 20.5 ms for put() of the same bytes in memory (2026-12-04; in the
+        passthrough mount's publish no difference was resolved). Why not `with mmap(...)`: a raised error's
+        traceback holds the frames that hold views of the mapping, and closing it would fail over the error."""
+        size = os.fstat(fd).st_size
+        if not size:
+            return self.put(path, b"", if_absent=if_absent, order_hint=order_hint)
+        m = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0), prot=mmap.PROT_READ)
+        view = memoryview(m)
+        try:
+            r = self.put_many([(_check(path), view)], if_absent=if_absent,
+                              order_hints=None if order_hint is None else [order_hint], return_exceptions=True)[0]
+        finally:
+            view.release()
+            try:
+                m.close()
+            except BufferError:  # a failed item's traceback still holds a view of it: unmapped when collected
+                pass
+        if isinstance(r, BaseException):
+            raise r.with_traceback(None)
+        return bool(r)
 
     def put_many(self, items: Sequence[tuple[str, bytes | bytearray | memoryview]], *, if_absent: bool = True,
                  order_hints: Sequence[int] | None = None, return_exceptions: bool = False
