@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import fcntl
+import os
 import socket
 import struct
 import threading
@@ -19,6 +21,34 @@ from l2fs.dataplane.wire import (
     DataPlaneError,
     recv_exact,
 )
+
+F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)
+PIPE_BYTES = 1 << 20  # pipe buffer asked for by splice_in (the kernel may give less: pipe-max-size)
+
+
+def splice_in(s: socket.socket, fd: int, size: int, deadline: float) -> None:
+    """Move `size` bytes from the (blocking, SO_RCVTIMEO-armed) socket into fd at offsets 0..size through a pipe,
+    in the kernel. A stalled peer ends in the socket's timeout (OSError), a closed one in ConnectionError."""
+    r, w = os.pipe2(os.O_CLOEXEC)
+    try:
+        try:
+            fcntl.fcntl(w, F_SETPIPE_SZ, PIPE_BYTES)
+        except OSError:
+            pass  # the default 64 KiB pipe works, in more calls
+        off = 0
+        while off < size:
+            if time.monotonic() > deadline:
+                raise TimeoutError("data-plane read deadline")
+            k = os.splice(s.fileno(), w, min(PIPE_BYTES, size - off))
+            if not k:
+                raise ConnectionError("worker closed mid-read")
+            while k:
+                n = os.splice(r, fd, k, offset_dst=off)
+                off += n
+                k -= n
+    finally:
+        os.close(r)
+        os.close(w)
 
 
 def _alive(s: socket.socket) -> bool:
@@ -91,6 +121,19 @@ class DataClient:
         msg = recv_exact(s, n).decode(errors="replace")
         return DataPlaneBusy(msg) if status == BUSY else DataPlaneError(status, msg)
 
+    def _ask_read(self, s: socket.socket, bid: str, deadline: float, cap: str) -> tuple[int, int]:
+        """Send a read request on s and take the answer's head: (size, crc32c the worker recorded); the bytes
+        follow on s. A refusal raises its typed error (the socket is closed)."""
+        self._arm(s, deadline)
+        s.sendall(self._header(b"R", bid, cap))
+        status = recv_exact(s, 1)[0]
+        if status != OK:
+            err = self._error(s, status)
+            s.close()
+            raise err
+        size, crc = READ_OK.unpack(recv_exact(s, READ_OK.size))
+        return size, crc
+
     def read(self, address: str, bid: str, deadline: float, into: memoryview | None = None, cap: str = ""
              ) -> tuple[bytes | int, int, int | None]:
         """(data or byte count, crc32c the worker recorded, crc32c of what arrived when `into` was given:
@@ -98,14 +141,7 @@ class DataClient:
         s = self._get(address, deadline)
         computed: int | None = None
         try:
-            self._arm(s, deadline)
-            s.sendall(self._header(b"R", bid, cap))
-            status = recv_exact(s, 1)[0]
-            if status != OK:
-                err = self._error(s, status)
-                s.close()
-                raise err
-            size, crc = READ_OK.unpack(recv_exact(s, READ_OK.size))
+            size, crc = self._ask_read(s, bid, deadline, cap)
             if into is not None:
                 if into.nbytes < size:
                     raise ValueError(f"buffer of {into.nbytes} bytes < block of {size}")
@@ -130,6 +166,23 @@ class DataClient:
             raise
         self._put_back(address, s)
         return result, crc, computed
+
+    def read_to_file(self, address: str, bid: str, deadline: float, fd: int, cap: str = "") -> tuple[int, int]:
+        """Read a block straight into the file `fd` (bytes 0..size, by splice: socket -> pipe -> file inside the
+        kernel, never through user space): (size, crc32c the worker recorded). The caller checks the CRC over the
+        file. Raises on any fault (callers: miss).
+
+        Why: the passthrough mount's cross-node copies are files; received into a buffer and then written, a
+        32 MiB block crossed user space twice (0.17x of the native read, 2026-12-04)."""
+        s = self._get(address, deadline)
+        try:
+            size, crc = self._ask_read(s, bid, deadline, cap)
+            splice_in(s, fd, size, deadline)
+        except BaseException:
+            s.close()
+            raise
+        self._put_back(address, s)
+        return size, crc
 
     @staticmethod
     def _fill(s: socket.socket, mv: memoryview, deadline: float) -> None:

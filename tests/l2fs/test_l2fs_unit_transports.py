@@ -153,3 +153,50 @@ def test_report_corrupt_rechecks_before_dropping(worker: Worker) -> None:
     f.write_bytes(bytes(raw))
     worker.stub.ReportCorrupt(pb.BlockIds(block_ids=[good, bad]), timeout=10)
     assert good in worker.store.blocks and bad not in worker.store.blocks
+
+
+def test_read_to_file_splices_the_block_into_the_file(worker: Worker, tmp_path: Path) -> None:
+    """The passthrough mount's cross-node fetch: the block lands in the file byte for byte with the recorded
+    CRC, the connection goes back to the pool and serves the next read; a missing block is the typed miss."""
+    data = os.urandom(200 * KB + 7)
+    bid = uuid.uuid4().hex
+    worker.data.write(worker.data_address, bid, f"/s/{bid}", memoryview(data), 0, worker.deadline())
+    fd = os.open(tmp_path, os.O_TMPFILE | os.O_RDWR)
+    try:
+        assert worker.data.read_to_file(worker.data_address, bid, worker.deadline(), fd) == (
+            len(data), crc32c.crc32c(data))
+        assert os.pread(fd, len(data) + 1, 0) == data
+        assert worker.data.read(worker.data_address, bid, worker.deadline())[0] == data  # same pooled socket
+        with pytest.raises(DataPlaneError) as e:
+            worker.data.read_to_file(worker.data_address, uuid.uuid4().hex, worker.deadline(), fd)
+        assert e.value.status == NOT_FOUND
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.parametrize("peer", ["stalls", "closes"])
+def test_splice_in_ends_on_a_stalled_or_closed_peer(tmp_path: Path, peer: str) -> None:
+    """A peer that sends half a block and then stalls ends the splice at the socket's timeout (a miss for the
+    mount, not a hang); one that closes mid-block ends it at once."""
+    import socket
+
+    from l2fs.dataplane.client import splice_in
+
+    ls = socket.create_server(("127.0.0.1", 0))
+    c = socket.create_connection(ls.getsockname())
+    s, _ = ls.accept()
+    fd = os.open(tmp_path, os.O_TMPFILE | os.O_RDWR)
+    try:
+        deadline = time.monotonic() + 0.5
+        DataClient._arm(c, deadline)
+        s.sendall(os.urandom(64 * KB))
+        if peer == "closes":
+            s.close()
+        t0 = time.monotonic()
+        with pytest.raises(ConnectionError if peer == "closes" else BlockingIOError):  # EAGAIN: SO_RCVTIMEO
+            splice_in(c, fd, 128 * KB, deadline + 10)  # the socket's own timeout (0.5 s) ends it
+        assert time.monotonic() - t0 < 5
+    finally:
+        os.close(fd)
+        for x in (c, s, ls):
+            x.close()
