@@ -38,6 +38,9 @@ CHUNK = 256 * 57344  # 14,680,064 bytes
 
 
 def median_gbps(size: int, fn: Callable[[int], object], iters: int, warmup: int = 2) -> float:
+    # the rows before wrote GBs into the page cache: their writeback would slow whichever row runs next
+    # (native writes measured 0.40-1.79 GB/s in one session without this)
+    os.sync()
     for i in range(warmup):
         fn(-1 - i)
     times = []
