@@ -25,6 +25,7 @@ from l2fs.client.types import _Put
 from l2fs.common import (
     FRAME,
     crc32c_fast,
+    pwrite_all,
 )
 from l2fs.common.capability import NOT_READY
 from l2fs.common.fdpass import WRITE as FD_WRITE
@@ -56,9 +57,7 @@ def _write_file(tmp_path: str, mv: memoryview) -> bool:
 def _write_fd(fd: int, mv: memoryview) -> bool:
     """Write all of `mv` to a fresh temp file's fd and close it; False on any error."""
     try:
-        n = 0
-        while n < mv.nbytes:
-            n += os.write(fd, mv[n:])
+        pwrite_all(fd, mv)
         return True
     except OSError:
         return False

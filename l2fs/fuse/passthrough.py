@@ -49,7 +49,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from l2fs.client import Client, L2fsError
-from l2fs.common import DEFAULT_MAX_FILE_SIZE, crc32c_fast, parse_size
+from l2fs.common import DEFAULT_MAX_FILE_SIZE, crc32c_fast, parse_size, pwrite_all
 from l2fs.fuse import kernel as fp
 from l2fs.fuse.main import mount_type, stat_is_dir
 from l2fs.fuse.operations import errno_of
@@ -66,7 +66,6 @@ BUF_SIZE = MAX_WRITE + 64 * 1024  # one request: header + a 1 MiB write
 PF_EXITING = 0x4  # /proc/<pid>/stat flags: the task is in do_exit
 DT_DIR, DT_REG = 4, 8
 POOL_BYTES = 128 << 20  # freed fetch buffers kept for reuse
-WRITE_PIECE = 1 << 20  # bytes per write() into a cache file (see BlockCache._buffered)
 # An OPEN right after the LOOKUP of the same open(2) reuses the lookup's Stat answer when it is this fresh
 # (one master round trip per open instead of two); older answers are asked again (close-to-open).
 STAT_REUSE = 0.1
@@ -227,17 +226,14 @@ class BlockCache:
 
     def _buffered(self, st_: pb.FileStat, loc: pb.Location, fd: int, deadline: float) -> bool:
         """gRPC only: the client reads (and checks) into a reused buffer (already mapped: a fresh mmap of the
-        file cost a page fault per 4 KiB), written to the file in 1 MiB writes (one 32 MiB write() into a new
-        ext4 file ran 9x slower on the test box)."""
+        file cost a page fault per 4 KiB), written to the file in pieces (l2fs.common.fileio says why)."""
         size = st_.size
         buf = self.take(size)
         view = memoryview(buf)[:size]
         try:
             if self.client.get_into(st_.path, view) != size:
                 return False
-            done = 0
-            while done < size:
-                done += os.pwrite(fd, view[done:done + WRITE_PIECE], done)
+            pwrite_all(fd, view)
             return True
         finally:
             view.release()

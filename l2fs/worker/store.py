@@ -30,7 +30,7 @@ import crc32c
 import grpc
 from prometheus_client import Counter, Gauge
 
-from l2fs.common import DEFAULT_MAX_FILE_SIZE, FRAME, RpcError
+from l2fs.common import DEFAULT_MAX_FILE_SIZE, FRAME, RpcError, pwrite_all
 from l2fs.proto import l2fs_pb2 as pb
 
 log = logging.getLogger("l2fs.worker")
@@ -483,11 +483,11 @@ class Store:
             crc, n = 0, 0
             with f:
                 for data in chunks:
-                    n += len(data)
-                    if n > size:
+                    if n + len(data) > size:
                         raise RpcError(grpc.StatusCode.INVALID_ARGUMENT,
                                        f"stream carries more than the declared {size} bytes")
-                    f.write(data)
+                    pwrite_all(f.fileno(), data, n)  # gRPC frames are 4 MiB: written in 1 MiB writes
+                    n += len(data)
                     crc = crc32c.crc32c(data, value=crc)
                 ident = os.fstat(f.fileno())
             if n != size:
@@ -566,7 +566,7 @@ class Store:
                     if off == size and size:
                         with mmap.mmap(mfd, size, prot=mmap.PROT_READ) as mm:
                             actual = crc32c.crc32c(mm)
-                            f.write(mm)
+                            pwrite_all(f.fileno(), mm)
                     ident = os.fstat(f.fileno())
             finally:
                 os.close(mfd)
