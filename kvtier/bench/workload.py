@@ -289,6 +289,25 @@ def summarize_step(rows: list[dict[str, Any]], d: dict[str, float | None], wall:
 
 # ---------- the fleet: one l2fs cluster, replicas (re)started per tier ----------
 
+def keep_logs(logs: Path) -> Path | None:
+    """Move an earlier run's logs aside (logs-<its last write, UTC>) so this run's do not overwrite them: two runs
+    with one --dir once lost the router log that would have explained a failed request. Returns where they went."""
+    try:
+        entries = list(logs.iterdir())
+    except OSError:
+        return None
+    if not entries:
+        return None
+    last = max(e.stat().st_mtime for e in entries)
+    dest = logs.with_name(f"logs-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime(last))}")
+    n = 1
+    while dest.exists():
+        n += 1
+        dest = logs.with_name(f"logs-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime(last))}-{n}")
+    logs.rename(dest)
+    return dest
+
+
 class Fleet(Stack):
     """`kvtier up`'s Stack (l2fs master + workers, mounts when a mount arm runs) whose replicas are restarted
     per tier: none (vLLM alone), l1 (LMCache, no L2), plugin (l2fs connector) or mount (fs:// on the mount)."""
@@ -325,6 +344,7 @@ class Fleet(Stack):
         # the run, and a rerun with the same --dir and --seed sends the same documents, which would be L2 hits
         shutil.rmtree(self.base / "l2fs", ignore_errors=True)
         self.base.mkdir(parents=True, exist_ok=True)
+        keep_logs(self.base / "logs")
         (self.base / "logs").mkdir(exist_ok=True)
         self.model = self.model_arg or ""
         self.gpu_slots = [None] * self.n_replicas
