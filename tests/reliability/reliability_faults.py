@@ -24,6 +24,7 @@ from typing import Any
 from polling import wait_until, waited  # noqa: F401  (the suite's one poller, re-exported)
 
 from kvtier.bench.common import rss_bytes  # noqa: F401  (re-exported: the reliability tests use it)
+from l2fs.common import free_port
 
 # Client deadline used throughout the suite: the l2fs client's default (2 s), the most a fault may cost a call
 # before it is a miss or an error (docs/reliability.md).
@@ -340,17 +341,16 @@ class FaultProxy:
 
 
 def free_loopback_port() -> int:
-    """A port free on both 127.0.0.1 and 127.0.0.2 a moment ago (for same-port proxies)."""
+    """A port free on both 127.0.0.1 and 127.0.0.2 a moment ago (for same-port proxies); drawn the way
+    l2fs.common.free_port draws (below the kernel's ephemeral range, where outgoing connections do not take it)."""
     while True:
-        with socket.socket() as a:
-            a.bind(("127.0.0.1", 0))
-            port = a.getsockname()[1]
-            with socket.socket() as b:
-                try:
-                    b.bind(("127.0.0.2", port))
-                except OSError:
-                    continue
-                return port
+        port = free_port("127.0.0.1")
+        with socket.socket() as b:
+            try:
+                b.bind(("127.0.0.2", port))
+            except OSError:
+                continue
+            return port
 
 
 def _reset(s: socket.socket) -> None:
