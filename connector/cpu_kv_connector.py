@@ -43,6 +43,7 @@ class CPUPagedKVConnector(GPUConnectorInterface):
         self._offsets: torch.Tensor | None = None
         self._strides: list[tuple[int, int, int, int]] | None = None  # per K/V: base, head, token, dim
         self.fast_loads = 0  # chunks loaded whole-block by strided copies (the bench and tests read it)
+        self.direct_loads = 0  # of those, written straight into the cache run by run (no block image)
         self.fault = kvtier_envs.get("KVTIER_CPU_CONNECTOR_FAULT") or ""
 
     @classmethod
@@ -163,8 +164,23 @@ class CPUPagedKVConnector(GPUConnectorInterface):
         blocks = torch.div(first, bs, rounding_mode="floor")
         h, d = self.num_kv_heads, self.head_size
         nb, elems = runs.shape[0], 2 * h * bs * d
-        img = torch.empty(nb, elems, dtype=src.dtype)
         assert self._views is not None
+        spans = _block_runs(blocks)
+        if len(spans) <= MAX_DIRECT_RUNS:
+            # blocks in a few consecutive runs (a fresh request's usual allocation): each run's K and V go
+            # straight into the cache by one strided copy, no block image and no second copy
+            for layer, flat in enumerate(self._views):
+                for kv in (0, 1):
+                    base, sh, stok, sd = st[kv]
+                    part = src[kv, layer, :n].view(nb, bs, h, d)
+                    for i, b0, k in spans:
+                        dst = flat.as_strided((k, bs, h, d), (elems, stok, sh, sd),
+                                              flat.storage_offset() + b0 * elems + base)
+                        dst.copy_(part[i:i + k])
+            self.fast_loads += 1
+            self.direct_loads += 1
+            return True
+        img = torch.empty(nb, elems, dtype=src.dtype)
         for layer, flat in enumerate(self._views):
             for kv in (0, 1):
                 base, sh, stok, sd = st[kv]
@@ -182,6 +198,24 @@ class CPUPagedKVConnector(GPUConnectorInterface):
     def batched_from_gpu(self, memory_objs: Any, starts: Any, ends: Any, **kwargs: Any) -> None:
         for obj, s, e in zip(memory_objs, starts, ends, strict=True):
             self.from_gpu(obj, s, e, **kwargs)
+
+
+# Up to this many runs of consecutive blocks, a chunk is copied into the cache run by run (2 x layers x runs
+# strided copies); beyond it through a block image and one index_copy_ per layer (2 x layers + layers).
+MAX_DIRECT_RUNS = 4
+
+
+def _block_runs(blocks: torch.Tensor) -> list[tuple[int, int, int]]:
+    """(index in the chunk, first block, length) of each run of consecutive block ids, in chunk order."""
+    ids = blocks.tolist()
+    out: list[tuple[int, int, int]] = []
+    for i, b in enumerate(ids):
+        if out and out[-1][1] + out[-1][2] == b:
+            j, b0, k = out[-1]
+            out[-1] = (j, b0, k + 1)
+        else:
+            out.append((i, b, 1))
+    return out
 
 
 def affine_strides(offsets: torch.Tensor) -> list[tuple[int, int, int, int]] | None:

@@ -64,26 +64,36 @@ def test_roundtrip_matches_vllm_kernel_layout() -> None:
         assert torch.equal(a, b)
 
 
-def test_whole_block_load_is_strided_and_matches_vllm_kernel() -> None:
-    """vLLM's paged slot mapping (whole blocks, any block order) takes the block-image path, and the cache
-    it writes equals the one vLLM's kernel writes from the same K/V (other blocks untouched)."""
+@pytest.mark.parametrize(("order", "direct"), [
+    ([5, 1, 6], 1),  # three runs of one block: straight into the cache
+    ([2, 3, 4], 1),  # one run (a fresh request's usual allocation)
+    ([6, 7, 1, 2], 1),  # two runs
+    ([7, 5, 3, 1, 6], 0),  # five runs (> MAX_DIRECT_RUNS): through the block image
+])
+def test_whole_block_load_is_strided_and_matches_vllm_kernel(order: list[int], direct: int) -> None:
+    """vLLM's paged slot mapping (whole blocks, any block order) takes a whole-block path (runs of consecutive
+    blocks copied straight into the cache, or a block image when there are many runs), and the cache it writes
+    equals the one vLLM's kernel writes from the same K/V (other blocks untouched), also in a cache that is a
+    slice of a larger allocation (a nonzero storage offset)."""
     torch.manual_seed(2)
-    n_tok = 3 * BS
-    blocks = torch.tensor([5, 1, 6])
+    n_tok = len(order) * BS
+    blocks = torch.tensor(order)
     slots = (blocks[:, None] * BS + torch.arange(BS)).reshape(-1)
     conn = CPUPagedKVConnector.from_metadata(_Md())
     obj = _alloc(n_tok)
     obj.tensor.copy_(torch.randn_like(obj.tensor))
-    dst = [c.fill_(7.0) for c in _caches()]
+    big = torch.full((L + 1, NB, H, BS, 2 * D), 7.0)
+    dst = [big[i + 1] for i in range(L)]  # each layer's cache starts past the previous one's storage
     conn.to_gpu(obj, 0, n_tok, kvcaches=dst, slot_mapping=slots)
-    assert conn.fast_loads == 1
+    assert (conn.fast_loads, conn.direct_loads) == (1, direct)
     ref = [c.fill_(7.0) for c in _caches()]
     k = obj.tensor[0].reshape(L, n_tok, H, D).contiguous()
     v = obj.tensor[1].reshape(L, n_tok, H, D).contiguous()
     _kernel_write(ref, k, v, slots)
     for a, b in zip(ref, dst, strict=True):
         assert torch.equal(a, b)
-    # a chunk that does not fill whole blocks in order takes the per-element path, same result
+    assert bool((big[0] == 7.0).all())  # nothing written before the first layer's cache
+    # a chunk that does not fill whole blocks in order takes the per-element path
     odd = slots.clone()
     odd[:2] = odd[:2].flip(0)
     conn.to_gpu(obj, 0, n_tok, kvcaches=dst, slot_mapping=odd)
