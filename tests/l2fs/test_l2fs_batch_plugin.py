@@ -43,6 +43,11 @@ def _manager(master: str) -> StorageManager:
     return StorageManager(LMCacheEngineConfig.from_defaults(**d), meta, EventManager())
 
 
+def _settled(rpcs: dict[str, float]) -> dict[str, float] | None:
+    """The counts once every AllocateMany so far has its CommitMany counted, else None."""
+    return rpcs if rpcs.get("CommitMany", 0) >= rpcs.get("AllocateMany", 0) >= 1 else None
+
+
 def test_batched_put_is_one_allocate_many_and_one_commit_many(cluster: LocalCluster) -> None:
     sm = _manager(cluster.master)
     try:
@@ -57,7 +62,9 @@ def test_batched_put_is_one_allocate_many_and_one_commit_many(cluster: LocalClus
             # the plugin's start-up publishes its key fingerprint (one put: AllocateMany + CommitMany) in the
             # background; counted from before it finished, its CommitMany landed in our window on a loaded box
             wait_until(lambda: len(load_records(c, MODEL)) > 0, timeout=20.0)
-            before = master_rpcs(cluster)
+            # ... and its CommitMany is counted when the handler returns, which can be after the committed path is
+            # already listed (a CI run counted it inside our window): wait until every AllocateMany has its commit
+            before = wait_until(lambda: _settled(master_rpcs(cluster)), timeout=20.0)
             sm.batched_put(keys, objs)
             paths = [ckeys.key_path(PREFIX, k) for k in keys]
             wait_until(lambda: c.prefix_lookup(paths) == len(paths), timeout=20.0)
