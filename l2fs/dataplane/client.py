@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
 import socket
@@ -26,9 +27,29 @@ F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)
 PIPE_BYTES = 1 << 20  # pipe buffer asked for by splice_in (the kernel may give less: pipe-max-size)
 
 
+class SpliceUnsupported(OSError):
+    """The file (or socket) cannot take part in splice(2) (EINVAL, EOPNOTSUPP, ENOSYS): not a fault of the peer;
+    the caller reads another way."""
+
+
+_NO_SPLICE = (errno.EINVAL, errno.EOPNOTSUPP, errno.ENOSYS)
+
+
 def splice_in(s: socket.socket, fd: int, size: int, deadline: float) -> None:
     """Move `size` bytes from the (blocking, SO_RCVTIMEO-armed) socket into fd at offsets 0..size through a pipe,
-    in the kernel. A stalled peer ends in the socket's timeout (OSError), a closed one in ConnectionError."""
+    in the kernel. A stalled peer ends in the socket's timeout (OSError), a closed one in ConnectionError, a file
+    system without splice support in SpliceUnsupported (the bytes left on the socket: the caller closes it)."""
+    try:
+        _splice_in(s, fd, size, deadline)
+    except SpliceUnsupported:
+        raise
+    except OSError as e:
+        if e.errno in _NO_SPLICE:
+            raise SpliceUnsupported(e.errno, f"splice into this file is not supported: {e.strerror}") from None
+        raise
+
+
+def _splice_in(s: socket.socket, fd: int, size: int, deadline: float) -> None:
     r, w = os.pipe2(os.O_CLOEXEC)
     try:
         try:

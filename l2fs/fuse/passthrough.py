@@ -50,6 +50,7 @@ from typing import Any
 
 from l2fs.client import Client, L2fsError
 from l2fs.common import DEFAULT_MAX_FILE_SIZE, crc32c_fast, parse_size, pwrite_all
+from l2fs.dataplane.client import SpliceUnsupported
 from l2fs.fuse import kernel as fp
 from l2fs.fuse.main import mount_type, stat_is_dir
 from l2fs.fuse.operations import errno_of
@@ -165,6 +166,7 @@ class BlockCache:
         self.users: dict[str, int] = {}
         self.fetching: dict[str, threading.Lock] = {}
         self.bufs: list[bytearray] = []  # fetch buffers free for reuse (already faulted in), POOL_BYTES at most
+        self.splice = True  # fetch by splice until the cache dir's file system refuses it (then buffered)
 
     def open(self, st_: pb.FileStat, loc: pb.Location, deadline: float) -> tuple[int, str]:
         """(read-only fd, name) of the verified local copy of loc's block; fetched if absent."""
@@ -210,10 +212,16 @@ class BlockCache:
 
     def _fetch_into(self, st_: pb.FileStat, loc: pb.Location, fd: int, deadline: float) -> bool:
         c = self.client
-        if not (c.data_plane and loc.data_address):
+        if not (c.data_plane and loc.data_address and self.splice):
             return self._buffered(st_, loc, fd, deadline)
         try:  # the very block located (not whatever the path names by now), as Client._read_tcp does
             got, crc = c._data.read_to_file(loc.data_address, loc.block_id, deadline, fd, loc.capability)
+        except SpliceUnsupported as e:  # the cache directory's file system: every fetch from now on is buffered
+            log.warning("cache dir %s does not take splice (%s): cross-node copies are read through a buffer",
+                        self.dir, e)
+            self.splice = False
+            os.ftruncate(fd, 0)
+            return self._buffered(st_, loc, fd, deadline)
         except (OSError, ValueError, L2fsError, Exception) as e:  # noqa: BLE001 - any fault: no bytes
             log.info("fetch of %s from %s failed: %r", st_.path, loc.data_address, e)
             raise Reply(errno.EIO) from None

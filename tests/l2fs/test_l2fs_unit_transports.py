@@ -200,3 +200,26 @@ def test_splice_in_ends_on_a_stalled_or_closed_peer(tmp_path: Path, peer: str) -
         os.close(fd)
         for x in (c, s, ls):
             x.close()
+
+
+def test_splice_into_a_file_that_cannot_take_it_says_so(tmp_path: Path) -> None:
+    """A destination without splice support (an eventfd here; a cache dir on such a file system in a mount) is
+    SpliceUnsupported, an OSError the passthrough mount answers by reading through a buffer instead, not a fault
+    of the worker."""
+    import socket
+
+    from l2fs.dataplane.client import SpliceUnsupported, splice_in
+
+    ls = socket.create_server(("127.0.0.1", 0))
+    c = socket.create_connection(ls.getsockname())
+    s, _ = ls.accept()
+    efd = os.eventfd(0)
+    try:
+        s.sendall(os.urandom(4 * KB))
+        DataClient._arm(c, time.monotonic() + 5)
+        with pytest.raises(SpliceUnsupported):
+            splice_in(c, efd, 4 * KB, time.monotonic() + 5)
+    finally:
+        os.close(efd)
+        for x in (c, s, ls):
+            x.close()
