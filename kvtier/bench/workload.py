@@ -298,12 +298,11 @@ def keep_logs(logs: Path) -> Path | None:
         return None
     if not entries:
         return None
-    last = max(e.stat().st_mtime for e in entries)
-    dest = logs.with_name(f"logs-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime(last))}")
-    n = 1
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(max(e.stat().st_mtime for e in entries)))
+    dest, n = logs.with_name(f"logs-{stamp}"), 1
     while dest.exists():
         n += 1
-        dest = logs.with_name(f"logs-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime(last))}-{n}")
+        dest = logs.with_name(f"logs-{stamp}-{n}")
     logs.rename(dest)
     return dest
 

@@ -24,6 +24,7 @@ from l2fs.client.errors import (
 from l2fs.client.types import _Put
 from l2fs.common import (
     FRAME,
+    SHARED_POPULATED,
     crc32c_fast,
     pwrite_all,
 )
@@ -101,7 +102,7 @@ class WriteOps(ClientCore):
         size = os.fstat(fd).st_size
         if not size:
             return self.put(path, b"", if_absent=if_absent, order_hint=order_hint)
-        m = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0), prot=mmap.PROT_READ)
+        m = mmap.mmap(fd, size, flags=SHARED_POPULATED, prot=mmap.PROT_READ)
         view = memoryview(m)
         try:
             r = self.put_many([(_check(path), view)], if_absent=if_absent,

@@ -40,7 +40,7 @@ from l2fs.common.errors import (  # noqa: F401
     PathError,
     RpcError,
 )
-from l2fs.common.fileio import WRITE_PIECE, pwrite_all  # noqa: F401
+from l2fs.common.fileio import SHARED_POPULATED, pwrite_all  # noqa: F401
 from l2fs.common.metrics import (  # noqa: F401
     start_metrics_server,
 )

@@ -1,4 +1,4 @@
-"""Writing large buffers into files in pieces.
+"""Large buffers and files: written in pieces, mapped populated.
 
 Why: on the test box's ext4 (kernel 6.18) one write() of 4 MiB or more into a new file took ~9x as long as the
 same bytes in 1 MiB writes (32 MiB: 76-79 ms against 7.7-8.8 ms; an O_TMPFILE was fast either way,
@@ -11,6 +11,9 @@ import mmap
 import os
 
 WRITE_PIECE = 1 << 20  # bytes per write()
+# mmap flags for reading a whole file at once: every page mapped in one call (a lazily faulted mapping takes a
+# fault per 4 KiB page; l2fs.client.write.WriteOps.put_file has the numbers)
+SHARED_POPULATED = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
 
 
 def pwrite_all(fd: int, data: bytes | bytearray | memoryview | mmap.mmap, offset: int = 0) -> int:

@@ -41,8 +41,6 @@ def splice_in(s: socket.socket, fd: int, size: int, deadline: float) -> None:
     system without splice support in SpliceUnsupported (the bytes left on the socket: the caller closes it)."""
     try:
         _splice_in(s, fd, size, deadline)
-    except SpliceUnsupported:
-        raise
     except OSError as e:
         if e.errno in _NO_SPLICE:
             raise SpliceUnsupported(e.errno, f"splice into this file is not supported: {e.strerror}") from None

@@ -49,7 +49,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from l2fs.client import Client, L2fsError
-from l2fs.common import DEFAULT_MAX_FILE_SIZE, crc32c_fast, parse_size, pwrite_all
+from l2fs.common import DEFAULT_MAX_FILE_SIZE, SHARED_POPULATED, crc32c_fast, parse_size, pwrite_all
 from l2fs.dataplane.client import SpliceUnsupported
 from l2fs.fuse import kernel as fp
 from l2fs.fuse.main import mount_type, stat_is_dir
@@ -150,7 +150,7 @@ class Counters:
 def _file_crc(fd: int, size: int) -> int:
     if size == 0:
         return 0
-    with mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0), prot=mmap.PROT_READ) as m:
+    with mmap.mmap(fd, size, flags=SHARED_POPULATED, prot=mmap.PROT_READ) as m:
         with memoryview(m) as view:
             return crc32c_fast(view)
 
@@ -193,8 +193,8 @@ class BlockCache:
 
     def fetch(self, st_: pb.FileStat, loc: pb.Location, name: str, deadline: float) -> int:
         """Fetch the block into the cache file: over the data plane spliced straight into the file (the kernel moves
-        the bytes; the CRC32C is then computed over the file), else (gRPC only) read into a reused buffer, checked
-        while it arrives, and written. A short or corrupt block is reported to its worker and gives EIO."""
+        the bytes; the CRC32C is then computed over the file), else read into a reused buffer and written (see
+        _buffered). A short or corrupt block is reported to its worker and gives EIO."""
         size = st_.size
         # no temp name: the directory is this process's own, and a name is used (self.files) once complete
         path = os.path.join(self.dir, name)
@@ -226,26 +226,45 @@ class BlockCache:
             log.info("fetch of %s from %s failed: %r", st_.path, loc.data_address, e)
             raise Reply(errno.EIO) from None
         # our own file in our own directory: nothing can truncate it under the mapping
-        if got != st_.size or crc != st_.crc32c or _file_crc(fd, got) != crc:
-            log.warning("%s: block %s from %s fails its CRC32C: EIO", st_.path, loc.block_id, loc.address)
-            c._report_corrupt(loc)
-            return False
-        return True
+        return self._intact(st_, loc, got, crc, _file_crc(fd, got) if got == st_.size else None)
+
+    def _intact(self, st_: pb.FileStat, loc: pb.Location, got: int, crc: int, computed: int | None) -> bool:
+        """Whether a data-plane read delivered the committed block (size, the worker's and our CRC32C); if not,
+        it is reported to its worker."""
+        if got == st_.size and crc == st_.crc32c and computed == crc:
+            return True
+        log.warning("%s: block %s from %s fails its CRC32C: EIO", st_.path, loc.block_id, loc.address)
+        self.client._report_corrupt(loc)
+        return False
 
     def _buffered(self, st_: pb.FileStat, loc: pb.Location, fd: int, deadline: float) -> bool:
-        """gRPC only: the client reads (and checks) into a reused buffer (already mapped: a fresh mmap of the
-        file cost a page fault per 4 KiB), written to the file in pieces (l2fs.common.fileio says why)."""
+        """Read into a reused buffer (already mapped: a fresh mmap of the file cost a page fault per 4 KiB), checked,
+        then written to the file in pieces (l2fs.common.fileio says why): the located block over the data plane,
+        CRC32C computed while it arrives (where the cache dir refuses splice), or gRPC streaming by path (no data
+        plane; the client checks the CRC)."""
         size = st_.size
         buf = self.take(size)
         view = memoryview(buf)[:size]
         try:
-            if self.client.get_into(st_.path, view) != size:
+            if not self._read_into(st_, loc, view, deadline):
                 return False
             pwrite_all(fd, view)
             return True
         finally:
             view.release()
             self.give(buf)
+
+    def _read_into(self, st_: pb.FileStat, loc: pb.Location, view: memoryview, deadline: float) -> bool:
+        c = self.client
+        if c.data_plane and loc.data_address:
+            try:  # the very block located, as in _fetch_into
+                got, crc, computed = c._data.read(loc.data_address, loc.block_id, deadline, view, loc.capability)
+            except (OSError, ValueError, L2fsError, Exception) as e:  # noqa: BLE001 - any fault: no bytes
+                log.info("fetch of %s from %s failed: %r", st_.path, loc.data_address, e)
+                raise Reply(errno.EIO) from None
+            n = got if isinstance(got, int) else len(got)
+            return self._intact(st_, loc, n, crc, crc32c_fast(view[:n]) if computed is None else computed)
+        return c.get_into(st_.path, view) == st_.size  # gRPC streaming: the client checks the CRC
 
     def take(self, size: int) -> bytearray:
         """A fetch buffer of at least size bytes: a freed one when one fits (a fresh 32 MiB buffer costs
