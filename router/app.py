@@ -34,6 +34,7 @@ from starlette.requests import ClientDisconnect
 from kvtier.contract import KEY_STATES
 from router.accounting import CacheAccounting, TierCostCalibrator
 from router.admission import AdmissionConfig, Gate, Ticket
+from router.gcpause import GCPauses, freeze_startup_heap
 from router.kvevents import DROPPED, KVEventSubscriber
 from router.metrics import Metrics
 from router.policy import STRATEGIES, Decision, Plan, Policy, UnknownStrategy
@@ -90,6 +91,7 @@ class RouterConfig:
     peers_dir: str | None = None
     worker_id: int = 0
     peers_tls: bool = False
+    freeze_heap: bool = False  # freeze the start-up heap once serving (router.gcpause; `kvtier router` sets it)
 
 
 def _err(status: int, message: str, kind: str = "invalid_request_error", **headers: str) -> JSONResponse:
@@ -221,6 +223,7 @@ class Router:
         self.m.queue_depth.set_function(lambda: self.gate.queued)
         self.m.queue_depth_max.set_function(lambda: self.gate.queue_max_seen)
         self.m.admitted.set_function(lambda: self.gate.active)
+        self.gc_pauses = GCPauses(self.m.gc_pause)
 
     # -- membership -------------------------------------------------------------------------------
     def _kv_change(self, replica: str, what: str, n: int) -> None:
@@ -232,6 +235,7 @@ class Router:
     def _added(self, r: Replica) -> None:
         self.m.healthy.labels(r.url).set(1)
         if r.kv_endpoint:
+            self.policy.kv.add(r.url)
             sub = KVEventSubscriber(r.url, r.kv_endpoint, self.policy.kv, replay_endpoint=r.kv_replay_endpoint,
                                     on_change=self._kv_change)
             self.subs[r.url] = sub
@@ -251,6 +255,7 @@ class Router:
         self.m.healthy.labels(r.url).set(0)
 
     async def start(self) -> None:
+        self.gc_pauses.start()
         # One pooled session for every upstream call (created here, inside the running loop). connect covers
         # the wait for a pool slot too; sock_read bounds the wait for the first byte and between bytes. No
         # Content-Type of our own: the client's passes through, or none (as sent). trust_env: proxy env vars
@@ -289,6 +294,7 @@ class Router:
         if self.client:
             await self.client.close()
         self.tok.close()
+        self.gc_pauses.stop()
 
     # -- proxy ------------------------------------------------------------------------------------
     def _upstream_headers(self, request: Request, rid: str) -> dict[str, str]:
@@ -881,6 +887,9 @@ def create_app(cfg: RouterConfig) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await router.start()
+        if cfg.freeze_heap:
+            frozen = freeze_startup_heap()
+            log.info("froze the start-up heap: %d objects", frozen)
         try:
             yield
         finally:

@@ -338,7 +338,8 @@ def main(argv: list[str] | None = None) -> int:
         l2_min_tokens=args.l2fs_min_tokens, l2_lookup_when=args.l2fs_lookup, discovery=discovery,
         admission=AdmissionConfig(max_inflight=args.max_inflight, max_inflight_per_replica=args.max_inflight_per_replica,
                                   max_queue=args.max_queue, queue_timeout=args.queue_timeout,
-                                  retry_after=args.retry_after))
+                                  retry_after=args.retry_after),
+        freeze_heap=True)
     sock = _tcp_socket(args.host)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sockets = [sock]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 _FAST = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5)
@@ -61,5 +63,12 @@ class Metrics:
         self.l2_key_check = Gauge("kvtier_router_l2_key_check",
                                   "Installed LMCache's chunk keys vs kvtier.contract: 1 for the current state "
                                   "(pending, ok, drift = no L2 credit, unverified)", ["state"], registry=r)
+        self.gc_pause = Histogram("kvtier_router_gc_pause_seconds",
+                                  "Cyclic GC pauses of this process by generation (the event loop stops for each)",
+                                  ["generation"], buckets=_FAST, registry=r)
+        self.gc_frozen = Gauge("kvtier_router_gc_frozen_objects",
+                               "Objects in the permanent generation (the start-up heap, frozen once serving)",
+                               registry=r)
+        self.gc_frozen.set_function(gc.get_freeze_count)
         self.kv_lag = Gauge("kvtier_router_kv_event_lag_seconds", "Latest event-to-index lag", ["replica"],
                             registry=r)

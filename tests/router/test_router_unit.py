@@ -54,6 +54,19 @@ def test_prefix_tree_match_purge_ttl_and_lru_cap() -> None:
     assert len(t) == 6 and keys[0] in t._nodes and keys[1] not in t._nodes
 
 
+def test_prefix_tree_flapping_replica_leaves_bounded_entries() -> None:
+    """A purge moves a replica to a new tag; the old tag's entries go the next time their block is written, so a
+    replica that flaps (down, up, down...) cannot grow a block's entries without bound."""
+    t = PrefixTree()
+    keys = block_keys(TOK, 16)
+    for _ in range(50):
+        t.insert(keys, "a")
+        t.insert(keys, "b")
+        t.purge("a")
+    assert t.match(keys) == {"b": 4}
+    assert max(len(n) for n in t._nodes.values()) <= 3  # live tags (a's new one, b) plus at most one purged
+
+
 # -- KVIndex ----------------------------------------------------------------------------------------------
 def test_kv_index_chains_engine_hashes_media_and_removal() -> None:
     idx = KVIndex()
