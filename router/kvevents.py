@@ -71,6 +71,11 @@ def decode_batch(payload: bytes) -> tuple[float, list[dict[str, Any]], int | Non
     return float(ts or 0.0), [decode_event(e) for e in events], dp
 
 
+# The longest one subscriber works between two turns of the event loop. zmq.asyncio hands over a queued message
+# without yielding, so a backlog (a catch-up replay, a burst at 400 req/s) was folded in one go: 45-115 ms of
+# blocked loop, every request in flight waiting (docs/results/2026-12-04-router-gc.md).
+LOOP_SLICE_S = 0.002
+
 DROPPED = "dropped"  # count key of events that were skipped as malformed
 # What a well-typed-but-malformed event raises in the index (missing field, wrong type or shape).
 MALFORMED = (KeyError, TypeError, ValueError, IndexError, AttributeError)
@@ -139,6 +144,7 @@ class KVEventSubscriber:
         self._ctx = zmq.asyncio.Context.instance()
         self._task: asyncio.Task[None] | None = None
         self.ready = asyncio.Event()  # set once connected and caught up
+        self._slice_t0 = time.perf_counter()
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._supervise(), name=f"kvevents:{self.replica}")
@@ -174,6 +180,13 @@ class KVEventSubscriber:
             self.stats.lag_s.append(lag)
             del self.stats.lag_s[:-1000]
 
+    async def _share_loop(self) -> None:
+        """Give the event loop a turn once this subscriber has worked LOOP_SLICE_S since its last one."""
+        now = time.perf_counter()
+        if now - self._slice_t0 >= LOOP_SLICE_S:
+            await asyncio.sleep(0)
+            self._slice_t0 = time.perf_counter()
+
     async def _fetch(self, start: int) -> list[tuple[int, bytes]] | None:
         """Buffered batches from `start` on, via the replay socket; None if it does not answer."""
         if not self.replay_endpoint:
@@ -207,6 +220,7 @@ class KVEventSubscriber:
                 break
             if self.stats.last_seq is not None and seq == self.stats.last_seq + 1:
                 self._apply(seq, payload)
+                await self._share_loop()
         return self.stats.last_seq == upto - 1
 
     async def _catch_up(self) -> None:
@@ -216,6 +230,7 @@ class KVEventSubscriber:
             for seq, payload in got:
                 if self.stats.last_seq is None or seq == self.stats.last_seq + 1:
                     self._apply(seq, payload)
+                    await self._share_loop()
             self.stats.replays += 1
             self._on_change(self.replica, "replay", 1)
 
@@ -272,6 +287,7 @@ class KVEventSubscriber:
                     else:
                         self.purge("gap")
                 self._apply(seq, frames[2])
+                await self._share_loop()
         finally:
             self.ready.set()
             sub.close(linger=0)

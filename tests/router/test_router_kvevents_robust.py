@@ -30,6 +30,7 @@ class Publisher:
     def __init__(self) -> None:
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.PUB)
+        self.sock.setsockopt(zmq.SNDHWM, 0)  # a test's burst is never dropped on our side
         port = self.sock.bind_to_random_port("tcp://127.0.0.1")
         self.endpoint = f"tcp://127.0.0.1:{port}"
         self.seq = 0
@@ -130,3 +131,38 @@ def test_apply_events_skips_only_the_malformed_event() -> None:
                                      stored([11, 12, 13, 14], None, TOK)])
     assert counts == {DROPPED: 2, "BlockStored": 1}
     assert idx.match(block_keys(TOK, 16))["r"][0] == 4
+
+
+def test_a_backlog_of_events_shares_the_event_loop() -> None:
+    """A backlog of queued batches is folded in slices, with the event loop's other work (requests) between them:
+    zmq.asyncio returns a queued message without yielding, and a backlog used to block the loop for 45-115 ms."""
+    async def main() -> None:
+        pub = Publisher()
+        idx = KVIndex()
+        sub = KVEventSubscriber("r1", pub.endpoint, idx)
+        sub.start()
+        try:
+            await asyncio.wait_for(sub.ready.wait(), 10)
+            while sub.stats.batches == 0:  # the subscription has landed once one batch comes through
+                pub.send([stored([1], None, TOK[:16])])
+                await asyncio.sleep(0.05)
+            b0, n = sub.stats.batches, 3000
+            assert sub.stats.last_seq == pub.seq - 1
+            for i in range(n):
+                pub.send([stored([100 + i], 1, TOK[16:32])])
+            time.sleep(0.5)  # loop blocked: ZMQ's I/O thread queues the whole burst before the subscriber runs
+            seen: list[int] = []
+
+            async def other_work() -> None:  # what a request handler gets of the loop meanwhile
+                while sub.stats.batches < b0 + n:
+                    seen.append(sub.stats.batches)
+                    await asyncio.sleep(0)
+
+            await asyncio.wait_for(other_work(), 30)
+            assert sub.stats.batches == b0 + n and sub.stats.restarts == 0
+            assert any(b0 < b < b0 + n for b in seen), f"no turn while {n} batches were folded: {sorted(set(seen))}"
+        finally:
+            await sub.stop()
+            pub.close()
+
+    asyncio.run(main())
