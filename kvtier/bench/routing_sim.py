@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 from kvtier.bench.common import fmt, pct, table, write_results
 from l2fs import procs
@@ -361,6 +362,7 @@ def overhead(args: argparse.Namespace, tmp: Path, reps: list[P], model: str, run
                 time.sleep(1.0)
                 load = os.getloadavg()[0]
                 c0 = [cpu_seconds(p.proc.pid) for p in ([rt] if rt else []) + reps]
+                gc0 = gc_pauses(rt.url) if rt else None
                 t0, g0 = time.perf_counter(), time.process_time()
                 rows, sent_s = asyncio.run(open_loop_run(urls, pool[off:off + n], rate, warm if k == 0 else []))
                 cpu = [(cpu_seconds(p.proc.pid) - c) / (time.perf_counter() - t0) * 100
@@ -370,6 +372,10 @@ def overhead(args: argparse.Namespace, tmp: Path, reps: list[P], model: str, run
                 s["router_cpu_pct"] = cpu[0] if rt else None
                 s["replicas_cpu_pct"] = sum(cpu[1:] if rt else cpu)
                 s["loadgen_cpu_pct"] = (time.process_time() - g0) / (time.perf_counter() - t0) * 100
+                gc1 = gc_pauses(rt.url) if rt and gc0 else None
+                s["gc_ms"], s["gc_full"], s["gc_over_10ms"] = (
+                    [(b - a) * k for a, b, k in zip(gc0, gc1, (1000, 1, 1), strict=True)] if gc0 and gc1
+                    else [None, None, None])
                 summaries.append(s)
                 failed = failed or s["errors"] > 0 or s["done_rps"] < 0.9 * rate  # overloaded: stop climbing
                 print(f"# {arm} @ {rate:.0f}/s: sent {s['sent_rps']:.1f}/s done {s['done_rps']:.1f}/s "
@@ -394,7 +400,8 @@ def overhead(args: argparse.Namespace, tmp: Path, reps: list[P], model: str, run
             ("minus_direct_p50_ms", "-direct p50"), ("minus_direct_p99_ms", "-direct p99"),
             ("n429", "429s"), ("reject_p50_ms", "429 ms p50"), ("reject_p99_ms", "429 ms p99"),
             ("pids", "router pids"), ("router_cpu_pct", "router cpu%"), ("replicas_cpu_pct", "4 replicas cpu%"),
-            ("loadgen_cpu_pct", "loadgen cpu%"), ("load1", "load1"),
+            ("loadgen_cpu_pct", "loadgen cpu%"), ("gc_ms", "router gc ms"), ("gc_full", "full gcs"),
+            ("gc_over_10ms", "gc pauses > 10 ms"), ("load1", "load1"),
             ("sustained", "sustained")]
 
     def cell(k: str, v: Any) -> str:
@@ -414,7 +421,8 @@ def overhead(args: argparse.Namespace, tmp: Path, reps: list[P], model: str, run
           "and minus every wait on the replica); tok = X-Kvtier-Tokenize-Ms (cold: every prompt is new); "
           "e2e from the scheduled send time; -direct = e2e minus the same requests sent straight to the replicas "
           f"at the same rate (only where neither lost requests; e2e is over answered requests); sustained = no errors, sent and done >= 95% of target, e2e p99 <= "
-          f"{args.sustain_p99_ms:.0f} ms")
+          f"{args.sustain_p99_ms:.0f} ms; router gc = the kvtier router's garbage-collection pauses during the run "
+          "(its kvtier_router_gc_pause_seconds: total ms, full collections, pauses over 10 ms)")
     print(table([c[1] for c in cols], [[cell(k, s[k]) for k, _ in cols] for s in order]))
     print("\n# highest rate sustained (of those tried)")
     for arm in names:
@@ -476,6 +484,30 @@ def start_vllm_router(args: argparse.Namespace, tmp: Path, reps: list[P], model:
             cmd += ["--kv-event-source", f"{r.url}={r.kv}", "--kv-event-replay-source", f"{r.url}={r.replay}"]
         cmd += ["--kv-event-block-size", str(args.block_size), "--kv-event-model", model]
     return spawn(cmd, tmp / f"vllm-router-{policy}.log", None, url=f"http://127.0.0.1:{port}")
+
+
+def gc_pauses(url: str) -> tuple[float, float, float] | None:
+    """What the kvtier router's garbage collections took so far (its kvtier_router_gc_pause_seconds, every
+    worker's when several): seconds, full collections, pauses over 10 ms. None where it has no such metric."""
+    try:
+        text = httpx.get(url + "/metrics", timeout=5).text
+    except httpx.HTTPError:
+        return None
+    seconds = full = over = 0.0
+    found = False
+    for fam in text_string_to_metric_families(text):
+        if fam.name != "kvtier_router_gc_pause_seconds":
+            continue
+        found = True
+        for smp in fam.samples:
+            if smp.name.endswith("_sum"):
+                seconds += smp.value
+            elif smp.name.endswith("_count"):
+                over += smp.value
+                full += smp.value if smp.labels.get("generation") == "2" else 0.0
+            elif smp.name.endswith("_bucket") and float(smp.labels.get("le", "nan")) == 0.01:
+                over -= smp.value
+    return (seconds, full, over) if found else None
 
 
 def cpu_seconds(pid: int) -> float:

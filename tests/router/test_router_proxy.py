@@ -67,6 +67,14 @@ def test_models_health_metrics(cluster):
     complete(rt, "x")
     assert metric(rt, "kvtier_router_requests_total", code="200") == 1
     assert metric(rt, "kvtier_router_overhead_seconds_count") == 1
+    # the process froze its start-up heap once serving, and its collections are measured (router.gcpause)
+    assert metric(rt, "kvtier_router_gc_frozen_objects") > 10_000
+    assert metric(rt, "kvtier_router_gc_pause_seconds_count", generation="2") >= 1
+    from kvtier.bench.routing_sim import gc_pauses  # what `kvtier bench routing-sim` reads of it
+
+    seconds, full, over_10ms = gc_pauses(rt.url) or (0.0, 0.0, -1.0)
+    assert seconds > 0 and full >= 1 and over_10ms >= 0
+    assert gc_pauses(rep.url) is None  # a server without the metric (the test replica, vllm-router): no figure
 
 
 def test_retry_on_5xx_and_429_then_eject(cluster):
