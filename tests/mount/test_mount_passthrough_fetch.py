@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from l2fs.dataplane.client import SpliceUnsupported
-from l2fs.fuse.passthrough import BlockCache, Counters
+from l2fs.fuse.passthrough import BlockCache, Counters, Reply
 from l2fs.proto import l2fs_pb2 as pb
 from l2fs.testing.cluster import LocalCluster
 
@@ -52,3 +52,28 @@ def test_copies_are_spliced_and_fall_back_to_a_buffer_without_splice(
         assert _copy(cache, "/fetch/2") == blobs["/fetch/2"] and len(calls) == 1  # not asked again
         assert _copy(cache, "/fetch/0") == blobs["/fetch/0"]  # the spliced copy is still served
         assert cache.counters.v["cache_fetches"] == 3 and cache.counters.v["cache_hits"] == 1
+
+
+def test_without_data_plane_a_copy_is_the_located_version(cluster: LocalCluster, tmp_path: Path) -> None:
+    """gRPC-only clusters (TLS): the copy is read by the located block's id. Reading by path, a rewrite between
+    the mount's Stat and its read filed the newer version's bytes under the older version's name (the cache file
+    is named by block id and CRC), so later opens of the old version got bytes that fail its CRC."""
+    old, new = os.urandom(2 * MIB), os.urandom(2 * MIB)  # same size: a size check alone cannot tell them apart
+    with cluster.client(node_id="node-1") as c1, cluster.client(node_id="node-2", data_plane=False) as c2:
+        cache = BlockCache(c2, str(tmp_path), 1 << 30, Counters())
+        assert c1.put("/fetch/other", new)
+        assert _copy(cache, "/fetch/other") == new  # a copy over gRPC by block id works at all
+        assert c1.put("/fetch/v", old)
+        st_ = c2._master("Stat", pb.PathRequest(path="/fetch/v"))
+        assert c1.put("/fetch/v", new, if_absent=False)  # rewritten after the Stat, before the read
+        try:
+            fd, name = cache.open(st_, st_.locations[0], time.monotonic() + 10)
+        except Reply as e:  # the old block already released: a miss (EIO), never the new bytes
+            assert e.code == errno.EIO
+            return
+        try:
+            got = os.pread(fd, len(old) + 1, 0)
+        finally:
+            os.close(fd)
+            cache.release(name)
+        assert got == old, "the copy filed under the old version's name holds other bytes"
