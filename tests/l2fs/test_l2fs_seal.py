@@ -134,7 +134,8 @@ def test_commit_sealed_only_after_delivery_master_restart_drops_it(make_cluster:
     """A block written and committed while its worker is stopped (the master cannot deliver the seal), then the
     master restarts before the worker wakes: the restarted master does not publish it (no seal) and tells the
     worker to delete it (its own allocation: the id verifies); a file sealed before is served as before. One
-    commit waits at most SEAL_WAIT (1 s) for the stopped worker, the next one not at all."""
+    commit waits at most SEAL_WAIT (1 s) for the stopped worker, the next one not at all. (The seal RPC that timed
+    out may still be applied by the resumed worker; that block is then published as committed, see below.)"""
     c = make_cluster(1, capacity="256M", heartbeat_timeout=20)
     cl = c.client(timeout=T)
     old = secrets.token_bytes(40_000)
@@ -168,13 +169,24 @@ def test_commit_sealed_only_after_delivery_master_restart_drops_it(make_cluster:
     finally:
         os.kill(proc.pid, signal.SIGCONT)
     c.wait_workers(ids=[c.workers[0].worker_id])
+    # A seal RPC that missed its deadline still sits in the stopped worker's socket, and the resumed worker may
+    # apply it (a CI run did, for one of the two): that block then is sealed, and the restarted master publishes
+    # it from the report, byte-exact. Either way a block ends consistent: unsealed -> deleted and a miss, or
+    # sealed -> served as committed; never kept unpublished, never other bytes.
+    dropped = 0
     for path, a, _ in written:  # deleted on the worker once its re-registration got the master's answer (a CI
         # run once missed 15 s here; the logs say where it stood if it happens again)
-        wait_until(lambda a=a: not _block_file(c, a.block_id).exists(), timeout=45,
+        wait_until(lambda a=a: not _block_file(c, a.block_id).exists() or _seals(c).get(a.block_id), timeout=45,
                    message=lambda: "\n".join(procs.tail(c.base / "logs" / f"{n}.log", 15)
                                              for n in ("master", "worker-1")))
-        assert cl.stat(path) is None and cl.get(path) is None
-    assert _rejects(c, "unsealed") == 2
+        if _seals(c).get(a.block_id):
+            assert wait_until(lambda path=path: cl.get(path), timeout=15) == data
+        else:
+            wait_until(lambda a=a: not _block_file(c, a.block_id).exists(), timeout=45)
+            assert cl.stat(path) is None and cl.get(path) is None
+            dropped += 1
+    assert dropped >= 1  # the second commit's seal was left to the pusher, which died with the master
+    assert _rejects(c, "unsealed") == dropped
     assert cl.get("/s/old") == old
 
 
