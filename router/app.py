@@ -223,7 +223,8 @@ class Router:
         self.m.queue_depth.set_function(lambda: self.gate.queued)
         self.m.queue_depth_max.set_function(lambda: self.gate.queue_max_seen)
         self.m.admitted.set_function(lambda: self.gate.active)
-        self.gc_pauses = GCPauses(self.m.gc_pause)
+        self.gc_pauses = GCPauses()  # kvtier_router_gc_pause_seconds
+        self.m.registry.register(self.gc_pauses)
 
     # -- membership -------------------------------------------------------------------------------
     def _kv_change(self, replica: str, what: str, n: int) -> None:

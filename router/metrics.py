@@ -63,9 +63,6 @@ class Metrics:
         self.l2_key_check = Gauge("kvtier_router_l2_key_check",
                                   "Installed LMCache's chunk keys vs kvtier.contract: 1 for the current state "
                                   "(pending, ok, drift = no L2 credit, unverified)", ["state"], registry=r)
-        self.gc_pause = Histogram("kvtier_router_gc_pause_seconds",
-                                  "Cyclic GC pauses of this process by generation (the event loop stops for each)",
-                                  ["generation"], buckets=_FAST, registry=r)
         self.gc_frozen = Gauge("kvtier_router_gc_frozen_objects",
                                "Objects in the permanent generation (the start-up heap, frozen once serving)",
                                registry=r)

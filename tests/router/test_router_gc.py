@@ -12,10 +12,13 @@ from __future__ import annotations
 
 import gc
 import random
+import threading
 from collections.abc import Iterator
 
 import pytest
+from prometheus_client import generate_latest
 
+from router.app import Router, RouterConfig
 from router.policy import Policy
 from router.replicas import Replica
 from router.tokens import Tokenizer
@@ -88,3 +91,31 @@ def test_tokenizer_hands_out_copies_of_its_cache() -> None:
     a = tok.encode("completion", body)
     a.append(0)  # a caller changing its ids cannot change what the next request gets
     assert tok.encode("completion", body) == list(b"hello world") == tok.cached("completion", body)
+
+
+def test_pause_metric_takes_no_lock_a_scrape_may_hold() -> None:
+    """A collection starts at any allocation, in any thread, also inside a scrape that holds prometheus_client's
+    locks; a pause callback that took one of them (as Histogram.labels().observe() does) would hang that thread.
+    With every metric lock of a router's registry held elsewhere, a collection's callback still completes."""
+    router = Router(RouterConfig(replicas=["http://127.0.0.1:9"]))
+    router.gc_pauses.start()
+    held: list[threading.Lock] = []
+    for collector in list(router.m.registry._collector_to_names):
+        for obj in (collector, *getattr(collector, "_metrics", {}).values()):
+            lock = getattr(obj, "_lock", None)
+            if lock is not None and lock.acquire(timeout=1):
+                held.append(lock)
+    collected = threading.Event()
+    try:
+        assert held  # the registry's metrics do have locks
+        t = threading.Thread(target=lambda: (gc.collect(), collected.set()), daemon=True)
+        t.start()
+        t.join(10)
+    finally:
+        for lock in held:
+            lock.release()
+        router.gc_pauses.stop()
+    assert collected.is_set(), "the GC pause callback waited on a metric lock"
+    text = generate_latest(router.m.registry).decode()
+    assert 'kvtier_router_gc_pause_seconds_count{generation="2"}' in text
+    assert 'kvtier_router_gc_pause_seconds_bucket{generation="2",le="+Inf"}' in text
