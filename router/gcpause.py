@@ -20,7 +20,8 @@ from typing import Any
 
 from prometheus_client.core import HistogramMetricFamily
 
-BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5)
+from router.metrics import FAST_BUCKETS as BUCKETS
+
 NAME = "kvtier_router_gc_pause_seconds"
 
 

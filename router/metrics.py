@@ -6,7 +6,8 @@ import gc
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-_FAST = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5)
+FAST_BUCKETS = (  # also the GC pause histogram's (router.gcpause)
+    0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5)
 
 
 class Metrics:
@@ -22,9 +23,9 @@ class Metrics:
                                  ["phase"], registry=r)
         self.rejected = Counter("kvtier_router_rejected", "Requests rejected by the router", ["reason"], registry=r)
         self.overhead = Histogram("kvtier_router_overhead_seconds",
-                                  "Router time before the upstream send, tokenization excluded", buckets=_FAST,
+                                  "Router time before the upstream send, tokenization excluded", buckets=FAST_BUCKETS,
                                   registry=r)
-        self.tokenize = Histogram("kvtier_router_tokenize_seconds", "Prompt tokenization time", buckets=_FAST,
+        self.tokenize = Histogram("kvtier_router_tokenize_seconds", "Prompt tokenization time", buckets=FAST_BUCKETS,
                                   registry=r)
         self.l2_lookups = Counter("kvtier_router_l2_lookups",
                                   "kvaware's L2 presence lookups by result (hit, miss, failed = error or past "
