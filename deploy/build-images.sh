@@ -120,6 +120,19 @@ check() {  # the entrypoints and imports, in the built image, as deploy/ runs ea
   run 0:0 l2fs mount --help                               # DaemonSet l2fs-mount (root: FUSE)
   run 0:0 sh -c 'test -x /usr/bin/fusermount3 && grep -qx user_allow_other /etc/fuse.conf'
   run 65532:65532 kvtier router --help                    # Deployment kvtier-router (65532)
+  # --data-path haproxy as the router runs it (65532): haproxy starts, takes the port, and hands /health to the app
+  run 65532:65532 sh -c 'kvtier router --data-path haproxy --replicas http://127.0.0.1:9 --port 18779 & p=$!
+    python - <<"PY"; r=$?; kill $p; wait $p; exit $r
+import sys, time, urllib.error, urllib.request
+for _ in range(100):
+    try:
+        urllib.request.urlopen("http://127.0.0.1:18779/health", timeout=2)
+    except urllib.error.HTTPError as e:  # 503: no replica up, answered by the app behind haproxy
+        sys.exit(0 if e.code == 503 and e.headers["x-kvtier-data-path"] == "python" else 1)
+    except OSError:
+        time.sleep(0.2)
+sys.exit(1)
+PY
   run 65532:65532 kvtier webhook --help                   # Deployment kvtier-webhook (65532)
   run 65532:65532 python -c 'import pyfuse3, l2fs.fuse, router.l2, transformers, tokenizers, kubernetes'
   "${B[@]}" rm "$c" >/dev/null

@@ -39,6 +39,8 @@ VARS: dict[str, Var] = {v.name: v for v in (
     Var("KVTIER_UPSTREAM_API_KEY", None, "router: --upstream-api-key sent to the replicas"),
     Var("KVTIER_ROUTER_PREFIX_AFFINITY", "", "router: --prefix-affinity unless '', '0' or 'false'"),
     Var("KVTIER_ROUTER_WORKERS", "1", "router: --workers (router processes on one port)"),
+    Var("KVTIER_ROUTER_DATA_PATH", "python", "router: --data-path (python, or haproxy: a haproxy child carries "
+                                             "the requests)"),
     Var("KVTIER_BENCH_API_KEY", None, "kvtier bench cross-pod: bearer token for the replicas"),
 )}
 

@@ -17,7 +17,7 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -112,8 +112,9 @@ class _Admission:
         self._gauges()
 
     def _gauges(self) -> None:
-        self.m.inflight.labels(self.r.url).set(self.r.inflight)
-        self.m.inflight_prefill.labels(self.r.url).set(self.r.prefill_tokens)
+        inflight, prefill = self.m.replica_load(self.r.url)
+        inflight.set(self.r.inflight)
+        prefill.set(self.r.prefill_tokens)
 
     def first_byte(self) -> None:
         if self.state == 0:
@@ -169,6 +170,18 @@ class _Call:
     tokens: list[int] = field(default_factory=list)
     l2: dict[str | None, int] = field(default_factory=dict)  # L2 hit per kv-prefix (None: --l2fs-prefix)
     l2_due: bool = False  # kvaware with an L2 lookup configured and a prompt long enough: not yet looked up
+
+
+@dataclass
+class Picked:
+    """Router.pick's result: a decision (with the slot and in-flight count it holds), or an answer to send."""
+
+    rid: str
+    answer: Response | None = None
+    call: _Call | None = None
+    decision: Decision | None = None
+    adm: _Admission | None = None
+    ticket: Ticket | None = None
 
 
 @dataclass
@@ -298,8 +311,8 @@ class Router:
         self.gc_pauses.stop()
 
     # -- proxy ------------------------------------------------------------------------------------
-    def _upstream_headers(self, request: Request, rid: str) -> dict[str, str]:
-        h = {k: v for k, v in request.headers.items() if k.lower() not in HOP and not k.lower().startswith("x-kvtier")}
+    def _upstream_headers(self, headers: Mapping[str, str], rid: str) -> dict[str, str]:
+        h = {k: v for k, v in headers.items() if k.lower() not in HOP and not k.lower().startswith("x-kvtier")}
         h["x-request-id"] = rid
         if self.cfg.upstream_api_key:
             h["authorization"] = f"Bearer {self.cfg.upstream_api_key}"
@@ -314,6 +327,7 @@ class Router:
         h["x-kvtier-replica"] = r.url
         h["x-kvtier-route"] = d.reason
         h["x-kvtier-router-pid"] = self.pid
+        h["x-kvtier-data-path"] = "python"  # haproxy's fast path says "haproxy" (router.haproxy)
         if d.l2_tokens:
             h["x-kvtier-l2-tokens"] = str(d.l2_tokens)
         h["x-kvtier-router-ms"] = f"{clock.own_ms():.3f}"
@@ -338,10 +352,10 @@ class Router:
                 return _err(413, f"request body exceeds {limit} bytes")
         return bytes(buf)
 
-    def _auth(self, request: Request) -> JSONResponse | None:
+    def _auth(self, headers: Mapping[str, str]) -> JSONResponse | None:
         if not self.cfg.api_key:
             return None
-        got = request.headers.get("authorization", "")
+        got = headers.get("authorization") or ""
         if not hmac.compare_digest(got.encode(), f"Bearer {self.cfg.api_key}".encode()):
             self.m.rejected.labels("unauthorized").inc()
             return _err(401, "missing or invalid API key", "authentication_error")
@@ -352,7 +366,7 @@ class Router:
         with retry -> finish (plain or stream). The gate comes before the body read and the JSON parse, so an
         overloaded router answers its 429 without doing any per-request work first."""
         rid = request.headers.get("x-request-id") or uuid.uuid4().hex
-        if (denied := self._auth(request)) is not None:
+        if (denied := self._auth(request.headers)) is not None:
             return denied
         t_gate = time.perf_counter()
         ticket = await self._admit(rid, request.headers.get(STRATEGY_HEADER) or self.cfg.strategy)
@@ -402,6 +416,11 @@ class Router:
             return Response(status_code=499)
         if isinstance(body, JSONResponse):
             return body
+        return self._call(body, request.headers, path, kind, rid, self._upstream_headers(request.headers, rid))
+
+    def _call(self, body: bytes, headers: Mapping[str, str], path: str, kind: str, rid: str,
+              upstream: dict[str, str]) -> _Call | JSONResponse:
+        """JSON, model and strategy of a read body; an error response for anything the client got wrong."""
         t_in = time.perf_counter()  # overhead = our work, not the client's upload time
         try:
             payload = json.loads(body)
@@ -415,19 +434,19 @@ class Router:
         if not isinstance(model, str) or not model:
             self.m.rejected.labels("no_model").inc()
             return _err(400, "missing required field 'model'")
-        strategy = request.headers.get(STRATEGY_HEADER) or self.cfg.strategy
+        strategy = headers.get(STRATEGY_HEADER) or self.cfg.strategy
         try:
             Policy.check_strategy(strategy)
         except UnknownStrategy as e:
             self.m.rejected.labels("bad_strategy").inc()
             return _err(400, str(e))
-        session = request.headers.get(self.cfg.session_header)
+        session = headers.get(self.cfg.session_header)
         if session is None and isinstance(payload.get("user"), str):
             session = payload["user"]
         salt = payload.get("cache_salt") if isinstance(payload.get("cache_salt"), str) else None
         return _Call(rid=rid, path=path, kind=kind, body=body, payload=payload, model=model, strategy=strategy,
                      stream=bool(payload.get("stream")), session=session, salt=salt,
-                     headers=self._upstream_headers(request, rid), clock=_Clock(t_in))
+                     headers=upstream, clock=_Clock(t_in))
 
     async def _remote_tokenize(self, kind: str, req: dict[str, Any]) -> list[int]:
         """Token ids from a replica's vLLM /tokenize (the router has no tokenizer of its own); raises on failure."""
@@ -510,25 +529,93 @@ class Router:
         self.m.decisions.labels(call.strategy, d.reason).inc()
         return d
 
+    async def _choose(self, call: _Call, tried: set[str]) -> Decision | bool:
+        """The replica for one attempt (an L2 lookup first when its answer may change the pick); else True when
+        replicas are up but all at their in-flight bound, False when none is left."""
+        cap = self.cfg.admission.max_inflight_per_replica or 1 << 62
+        avail = [r for r in self.replicas.available() if r.url not in tried]
+        cands = [r for r in avail if r.inflight < cap]  # a replica at its bound is not a candidate
+        plan = None
+        if call.l2_due and cands and (plan := self._skip_l2(call, cands)) is None:
+            await self._lookup_l2(call)  # then the candidates again: loads moved while we waited
+            avail = [r for r in self.replicas.available() if r.url not in tried]
+            cands = [r for r in avail if r.inflight < cap]
+        if not cands:
+            return bool(avail)
+        return self._route(call, cands, plan)  # a skip's plan: nothing awaited since it read the loads
+
+    # -- pick only: the bytes go through another proxy (router.haproxy) ---------------------------------
+    async def pick(self, path: str, kind: str, headers: Mapping[str, str], body: bytes, declared: int) -> Picked:
+        """The router's decision without its data path: auth, body bound, admission, parse, route inputs, one
+        pick. A Picked with a decision holds its admission slot and the replica's in-flight count until
+        `picked_done`; one with an answer (an error to send instead) holds nothing. There is no retry on
+        another replica: the proxy carries the request; a replica that fails it is marked down for the next."""
+        rid = headers.get("x-request-id") or uuid.uuid4().hex
+        strategy = headers.get(STRATEGY_HEADER) or self.cfg.strategy
+        if (denied := self._auth(headers)) is not None:
+            return Picked(rid, answer=denied)
+        limit = self.cfg.max_body_bytes
+        if len(body) > limit or declared > len(body):  # over --max-body-bytes, or more than the proxy buffered
+            self.m.rejected.labels("too_large").inc()
+            return Picked(rid, answer=_err(413, f"request body exceeds {limit} bytes"))
+        t_gate = time.perf_counter()
+        ticket = await self._admit(rid, strategy)
+        if isinstance(ticket, Response):
+            return Picked(rid, answer=ticket)
+        waited = time.perf_counter() - t_gate
+        try:
+            call = self._call(body, headers, path, kind, rid, {})
+            if isinstance(call, Response):
+                ticket.release()
+                return Picked(rid, answer=call)
+            call.clock.t_in -= waited
+            if (bad := await self._route_inputs(call)) is not None:
+                ticket.release()
+                return Picked(rid, answer=bad)
+            d = await self._choose(call, set())
+        except BaseException:
+            ticket.release()
+            raise
+        if not isinstance(d, Decision):
+            ticket.release()
+            return Picked(rid, answer=self._reject(rid, strategy, 429, "replica_full", "every replica is at its "
+                                                   "in-flight bound") if d else
+                          self._reject(rid, strategy, 503, "no_replica", "no healthy replica available"))
+        self.m.overhead.observe(call.clock.own_ms() / 1e3)
+        return Picked(rid, call=call, decision=d, adm=_Admission(d.replica, d, len(call.tokens), self.m),
+                      ticket=ticket)
+
+    def picked_done(self, p: Picked, status: int, ttfb_s: float | None, fault: str | None) -> None:
+        """The proxy finished a picked request (its log line): release the slot, count it, and tell the replica
+        set what the replica did (fault: 'connect' refused/reset before an answer, 'timeout' no answer)."""
+        assert p.decision is not None and p.adm is not None and p.ticket is not None and p.call is not None
+        r = p.decision.replica
+        if ttfb_s is not None:
+            p.adm.first_byte()
+            self.m.ttfb.observe(ttfb_s)
+        p.adm.finish()
+        p.ticket.release()
+        if fault == "connect":
+            self.replicas.mark_down(r, "connection failed (haproxy)")
+        elif fault == "timeout":
+            self.replicas.soft_fail(r, "timeout")
+        elif status >= 500:
+            self.replicas.mark_down(r, f"HTTP {status}")
+        elif status > 0:
+            self.replicas.ok(r)
+        self.m.requests.labels(r.url, p.call.strategy, str(status)).inc()
+
     async def _forward(self, request: Request, call: _Call) -> Response:
         """Try replicas (best first) until one answers; retry only what never reached the client."""
         tried: set[str] = set()
         last_err: JSONResponse | None = None
-        cap = self.cfg.admission.max_inflight_per_replica or 1 << 62
         for attempt in range(self.cfg.retries + 1):
-            avail = [r for r in self.replicas.available() if r.url not in tried]
-            cands = [r for r in avail if r.inflight < cap]  # a replica at its bound is not a candidate
-            plan = None
-            if call.l2_due and cands and (plan := self._skip_l2(call, cands)) is None:
-                await self._lookup_l2(call)  # then the candidates again: loads moved while we waited
-                avail = [r for r in self.replicas.available() if r.url not in tried]
-                cands = [r for r in avail if r.inflight < cap]
-            if not cands:
-                if avail and last_err is None:
+            d = await self._choose(call, tried)
+            if not isinstance(d, Decision):
+                if d and last_err is None:
                     return self._reject(call.rid, call.strategy, 429, "replica_full",
                                         "every replica is at its in-flight bound")
                 break
-            d = self._route(call, cands, plan)  # a skip's plan: nothing awaited since it read the loads
             tried.add(d.replica.url)
             adm = _Admission(d.replica, d, len(call.tokens), self.m)
             if attempt == 0:
@@ -719,12 +806,12 @@ class Router:
             adm.finish()
 
     async def models(self, request: Request) -> Response:
-        if (denied := self._auth(request)) is not None:
+        if (denied := self._auth(request.headers)) is not None:
             return denied
         assert self.client is not None
         for r in self.replicas.available():
             try:
-                async with self.client.get(r.url + "/v1/models", headers=self._upstream_headers(request, "models"),
+                async with self.client.get(r.url + "/v1/models", headers=self._upstream_headers(request.headers, "models"),
                                            timeout=aiohttp.ClientTimeout(total=self.cfg.health_timeout * 5)) as resp:
                     if resp.status == 200:
                         return Response(await resp.read(), media_type="application/json")
@@ -888,16 +975,21 @@ def create_app(cfg: RouterConfig) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await router.start()
+        for front in app.state.fronts:  # another data path in front of the router (router.haproxy)
+            await front.start()
         if cfg.freeze_heap:
             frozen = freeze_startup_heap()
             log.info("froze the start-up heap: %d objects", frozen)
         try:
             yield
         finally:
+            for front in app.state.fronts:
+                await front.stop()
             await router.stop()
 
     app = FastAPI(title="kvtier router", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.router = router
+    app.state.fronts = []
 
     async def completions(request: Request) -> Response:
         return await router.proxy(request, "/v1/completions", "completion")

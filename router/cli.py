@@ -162,6 +162,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--loop", choices=("asyncio", "uvloop", "auto"), default="asyncio",
                    help="event loop: asyncio's own (default: what the kvtier image has; uvloop measured no faster "
                         "here once connections had TCP_NODELAY), uvloop, or auto (uvloop where installed)")
+    p.add_argument("--data-path", choices=("python", "haproxy"),
+                   default=kvtier_envs.get("KVTIER_ROUTER_DATA_PATH") or "python",
+                   help="who carries the requests: this process (python, default), or a haproxy child it starts "
+                        "(haproxy: the router only picks each replica, over SPOP; router/haproxy.py and "
+                        "docs/router.md say what differs). Env KVTIER_ROUTER_DATA_PATH")
+    p.add_argument("--haproxy-bin", default="haproxy", help="--data-path haproxy: the haproxy binary (>= 2.6)")
+    p.add_argument("--haproxy-threads", type=int, default=1, help="--data-path haproxy: haproxy's nbthread")
+    p.add_argument("--haproxy-body-bytes", type=int, default=None,
+                   help="--data-path haproxy: bodies up to this size (default 48 KiB) go through haproxy (its "
+                        "buffers are this "
+                        "+ 16 KiB, per stream); larger ones, and any without Content-Length, take the Python path")
     p.add_argument("--log-level", default="info")
     return p
 
@@ -289,6 +300,24 @@ def main(argv: list[str] | None = None) -> int:
     if args.workers < 1:
         print("kvtier router: --workers must be >= 1", file=sys.stderr)
         return 2
+    haproxy_bin = None
+    if args.data_path == "haproxy":
+        from router.haproxy import find_haproxy
+
+        if args.workers > 1:
+            print("kvtier router: --data-path haproxy runs one router process (haproxy carries the load); "
+                  "--workers must be 1", file=sys.stderr)
+            return 2
+        if (haproxy_bin := find_haproxy(args.haproxy_bin)) is None:
+            print(f"kvtier router: --data-path haproxy: no haproxy binary {args.haproxy_bin!r} "
+                  "(apt install haproxy)", file=sys.stderr)
+            return 2
+        if not 1 <= args.haproxy_threads <= 64:
+            print("kvtier router: --haproxy-threads must be in 1..64", file=sys.stderr)
+            return 2
+        if args.haproxy_body_bytes is not None and not 1024 <= args.haproxy_body_bytes <= 64 << 20:
+            print("kvtier router: --haproxy-body-bytes must be in 1 KiB..64 MiB", file=sys.stderr)
+            return 2
     if args.workers > 1 and args.worker_of is None:
         return _supervise(args, list(sys.argv[1:] if argv is None else argv))
     for flag in ("max_inflight", "max_inflight_per_replica", "max_queue", "queue_timeout", "load_scrape_interval",
@@ -359,21 +388,34 @@ def main(argv: list[str] | None = None) -> int:
         with open(tmp, "w") as f:
             f.write(str(priv.getsockname()[1]))
         os.replace(tmp, tmp[:-4])
-    # the two proxy endpoints skip FastAPI's middleware stack (router.app.FastFront); the rest is FastAPI's
-    app = FastFront(create_app(cfg))
     scheme = "https" if args.tls_cert else "http"
+    fastapi_app = create_app(cfg)
+    tls = (args.tls_cert, args.tls_key) if args.tls_cert else None
+    if haproxy_bin is not None:  # haproxy takes the public socket; the app answers on a private loopback one
+        from router.haproxy import HaproxyFront
+
+        priv = _tcp_socket("127.0.0.1")
+        priv.bind(("127.0.0.1", 0))
+        priv.listen(256)
+        fastapi_app.state.fronts.append(HaproxyFront(fastapi_app.state.router, sock, priv.getsockname()[1],
+                                                     binary=haproxy_bin, threads=args.haproxy_threads,
+                                                     fast_body=args.haproxy_body_bytes, tls=tls))
+        sockets, tls = [priv], None
+    # the two proxy endpoints skip FastAPI's middleware stack (router.app.FastFront); the rest is FastAPI's
+    app = FastFront(fastapi_app)
     # uvicorn loads the certificate in Config.load() (inside serve), so a bad pair fails before we print
     config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=2,
                             timeout_keep_alive=args.keep_alive_timeout,
-                            ssl_certfile=args.tls_cert, ssl_keyfile=args.tls_key)
-    if args.tls_cert:
+                            ssl_certfile=tls[0] if tls else None, ssl_keyfile=tls[1] if tls else None)
+    if tls:
         try:
             config.load()
         except Exception as e:  # noqa: BLE001 - ssl.SSLError, ValueError...: report it plainly
             print(f"kvtier router: cannot load TLS certificate/key: {e}", file=sys.stderr)
             return 2
     host = f"[{args.host}]" if ":" in args.host else args.host
-    print(f"kvtier router listening on {scheme}://{host}:{port} strategy={args.strategy}", flush=True)
+    print(f"kvtier router listening on {scheme}://{host}:{port} strategy={args.strategy} "
+          f"data-path={args.data_path}", flush=True)
     server = uvicorn.Server(config)
     run_loop(server.serve(sockets=sockets), args.loop)
     return 0

@@ -43,6 +43,7 @@ class Metrics:
         self.inflight = Gauge("kvtier_router_inflight", "In-flight requests per replica", ["replica"], registry=r)
         self.inflight_prefill = Gauge("kvtier_router_inflight_prefill_tokens", "Admitted uncached prefill tokens",
                                       ["replica"], registry=r)
+        self._load_children: dict[str, tuple[Gauge, Gauge]] = {}
         self.external = Gauge("kvtier_router_replica_external_requests",
                               "Other routers' requests on a replica (its vLLM load gauges minus ours, last scrape)",
                               ["replica", "state"], registry=r)
@@ -70,3 +71,11 @@ class Metrics:
         self.gc_frozen.set_function(gc.get_freeze_count)
         self.kv_lag = Gauge("kvtier_router_kv_event_lag_seconds", "Latest event-to-index lag", ["replica"],
                             registry=r)
+
+    def replica_load(self, url: str) -> tuple[Gauge, Gauge]:
+        """The (inflight, inflight_prefill) children of one replica, looked up once: every request sets both
+        twice, and a labels() lookup per set was ~4 % of the picker's CPU at 400 req/s (py-spy)."""
+        got = self._load_children.get(url)
+        if got is None:
+            got = self._load_children[url] = (self.inflight.labels(url), self.inflight_prefill.labels(url))
+        return got

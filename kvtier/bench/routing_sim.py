@@ -345,10 +345,12 @@ def overhead(args: argparse.Namespace, tmp: Path, reps: list[P], model: str, run
                 running.append(rt)
             elif arm != "direct":
                 # KV events only where the strategy reads them (a kvaware deployment's flags); "<strategy>@N":
-                # that strategy with --workers N (N router processes on one port)
+                # that strategy with --workers N (N router processes on one port); "<strategy>+haproxy": with
+                # --data-path haproxy (haproxy carries the requests, the router picks)
                 strategy, _, nw = arm.partition("@")
+                strategy, _, via = strategy.partition("+")
                 rt = start_kvtier(args, tmp, reps, strategy, kv=strategy == "kvaware" or args.kv_events_all,
-                                  workers=int(nw or 1))
+                                  workers=int(nw or 1), data_path=via or "python")
                 running.append(rt)
             urls = [r.url for r in reps] if rt is None else [rt.url]
             off = 0
@@ -453,15 +455,16 @@ def start_replicas(args: argparse.Namespace, tmp: Path, model: str, running: lis
 
 
 def start_kvtier(args: argparse.Namespace, tmp: Path, reps: list[P], strategy: str, kv: bool = True,
-                 workers: int = 1) -> P:
+                 workers: int = 1, data_path: str = "python") -> P:
     """`kvtier router` (router.cli: the production uvicorn settings) in front of reps, fed their KV events."""
     events = ["--kv-events", ",".join(r.kv for r in reps), "--kv-replay", ",".join(r.replay for r in reps)]
     extra = shlex.split(getattr(args, "router_args", "") or "") + (["--workers", str(workers)] if workers > 1 else [])
+    extra += ["--data-path", data_path] if data_path != "python" else []
 
     def one(i: int) -> P:
         return spawn([PY, "-m", "router.cli", "--port", "0", "--replicas", ",".join(r.url for r in reps),
                       "--strategy", strategy, "--block-size", str(args.block_size), *(events if kv else []),
-                      "--log-level", "warning", "--tokenizer", "bytes", *extra], tmp / f"kvtier-{strategy}-{i}.log",
+                      "--log-level", "warning", "--tokenizer", "bytes", *extra], tmp / f"kvtier-{strategy}-{data_path}-{i}.log",
                      r"listening on (http://\S+)")
 
     rt = one(0)
@@ -546,7 +549,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--sweep", default="25,50,100,150,300", help="--overhead: further rates ('' for none)")
     ap.add_argument("--sweep-duration", type=float, default=8.0)
     ap.add_argument("--strategies", default="roundrobin,session,prefixaware,kvaware",
-                    help="--overhead arms: kvtier strategies and vllm-router:<policy> (e.g. vllm-router:cache_aware)")
+                    help="--overhead arms: kvtier strategies (<strategy>+haproxy: --data-path haproxy; <strategy>@N: "
+                         "--workers N) and vllm-router:<policy> (e.g. vllm-router:cache_aware)")
     ap.add_argument("--routers", type=int, default=1,
                     help="chat mode: N kvtier router processes per arm, the client round-robins them per request")
     ap.add_argument("--router-args", default="", help="extra flags for every kvtier router (one string)")

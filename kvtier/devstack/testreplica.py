@@ -109,6 +109,7 @@ class Engine:
         self.stats = {"requests": 0, "completed": 0, "cancelled": 0, "prompt_tokens": 0, "cached_tokens": 0,
                       "inflight": 0, "max_inflight": 0, "tokenize": 0, "waiting": 0}
         self.request_ids: list[str] = []
+        self.last_headers: dict[str, str] = {}  # of the last completion request (what a router forwarded)
         self.pub: Publisher | None = None
         self.seed = hashlib.sha256(args.hash_seed.encode()).digest()
 
@@ -202,6 +203,7 @@ def create_app(args: argparse.Namespace) -> FastAPI:
     @app.get("/admin/stats")
     async def stats() -> Response:
         return JSONResponse({**eng.stats, "cache_blocks": len(eng.cache), "request_ids": eng.request_ids[-100:],
+                             "last_headers": eng.last_headers,
                              "seq": eng.pub.seq if eng.pub else None})
 
     @app.post("/admin/fault")
@@ -253,6 +255,7 @@ def create_app(args: argparse.Namespace) -> FastAPI:
         max_tokens = asked[0] if asked else args.max_tokens
         rid = request.headers.get("x-request-id", "")
         eng.request_ids.append(rid)
+        eng.last_headers = {k.lower(): v for k, v in request.headers.items()}
         s = eng.stats
         s["requests"] += 1
         s["inflight"] += 1

@@ -512,9 +512,12 @@ def test_mount_command_with_passthrough(base: list[dict[str, Any]], env: Env) ->
     assert list(cache.iterdir()) == []  # its private directory removed at exit
 
 
-def test_router_command_discovers_the_pods_the_webhook_labels(cluster: Any, tmp_path: Path, hostpath: Path) -> None:
+@pytest.mark.parametrize("data_path", ["python", "haproxy"])
+def test_router_command_discovers_the_pods_the_webhook_labels(cluster: Any, tmp_path: Path, hostpath: Path,
+                                                              data_path: str) -> None:
     """The g6e overlay's router container (its args, its ConfigMap) against the API emulator: it routes to
-    the endpoint pod that carries the label the webhook adds, and ignores an unpatched one."""
+    the endpoint pod that carries the label the webhook adds, and ignores an unpatched one. Both values of the
+    ConfigMap's KVTIER_ROUTER_DATA_PATH (haproxy: the real haproxy child, run as the manifest's user)."""
     import copy
     import json
 
@@ -532,8 +535,12 @@ def test_router_command_discovers_the_pods_the_webhook_labels(cluster: Any, tmp_
     engine_port, router_port = free_port(), free_port()
     env = Env.__new__(Env)
     env.tmp, env.procs = tmp_path, []
+    if data_path == "haproxy" and not shutil.which("haproxy"):
+        pytest.skip("haproxy not installed (.ci/install)")
+    assert cm["data"]["KVTIER_ROUTER_DATA_PATH"] == "python"  # the manifest's default; overridden below
     env.vars = {**cm["data"], "ROUTER_ENGINE_PORT": str(engine_port), "ROUTER_PORT": str(router_port),
-                "POD_NAMESPACE": cm["metadata"]["namespace"], "POD_IP": "127.0.0.1"}
+                "POD_NAMESPACE": cm["metadata"]["namespace"], "POD_IP": "127.0.0.1",
+                "KVTIER_ROUTER_DATA_PATH": data_path}
     env.secrets = {("kvtier-router-api-key", "api-key"): "router-key",
                    ("kvtier-router-l2fs-token", "token"): "router-token-0123456789"}
     # the tokenizer init container's emptyDir, filled here with a locally trained tokenizer instead of S3
@@ -595,7 +602,8 @@ def test_router_command_discovers_the_pods_the_webhook_labels(cluster: Any, tmp_
         req = urllib.request.Request(f"http://127.0.0.1:{router_port}/v1/completions", data=body, method="POST",
                                      headers={"Authorization": "Bearer router-key", "Content-Type": "application/json"})
         with urllib.request.urlopen(req, timeout=30) as r:
-            assert r.status == 200
+            assert r.status == 200 and r.headers["x-kvtier-data-path"] == data_path
+
         def indexed() -> bool:
             with urllib.request.urlopen(f"http://127.0.0.1:{router_port}/metrics", timeout=5) as r:
                 text = r.read().decode()
