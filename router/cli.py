@@ -397,9 +397,13 @@ def main(argv: list[str] | None = None) -> int:
         priv = _tcp_socket("127.0.0.1")
         priv.bind(("127.0.0.1", 0))
         priv.listen(256)
-        fastapi_app.state.fronts.append(HaproxyFront(fastapi_app.state.router, sock, priv.getsockname()[1],
-                                                     binary=haproxy_bin, threads=args.haproxy_threads,
-                                                     fast_body=args.haproxy_body_bytes, tls=tls))
+        try:
+            front = HaproxyFront(fastapi_app.state.router, sock, priv.getsockname()[1], binary=haproxy_bin,
+                                 threads=args.haproxy_threads, fast_body=args.haproxy_body_bytes, tls=tls)
+        except ValueError as e:
+            print(f"kvtier router: {e}", file=sys.stderr)
+            return 2
+        fastapi_app.state.fronts.append(front)
         sockets, tls = [priv], None
     # the two proxy endpoints skip FastAPI's middleware stack (router.app.FastFront); the rest is FastAPI's
     app = FastFront(fastapi_app)

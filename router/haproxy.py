@@ -24,6 +24,7 @@ import ipaddress
 import json
 import logging
 import os
+import re
 import resource
 import shutil
 import signal
@@ -70,12 +71,26 @@ class Layout:
     tls_pem: str | None = None
 
 
+TOKEN = re.compile(r"[A-Za-z0-9!#$&'*+.^_`|~-]+")  # an HTTP header name (RFC 9110 token)
+TOKEN68 = re.compile(r"[A-Za-z0-9._~+/-]+=*")  # a bearer credential (RFC 6750 b64token)
+
+
+def check(lay: Layout) -> None:
+    """What goes into haproxy's configuration from flags must stay one value: a header name, a bearer key."""
+    if not TOKEN.fullmatch(lay.session_header):
+        raise ValueError(f"--session-header {lay.session_header!r} is not an HTTP header name")
+    if lay.upstream_api_key is not None and not TOKEN68.fullmatch(lay.upstream_api_key):
+        raise ValueError("--upstream-api-key: --data-path haproxy takes a key of letters, digits and -._~+/ "
+                         "(RFC 6750), as it is written into haproxy's configuration")
+
+
 def _ms(s: float) -> str:
     return f"{max(1, int(s * 1000))}ms"
 
 
 def render(lay: Layout, pid: int) -> tuple[str, str]:
     """(haproxy.cfg, spoe.conf) text."""
+    check(lay)
     bufsize = lay.fast_body + HEADROOM
     ssl = f" ssl crt {lay.tls_pem}" if lay.tls_pem else ""
     api = "is_api is_post fits"
@@ -323,6 +338,7 @@ class HaproxyFront:
             # the pick may wait at the admission gate, for a replica's /tokenize and for an L2 lookup
             processing_timeout=adm.queue_timeout + cfg.tokenize_timeout + cfg.l2_timeout + 1.0,
             retries=min(cfg.retries, 3), threads=threads, maxconn=_maxconn(), upstream_api_key=cfg.upstream_api_key, tls_pem=tls_pem)
+        check(self.layout)
         self.proc: subprocess.Popen[bytes] | None = None
         self.servers: list[asyncio.AbstractServer] = []
         self.log_up = asyncio.Event()
@@ -346,14 +362,13 @@ class HaproxyFront:
         os.set_inheritable(fd, True)
         deadline = time.monotonic() + 10
         self.proc = subprocess.Popen([self.binary, "-db", "-f", cfg_path], pass_fds=(fd,),
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                     stdout=subprocess.DEVNULL,  # its alerts go to our stderr (the pod log)
                                      preexec_fn=_die_with_parent)  # noqa: PLW1509 - no threads yet in the child
         waiter = asyncio.ensure_future(self.log_up.wait())
         try:  # up once its log forwarder has connected: the config is read and the listener taken
             while not waiter.done():
                 if self.proc.poll() is not None:
-                    err = self.proc.stderr.read().decode(errors="replace") if self.proc.stderr else ""
-                    raise RuntimeError(f"haproxy exited with {self.proc.returncode}: {err.strip()}")
+                    raise RuntimeError(f"haproxy exited with {self.proc.returncode} (its messages above)")
                 if time.monotonic() > deadline:
                     raise RuntimeError("haproxy did not start within 10 s")
                 await asyncio.wait({waiter}, timeout=0.02)
@@ -365,8 +380,7 @@ class HaproxyFront:
         assert self.proc is not None
         while self.proc.poll() is None:
             await asyncio.sleep(0.5)
-        err = self.proc.stderr.read().decode(errors="replace") if self.proc.stderr else ""
-        log.error("haproxy exited with %s: %s; the router stops", self.proc.returncode, err.strip()[-2000:])
+        log.error("haproxy exited with %s; the router stops", self.proc.returncode)
         os.kill(os.getpid(), signal.SIGTERM)
 
     async def stop(self) -> None:

@@ -276,3 +276,7 @@ def test_cli_refuses_what_haproxy_mode_cannot_do(tmp_path):
 
     assert cli.main(["--replicas", "http://127.0.0.1:1", *HX, "--workers", "2"]) == 2
     assert cli.main(["--replicas", "http://127.0.0.1:1", *HX, "--haproxy-bin", str(tmp_path / "none")]) == 2
+    if shutil.which("haproxy"):  # flag values written into haproxy's configuration stay one value
+        assert cli.main(["--replicas", "http://127.0.0.1:1", "--port", "0", *HX,
+                         "--upstream-api-key", 'k"\n    http-request deny']) == 2
+        assert cli.main(["--replicas", "http://127.0.0.1:1", "--port", "0", *HX, "--session-header", "a b"]) == 2
