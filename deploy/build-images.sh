@@ -132,7 +132,7 @@ for _ in range(100):
     except OSError:
         time.sleep(0.2)
 sys.exit(1)
-PY
+PY'
   run 65532:65532 kvtier webhook --help                   # Deployment kvtier-webhook (65532)
   run 65532:65532 python -c 'import pyfuse3, l2fs.fuse, router.l2, transformers, tokenizers, kubernetes'
   "${B[@]}" rm "$c" >/dev/null
