@@ -738,8 +738,11 @@ class OneBox:
             Container(c, False) for c in pod.spec["containers"] if not _unrunnable(c)]
         self.pods.append(pod)
         self._publish(pod)
-        pod.thread = threading.Thread(target=self._run_pod, args=(pod, meta, tpl), daemon=True)
-        pod.thread.start()
+        # started before stop_pod can see it: a box closing while its controllers start a pod joined a thread
+        # not yet started (RuntimeError in a CI run's cleanup)
+        thread = threading.Thread(target=self._run_pod, args=(pod, meta, tpl), daemon=True)
+        thread.start()
+        pod.thread = thread
         return pod
 
     # ---------- the kubelet ----------
@@ -833,6 +836,8 @@ class OneBox:
                     time.sleep(min(self.max_backoff, 2 ** min(c.restarts, 3)))
             mains = [c for c in pod.containers if not c.init]
             for c in mains:
+                if pod.stopping:  # deleted while its init containers ran: start nothing more
+                    break
                 self._start(pod, c)
             policy = pod.spec.get("restartPolicy", "Always")
             while not pod.stopping:
