@@ -16,6 +16,7 @@ from l2fs.client.core import _check, log
 from l2fs.client.locate import LocateOps, _CapDenied
 from l2fs.common import (
     CrcPipeline,
+    Scatter,
     crc32c_fast,
     crc_pieces,
 )
@@ -37,7 +38,7 @@ class ReadOps(LocateOps):
     """get, get_into and get_many."""
 
 
-    def _read(self, path: str, into: memoryview | None, deadline: float | None = None) -> bytes | int | None:
+    def _read(self, path: str, into: Scatter | None, deadline: float | None = None) -> bytes | int | None:
         """Shared get/get_into: short-circuit or gRPC stream; any fault is a miss (None).
         `deadline` (monotonic) is set by AsyncClient when the call was made, so a call that waited for a
         pool thread past it misses at once and never writes into `into` after the caller gave up."""
@@ -60,7 +61,7 @@ class ReadOps(LocateOps):
         return None
 
 
-    def _read_located(self, path: str, st: pb.FileStat, into: memoryview | None, deadline: float
+    def _read_located(self, path: str, st: pb.FileStat, into: Scatter | None, deadline: float
                       ) -> bytes | int | None:
         """Read a located file: fd passing, path short-circuit, data plane or gRPC; None for a miss,
         _CapDenied when the worker refused the capability."""
@@ -96,7 +97,10 @@ class ReadOps(LocateOps):
                     n = len(m.data)
                     if off + n > size:
                         return None
-                    into[off:off + n] = m.data
+                    piece, at = memoryview(m.data), 0
+                    for v in into.views(off, off + n):
+                        v[:] = piece[at:at + v.nbytes]
+                        at += v.nbytes
                     c = crc32c.crc32c(m.data, value=c)
                     off += n
                 return off if off == size and c == crc else None
@@ -113,7 +117,7 @@ class ReadOps(LocateOps):
             return None
 
 
-    def _read_tcp(self, loc: pb.Location, st: pb.FileStat, into: memoryview | None, deadline: float
+    def _read_tcp(self, loc: pb.Location, st: pb.FileStat, into: Scatter | None, deadline: float
                   ) -> bytes | int | None:
         try:
             got, crc, computed = self._data.read(loc.data_address, loc.block_id, deadline, into, loc.capability)
@@ -179,7 +183,7 @@ class ReadOps(LocateOps):
             self._inflight.discard(fut)
 
 
-    def _read_fd(self, sock: str, loc: pb.Location, st: pb.FileStat, into: memoryview | None, deadline: float
+    def _read_fd(self, sock: str, loc: pb.Location, st: pb.FileStat, into: Scatter | None, deadline: float
                  ) -> tuple[bool, bytes | int | None]:
         """(asked, result): read through the block fd the worker passes; asked False when the socket could
         not be used (the caller goes on to the path or the network)."""
@@ -198,7 +202,7 @@ class ReadOps(LocateOps):
         return True, self._read_open(fd, loc, st, into)
 
 
-    def _read_local(self, loc: pb.Location, st: pb.FileStat, into: memoryview | None) -> bytes | int | None:
+    def _read_local(self, loc: pb.Location, st: pb.FileStat, into: Scatter | None) -> bytes | int | None:
         try:
             # O_NOFOLLOW: a link planted at a block's name is not read through (O_NONBLOCK: nor a FIFO hung on)
             fd = os.open(loc.local_path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
@@ -210,7 +214,7 @@ class ReadOps(LocateOps):
         return got
 
 
-    def _read_open(self, fd: int, loc: pb.Location, st: pb.FileStat, into: memoryview | None
+    def _read_open(self, fd: int, loc: pb.Location, st: pb.FileStat, into: Scatter | None
                    ) -> bytes | int | None:
         """Read and verify an open block file (closed here); a bad one is reported to its worker."""
         try:
@@ -234,18 +238,20 @@ class ReadOps(LocateOps):
 
 
     @staticmethod
-    def _readinto_verified(f: Any, into: memoryview, st: pb.FileStat) -> bool:
+    def _readinto_verified(f: Any, into: Scatter, st: pb.FileStat) -> bool:
         """Read piece by piece, checksumming each piece while the next one is read."""
         pieces = crc_pieces(st.size)
         pipe = CrcPipeline(len(pieces))
         for start, end in pieces:
-            view, got = into[start:end], 0
-            while got < end - start:
-                n = f.readinto(view[got:])
-                if not n:
-                    return False
-                got += n
-            pipe.add(view)
+            views = into.views(start, end)
+            for view in views:
+                got = 0
+                while got < view.nbytes:
+                    n = f.readinto(view[got:])
+                    if not n:
+                        return False
+                    got += n
+            pipe.add(views)
         return pipe.result() == st.crc32c
 
 
@@ -258,9 +264,11 @@ class ReadOps(LocateOps):
         return r
 
 
-    def get_into(self, path: str, buf: memoryview | bytearray, *, _deadline: float | None = None) -> int | None:
-        """Read the file into buf (must be large enough); returns bytes read or None (miss)."""
-        r = self._read(path, memoryview(buf).cast("B"), _deadline)
+    def get_into(self, path: str, buf: Any, *, _deadline: float | None = None) -> int | None:
+        """Read the file into buf (must be large enough); returns bytes read or None (miss). buf may be a list
+        of buffers: the file's bytes fill them in order (a scatter read: a header and a body in two places)."""
+        dest = Scatter(list(buf) if isinstance(buf, list | tuple) else [buf])
+        r = self._read(path, dest, _deadline)
         if not isinstance(r, int):
             self._forget(path)
             return None

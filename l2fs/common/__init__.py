@@ -32,6 +32,7 @@ from l2fs.common.blockkey import (  # noqa: F401
 )
 from l2fs.common.crc import (  # noqa: F401
     CrcPipeline,
+    Scatter,
     crc32c_fast,
     crc_pieces,
 )

@@ -70,6 +70,39 @@ def crc_pieces(n: int) -> list[tuple[int, int]]:
     return [(0, first)] + [(o, o + _CRC_PIECE) for o in range(first, n, _CRC_PIECE)]
 
 
+def _crc_chain(piece: memoryview | list[memoryview]) -> int:
+    import crc32c
+
+    if not isinstance(piece, list):
+        return crc32c.crc32c(piece, 0, 1)
+    c = 0
+    for part in piece:
+        c = crc32c.crc32c(part, c, 1)
+    return c
+
+
+class Scatter:
+    """Buffers laid end to end as one read destination, so a block lands in several places without a copy
+    between them. Why: LMCache's chunk is its header followed by the KV; read into (a small header buffer, the
+    L1 object's bytes), the KV needs no copy out of a staging buffer (23-39 ms per 268 MB, 2026-12-04)."""
+
+    def __init__(self, parts: list[memoryview]) -> None:
+        self.parts = [memoryview(p).cast("B") for p in parts]
+        self.nbytes = sum(p.nbytes for p in self.parts)
+
+    def views(self, start: int, end: int) -> list[memoryview]:
+        """The pieces of the bytes [start, end) in each part they fall in, in order."""
+        out, off = [], 0
+        for p in self.parts:
+            lo, hi = max(start, off), min(end, off + p.nbytes)
+            if lo < hi:
+                out.append(p[lo - off:hi - off])
+            off += p.nbytes
+            if off >= end:
+                break
+        return out
+
+
 class CrcPipeline:
     """Checksum pieces (from crc_pieces) on the pool while the caller reads/receives the next one, so
     verification overlaps I/O instead of following it."""
@@ -81,13 +114,12 @@ class CrcPipeline:
         self._inline = pieces == 1
         self._op, self._pool = _crc_setup()
 
-    def add(self, piece: memoryview) -> None:
-        import crc32c
-
+    def add(self, piece: memoryview | list[memoryview]) -> None:
+        """One piece: a buffer, or the buffers it lies in (a Scatter destination's views), in order."""
         if self._inline:
-            self._parts.append(crc32c.crc32c(piece, 0, 1))
+            self._parts.append(_crc_chain(piece))
         else:
-            self._parts.append(self._pool.submit(crc32c.crc32c, piece, 0, 1))
+            self._parts.append(self._pool.submit(_crc_chain, piece))
 
     def result(self) -> int:
         crcs = [p if isinstance(p, int) else p.result() for p in self._parts]

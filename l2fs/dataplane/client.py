@@ -10,7 +10,7 @@ import struct
 import threading
 import time
 
-from l2fs.common import CrcPipeline, crc_pieces
+from l2fs.common import CrcPipeline, Scatter, crc_pieces
 from l2fs.dataplane.wire import (
     BUSY,
     HDR,
@@ -153,8 +153,8 @@ class DataClient:
         size, crc = READ_OK.unpack(recv_exact(s, READ_OK.size))
         return size, crc
 
-    def read(self, address: str, bid: str, deadline: float, into: memoryview | None = None, cap: str = ""
-             ) -> tuple[bytes | int, int, int | None]:
+    def read(self, address: str, bid: str, deadline: float, into: memoryview | Scatter | None = None,
+             cap: str = "") -> tuple[bytes | int, int, int | None]:
         """(data or byte count, crc32c the worker recorded, crc32c of what arrived when `into` was given:
         computed piece by piece while the next piece is received). Raises on any fault (callers: miss)."""
         s = self._get(address, deadline)
@@ -162,13 +162,16 @@ class DataClient:
         try:
             size, crc = self._ask_read(s, bid, deadline, cap)
             if into is not None:
-                if into.nbytes < size:
-                    raise ValueError(f"buffer of {into.nbytes} bytes < block of {size}")
+                dest = into if isinstance(into, Scatter) else Scatter([into])
+                if dest.nbytes < size:
+                    raise ValueError(f"buffer of {dest.nbytes} bytes < block of {size}")
                 pieces = crc_pieces(size)
                 pipe = CrcPipeline(len(pieces))
                 for start, end in pieces:
-                    self._fill(s, into[start:end], deadline)
-                    pipe.add(into[start:end])
+                    views = dest.views(start, end)
+                    for v in views:
+                        self._fill(s, v, deadline)
+                    pipe.add(views)
                 computed = pipe.result()
                 result: bytes | int = size
             else:

@@ -49,7 +49,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from l2fs.client import Client, L2fsError
-from l2fs.common import DEFAULT_MAX_FILE_SIZE, SHARED_POPULATED, crc32c_fast, parse_size, pwrite_all
+from l2fs.common import DEFAULT_MAX_FILE_SIZE, SHARED_POPULATED, Scatter, crc32c_fast, parse_size, pwrite_all
 from l2fs.dataplane.client import SpliceUnsupported
 from l2fs.fuse import kernel as fp
 from l2fs.fuse.main import mount_type, stat_is_dir
@@ -272,7 +272,7 @@ class BlockCache:
                 one.CopyFrom(st_)
                 del one.locations[:]
                 one.locations.append(loc)
-            read = c._read_located(st_.path, one, view, deadline)
+            read = c._read_located(st_.path, one, Scatter([view]), deadline)
         except Exception as e:  # noqa: BLE001 - a refused capability, any fault: no bytes
             log.info("fetch of %s from %s failed: %r", st_.path, loc.address, e)
             raise Reply(errno.EIO) from None

@@ -34,6 +34,39 @@ def test_put_get_roundtrip(cluster: LocalCluster, node: str, short_circuit: bool
     c.close()
 
 
+@pytest.mark.parametrize("node,short_circuit,data_plane,fd_passing", [
+    ("node-1", True, True, True), ("node-1", True, True, False), ("node-1", False, False, False),
+    ("elsewhere", True, True, False), ("elsewhere", True, False, False)],
+    ids=["fd", "path", "same-node-grpc", "remote-tcp", "remote-grpc"])
+def test_scatter_read_fills_each_buffer_and_checks_the_crc(cluster: LocalCluster, node: str, short_circuit: bool,
+                                                          data_plane: bool, fd_passing: bool) -> None:
+    """get_into with a list of buffers (LMCache's header + the L1 object's KV): every read path fills them in order,
+    boundaries inside CRC pieces and gRPC frames included; a flipped byte in any buffer's part is a miss."""
+    c = cluster.client(node_id=node, short_circuit=short_circuit, data_plane=data_plane, fd_passing=fd_passing)
+    data = os.urandom(9 * MB + 123)  # CRC pieces: 1 MiB + 123, 4 MiB, 4 MiB
+    path = f"/scatter/{node}-{short_circuit}-{data_plane}-{fd_passing}"
+    assert c.put(path, data) is True
+    head, mid, tail = bytearray(50), bytearray(5 * MB), bytearray(4 * MB + 73 + 10)  # 10 bytes to spare
+    assert c.get_into(path, [head, memoryview(mid), tail]) == len(data)
+    assert bytes(head) + bytes(mid) + bytes(tail[:4 * MB + 73]) == data
+    assert c.get_into(path, (bytearray(123), bytearray(len(data) - 123))) == len(data)  # a tuple, exactly full
+    with pytest.raises(ValueError):
+        c.get_into(path, [bytearray(10), bytearray(len(data) - 11)])  # one byte short: an error, nothing stored lost
+    assert c.get(path) == data
+    # a flipped byte on the worker's disk in the middle buffer's part: the CRC over the scattered parts catches it
+    block = next(f for w in cluster.workers for f in w.data_dir.rglob("*")
+                 if f.is_file() and f.stat().st_size == len(data) and f.read_bytes() == data)
+    b = bytearray(block.read_bytes())
+    b[3 * MB] ^= 0xFF
+    block.write_bytes(bytes(b))
+    c2 = cluster.client(node_id=node, short_circuit=short_circuit, data_plane=data_plane, fd_passing=fd_passing)
+    try:
+        assert c2.get_into(path, [bytearray(50), bytearray(5 * MB), bytearray(5 * MB)]) is None
+    finally:
+        c2.close()
+        c.close()
+
+
 def test_local_first_placement(cluster: LocalCluster) -> None:
     for w in cluster.workers:
         c = cluster.client(node_id=w.node_id)
