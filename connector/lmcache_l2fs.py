@@ -312,32 +312,72 @@ class L2fsConnector(RemoteConnector):
             self.breaker.check()
         except L2Down:
             return None
-        hdr = self.remote_metadata_bytes
         t0 = time.perf_counter()
         pre = self._take_prechecked(self.path(key))
         if pre is not None:  # read by the check before its claim: not read twice
-            buf, n = pre
             self.stats["prechecked_reused"] += 1
+            obj = self._chunk_from(key, *pre)
         else:
-            # Reused per thread: a fresh 1 MiB bytearray per chunk cost page faults on every read. Only this
-            # thread writes it (the sync client reads in the calling thread) and the body is copied out below.
-            buf = getattr(self._tls, "buf", None)
-            if buf is None or len(buf) != hdr + self.full_chunk_size_bytes:
-                buf = self._tls.buf = bytearray(hdr + self.full_chunk_size_bytes)
+            obj = self._read_chunk(key)
+        if obj is not None:
+            self.stats["get_hit"] += 1
+            self.stats["bytes_read"] += self.remote_metadata_bytes + obj.get_size()
+            self.stats["read_s"] += time.perf_counter() - t0
+        return obj
+
+    def _read_chunk(self, key: Any) -> Any:
+        """Read a chunk straight into an L1 object of the full-chunk geometry (a scatter read: the header into a
+        small buffer, the KV into the object; no staging copy). A chunk of another geometry (a partial last
+        chunk, a layerwise format) is moved into an object of its own shape: one copy, as before."""
+        hdr = self.remote_metadata_bytes
+        obj = self.local_cpu_backend.allocate(self.meta_shapes, self.meta_dtypes, self.meta_fmt)
+        if obj is None:
+            return None  # L1 full: a miss, not an error
+        head = getattr(self._tls, "head", None)  # only this pool thread writes it (the sync client reads here)
+        if head is None or len(head) != hdr:
+            head = self._tls.head = bytearray(hdr)
+        body = np.frombuffer(obj.byte_array, dtype=np.uint8)  # byte_array may be '<B': go through numpy
+        keep = False
+        try:
+            if body.size != self.full_chunk_size_bytes:
+                raise ValueError(f"allocated {body.size} bytes for a {self.full_chunk_size_bytes}-byte chunk")
             try:
-                n = self.client.get_into(self.path(key), buf)
+                n = self.client.get_into(self.path(key), [head, body])
             except Exception as e:  # noqa: BLE001 - larger than any chunk, bad path, ...: a miss
                 log.warning("kvtier: l2fs chunk %s unreadable (%s): miss", key.chunk_hash, e)
                 self.stats["corrupt"] += 1
                 return None
-        if n is None:
-            self.stats["get_miss"] += 1
+            if n is None:
+                self.stats["get_miss"] += 1
+                return None
+            md = self._header(head, n)
+            if md is None:
+                return None
+            if (md.length == self.full_chunk_size_bytes and md.fmt == self.meta_fmt
+                    and list(md.shapes) == list(self.meta_shapes)):
+                keep = True
+                return obj
+            return self._into_own_shape(md, body, key)  # read where it was, moved once into its own shape
+        finally:
+            if not keep:
+                obj.ref_count_down()
+
+    def _chunk_from(self, key: Any, buf: bytearray, n: int) -> Any:
+        """An L1 object for a chunk already read into buf (header + KV), or None."""
+        md = self._header(buf, n)
+        if md is None:
             return None
-        obj = None
+        return self._into_own_shape(md, np.frombuffer(buf, dtype=np.uint8, count=md.length,
+                                                      offset=self.remote_metadata_bytes), key)
+
+    def _header(self, head: bytearray, n: int) -> Any:
+        """The chunk's RemoteMetadata when it matches the bytes read and the engine's geometry, else None
+        (counted as corrupt: a miss)."""
+        hdr = self.remote_metadata_bytes
         try:
             if n < hdr:
                 raise ValueError(f"{n} bytes is shorter than the header")
-            md = RemoteMetadata.deserialize(bytes(buf[:hdr]))
+            md = RemoteMetadata.deserialize(bytes(head[:hdr]))
             if md.length != n - hdr or md.length <= 0 or md.length > self.full_chunk_size_bytes:
                 raise ValueError(f"header length {md.length} vs {n - hdr} data bytes")
             # Any MemoryFormat the header names is fine (layerwise stores KV_T2D/KV_2TD, not meta_fmt), as in
@@ -347,22 +387,27 @@ class L2fsConnector(RemoteConnector):
             want = sum(s.numel() * d.itemsize for s, d in zip(md.shapes, md.dtypes, strict=True))
             if want != md.length:
                 raise ValueError(f"shapes {md.shapes} need {want} bytes, header says {md.length}")
-            obj = self.local_cpu_backend.allocate(md.shapes, md.dtypes, md.fmt)
-            if obj is None:
-                return None  # L1 full: a miss, not an error
-            dst = np.frombuffer(obj.byte_array, dtype=np.uint8)  # byte_array may be '<B': go through numpy
+        except Exception as e:  # noqa: BLE001
+            log.warning("kvtier: corrupted l2fs chunk (%s): miss", e)
+            self.stats["corrupt"] += 1
+            return None
+        return md
+
+    def _into_own_shape(self, md: Any, data: np.ndarray, key: Any) -> Any:
+        """Copy md.length bytes of data into a fresh L1 object of the header's shapes and format."""
+        obj = self.local_cpu_backend.allocate(md.shapes, md.dtypes, md.fmt)
+        if obj is None:
+            return None  # L1 full: a miss, not an error
+        try:
+            dst = np.frombuffer(obj.byte_array, dtype=np.uint8)
             if dst.size != md.length:
                 raise ValueError(f"allocated {dst.size} bytes for {md.length}")
-            dst[:] = np.frombuffer(buf, dtype=np.uint8, count=md.length, offset=hdr)
+            dst[:] = data[:md.length]
         except Exception as e:  # noqa: BLE001
             log.warning("kvtier: corrupted l2fs chunk %s (%s): miss", self.path(key), e)
             self.stats["corrupt"] += 1
-            if obj is not None:
-                obj.ref_count_down()
+            obj.ref_count_down()
             return None
-        self.stats["get_hit"] += 1
-        self.stats["bytes_read"] += n
-        self.stats["read_s"] += time.perf_counter() - t0
         return obj
 
     async def get(self, key: Any) -> Any:

@@ -8,8 +8,11 @@ calls, in one run on the same bytes (chunks stored by node-1 through the plugin,
   raw get_into seq        the same, one chunk after the other
   header parse            RemoteMetadata.deserialize of each header (from memory)
   L1 allocate             LocalCPUBackend.allocate of each chunk's MemoryObj (freed again)
-  copy into MemoryObj     the plugin's `dst[:] = np.frombuffer(buf...)` per chunk (from memory)
-  plugin batched_get      L2fsConnector.batched_get on LMCache's loop (locate + parallel get_into + the above)
+  copy into MemoryObj     `dst[:] = np.frombuffer(buf...)` per chunk (from memory): the staging copy the plugin
+                          made before it read full chunks straight into the MemoryObj (2026-12-05); kept as
+                          the size of what that removed, and the cost a chunk of another geometry still pays
+  plugin batched_get      L2fsConnector.batched_get on LMCache's loop (locate + parallel scatter get_into:
+                          header into a small buffer, KV into the MemoryObj LMCache allocated)
   RemoteBackend blocking  RemoteBackend.batched_get_blocking (adds the instrumented wrapper, deserializer)
   StorageManager get      StorageManager.batched_get(location=RemoteBackend) (adds the L1 write-back submit)
   to paged KV             the CPU connector's batched_to_gpu of the batch into a vLLM-CPU-layout paged cache

@@ -10,6 +10,7 @@ import logging
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from polling import wait_until
@@ -286,4 +287,86 @@ def test_batched_get_one_statmany_and_per_chunk_misses(cluster: LocalCluster) ->
     finally:
         a.close()
         b.close()
+        client.close()
+
+
+@pytest.mark.parametrize("node", ["node-1", "node-2"], ids=["same-node", "cross-node"])
+def test_chunks_are_read_straight_into_l1_objects(cluster: LocalCluster, node: str) -> None:
+    """A full chunk is read into the L1 object LMCache hands out (header into a small buffer, KV straight into the
+    object: one allocation, no staging copy); a chunk of another geometry (a partial last chunk, another memory
+    format) is moved once into an object of its own shape; a corrupt or missing chunk is a miss that gives its L1
+    object back."""
+    w = _manager(cluster.master, "node-1")
+    r = _manager(cluster.master, node)
+    client = cluster.client()
+    try:
+        full = _key(9001)
+        data = _put(w, [full], seed=21)[0]
+        conn = _conn(r)
+        partial, other_fmt, broken = _key(9002), _key(9003), _key(9004)
+        part_shape = torch.Size([2, 4, 100, 128])
+        part = torch.randn(part_shape, generator=torch.Generator().manual_seed(22))
+        client.put(ckeys.key_path(PREFIX, partial), RemoteMetadata(
+            part.numel() * 4, [part_shape], [torch.float32], MemoryFormat.KV_2LTD).serialize()
+            + part.numpy().tobytes(), if_absent=False)
+        t2d_shape = torch.Size([256, 2, 512])  # KV_T2D, as a layerwise store writes: same bytes, other shape
+        t2d = torch.randn(t2d_shape, generator=torch.Generator().manual_seed(23))
+        client.put(ckeys.key_path(PREFIX, other_fmt), RemoteMetadata(
+            t2d.numel() * 4, [t2d_shape], [torch.float32], MemoryFormat.KV_T2D).serialize()
+            + t2d.numpy().tobytes(), if_absent=False)
+        good = client.get(ckeys.key_path(PREFIX, full))
+        hdr = conn.remote_metadata_bytes
+        # the engine's geometry in the header, 4 bytes fewer after it: a header-length lie
+        client.put(ckeys.key_path(PREFIX, broken), bytes(good[:hdr]) + bytes(good[hdr:-4]), if_absent=False)
+        _wait_exists(client, [ckeys.key_path(PREFIX, k) for k in (full, partial, other_fmt, broken)])
+
+        allocated: list = []
+        real = conn.local_cpu_backend.allocate
+
+        def allocate(*a, **kw):
+            obj = real(*a, **kw)
+            allocated.append(obj)
+            return obj
+
+        into: list = []  # the destinations l2fs was given
+        real_get_into = conn.client.get_into
+
+        def get_into(path, buf, **kw):
+            into.append(buf)
+            return real_get_into(path, buf, **kw)
+
+        conn.local_cpu_backend.allocate = allocate
+        conn.client.get_into = get_into
+        try:
+            obj = conn._get_sync(full)
+            assert obj is not None and torch.equal(obj.tensor, data)
+            assert len(allocated) == 1 and allocated[0] is obj  # no second object
+            # the KV was read into the object itself (no staging buffer to copy from)
+            assert len(into) == 1 and any(np.shares_memory(np.asarray(b), obj.tensor.numpy()) for b in into[0]
+                                          if not isinstance(b, bytearray))
+            obj.ref_count_down()
+
+            allocated.clear()
+            obj = conn._get_sync(partial)
+            assert obj is not None and obj.tensor.shape == part_shape and torch.equal(obj.tensor, part)
+            assert len(allocated) == 2 and allocated[1] is obj and allocated[0].get_ref_count() == 0
+            obj.ref_count_down()
+
+            allocated.clear()
+            obj = conn._get_sync(other_fmt)
+            assert obj is not None and obj.get_memory_format() == MemoryFormat.KV_T2D and torch.equal(obj.tensor, t2d)
+            assert len(allocated) == 2 and allocated[0].get_ref_count() == 0
+            obj.ref_count_down()
+
+            for k in (broken, _key(9099)):  # corrupt (header length vs bytes), never stored
+                allocated.clear()
+                assert conn._get_sync(k) is None
+                assert allocated and all(o.get_ref_count() == 0 for o in allocated)
+        finally:
+            conn.local_cpu_backend.allocate = real
+            conn.client.get_into = real_get_into
+        assert conn.stats["corrupt"] >= 1 and conn.stats["get_miss"] >= 1
+    finally:
+        w.close()
+        r.close()
         client.close()
