@@ -175,7 +175,7 @@ class L2fsConnector(RemoteConnector):
         self._meta = local_cpu_backend.metadata
         # chunk keys of the installed LMCache vs kvtier.contract: on a drift no chunk is written (see keycheck)
         self.key_check = keycheck.run("lmcache_l2fs", keycheck.lmcache_builtin, cfg, self._meta)
-        self._tls = threading.local()  # one reusable read buffer per pool thread
+        self._tls = threading.local()  # one reusable header buffer per pool thread
         self._prechecked: OrderedDict[str, tuple[bytearray, int]] = OrderedDict()  # read before their claim
         self._pre_lock = threading.Lock()
         self._closed = False
@@ -350,7 +350,7 @@ class L2fsConnector(RemoteConnector):
             if n is None:
                 self.stats["get_miss"] += 1
                 return None
-            md = self._header(head, n)
+            md = self._header(key, head, n)
             if md is None:
                 return None
             if (md.length == self.full_chunk_size_bytes and md.fmt == self.meta_fmt
@@ -364,13 +364,13 @@ class L2fsConnector(RemoteConnector):
 
     def _chunk_from(self, key: Any, buf: bytearray, n: int) -> Any:
         """An L1 object for a chunk already read into buf (header + KV), or None."""
-        md = self._header(buf, n)
+        md = self._header(key, buf, n)
         if md is None:
             return None
         return self._into_own_shape(md, np.frombuffer(buf, dtype=np.uint8, count=md.length,
                                                       offset=self.remote_metadata_bytes), key)
 
-    def _header(self, head: bytearray, n: int) -> Any:
+    def _header(self, key: Any, head: bytearray, n: int) -> Any:
         """The chunk's RemoteMetadata when it matches the bytes read and the engine's geometry, else None
         (counted as corrupt: a miss)."""
         hdr = self.remote_metadata_bytes
@@ -388,7 +388,7 @@ class L2fsConnector(RemoteConnector):
             if want != md.length:
                 raise ValueError(f"shapes {md.shapes} need {want} bytes, header says {md.length}")
         except Exception as e:  # noqa: BLE001
-            log.warning("kvtier: corrupted l2fs chunk (%s): miss", e)
+            log.warning("kvtier: corrupted l2fs chunk %s (%s): miss", self.path(key), e)
             self.stats["corrupt"] += 1
             return None
         return md

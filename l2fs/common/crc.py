@@ -86,7 +86,8 @@ class Scatter:
     between them. Why: LMCache's chunk is its header followed by the KV; read into (a small header buffer, the
     L1 object's bytes), the KV needs no copy out of a staging buffer (23-39 ms per 268 MB, 2026-12-04)."""
 
-    def __init__(self, parts: list[memoryview]) -> None:
+    def __init__(self, parts: list[Any]) -> None:
+        """parts: objects with the buffer protocol (bytearray, memoryview, a numpy array), written in order."""
         self.parts = [memoryview(p).cast("B") for p in parts]
         self.nbytes = sum(p.nbytes for p in self.parts)
 
