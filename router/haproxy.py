@@ -34,6 +34,7 @@ import tempfile
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -327,7 +328,7 @@ class HaproxyFront:
             tls_pem = os.path.join(self.dir, "tls.pem")
             with open(os.open(tls_pem, os.O_WRONLY | os.O_CREAT, 0o600), "w") as f:
                 for part in tls:
-                    f.write(open(part).read().rstrip("\n") + "\n")
+                    f.write(Path(part).read_text().rstrip("\n") + "\n")
         self.picker = Picker(router)
         adm = cfg.admission
         self.layout = Layout(

@@ -87,10 +87,9 @@ def enc_typed(v: Any) -> bytes:
     if isinstance(v, ipaddress.IPv6Address):
         return bytes((T_IPV6,)) + v.packed
     if isinstance(v, str):
-        v = v.encode()
-        return bytes((T_STR,)) + enc_varint(len(v)) + v
+        return bytes((T_STR,)) + enc_str(v.encode())
     if isinstance(v, bytes | bytearray):
-        return bytes((T_BIN,)) + enc_varint(len(v)) + bytes(v)
+        return bytes((T_BIN,)) + enc_str(bytes(v))
     raise TypeError(f"no SPOP type for {type(v).__name__}")
 
 
@@ -192,7 +191,7 @@ class AgentProtocol(asyncio.Protocol):
                     raise SpopError(E_TOO_BIG, f"frame of {n} bytes over the {self.max_frame} agreed")
                 if len(self.buf) < 4 + n:
                     return
-                f = memoryview(bytes(self.buf[4:4 + n]))
+                f = memoryview(self.buf[4:4 + n])  # the slice is a copy: self.buf stays resizable
                 del self.buf[:4 + n]
                 self._frame(f)
         except (SpopError, IndexError, struct.error, UnicodeDecodeError) as e:
