@@ -340,17 +340,19 @@ class Router:
         if cl is not None:
             try:
                 if int(cl) > limit:
-                    self.m.rejected.labels("too_large").inc()
-                    return _err(413, f"request body exceeds {limit} bytes")
+                    return self._too_large()
             except ValueError:
                 return _err(400, "invalid Content-Length")
         buf = bytearray()
         async for chunk in request.stream():
             buf += chunk
             if len(buf) > limit:
-                self.m.rejected.labels("too_large").inc()
-                return _err(413, f"request body exceeds {limit} bytes")
+                return self._too_large()
         return bytes(buf)
+
+    def _too_large(self) -> JSONResponse:
+        self.m.rejected.labels("too_large").inc()
+        return _err(413, f"request body exceeds {self.cfg.max_body_bytes} bytes")
 
     def _auth(self, headers: Mapping[str, str]) -> JSONResponse | None:
         if not self.cfg.api_key:
@@ -554,10 +556,8 @@ class Router:
         strategy = headers.get(STRATEGY_HEADER) or self.cfg.strategy
         if (denied := self._auth(headers)) is not None:
             return Picked(rid, answer=denied)
-        limit = self.cfg.max_body_bytes
-        if len(body) > limit or declared > len(body):  # over --max-body-bytes, or more than the proxy buffered
-            self.m.rejected.labels("too_large").inc()
-            return Picked(rid, answer=_err(413, f"request body exceeds {limit} bytes"))
+        if len(body) > self.cfg.max_body_bytes or declared > len(body):  # over the bound, or more than haproxy buffered
+            return Picked(rid, answer=self._too_large())
         t_gate = time.perf_counter()
         ticket = await self._admit(rid, strategy)
         if isinstance(ticket, Response):
